@@ -1,0 +1,121 @@
+"""Streams, events and host/device allocations: the only module that talks to CUDA.
+
+Everything else asks a :class:`DeviceRuntime` for streams, events and buffers. On a
+machine without CUDA the runtime hands out no-op streams and events and unpinned host
+memory, so the CPU runs exactly the scheduling code the GPU runs (see
+``[Note: one code path]`` below).
+
+[Note: one code path]
+The engine never branches on "is this a GPU". It records events, makes streams wait
+on them and issues ``copy_(..., non_blocking=True)`` everywhere. On the CPU those calls
+are no-ops or synchronous copies, which is still correct because CPU work is issued in
+program order; the ordering logic itself (which event guards which buffer) is what the
+CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+PAGE_BYTES = 4096
+
+
+class Event(Protocol):
+    """What the engine needs of an event (``torch.cuda.Event`` or :class:`NullEvent`)."""
+
+    def record(self, stream: object = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class NullEvent:
+    """Event of the CPU path: work is complete the moment it has been issued."""
+
+    def record(self, stream: object = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+
+class NullStream:
+    """Stream of the CPU path: work runs in program order, so waiting is a no-op."""
+
+    def wait_event(self, event: Event) -> None:
+        del event
+
+
+@dataclass
+class DeviceRuntime:
+    """The compute device, the engine's side streams, and how host memory is allocated.
+
+    Attributes:
+        device: where blocks compute (``cuda:N`` or ``cpu``).
+        h2d_stream: host-to-device weight copies; overlaps the compute of the previous block.
+        d2h_stream: device-to-host gradient copies; overlaps the backward of the next block.
+        pin_memory: whether host buffers are page-locked (needed for asynchronous copies).
+    """
+
+    device: torch.device
+    h2d_stream: object
+    d2h_stream: object
+    pin_memory: bool
+
+    @classmethod
+    def create(cls, device: torch.device, pin_memory: bool = True) -> "DeviceRuntime":
+        """Streams for ``device``; pinned host memory only where CUDA can use it."""
+        if device.type == "cuda":
+            # Created once here; every other module refers to these two by purpose.
+            return cls(
+                device=device,
+                h2d_stream=torch.cuda.Stream(device),
+                d2h_stream=torch.cuda.Stream(device),
+                pin_memory=pin_memory,
+            )
+        return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def compute_stream(self) -> object:
+        """The stream the caller computes on (the current stream, as PyTorch sets it)."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else NullStream()
+
+    def event(self) -> Event:
+        return torch.cuda.Event() if self.is_cuda else NullEvent()
+
+    @contextlib.contextmanager
+    def on(self, stream: object) -> Iterator[None]:
+        """Issue the enclosed work on ``stream``."""
+        if self.is_cuda:
+            with torch.cuda.stream(stream):  # type: ignore[arg-type]
+                yield
+        else:
+            yield
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat host tensor starting on a page boundary, pinned when CUDA is used.
+
+        Page alignment lets the copy engine and SIMD code take whole pages; the
+        over-allocation costs at most one page per buffer.
+        """
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=self.pin_memory)
+        start = (-raw.data_ptr()) % PAGE_BYTES
+        return raw[start : start + nbytes].view(dtype)
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_empty(numel, dtype).zero_()
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (used only outside the hot path)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)

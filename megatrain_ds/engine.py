@@ -1,0 +1,271 @@
+"""MegatrainEngine: DeepSpeed's engine API over host-resident state and streamed blocks.
+
+Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches)::
+
+    engine(**batch)        blocks stream in, block inputs kept as checkpoints
+    engine.backward(loss)  blocks recompute in reverse, gradients flow to the host worker,
+                           which accumulates them, or, when they are final and no clipping
+                           is needed, applies AdamW to each block right away
+    engine.step()          at the boundary: wait for the worker, clip with the exact global
+                           norm, update what is left, refresh the resident device copies
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from megatrain_ds.block_discovery import check_blocks_own_their_params, find_blocks
+from megatrain_ds.block_template import BlockTemplate, structure_key
+from megatrain_ds.config import EngineConfig
+from megatrain_ds.device_runtime import DeviceRuntime
+from megatrain_ds.gradient_sink import GradientSink
+from megatrain_ds.host_adamw import HostAdamW
+from megatrain_ds.host_store import HostFlatState, migrate_to_host
+from megatrain_ds.optimizer_facade import MegatrainOptimizer, build_optimizer, group_index_of
+from megatrain_ds.resident_params import ResidentParams
+from megatrain_ds.streamed_blocks import StreamedBlocks
+from megatrain_ds.weight_streamer import WeightStreamer
+
+logger = logging.getLogger(__name__)
+
+# DeepSpeed's and torch's clip_grad_norm_ epsilon.
+_CLIP_EPS = 1e-6
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class MegatrainEngine(nn.Module):
+    """Trains ``model`` with every persistent tensor in host memory.
+
+    Args:
+        model: a model whose repeated blocks can be found (see :mod:`block_discovery`).
+        config: the parsed DeepSpeed config.
+        model_parameters: parameters or parameter groups for the optimizer (as in DeepSpeed).
+        optimizer: a client ``torch.optim.AdamW``/``Adam`` to take groups and
+            hyperparameters from, instead of the config's ``optimizer`` block.
+        lr_scheduler: stepped after every optimizer step, as DeepSpeed does.
+        device: where blocks compute; CUDA when available, else the CPU.
+    """
+
+    def __init__(self, model: nn.Module, config: EngineConfig,
+                 model_parameters: Iterable[Any] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler: Any = None, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.runtime = DeviceRuntime.create(device or default_device(), config.options.pin_memory)
+        self.optimizer: MegatrainOptimizer = build_optimizer(
+            model, model_parameters, config.optimizer, optimizer
+        )
+        self.lr_scheduler = lr_scheduler
+        self.module = model
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.optimizer_steps = 0
+        self._boundary_override: bool | None = None
+        self._global_grad_norm: float | None = None
+        self._sum_squares: list[torch.Tensor] = []
+        self._build(model)
+
+    # -- construction --------------------------------------------------------------------
+
+    def _build(self, model: nn.Module) -> None:
+        _reject_unsupported_outputs(model)
+        options = self.config.options
+        path, blocks = find_blocks(model, options.block_path)
+        check_blocks_own_their_params(model, blocks)
+        self.block_path = path
+        group_of = group_index_of(model, self.optimizer)
+        master, compute = self.config.master_dtype, self.config.compute_dtype
+
+        templates_by_key: dict[tuple, BlockTemplate] = {}
+        templates: list[BlockTemplate] = []
+        self.states: list[HostFlatState] = []
+        for index, block in enumerate(blocks):
+            key = structure_key(block)
+            if key not in templates_by_key:
+                templates_by_key[key] = BlockTemplate(block, self.runtime.device)
+            template = templates_by_key[key]
+            template.admit(block, index)
+            templates.append(template)
+            # Migrating block by block frees each block's original storage before the
+            # next is copied: the model never exists twice in host memory.
+            self.states.append(migrate_to_host(
+                list(block.named_parameters()), group_of, self.runtime, master, compute, bind_params=True
+            ))
+        self.num_templates = len(templates_by_key)
+
+        block_params = {id(p) for block in blocks for p in block.parameters()}
+        resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
+        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute)
+        self.states.append(self.resident.state)
+        self._resident_index = len(self.states) - 1
+        block_modules = {id(m) for m in blocks.modules()}
+        for module in model.modules():
+            if id(module) not in block_modules:
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(self.runtime.device)
+
+        if self.config.holds_gradients:
+            grad_dtype = torch.float32 if self.config.gradient_accumulation_steps > 1 else compute
+            for state in self.states:
+                state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype)
+
+        self.adamw = HostAdamW(self.optimizer.param_groups, self.optimizer.decoupled)
+        largest = max(state.layout.numel for state in self.states[: self._resident_index])
+        self.sink = GradientSink(self.runtime, largest, compute, options.num_staging_buffers,
+                                 self._consume_gradient)
+        self.streamer = WeightStreamer(
+            self.runtime, self.states[: self._resident_index],
+            num_slots=options.num_buffers + options.checkpoint_interval - 1,
+        )
+        self.blocks = StreamedBlocks(
+            blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
+            self.runtime, options.checkpoint_interval, self.is_gradient_accumulation_boundary,
+        )
+        self.blocks.install()
+        self.resident.hook_gradients(
+            lambda offset, grad: self.sink.push(self._resident_index, offset, grad,
+                                                self.is_gradient_accumulation_boundary())
+        )
+        # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
+        model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
+        logger.info("megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
+                    len(blocks), path, self.num_templates, len(resident), self.runtime.device)
+
+    def _master_state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any],
+                                prefix: str, local_metadata: Any) -> None:
+        """Report resident parameters by their fp32 master, not their device copy."""
+        del module, local_metadata
+        masters = self.resident.master_by_param()
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key in state_dict and id(param) in masters:
+                state_dict[key] = masters[id(param)]
+
+    # -- DeepSpeed engine API ---------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.blocks.begin_forward()
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` divided by the accumulation steps (DeepSpeed semantics)."""
+        self.blocks.begin_backward()
+        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
+        if self.is_gradient_accumulation_boundary():
+            self._finish_optimizer_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the engine's host buffers and are cleared by every update."""
+        del set_to_none
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory the engine itself holds: weight buffers and peak checkpoints."""
+        resident = 0 if self.resident.aliases_host else (
+            self.resident.device_flat.numel() * self.resident.device_flat.element_size())
+        return {"weight_buffers": self.streamer.device_bytes,
+                "checkpoints_peak": self.blocks.peak_checkpoint_bytes,
+                "resident": resident}
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory of the persistent training state, by kind."""
+        totals: dict[str, int] = {}
+        for state in self.states:
+            for kind, nbytes in state.nbytes_by_kind().items():
+                totals[kind] = totals.get(kind, 0) + nbytes
+        return totals
+
+    def destroy(self) -> None:
+        """Stop the gradient worker and give the blocks their own ``forward`` back."""
+        self.sink.close()
+        self.blocks.uninstall()
+
+    # -- optimizer ---------------------------------------------------------------------------
+
+    def _consume_gradient(self, index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
+        """Runs on the gradient worker for every host chunk (see GradientSink)."""
+        state = self.states[index]
+        step = self.optimizer_steps + 1
+        if state.grad is None:  # final by construction: no clipping, no accumulation
+            self.adamw.update_range(state, offset, grad, step=step)
+            return
+        accumulated = state.grad[offset : offset + grad.numel()]
+        accumulated.add_(grad)
+        if not final:
+            return
+        if self.config.gradient_clipping > 0:
+            # The update needs the global norm, known only when backward ends (engine.step).
+            self._sum_squares.append(accumulated.float().square().sum())
+        else:
+            self.adamw.update_range(state, offset, accumulated, step=step)
+            accumulated.zero_()
+
+    def _finish_optimizer_step(self) -> None:
+        self.sink.drain()
+        step = self.optimizer_steps + 1
+        if self.config.gradient_clipping > 0:
+            norm = math.sqrt(float(sum(self._sum_squares))) if self._sum_squares else 0.0
+            self._sum_squares.clear()
+            self._global_grad_norm = norm
+            scale = min(self.config.gradient_clipping / (norm + _CLIP_EPS), 1.0)
+            for state in self.states:
+                assert state.grad is not None
+                self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
+                state.grad.zero_()
+        self.optimizer_steps = step
+        self.resident.refresh_device()
+
+
+def _reject_unsupported_outputs(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "config.output_router_logits=True is not supported yet: router logits are "
+            "captured by hooks on the model's own submodules, which the engine replaces "
+            "with streamed templates; set output_router_logits=False"
+        )

@@ -1,0 +1,113 @@
+"""Device-to-host gradient transport: a dedicated stream, pinned staging, a host worker.
+
+``push`` is called from backward (the autograd thread) with a block's flat gradient on
+the device. It copies the gradient into a pinned staging buffer on the d2h stream and
+queues it; a worker thread waits for that copy and hands the host chunk to ``consume``
+(accumulate, or run the optimizer on it). Backward goes on with the next block meanwhile.
+
+[Note: gradient ordering]
+- The d2h stream waits on an event recorded on the compute stream after the gradient
+  was produced, so the copy reads finished values.
+- The worker blocks on the copy's ``done`` event (a host wait, but off the main thread)
+  before touching the staging buffer, and returns the buffer to the pool afterwards.
+- The device gradient tensor travels with its chunk until the copy is done, so the
+  caching allocator cannot hand its memory to another kernel mid-copy.
+- When the pool is empty ``push`` waits for the worker: back-pressure bounds pinned
+  memory to ``num_staging`` buffers.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatrain_ds.device_runtime import DeviceRuntime, Event
+
+ConsumeFn = Callable[[int, int, torch.Tensor, bool], None]
+"""``consume(state_index, offset, host_chunk, final)``; ``final`` marks the last micro-batch."""
+
+
+@dataclass
+class _Chunk:
+    state_index: int
+    offset: int
+    numel: int
+    staging: torch.Tensor
+    final: bool
+    done: Event
+    source: torch.Tensor
+
+
+class GradientSink:
+    """Moves device gradients to the host behind backward and feeds them to ``consume``.
+
+    Args:
+        runtime: streams, events and pinned allocation.
+        staging_numel: elements per staging buffer; larger gradients go in chunks.
+        dtype: staging dtype (the compute dtype: gradients cross PCIe at that width).
+        num_staging: staging buffers in the pool.
+        consume: called on the worker thread for every chunk, in push order.
+    """
+
+    def __init__(self, runtime: DeviceRuntime, staging_numel: int, dtype: torch.dtype,
+                 num_staging: int, consume: ConsumeFn) -> None:
+        self._runtime = runtime
+        self._staging_numel = staging_numel
+        self._consume = consume
+        self._pool: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(num_staging):
+            self._pool.put(runtime.host_empty(staging_numel, dtype))
+        self._work: queue.Queue[_Chunk | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._run, name="megatrain-grad-worker", daemon=True)
+        self._worker.start()
+
+    def push(self, state_index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
+        """Queue the flat device gradient ``grad`` of elements ``[offset, offset+numel)``."""
+        self._raise_worker_error()
+        produced = self._runtime.event()
+        produced.record(self._runtime.compute_stream())
+        for start in range(0, grad.numel(), self._staging_numel):
+            piece = grad[start : start + self._staging_numel]
+            staging = self._pool.get()  # back-pressure: waits while the worker is behind
+            done = self._runtime.event()
+            with self._runtime.on(self._runtime.d2h_stream):
+                self._runtime.d2h_stream.wait_event(produced)
+                staging[: piece.numel()].copy_(piece, non_blocking=True)
+                done.record(self._runtime.d2h_stream)
+            self._work.put(_Chunk(state_index, offset + start, piece.numel(), staging, final, done, piece))
+
+    def drain(self) -> None:
+        """Wait until every pushed chunk has been consumed; re-raise a worker failure."""
+        self._work.join()
+        self._raise_worker_error()
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._worker.join()
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the gradient worker failed; this step's update is lost") from error
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._work.get()
+            if chunk is None:
+                self._work.task_done()
+                return
+            try:
+                chunk.done.synchronize()  # the staging buffer is valid only after the copy
+                chunk.source = None  # type: ignore[assignment]  # device memory may be reused now
+                if self._error is None:
+                    self._consume(chunk.state_index, chunk.offset, chunk.staging[: chunk.numel], chunk.final)
+            except BaseException as error:  # surfaced on the main thread by drain()/push()
+                self._error = error
+            finally:
+                self._pool.put(chunk.staging)
+                self._work.task_done()

@@ -1,0 +1,102 @@
+"""Host-resident training state: one flat fp32 master buffer per block, Adam m/v beside it.
+
+The host is the home of every persistent tensor. Each block (and the set of resident
+non-block parameters) owns a :class:`HostFlatState`: page-aligned flat buffers laid out
+by :mod:`megatrain_ds.flat_layout`. The user's parameters are re-pointed at views of
+the master buffer, so the model's ``state_dict()`` always shows the trained weights
+without a second copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from megatrain_ds.device_runtime import DeviceRuntime
+from megatrain_ds.flat_layout import FlatLayout, build_flat_layout
+
+
+@dataclass
+class HostFlatState:
+    """Host tensors of one flat group of parameters (all 1-D, ``layout.numel`` long).
+
+    Attributes:
+        layout: where each parameter lives in the flat buffers.
+        master: the weights the optimizer updates (fp32 unless ``master_dtype`` says bf16).
+        shadow: the compute-dtype copy that is streamed to the device when it differs
+            from ``master`` (bf16 compute with an fp32 master); ``None`` otherwise.
+        exp_avg, exp_avg_sq: Adam's first and second moments, fp32.
+        grad: gradient accumulator, allocated only when gradients must be held until
+            the end of backward (clipping, or accumulation over micro-batches).
+    """
+
+    layout: FlatLayout
+    master: torch.Tensor
+    shadow: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor | None = None
+    params: list[nn.Parameter] = field(default_factory=list)
+    """The user's parameters in slot order (for state_dict mapping and hooks)."""
+
+    @property
+    def streamed(self) -> torch.Tensor:
+        """The buffer whose bytes go to the device."""
+        return self.shadow if self.shadow is not None else self.master
+
+    def master_view(self, slot_index: int) -> torch.Tensor:
+        slot = self.layout.slots[slot_index]
+        return self.master[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Host bytes held, by kind (for memory accounting and tests)."""
+        tensors = {"master": self.master, "shadow": self.shadow, "exp_avg": self.exp_avg,
+                   "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
+        return {kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None}
+
+    def refresh_shadow(self, start: int = 0, end: int | None = None) -> None:
+        """Round the updated master into the streamed shadow (no-op without a shadow)."""
+        if self.shadow is not None:
+            self.shadow[start:end].copy_(self.master[start:end])
+
+
+def migrate_to_host(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    group_of: dict[nn.Parameter, int],
+    runtime: DeviceRuntime,
+    master_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    bind_params: bool,
+) -> HostFlatState:
+    """Move ``named_params`` into a new flat host state.
+
+    Each parameter is copied into its slot of the master buffer and (with
+    ``bind_params``) re-pointed at that slot, which frees its old storage at once: the
+    model is migrated one block at a time and never exists twice in memory.
+    """
+    layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
+    by_name = dict(named_params)
+    master = runtime.host_zeros(layout.numel, master_dtype)
+    params = []
+    for index, slot in enumerate(layout.slots):
+        param = by_name[slot.name]
+        view = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        view.copy_(param.detach())
+        if bind_params:
+            param.data = view
+        params.append(param)
+    shadow = None
+    if compute_dtype != master_dtype:
+        shadow = runtime.host_empty(layout.numel, compute_dtype)
+        shadow.copy_(master)
+    return HostFlatState(
+        layout=layout,
+        master=master,
+        shadow=shadow,
+        exp_avg=runtime.host_zeros(layout.numel, torch.float32),
+        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32),
+        params=params,
+    )

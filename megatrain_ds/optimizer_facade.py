@@ -1,0 +1,98 @@
+"""The optimizer object ``deepspeed.initialize`` returns, and its parameter groups.
+
+Its ``param_groups`` (``lr``, ``betas``, ``eps``, ``weight_decay`` per group) are what the
+host AdamW reads at every update, so a learning-rate scheduler attached to it, or to a
+client optimizer whose groups it shares, takes effect as it would with DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from megatrain_ds.config import ConfigError, OptimizerSpec
+from megatrain_ds.flat_layout import FROZEN_GROUP
+
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+class MegatrainOptimizer(torch.optim.Optimizer):
+    """Parameter groups of the engine's host AdamW; the engine performs the updates.
+
+    ``step`` is the engine's job (``engine.step()`` at the accumulation boundary), so
+    calling it here is an error; gradients live in the engine's host buffers, which each
+    update clears, so ``zero_grad`` has nothing to clear.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any],
+                 decoupled: bool) -> None:
+        super().__init__(param_groups, defaults)
+        self.decoupled = decoupled
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError("the megatrain engine applies the optimizer: call engine.step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+
+
+def _groups_from(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and all(isinstance(item, dict) for item in items):
+        return [dict(group, params=list(group["params"])) for group in items]
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return [{"params": items}]
+    raise ConfigError("model_parameters must be parameters or parameter-group dicts")
+
+
+def build_optimizer(model: nn.Module, model_parameters: Iterable[Any] | None,
+                    spec: OptimizerSpec | None, client: torch.optim.Optimizer | None
+                    ) -> MegatrainOptimizer:
+    """The engine's optimizer from the config's ``optimizer`` block or a client optimizer.
+
+    A client ``torch.optim.AdamW``/``Adam`` contributes its groups (the same dicts, so
+    its scheduler keeps working) and hyperparameters; any other class is an error.
+    """
+    if client is not None:
+        if isinstance(client, torch.optim.AdamW):
+            decoupled = True
+        elif type(client) is torch.optim.Adam:
+            decoupled = bool(client.defaults.get("decoupled_weight_decay", False))
+        else:
+            raise ConfigError(
+                f"client optimizer {type(client).__name__} is not supported; pass "
+                'torch.optim.AdamW or torch.optim.Adam, or use an "optimizer" block of type AdamW'
+            )
+        for group in client.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ConfigError("client optimizer options amsgrad/maximize are not supported")
+        facade = MegatrainOptimizer([{"params": []}], dict(client.defaults), decoupled)
+        facade.param_groups = client.param_groups  # shared: the client's scheduler drives us
+        return facade
+    if spec is None:
+        raise ConfigError(
+            'no optimizer: add an "optimizer" block (type AdamW) to the config or pass '
+            "optimizer=torch.optim.AdamW(...) to deepspeed.initialize"
+        )
+    defaults = {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+    groups = [{**defaults, **group} for group in _groups_from(model, model_parameters)]
+    return MegatrainOptimizer(groups, defaults, spec.decoupled)
+
+
+def group_index_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
+    """Map each model parameter to its optimizer group; untrained ones to ``FROZEN_GROUP``."""
+    index: dict[nn.Parameter, int] = {}
+    for number, group in enumerate(optimizer.param_groups):
+        missing = [key for key in _HYPERPARAMETERS if key not in group]
+        if missing:
+            raise ConfigError(f"optimizer group {number} lacks {', '.join(missing)}")
+        for param in group["params"]:
+            if param in index:
+                raise ConfigError("a parameter appears in more than one optimizer group")
+            index[param] = number
+    return {p: (index.get(p, FROZEN_GROUP) if p.requires_grad else FROZEN_GROUP)
+            for p in model.parameters()}

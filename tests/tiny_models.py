@@ -1,0 +1,58 @@
+"""Tiny random-init Hugging Face models of each supported family, and batches with padding."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import transformers
+
+VOCAB = 96
+
+
+def _common(num_layers: int) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                attn_implementation="eager")
+
+
+def llama(num_layers: int = 4) -> transformers.PreTrainedModel:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_common(num_layers)))
+
+
+def qwen2(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Tied embeddings and qkv bias."""
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_common(num_layers), tie_word_embeddings=True))
+
+
+def mistral(num_layers: int = 4) -> transformers.PreTrainedModel:
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**_common(num_layers), sliding_window=8))
+
+
+def gpt2(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Conv1D projections, learned positions, dropout on (replayed exactly in recompute)."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=num_layers, n_head=4,
+                                     n_positions=64, attn_implementation="eager",
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def mixtral(num_layers: int = 4) -> transformers.PreTrainedModel:
+    config = transformers.MixtralConfig(**_common(num_layers), num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config)
+
+
+FAMILIES: dict[str, Callable[..., transformers.PreTrainedModel]] = {
+    "llama": llama, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "mixtral": mixtral,
+}
+
+
+def make_batch(seed: int, batch: int = 2, length: int = 12) -> dict[str, torch.Tensor]:
+    """Random tokens; the second row is left-padded (mask 0, label -100) by a seed-dependent amount."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    pad = 2 + seed % 3
+    attention_mask[-1, :pad] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
