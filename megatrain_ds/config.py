@@ -41,6 +41,10 @@ class MegatrainOptions:
     checkpoint_interval: int = 1
     """Blocks per activation checkpoint (K). 1 keeps every block input; larger keeps fewer
     checkpoints but holds K blocks' weights on the device during backward."""
+    offload_checkpoints: bool = True
+    """Park activation checkpoints in host memory between forward and backward, so device
+    memory does not grow with depth; costs 2*T*hidden bytes of host->device traffic per
+    checkpoint. Set false when the checkpoints fit on the device."""
     num_buffers: int = 2
     """Device weight buffers for streaming (2 = double buffering)."""
     master_dtype: str = "fp32"
@@ -59,8 +63,9 @@ class MegatrainOptions:
                 raise ConfigError(f"megatrain.{name} must be an integer >= {minimum}, got {value!r}")
         if self.master_dtype not in ("fp32", "bf16"):
             raise ConfigError(f'megatrain.master_dtype must be one of "fp32", "bf16"; got {self.master_dtype!r}')
-        if not isinstance(self.pin_memory, bool):
-            raise ConfigError(f"megatrain.pin_memory must be true or false, got {self.pin_memory!r}")
+        for name in ("pin_memory", "offload_checkpoints"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any]) -> "MegatrainOptions":

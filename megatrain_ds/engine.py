@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from megatrain_ds.activation_offload import ActivationOffloader
 from megatrain_ds.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.block_template import BlockTemplate, structure_key
 from megatrain_ds.config import EngineConfig
@@ -131,7 +132,9 @@ class MegatrainEngine(nn.Module):
         )
         self.blocks = StreamedBlocks(
             blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
-            self.runtime, options.checkpoint_interval, self.is_gradient_accumulation_boundary,
+            self.runtime, options.checkpoint_interval,
+            ActivationOffloader(self.runtime) if options.offload_checkpoints else None,
+            self.is_gradient_accumulation_boundary,
         )
         self.blocks.install()
         self.resident.hook_gradients(

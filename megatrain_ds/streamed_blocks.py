@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from megatrain_ds.activation_offload import ActivationOffloader, HostCheckpoint
 from megatrain_ds.block_template import BlockTemplate
 from megatrain_ds.device_runtime import DeviceRuntime
 from megatrain_ds.gradient_sink import GradientSink
@@ -71,7 +72,8 @@ class _BlockCall:
     index: int
     spec: Any
     leaves: list[Any]
-    """Flattened ``(args, kwargs)``; ``None`` where the leaf is a previous block's output."""
+    """Flattened ``(args, kwargs)``; ``None`` where the leaf is a previous block's output,
+    a :class:`HostCheckpoint` where the checkpoint was offloaded."""
     tensor_positions: list[int]
     from_previous: dict[int, int]
     """Leaf position -> index of the previous block's tensor output it was."""
@@ -135,12 +137,14 @@ class StreamedBlocks:
         sink: device-to-host gradient transport.
         runtime: device, streams and events.
         checkpoint_interval: blocks per segment (K); one activation checkpoint each.
+        offloader: parks checkpoints in host memory; ``None`` keeps them on the device.
         is_final_micro_batch: whether gradients produced now finish the accumulation window.
     """
 
     def __init__(self, blocks: nn.ModuleList, templates: Sequence[BlockTemplate],
                  states: Sequence[HostFlatState], streamer: WeightStreamer, sink: GradientSink,
                  runtime: DeviceRuntime, checkpoint_interval: int,
+                 offloader: ActivationOffloader | None,
                  is_final_micro_batch: Callable[[], bool]) -> None:
         self.blocks = blocks
         self.templates = templates
@@ -149,6 +153,9 @@ class StreamedBlocks:
         self.sink = sink
         self.runtime = runtime
         self.checkpoint_interval = checkpoint_interval
+        self.offloader = offloader
+        self._prefetch_with: dict[int, list[HostCheckpoint]] = {}
+        streamer.on_issue = self._send_checkpoints_along
         self._is_final_micro_batch = is_final_micro_batch
         self._overrides = [t.scalar_overrides(b) for t, b in zip(templates, blocks)]
         self._anchor = torch.empty(0, device=runtime.device, requires_grad=True)
@@ -156,7 +163,9 @@ class StreamedBlocks:
         self._last: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._pending_structure: tuple[list[Any], Any] | None = None
         self.live_checkpoint_bytes = 0
+        """Device bytes of checkpoints kept on the device (not offloaded)."""
         self.peak_checkpoint_bytes = 0
+        """Peak device bytes of checkpoints, kept or in flight back from the host."""
 
     # -- wiring ---------------------------------------------------------------------
 
@@ -180,14 +189,32 @@ class StreamedBlocks:
     def begin_forward(self) -> None:
         """A model forward starts: plan blocks 0..L-1 and forget any unfinished pass."""
         self._segments, self._last = [], None
+        self._prefetch_with = {}
+        self.live_checkpoint_bytes = 0
         self.streamer.begin(range(len(self.blocks)))
 
     def begin_backward(self) -> None:
         """Backward is about to start: plan the segments' blocks in backward order."""
         plan = [call.index for segment in reversed(self._segments) for call in segment.calls]
+        self._prefetch_with = {
+            segment.calls[0].index: [leaf for leaf in segment.calls[0].leaves if isinstance(leaf, HostCheckpoint)]
+            for segment in self._segments
+        }
         self._segments, self._last = [], None
         if plan:
             self.streamer.begin(plan)
+
+    def _send_checkpoints_along(self, block: int) -> None:
+        """A segment's checkpoint travels back with the weights of its first block."""
+        if self.offloader is None:
+            return
+        for checkpoint in self._prefetch_with.pop(block, []):
+            self.offloader.prefetch(checkpoint)
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        in_flight = self.offloader.device_bytes_in_flight if self.offloader else 0
+        self.peak_checkpoint_bytes = max(self.peak_checkpoint_bytes, self.live_checkpoint_bytes + in_flight)
 
     # -- forward ------------------------------------------------------------------------
 
@@ -234,6 +261,10 @@ class StreamedBlocks:
                 if leaves[position] is output:
                     from_previous[position] = k
         kept = [None if p in from_previous else leaf for p, leaf in enumerate(leaves)]
+        checkpointed = [] if continues else [p for p in tensor_positions if leaves[p].requires_grad]
+        if self.offloader is not None:
+            for position in checkpointed:
+                kept[position] = self.offloader.offload(leaves[position])
         call = _BlockCall(
             index=index, spec=spec, leaves=kept, tensor_positions=tensor_positions,
             from_previous=from_previous,
@@ -241,13 +272,11 @@ class StreamedBlocks:
             replay=_ReplayState.capture(self.runtime), training=training,
         )
         segment.calls.append(call)
-        if not continues:
-            segment.checkpoint_bytes = sum(
-                leaves[p].numel() * leaves[p].element_size()
-                for p in tensor_positions if leaves[p].requires_grad
-            )
-            self.live_checkpoint_bytes += segment.checkpoint_bytes
-            self.peak_checkpoint_bytes = max(self.peak_checkpoint_bytes, self.live_checkpoint_bytes)
+        if self.offloader is None:
+            added = sum(leaves[p].numel() * leaves[p].element_size() for p in checkpointed)
+            segment.checkpoint_bytes += added
+            self.live_checkpoint_bytes += added
+            self._note_peak()
 
         tensors = _StreamedBlockFn.apply(self, segment, call, self._anchor,
                                          *[leaves[p] for p in tensor_positions])
@@ -271,8 +300,13 @@ class StreamedBlocks:
             leaves = list(call.leaves)
             call.input_leaves = {}
             for position in call.tensor_positions:
-                source = (previous[call.from_previous[position]] if position in call.from_previous
-                          else leaves[position])
+                if position in call.from_previous:
+                    source = previous[call.from_previous[position]]
+                elif isinstance(leaves[position], HostCheckpoint):
+                    assert self.offloader is not None
+                    source = self.offloader.take(leaves[position])
+                else:
+                    source = leaves[position]
                 leaf = source.detach()
                 if call.requires_grad[position] and leaf.is_floating_point():
                     leaf.requires_grad_(True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -47,6 +47,8 @@ class WeightStreamer:
     runtime: DeviceRuntime
     states: Sequence[HostFlatState]
     num_slots: int
+    on_issue: Callable[[int], None] | None = None
+    """Called after a block's copy is issued, to send companions (checkpoints) along."""
     transfers: Counter = field(default_factory=Counter)
     """Host-to-device copies issued, per block (for tests and traces)."""
 
@@ -127,3 +129,5 @@ class WeightStreamer:
                 slot.ready.record(self.runtime.h2d_stream)
             self.transfers[block] += 1
             self._in_flight.append((block, slot))
+            if self.on_issue is not None:
+                self.on_issue(block)

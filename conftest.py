@@ -1,0 +1,27 @@
+"""Test environment for tests/ and integration_tests/.
+
+DeepSpeed on a CPU-only machine needs DS_ACCELERATOR=cpu and the torch.distributed
+variables even for one process; Triton kernels run on CPU tensors only through its
+interpreter. All must be set before deepspeed or triton is first imported.
+"""
+
+import os
+
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+
+for key, value in {
+    "DS_ACCELERATOR": "cuda" if _HAS_CUDA else "cpu",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29531",
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    # DeepSpeed JIT-compiles its C++ ops on first use; keep them between runs.
+    "TORCH_EXTENSIONS_DIR": os.path.join(os.path.dirname(os.path.abspath(__file__)), ".torch_extensions"),
+}.items():
+    os.environ.setdefault(key, value)
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
