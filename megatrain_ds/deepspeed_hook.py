@@ -54,24 +54,33 @@ def _wrap(deepspeed: ModuleType) -> None:
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``deepspeed`` with the normal machinery, then wraps it once it has executed."""
+    """Finds ``deepspeed`` with the normal machinery, then wraps it once it has executed.
+
+    It stays registered until the module really executes: libraries probe for deepspeed
+    with ``importlib.util.find_spec`` without importing it.
+    """
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != "deepspeed":
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
         loader = spec.loader
+        finder = self
 
         class _Loader(importlib.abc.Loader):
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)  # resource readers etc. of the real loader
+
             def create_module(self, spec: Any) -> Any:
                 return loader.create_module(spec)
 
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
                 _wrap(module)
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
 
         spec.loader = _Loader()
         return spec

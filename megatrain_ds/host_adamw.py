@@ -21,6 +21,10 @@ import torch
 from megatrain_ds.flat_layout import intersect_runs
 from megatrain_ds.host_store import HostFlatState
 
+# The update allocates a few fp32 temporaries per range (grad upcast, scaled grad, denom);
+# stepping a long run (a 0.5B-element embedding) in pieces bounds them to ~16 B x this.
+UPDATE_CHUNK_ELEMENTS = 1 << 22
+
 
 def adamw_update_(
     param: torch.Tensor,
@@ -77,17 +81,19 @@ class HostAdamW:
         """
         for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
             group = self.param_groups[run.group]
-            adamw_update_(
-                state.master[run.start : run.end],
-                grad[run.start - offset : run.end - offset],
-                state.exp_avg[run.start : run.end],
-                state.exp_avg_sq[run.start : run.end],
-                step=step,
-                lr=float(group["lr"]),
-                betas=tuple(group["betas"]),  # type: ignore[arg-type]
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=self.decoupled,
-                grad_scale=grad_scale,
-            )
-            state.refresh_shadow(run.start, run.end)
+            for start in range(run.start, run.end, UPDATE_CHUNK_ELEMENTS):
+                end = min(start + UPDATE_CHUNK_ELEMENTS, run.end)
+                adamw_update_(
+                    state.master[start:end],
+                    grad[start - offset : end - offset],
+                    state.exp_avg[start:end],
+                    state.exp_avg_sq[start:end],
+                    step=step,
+                    lr=float(group["lr"]),
+                    betas=tuple(group["betas"]),  # type: ignore[arg-type]
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    decoupled=self.decoupled,
+                    grad_scale=grad_scale,
+                )
+                state.refresh_shadow(start, end)
