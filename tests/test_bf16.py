@@ -46,4 +46,5 @@ def _train_with_tiny_updates(master_dtype):
 def test_fp32_master_keeps_updates_that_a_bf16_master_rounds_away():
     # lr 1e-6 moves weights of size ~0.02 by far less than their bf16 spacing (~1e-4).
     assert _train_with_tiny_updates("fp32") > 0.99
-    assert _train_with_tiny_updates("bf16") < 0.01
+    # Only weights within ~1e-4 of zero, where bf16 spacing is finer, move (measured 1.8%).
+    assert _train_with_tiny_updates("bf16") < 0.05
