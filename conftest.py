@@ -1,7 +1,8 @@
 """Test environment for tests/ and integration_tests/.
 
 DeepSpeed on a CPU-only machine needs DS_ACCELERATOR=cpu and the torch.distributed
-variables even for one process; Triton kernels run on CPU tensors only through its
+variables even for one process (its C++ ops JIT-compile on first use into torch's
+default ~/.cache/torch_extensions, which persists between clones); Triton kernels run on CPU tensors only through its
 interpreter. All must be set before deepspeed or triton is first imported.
 """
 
@@ -18,8 +19,6 @@ for key, value in {
     "RANK": "0",
     "WORLD_SIZE": "1",
     "LOCAL_RANK": "0",
-    # DeepSpeed JIT-compiles its C++ ops on first use; keep them between runs.
-    "TORCH_EXTENSIONS_DIR": os.path.join(os.path.dirname(os.path.abspath(__file__)), ".torch_extensions"),
 }.items():
     os.environ.setdefault(key, value)
 

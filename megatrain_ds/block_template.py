@@ -10,7 +10,7 @@ structure (``layer_idx``, a sliding-window flag) are set on the template before 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -81,24 +81,25 @@ class BlockTemplate:
         own = _scalar_attributes(block)
         return {key: own[key] for key in self._varying}
 
+    @staticmethod
+    def bind(flat_weights: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
+        """Views of ``flat_weights`` (1-D, ``layout.numel`` long), one per slot, in slot order."""
+        chunks = torch.split(flat_weights, layout.split_sizes)
+        return [chunks[slot.split_index].view(slot.shape) for slot in layout.slots]
+
     def run(
         self,
-        flat_weights: torch.Tensor,
+        params: Sequence[torch.Tensor],
         layout: FlatLayout,
         overrides: dict[tuple[str, str], Any],
         training: bool,
         args: tuple,
         kwargs: dict[str, Any],
     ) -> Any:
-        """Run the block whose weights are ``flat_weights`` (1-D, ``layout.numel`` long).
-
-        The parameters are views of ``flat_weights`` made by one ``torch.split`` so that,
-        when ``flat_weights`` requires grad, its gradient arrives as one flat tensor.
-        """
-        chunks = torch.split(flat_weights, layout.split_sizes)
-        params = {slot.name: chunks[slot.split_index].view(slot.shape) for slot in layout.slots}
+        """Run a block whose parameters are ``params`` (from :meth:`bind`, slot order)."""
+        named = {slot.name: param for slot, param in zip(layout.slots, params)}
         for (path, attr), value in overrides.items():
             setattr(self.module.get_submodule(path), attr, value)
         if self.module.training != training:
             self.module.train(training)
-        return functional_call(self.module, params, args, kwargs, tie_weights=False)
+        return functional_call(self.module, named, args, kwargs, tie_weights=False)

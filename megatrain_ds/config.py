@@ -51,8 +51,8 @@ class MegatrainOptions:
     """Dtype of the master weights: "fp32" (default) or "bf16" (rounds small updates away)."""
     pin_memory: bool = True
     """Page-lock host buffers when CUDA is used (needed for asynchronous copies)."""
-    num_staging_buffers: int = 2
-    """Pinned host buffers for device-to-host gradient copies."""
+    num_staging_buffers: int = 4
+    """Pinned host buffers (4M elements each) for device-to-host gradient copies."""
 
     def __post_init__(self) -> None:
         if self.block_path is not None and not isinstance(self.block_path, str):

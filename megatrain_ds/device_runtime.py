@@ -16,7 +16,7 @@ CPU tests exercise.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
@@ -64,6 +64,8 @@ class DeviceRuntime:
     h2d_stream: object
     d2h_stream: object
     pin_memory: bool
+    _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
 
     @classmethod
     def create(cls, device: torch.device, pin_memory: bool = True) -> "DeviceRuntime":
@@ -102,12 +104,31 @@ class DeviceRuntime:
         """A flat host tensor starting on a page boundary, pinned when CUDA is used.
 
         Page alignment lets the copy engine and SIMD code take whole pages; the
-        over-allocation costs at most one page per buffer.
+        over-allocation costs at most one page per buffer. Pinning registers the pages in
+        place (``cudaHostRegister``) rather than taking them from PyTorch's pinned caching
+        allocator, which rounds every request up to a power of two -- up to 2x the host
+        memory for a store that is most of the machine's RAM.
         """
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=self.pin_memory)
+        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
         start = (-raw.data_ptr()) % PAGE_BYTES
-        return raw[start : start + nbytes].view(dtype)
+        tensor = raw[start : start + nbytes].view(dtype)
+        if self.pin_memory and nbytes > 0:
+            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(
+                    f"could not pin {nbytes} bytes of host memory (cudaHostRegister error "
+                    f"{int(error)}); raise the locked-memory limit (ulimit -l) or set "
+                    '"megatrain": {"pin_memory": false}'
+                )
+            self._registered.append(tensor)
+        return tensor
+
+    def release_host_memory(self) -> None:
+        """Unpin every registered host tensor (they stay valid as ordinary memory)."""
+        for tensor in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        self._registered.clear()
 
     def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.host_empty(numel, dtype).zero_()

@@ -34,6 +34,10 @@ from megatrain_ds.weight_streamer import WeightStreamer
 
 logger = logging.getLogger(__name__)
 
+# Gradients cross to the host in pieces of at most this many elements (8 MiB in bf16):
+# large enough for full PCIe bandwidth, small enough that staging costs a fraction of a block.
+STAGING_CHUNK_ELEMENTS = 1 << 22
+
 # DeepSpeed's and torch's clip_grad_norm_ epsilon.
 _CLIP_EPS = 1e-6
 
@@ -101,7 +105,7 @@ class MegatrainEngine(nn.Module):
             # Migrating block by block frees each block's original storage before the
             # next is copied: the model never exists twice in host memory.
             self.states.append(migrate_to_host(
-                list(block.named_parameters()), group_of, self.runtime, master, compute, bind_params=True
+                list(block.named_parameters()), group_of, self.runtime, master, compute
             ))
         self.num_templates = len(templates_by_key)
 
@@ -124,8 +128,8 @@ class MegatrainEngine(nn.Module):
 
         self.adamw = HostAdamW(self.optimizer.param_groups, self.optimizer.decoupled)
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
-        self.sink = GradientSink(self.runtime, largest, compute, options.num_staging_buffers,
-                                 self._consume_gradient)
+        self.sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
+                                 options.num_staging_buffers, self._consume_gradient)
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
@@ -224,9 +228,13 @@ class MegatrainEngine(nn.Module):
         return totals
 
     def destroy(self) -> None:
-        """Stop the gradient worker and give the blocks their own ``forward`` back."""
+        """Stop the gradient worker, give the blocks their own ``forward`` back, unpin host memory.
+
+        The model stays usable: its parameters keep viewing the (now unpinned) host masters.
+        """
         self.sink.close()
         self.blocks.uninstall()
+        self.runtime.release_host_memory()
 
     # -- optimizer ---------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from megatrain_ds.flat_layout import intersect_runs
 from megatrain_ds.host_store import HostFlatState
 
 # The update allocates a few fp32 temporaries per range (grad upcast, scaled grad, denom);
-# stepping a long run (a 0.5B-element embedding) in pieces bounds them to ~16 B x this.
-UPDATE_CHUNK_ELEMENTS = 1 << 22
+# stepping a long run (a 0.5B-element embedding) in pieces bounds them to ~16 MiB.
+UPDATE_CHUNK_ELEMENTS = 1 << 20
 
 
 def adamw_update_(

@@ -69,25 +69,27 @@ def migrate_to_host(
     runtime: DeviceRuntime,
     master_dtype: torch.dtype,
     compute_dtype: torch.dtype,
-    bind_params: bool,
 ) -> HostFlatState:
-    """Move ``named_params`` into a new flat host state.
+    """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 
-    Each parameter is copied into its slot of the master buffer and (with
-    ``bind_params``) re-pointed at that slot, which frees its old storage at once: the
-    model is migrated one block at a time and never exists twice in memory.
+    The master buffer is allocated untouched (no resident pages); each parameter is copied
+    into its slot and re-pointed at once, which frees its old storage before the next is
+    copied. So the model never exists twice in memory: the peak is the final state plus
+    one parameter.
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     by_name = dict(named_params)
-    master = runtime.host_zeros(layout.numel, master_dtype)
+    master = runtime.host_empty(layout.numel, master_dtype)
     params = []
     for index, slot in enumerate(layout.slots):
         param = by_name[slot.name]
         view = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
         view.copy_(param.detach())
-        if bind_params:
-            param.data = view
+        param.data = view
         params.append(param)
+        # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
+        pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
+        master[slot.offset + slot.numel : pad_end].zero_()
     shadow = None
     if compute_dtype != master_dtype:
         shadow = runtime.host_empty(layout.numel, compute_dtype)

@@ -40,9 +40,7 @@ class ResidentParams:
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]],
                  group_of: dict[nn.Parameter, int], runtime: DeviceRuntime,
                  master_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-        self.state: HostFlatState = migrate_to_host(
-            named_params, group_of, runtime, master_dtype, compute_dtype, bind_params=False
-        )
+        self.state: HostFlatState = migrate_to_host(named_params, group_of, runtime, master_dtype, compute_dtype)
         streamed = self.state.streamed
         if runtime.device.type == "cpu":
             # The CPU is its own device: the streamed host buffer is the device copy.

@@ -9,8 +9,8 @@ The model's own ``forward`` runs unchanged; each block's ``forward`` is redirect
 - backward: the first backward call in a segment recomputes the whole segment from its
   checkpoint with block-local graphs (weights re-streamed, RNG and autocast state
   restored); each block's call then takes the gradient of its own outputs w.r.t. its
-  weights (one flat tensor, pushed to the :class:`GradientSink`) and its inputs, and
-  frees its graph and device buffer at once.
+  parameters (pushed, parameter by parameter, to the :class:`GradientSink`) and its
+  inputs, and frees its graph and device buffer at once.
 
 With ``checkpoint_interval`` 1 each block's weights cross host->device exactly twice per
 step: once in forward, once in backward.
@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from megatrain_ds.activation_offload import ActivationOffloader, HostCheckpoint
 from megatrain_ds.block_template import BlockTemplate
 from megatrain_ds.device_runtime import DeviceRuntime
+from megatrain_ds.flat_layout import FROZEN_GROUP
 from megatrain_ds.gradient_sink import GradientSink
 from megatrain_ds.host_store import HostFlatState
 from megatrain_ds.weight_streamer import WeightStreamer
@@ -81,7 +82,7 @@ class _BlockCall:
     replay: _ReplayState
     training: bool
     # Set by the recompute, cleared by the block's backward:
-    weight_leaf: torch.Tensor | None = None
+    param_views: list[torch.Tensor] = field(default_factory=list)
     input_leaves: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: list[torch.Tensor] = field(default_factory=list)
 
@@ -219,14 +220,14 @@ class StreamedBlocks:
     # -- forward ------------------------------------------------------------------------
 
     def _run(self, index: int, training: bool, leaves: list[Any], spec: Any,
-             weights: torch.Tensor | None = None) -> Any:
+             params: list[torch.Tensor] | None = None) -> Any:
+        """Run block ``index``; without ``params`` its weights are acquired and released here."""
         args, kwargs = tree_unflatten(leaves, spec)
-        release = weights is None
-        if weights is None:
-            weights = self.streamer.acquire(index)
-        outputs = self.templates[index].run(
-            weights, self.states[index].layout, self._overrides[index], training, args, kwargs
-        )
+        layout = self.states[index].layout
+        release = params is None
+        if params is None:
+            params = BlockTemplate.bind(self.streamer.acquire(index), layout)
+        outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs)
         if release:
             self.streamer.release(index)
         return outputs
@@ -295,8 +296,7 @@ class StreamedBlocks:
         """Re-run the segment with grad, one detached graph per block (see module doc)."""
         previous: list[torch.Tensor] = []
         for call in segment.calls:
-            weights = self.streamer.acquire(call.index)
-            call.weight_leaf = weights.detach().requires_grad_(True)
+            weights = self.streamer.acquire(call.index).detach().requires_grad_(True)
             leaves = list(call.leaves)
             call.input_leaves = {}
             for position in call.tensor_positions:
@@ -313,7 +313,10 @@ class StreamedBlocks:
                     call.input_leaves[position] = leaf
                 leaves[position] = leaf
             with call.replay.replay(self.runtime), torch.enable_grad():
-                outputs = self._run(call.index, call.training, leaves, call.spec, weights=call.weight_leaf)
+                # Bound under enable_grad: backward runs with grad mode off, and the views
+                # must be part of the graph to receive gradients.
+                call.param_views = BlockTemplate.bind(weights, self.states[call.index].layout)
+                outputs = self._run(call.index, call.training, leaves, call.spec, params=call.param_views)
             call.outputs = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
             previous = call.outputs
         segment.recomputed = True
@@ -323,17 +326,25 @@ class StreamedBlocks:
                        grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         pairs = [(out, grad) for out, grad in zip(call.outputs, grad_outputs)
                  if grad is not None and out.requires_grad]
-        inputs = [call.weight_leaf, *call.input_leaves.values()]
+        trained = [(slot, view) for slot, view in zip(self.states[call.index].layout.slots, call.param_views)
+                   if slot.group != FROZEN_GROUP]
+        # Gradients w.r.t. the parameter views themselves: no flat ``cat`` of the whole
+        # block on the device, and frozen parameters get no gradient computed at all.
+        inputs = [view for _, view in trained] + list(call.input_leaves.values())
         if pairs:
             grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
                                         allow_unused=True)
         else:
             grads = (None,) * len(inputs)
-        if grads[0] is not None:
-            self.sink.push(call.index, 0, grads[0], final=self._is_final_micro_batch())
+        final = self._is_final_micro_batch()
+        for (slot, view), grad in zip(trained, grads):
+            # An unused parameter contributes zeros, so every range of the block reaches
+            # the worker in every micro-batch (norm and update coverage stay complete).
+            grad = torch.zeros_like(view) if grad is None else grad
+            self.sink.push(call.index, slot.offset, grad.reshape(-1), final=final)
         # Every kernel that reads this block's weights is queued: the slot may be refilled.
         self.streamer.release(call.index)
-        by_position = dict(zip(call.input_leaves, grads[1:]))
-        call.weight_leaf, call.input_leaves, call.outputs, call.leaves = None, {}, [], []
+        by_position = dict(zip(call.input_leaves, grads[len(trained):]))
+        call.param_views, call.input_leaves, call.outputs, call.leaves = [], {}, [], []
         del segment
         return [by_position.get(position) for position in call.tensor_positions]
