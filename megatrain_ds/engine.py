@@ -127,6 +127,7 @@ class MegatrainEngine(nn.Module):
                 state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype)
 
         self.adamw = HostAdamW(self.optimizer.param_groups, self.optimizer.decoupled)
+        self.optimizer.attach(self._finish_optimizer_step)
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
         self.sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
                                  options.num_staging_buffers, self._consume_gradient)
@@ -163,6 +164,8 @@ class MegatrainEngine(nn.Module):
     # -- DeepSpeed engine API ---------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model (call the engine, not ``engine.module``: this plans the prefetch of
+        block 0 before the embedding computes; the module alone also works, a little later)."""
         self.blocks.begin_forward()
         return self.module(*args, **kwargs)
 
@@ -177,7 +180,7 @@ class MegatrainEngine(nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
         if self.is_gradient_accumulation_boundary():
-            self._finish_optimizer_step()
+            self.optimizer.step()  # -> _finish_optimizer_step (DeepSpeed's order)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1

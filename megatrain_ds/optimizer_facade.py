@@ -7,7 +7,7 @@ client optimizer whose groups it shares, takes effect as it would with DeepSpeed
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,20 +19,30 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 class MegatrainOptimizer(torch.optim.Optimizer):
-    """Parameter groups of the engine's host AdamW; the engine performs the updates.
+    """Parameter groups of the engine's host AdamW.
 
-    ``step`` is the engine's job (``engine.step()`` at the accumulation boundary), so
-    calling it here is an error; gradients live in the engine's host buffers, which each
-    update clears, so ``zero_grad`` has nothing to clear.
+    As with DeepSpeed, ``engine.step()`` calls ``step()`` at the accumulation boundary;
+    that finishes the update the engine's gradient worker started (so schedulers that
+    watch ``step`` see it). Gradients live in the engine's host buffers, which each update
+    clears, so ``zero_grad`` has nothing to clear.
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any],
                  decoupled: bool) -> None:
         super().__init__(param_groups, defaults)
         self.decoupled = decoupled
+        self._finish_update: Callable[[], None] | None = None
+
+    def attach(self, finish_update: Callable[[], None]) -> None:
+        """Called once by the engine: what ``step()`` runs."""
+        self._finish_update = finish_update
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        raise RuntimeError("the megatrain engine applies the optimizer: call engine.step()")
+        if closure is not None:
+            raise ValueError("closures are not supported: the engine computes the gradients")
+        if self._finish_update is None:
+            raise RuntimeError("this optimizer belongs to no megatrain engine")
+        self._finish_update()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none
