@@ -1,5 +1,7 @@
 """Finding the repeated blocks of Hugging Face models, and errors for models without them."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,9 @@ from megatrain_ds.block_discovery import BlockDiscoveryError, find_blocks
 from side_by_side import ds_config
 
 EXPECTED_PATHS = {"llama": "model.layers", "qwen2": "model.layers", "mistral": "model.layers",
-                  "mixtral": "model.layers", "gpt2": "transformer.h"}
+                  "mixtral": "model.layers", "gpt2": "transformer.h", "gemma": "model.layers",
+                  "gemma2": "model.layers", "phi": "model.layers", "qwen3": "model.layers",
+                  "qwen2_moe": "model.layers"}
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED_PATHS))
@@ -53,5 +57,52 @@ def test_blocks_of_one_structure_share_one_template():
     try:
         assert engine.num_templates == 1
         assert all(p.device.type == "meta" for p in engine.blocks.templates[0].module.parameters())
+    finally:
+        engine.destroy()
+
+
+class _ScaledBlock(nn.Module):
+    """Blocks that differ only by a scalar attribute used in forward."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * self.scale + x
+
+
+class _ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(_ScaledBlock(0.5 * (i + 1)) for i in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).sum()
+
+
+def test_per_block_scalar_attributes_reach_the_shared_template():
+    torch.manual_seed(0)
+    model = _ToyModel()
+    reference = copy.deepcopy(model)
+    engine = MegatrainEngine(model, parse_engine_config(ds_config(clipping=0.0)))
+    try:
+        assert engine.num_templates == 1
+        x = torch.randn(5, 4)
+        ours = engine(x)
+        engine.backward(ours)
+        engine.step()
+        theirs = reference(x)
+        theirs.backward()
+        torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1).step()
+        torch.testing.assert_close(ours, theirs)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(engine.module.state_dict()[key], value, rtol=1e-6, atol=1e-7)
     finally:
         engine.destroy()

@@ -56,3 +56,37 @@ def make_batch(seed: int, batch: int = 2, length: int = 12) -> dict[str, torch.T
     attention_mask[-1, :pad] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def gemma(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Scaled embeddings, tied head, (1 + w) RMSNorm."""
+    config = transformers.GemmaConfig(**_common(num_layers), head_dim=8)
+    return transformers.GemmaForCausalLM(config)
+
+
+def gemma2(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Alternating sliding/global attention: a per-block attribute the template must take."""
+    config = transformers.Gemma2Config(**_common(num_layers), head_dim=8, sliding_window=4)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def phi(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Parallel attention/MLP with biases and partial rotary embeddings."""
+    common = _common(num_layers)
+    common.pop("num_key_value_heads")
+    return transformers.PhiForCausalLM(transformers.PhiConfig(**common, partial_rotary_factor=0.5))
+
+
+def qwen3(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Per-head q/k RMSNorm."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_common(num_layers), head_dim=8))
+
+
+def qwen2_moe(num_layers: int = 4) -> transformers.PreTrainedModel:
+    """Routed experts plus a gated shared expert."""
+    config = transformers.Qwen2MoeConfig(**_common(num_layers), num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, shared_expert_intermediate_size=32)
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+FAMILIES.update({"gemma": gemma, "gemma2": gemma2, "phi": phi, "qwen3": qwen3, "qwen2_moe": qwen2_moe})
