@@ -7,8 +7,13 @@ interpreter. All must be set before deepspeed or triton is first imported.
 """
 
 import os
+import sys
 
 import torch
+
+# Import this checkout's kernels even when an editable install points at another clone
+# (the package root is on sys.path already, through this conftest's directory).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_kernels"))
 
 _HAS_CUDA = torch.cuda.is_available()
 
