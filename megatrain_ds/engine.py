@@ -19,7 +19,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from megatrain_ds import checkpointing
 from megatrain_ds.activation_offload import ActivationOffloader
+from megatrain_ds.batch_checks import check_batch
 from megatrain_ds.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.block_template import BlockTemplate, structure_key
 from megatrain_ds.config import EngineConfig
@@ -28,7 +30,9 @@ from megatrain_ds.gradient_sink import GradientSink
 from megatrain_ds.host_adamw import HostAdamW
 from megatrain_ds.host_store import HostFlatState, migrate_to_host
 from megatrain_ds.optimizer_facade import MegatrainOptimizer, build_optimizer, group_index_of
+from megatrain_ds.preflight import preflight
 from megatrain_ds.resident_params import ResidentParams
+from megatrain_ds.safetensors_source import materialize_meta_buffers, open_source
 from megatrain_ds.streamed_blocks import StreamedBlocks
 from megatrain_ds.weight_streamer import WeightStreamer
 
@@ -84,10 +88,16 @@ class MegatrainEngine(nn.Module):
     # -- construction --------------------------------------------------------------------
 
     def _build(self, model: nn.Module) -> None:
+        if self.config.options.preflight:  # fail before allocating anything (preflight.py)
+            preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
         _reject_unsupported_outputs(model)
         options = self.config.options
         path, blocks = find_blocks(model, options.block_path)
         check_blocks_own_their_params(model, blocks)
+        # load_from: values come from safetensors shards, one tensor at a time, so a model
+        # built on the meta device is never in host memory twice (safetensors_source.py).
+        source = open_source(model, options.load_from)
+        materialize_meta_buffers(model, source)
         self.block_path = path
         group_of = group_index_of(model, self.optimizer)
         master, compute = self.config.master_dtype, self.config.compute_dtype
@@ -105,13 +115,16 @@ class MegatrainEngine(nn.Module):
             # Migrating block by block frees each block's original storage before the
             # next is copied: the model never exists twice in host memory.
             self.states.append(migrate_to_host(
-                list(block.named_parameters()), group_of, self.runtime, master, compute
+                list(block.named_parameters()), group_of, self.runtime, master, compute,
+                source=source.scoped(f"{path}.{index}.") if source is not None else None,
             ))
         self.num_templates = len(templates_by_key)
 
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
-        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute)
+        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source)
+        if source is not None:
+            source.report_unused(name for name, _ in model.named_buffers())
         self.states.append(self.resident.state)
         self._resident_index = len(self.states) - 1
         block_modules = {id(m) for m in blocks.modules()}
@@ -166,6 +179,7 @@ class MegatrainEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model (call the engine, not ``engine.module``: this plans the prefetch of
         block 0 before the embedding computes; the module alone also works, a little later)."""
+        check_batch(self.module, self.runtime.device, args, kwargs)
         self.blocks.begin_forward()
         return self.module(*args, **kwargs)
 
@@ -254,7 +268,8 @@ class MegatrainEngine(nn.Module):
             return
         if self.config.gradient_clipping > 0:
             # The update needs the global norm, known only when backward ends (engine.step).
-            self._sum_squares.append(accumulated.float().square().sum())
+            # vector_norm reduces without a chunk-sized temporary (host allocator churn).
+            self._sum_squares.append(torch.linalg.vector_norm(accumulated, dtype=torch.float32) ** 2)
         else:
             self.adamw.update_range(state, offset, accumulated, step=step)
             accumulated.zero_()
@@ -273,6 +288,24 @@ class MegatrainEngine(nn.Module):
                 state.grad.zero_()
         self.optimizer_steps = step
         self.resident.refresh_device()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
+        directory (fp32 masters); crash-safe and checksummed. See :mod:`checkpointing`."""
+        return checkpointing.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                             exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None
+                        ) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
+        ``(None, None)`` without a ``latest`` file. See :mod:`checkpointing`."""
+        return checkpointing.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                             load_lr_scheduler_states, load_module_only, custom_load_fn)
 
 
 def _reject_unsupported_outputs(model: nn.Module) -> None:
