@@ -1,4 +1,4 @@
-"""Train a causal language model with the megatrain engine through ``deepspeed.initialize``.
+"""Train a causal language model: a plain Accelerate script, run on the megatrain engine.
 
 The project's main job, small enough for a laptop CPU: a Llama-shaped model (random
 init from ``configs/models/tiny_llama.json``, byte-level: tokens are the bytes 0..255)
@@ -6,12 +6,17 @@ learns the King James excerpt in ``data/kjv_excerpt.txt``. The first 95% of the 
 trains, the last 5% evaluates. ``--model DIR`` fine-tunes any local Hugging Face
 causal-LM directory instead, with its own tokenizer.
 
-    python examples/train_clm.py                        # ~2-3 minutes on 2 CPU cores
-    python examples/train_clm.py --steps 2000 --deepspeed_config configs/ds_megatrain.json
+    accelerate launch --config_file configs/accelerate_megatrain.yaml examples/train_clm.py
+    python examples/train_clm.py        # the same, one process, without the launcher
 
-The engine picks its device itself (the GPU when there is one); the script only moves
-batches to ``engine.runtime.device``. It writes ``loss_curve.png`` and the trained model
-(``model/``, loadable with ``AutoModelForCausalLM.from_pretrained``) to ``--output-dir``.
+Nothing here is specific to the engine: the script prepares a model, a client AdamW
+(no weight decay on norms and biases), a DataLoader and a warm-up/cosine scheduler with
+Accelerate and trains with ``accelerator.backward``. The DeepSpeed JSON's
+``"engine": "megatrain"`` routes ``deepspeed.initialize`` to the engine (the package
+installs that routing; ``MEGATRAIN_DISABLE_HOOK=1`` gives plain DeepSpeed instead).
+The GPU is used when there is one (add ``--mixed_precision bf16`` to the launch for bf16
+compute), else the CPU. It writes ``loss_curve.png``, ``metrics.json`` and the trained
+model (``model/``, loadable with ``AutoModelForCausalLM.from_pretrained``) to ``--output-dir``.
 """
 
 from __future__ import annotations
@@ -20,37 +25,35 @@ import os
 
 import torch
 
-# DeepSpeed reads these when it is imported; one process needs them as much as many.
+# DeepSpeed reads this when it is imported: without a GPU it must use its CPU accelerator.
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0",
-                     "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-    os.environ.setdefault(_key, _value)
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
-import deepspeed  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # no display needed; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import transformers  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
-
-import megatrain_ds  # noqa: E402,F401  (routes deepspeed.initialize to the engine)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT / "data" / "kjv_excerpt.txt"
 DEFAULT_MODEL_CONFIG = REPO_ROOT / "configs" / "models" / "tiny_llama.json"
+DEFAULT_DEEPSPEED_CONFIG = REPO_ROOT / "configs" / "ds_megatrain_accelerate.json"
 EVAL_FRACTION = 0.05
-# Measured on 2 CPU cores (fp32 config, seq 128, micro-batch 8): ~0.14 s a step
-# (~7,500 tokens/s), so 1000 steps plus evaluation take ~2.5 minutes; eval loss falls
-# from 5.54 (ln 256) to ~1.42 nats per byte.
+# Measured on 2 CPU cores (fp32, seq 128, micro-batch 8): ~0.14 s a step (~7,500 tokens/s),
+# so 1000 steps plus evaluation take ~2.5 minutes; eval loss falls from 5.54 (ln 256) to
+# ~1.4 nats per byte.
 DEFAULT_STEPS = 1000
 
 Batch = dict[str, torch.Tensor]
@@ -61,7 +64,8 @@ Encode = Callable[[str], torch.Tensor]
 class TrainResult:
     """What a run produced; ``main`` returns it so tests can check the numbers."""
 
-    engine_type: type
+    engine_type: str
+    """Module and class of the prepared model: the engine Accelerate got from DeepSpeed."""
     losses: list[float]
     """Training loss of every optimizer step."""
     eval_steps: list[int]
@@ -80,15 +84,25 @@ class TrainResult:
     seconds: float
     """Wall time of ``main``, start to end."""
 
+    def to_json(self) -> dict[str, Any]:
+        """Everything but the batches (written to ``metrics.json``)."""
+        data = asdict(self)
+        del data["eval_batches"]
+        return {key: str(value) if isinstance(value, (Path, torch.device)) else value
+                for key, value in data.items()}
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    default_config = REPO_ROOT / "configs" / (
-        "ds_megatrain.json" if torch.cuda.is_available() else "ds_megatrain_fp32.json")
-    parser.add_argument("--deepspeed_config", type=Path, default=default_config,
-                        help="DeepSpeed JSON with \"engine\": \"megatrain\" (bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--deepspeed_config", type=Path, default=DEFAULT_DEEPSPEED_CONFIG,
+                        help="DeepSpeed JSON when run without `accelerate launch` (with it, the "
+                             "Accelerate config names the JSON)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="on matrices only")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
     parser.add_argument("--eval-batches", type=int, default=8,
@@ -102,7 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=Path("runs/train_clm"))
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    for name in ("steps", "seq_len", "eval_every", "eval_batches"):
+    for name in ("steps", "seq_len", "eval_every", "eval_batches", "batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -141,13 +155,21 @@ def hf_encoder(tokenizer: Any) -> Encode:
     return encode
 
 
-def sample_train_batch(tokens: torch.Tensor, batch_size: int, seq_len: int,
-                       generator: torch.Generator) -> Batch:
-    """``batch_size`` windows of ``seq_len`` tokens at random offsets; labels = inputs
-    (the model shifts them)."""
-    starts = torch.randint(0, tokens.numel() - seq_len + 1, (batch_size,), generator=generator)
-    input_ids = torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])  # [B, T]
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
+class RandomWindows(torch.utils.data.Dataset):
+    """``num_samples`` windows of ``seq_len`` tokens at random offsets fixed by ``seed``;
+    labels = inputs (the model shifts them)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, num_samples: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens, self.seq_len = tokens, seq_len
+        self.starts = torch.randint(0, tokens.numel() - seq_len + 1, (num_samples,), generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> Batch:
+        window = self.tokens[self.starts[index] : self.starts[index] + self.seq_len]  # [T]
+        return {"input_ids": window, "labels": window.clone()}
 
 
 def make_eval_batches(tokens: torch.Tensor, batch_size: int, seq_len: int,
@@ -179,19 +201,15 @@ def build_model(args: argparse.Namespace) -> tuple[transformers.PreTrainedModel,
     return transformers.AutoModelForCausalLM.from_config(config), encode_bytes, None
 
 
-def parameter_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only: norms' gains (and any biases) are not decayed."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def warmup_cosine(total_steps: int) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
-    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the config's lr.
-
-    Returned as DeepSpeed's callable form: ``deepspeed.initialize`` calls it with the
-    engine's optimizer.
-    """
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak lr."""
     warmup = max(1, total_steps // 20)
 
     def factor(step: int) -> float:
@@ -200,7 +218,7 @@ def warmup_cosine(total_steps: int) -> Callable[[torch.optim.Optimizer], torch.o
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @torch.no_grad()
@@ -237,10 +255,24 @@ def plot_losses(path: Path, losses: Sequence[float], eval_steps: Sequence[int],
 # -- main ---------------------------------------------------------------------------------------
 
 
+def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    """The launcher's Accelerator, or, run as plain ``python``, one with ``--deepspeed_config``."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":  # accelerate launch
+        return Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # One process without the launcher: DeepSpeed's process group still wants these.
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(args.deepspeed_config)),
+                       mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                       gradient_accumulation_steps=args.gradient_accumulation_steps)
+
+
 def main(argv: Sequence[str] | None = None) -> TrainResult:
     """Train, evaluate, plot and save; see the module docstring and ``--help``."""
     args = parse_args(argv)
     started = time.perf_counter()
+    accelerator = make_accelerator(args)
     transformers.set_seed(args.seed)
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -252,68 +284,82 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     train_tokens, eval_tokens = encode(train_text), encode(eval_text)
     if train_tokens.numel() < args.seq_len:
         raise ValueError(f"the training text has {train_tokens.numel()} tokens, fewer than --seq-len {args.seq_len}")
+    accumulation = args.gradient_accumulation_steps
+    train_loader = torch.utils.data.DataLoader(
+        RandomWindows(train_tokens, args.seq_len, args.steps * accumulation * args.batch_size, args.seed),
+        batch_size=args.batch_size)
+    eval_batches = make_eval_batches(eval_tokens, args.batch_size, args.seq_len, args.eval_batches)
+    num_parameters = sum(p.numel() for p in model.parameters())
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model), config=str(args.deepspeed_config),
-        lr_scheduler=warmup_cosine(args.steps),
-    )
-    try:
-        device = engine.runtime.device
-        batch_size = engine.train_micro_batch_size_per_gpu()
-        accumulation = engine.gradient_accumulation_steps()
-        eval_batches = make_eval_batches(eval_tokens, batch_size, args.seq_len, args.eval_batches)
-        generator = torch.Generator().manual_seed(args.seed)
-        tokens_per_step = batch_size * accumulation * args.seq_len
-        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | "
-              f"data: {train_tokens.numel():,} train / {eval_tokens.numel():,} eval tokens | "
-              f"engine: {type(engine).__name__} on {device} | config: {args.deepspeed_config}")
+    optimizer = torch.optim.AdamW(parameter_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    scheduler = warmup_cosine(optimizer, args.steps)
+    # The DeepSpeed JSON's "auto" values are filled here: micro-batch from the DataLoader,
+    # accumulation from the Accelerator. With "engine": "megatrain", `model` is the engine.
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    device = accelerator.device
+    engine_type = f"{type(model).__module__}.{type(model).__qualname__}"
+    tokens_per_step = args.batch_size * accumulation * args.seq_len
+    print(f"model: {num_parameters / 1e6:.2f}M parameters | data: {train_tokens.numel():,} train / "
+          f"{eval_tokens.numel():,} eval tokens | engine: {engine_type} on {device} "
+          f"({accelerator.mixed_precision}) | {tokens_per_step:,} tokens a step")
 
-        engine.eval()
-        eval_steps, eval_losses = [0], [evaluate(engine, eval_batches, device)]
-        engine.train()
-        losses: list[float] = []
-        train_seconds = 0.0
-        progress = tqdm(range(1, args.steps + 1), desc="train", disable=args.no_progress,
-                        dynamic_ncols=True)
-        for step in progress:
-            tick = time.perf_counter()
-            step_loss = 0.0
-            for _ in range(accumulation):
-                batch = to_device(sample_train_batch(train_tokens, batch_size, args.seq_len, generator), device)
-                loss = engine(**batch).loss
-                engine.backward(loss)
-                engine.step()
-                step_loss += loss.detach().item() / accumulation  # waits for the step's work
-            train_seconds += time.perf_counter() - tick
-            losses.append(step_loss)
-            if step % args.eval_every == 0 or step == args.steps:
-                engine.eval()
-                eval_steps.append(step)
-                eval_losses.append(evaluate(engine, eval_batches, device))
-                engine.train()
-            progress.set_postfix(loss=f"{step_loss:.3f}", eval=f"{eval_losses[-1]:.3f}",
-                                 tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
-                                 lr=f"{engine.get_lr()[0]:.1e}")
-        progress.close()
+    model.eval()
+    eval_steps, eval_losses = [0], [evaluate(model, eval_batches, device)]
+    model.train()
+    losses: list[float] = []
+    train_seconds, step_loss, step = 0.0, 0.0, 0
+    progress = tqdm(total=args.steps, desc="train", disable=args.no_progress, dynamic_ncols=True)
+    tick = time.perf_counter()
+    for batch in train_loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)  # at the last micro-batch: the engine's optimizer step
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        step_loss += loss.detach().item() / accumulation  # waits for the micro-batch's work
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        train_seconds += time.perf_counter() - tick
+        losses.append(step_loss)
+        step_loss = 0.0
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            eval_steps.append(step)
+            eval_losses.append(evaluate(model, eval_batches, device))
+            model.train()
+        progress.update()
+        progress.set_postfix(loss=f"{losses[-1]:.3f}", eval=f"{eval_losses[-1]:.3f}",
+                             tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
+                             lr=f"{scheduler.get_last_lr()[0]:.1e}")
+        tick = time.perf_counter()
+    progress.close()
 
-        plot_path = args.output_dir / "loss_curve.png"
+    plot_path = args.output_dir / "loss_curve.png"
+    model_dir = args.output_dir / "model"
+    if accelerator.is_main_process:
         plot_losses(plot_path, losses, eval_steps, eval_losses)
-        model_dir = args.output_dir / "model"
-        engine.module.save_pretrained(model_dir)  # state_dict reports the fp32 masters
-        if tokenizer is not None:
-            tokenizer.save_pretrained(model_dir)
-    finally:
-        engine.destroy()
+    # The state dict holds the fp32 masters: nothing to gather.
+    accelerator.unwrap_model(model).save_pretrained(
+        model_dir, state_dict=accelerator.get_state_dict(model),
+        is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    if tokenizer is not None and accelerator.is_main_process:
+        tokenizer.save_pretrained(model_dir)
 
     result = TrainResult(
-        engine_type=type(engine), losses=losses, eval_steps=eval_steps, eval_losses=eval_losses,
+        engine_type=engine_type, losses=losses, eval_steps=eval_steps, eval_losses=eval_losses,
         initial_eval_loss=eval_losses[0], final_eval_loss=eval_losses[-1],
-        tokens_per_second=args.steps * tokens_per_step / train_seconds,
+        tokens_per_second=len(losses) * tokens_per_step / train_seconds,
         plot_path=plot_path, model_dir=model_dir, device=device, eval_batches=eval_batches,
         seconds=time.perf_counter() - started,
     )
+    if accelerator.is_main_process:
+        (args.output_dir / "metrics.json").write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")
+    accelerator.end_training()
+    accelerator.free_memory()  # destroys the engine: its worker thread, pinned memory
     tail = losses[-min(20, len(losses)):]
-    print(f"done: {args.steps} steps in {result.seconds:.1f}s | final train loss "
+    print(f"done: {len(losses)} steps in {result.seconds:.1f}s | final train loss "
           f"{sum(tail) / len(tail):.4f} (mean of last {len(tail)}) | eval loss "
           f"{result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f} | "
           f"{result.tokens_per_second:,.0f} tokens/s | saved {plot_path} and {model_dir}")

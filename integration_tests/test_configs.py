@@ -1,8 +1,11 @@
 """Every shipped config must still be accepted by the code that reads it.
 
-DeepSpeed JSONs with ``"engine": "megatrain"`` go through the engine's own parser; model
-configs under ``configs/models`` through ``transformers.AutoConfig``, and are built into
-a model (random init) so a key the model code no longer understands shows up here.
+DeepSpeed JSONs with ``"engine": "megatrain"`` go through the engine's own parser, after
+their ``"auto"`` values are filled by the code that fills them in real runs (the HF
+Trainer's ``HfTrainerDeepSpeedConfig``, Accelerate's ``DeepSpeedPlugin``); Accelerate
+YAMLs through Accelerate's loader; model configs under ``configs/models`` through
+``transformers.AutoConfig``, and are built into a model (random init) so a key the model
+code no longer understands shows up here.
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ from pathlib import Path
 
 import pytest
 import transformers
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DeepSpeedPlugin
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 import megatrain_ds
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = REPO_ROOT / "configs"
 
 
 def _load(path: Path) -> dict:
@@ -23,23 +30,99 @@ def _load(path: Path) -> dict:
         return json.load(handle)
 
 
+def _has_auto(value) -> bool:
+    if isinstance(value, dict):
+        return any(_has_auto(v) for v in value.values())
+    return value == "auto"
+
+
 ENGINE_CONFIGS = sorted(p for p in CONFIGS.rglob("*.json") if _load(p).get("engine") == "megatrain")
 MODEL_CONFIGS = sorted((CONFIGS / "models").glob("*.json"))
+ACCELERATE_CONFIGS = sorted(CONFIGS.rglob("*.yaml"))
 
 
 def test_shipped_configs_are_found() -> None:
-    """Guards the parametrised tests below against a glob that silently matches nothing."""
+    """Guards the parametrised tests below against a glob that silently matches nothing,
+    and every file in configs/ against being parsed by none of them."""
     names = {p.name for p in ENGINE_CONFIGS}
-    assert {"ds_megatrain.json", "ds_megatrain_fp32.json"} <= names
+    assert {"ds_megatrain.json", "ds_megatrain_fp32.json", "ds_megatrain_hf.json",
+            "ds_megatrain_accelerate.json"} <= names
     assert "tiny_llama.json" in {p.name for p in MODEL_CONFIGS}
+    assert "accelerate_megatrain.yaml" in {p.name for p in ACCELERATE_CONFIGS}
+    parsed = set(ENGINE_CONFIGS) | set(MODEL_CONFIGS) | set(ACCELERATE_CONFIGS)
+    assert {p for p in CONFIGS.rglob("*") if p.is_file()} == parsed
+
+
+def _filled_by_trainer(path: Path, tmp_path: Path) -> tuple[dict, transformers.TrainingArguments]:
+    """The config as the HF Trainer hands it to deepspeed.initialize (no global state set)."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                          gradient_accumulation_steps=2, learning_rate=5e-4,
+                                          weight_decay=0.1, warmup_steps=3, report_to=[])
+    config = HfTrainerDeepSpeedConfig(str(path))
+    config.trainer_config_process(args)
+    config.trainer_config_finalize(args, transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2)), num_training_steps=100)
+    return config.config, args
+
+
+def _filled_by_accelerate(path: Path) -> dict:
+    """The config as Accelerate's _prepare_deepspeed hands it over (micro-batch 8 from the
+    DataLoader, accumulation 2, no mixed precision)."""
+    plugin = DeepSpeedPlugin(hf_ds_config=str(path), gradient_accumulation_steps=2)
+    plugin.set_mixed_precision("no")
+    plugin.deepspeed_config_process(must_match=False, train_micro_batch_size_per_gpu=8,
+                                    train_batch_size=16, gradient_clipping=1.0)
+    return plugin.deepspeed_config
 
 
 @pytest.mark.parametrize("path", ENGINE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
-def test_engine_config_parses(path: Path) -> None:
-    config = megatrain_ds.parse_engine_config(_load(path))
+def test_engine_config_parses(path: Path, tmp_path: Path) -> None:
+    raw = _load(path)
+    if _has_auto(raw):
+        raw, args = _filled_by_trainer(path, tmp_path)
+        assert not _has_auto(raw), f"{path.name}: the Trainer leaves 'auto' values"
+    config = megatrain_ds.parse_engine_config(raw)
     # Unknown top-level keys are only warned about by the parser; a shipped config has none.
     assert config.ignored_keys == (), f"{path.name}: keys the engine ignores: {config.ignored_keys}"
-    assert config.optimizer is not None, f"{path.name}: no optimizer block"
+    assert (config.optimizer is not None) == ("optimizer" in raw)
+    if _has_auto(_load(path)):
+        assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (4, 2)
+        if config.optimizer is not None:
+            assert (config.optimizer.lr, config.optimizer.weight_decay) == (5e-4, 0.1)
+        if config.scheduler is not None:
+            assert config.scheduler.params["total_num_steps"] == 100
+            assert config.scheduler.params["warmup_num_steps"] == 3
+
+
+def test_hf_config_is_auto_throughout() -> None:
+    """Every value the HF Trainer can fill is "auto", so no TrainingArguments mismatch it."""
+    raw = _load(CONFIGS / "ds_megatrain_hf.json")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        assert raw[key] == "auto", key
+    assert raw["bf16"]["enabled"] == raw["fp16"]["enabled"] == "auto"
+    assert set(raw["optimizer"]["params"].values()) == {"auto"}
+    assert raw["scheduler"]["type"] == "WarmupDecayLR"
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_config_loads_and_names_an_engine_config(path: Path) -> None:
+    config = load_config_from_file(str(path))
+    assert config.distributed_type == "DEEPSPEED" and config.num_processes == 1
+    # Accelerate refuses mixed_precision in the YAML next to a DeepSpeed config file; it
+    # comes from `--mixed_precision` into the JSON's "bf16": {"enabled": "auto"}.
+    assert config.mixed_precision is None
+    json_path = REPO_ROOT / config.deepspeed_config["deepspeed_config_file"]  # relative to the repo root
+    raw = _load(json_path)
+    assert megatrain_ds.config.is_megatrain_config(raw)
+    # Typical Accelerate scripts pass their own optimizer and scheduler; Accelerate refuses
+    # a config that has either too.
+    assert "optimizer" not in raw and "scheduler" not in raw
+    parsed = megatrain_ds.parse_engine_config(_filled_by_accelerate(json_path))
+    assert parsed.ignored_keys == ()
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (8, 2)
+    assert parsed.gradient_clipping == 1.0 and not parsed.bf16
 
 
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.name)

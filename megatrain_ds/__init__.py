@@ -3,8 +3,11 @@
 Every persistent tensor (fp32 master weights, Adam state, gradient accumulators) lives in
 host memory; each transformer block's weights stream to the GPU just in time.
 
-Importing this package routes ``deepspeed.initialize`` calls whose config has
-``"engine": "megatrain"`` to :func:`initialize` (see :mod:`megatrain_ds.deepspeed_hook`).
+``deepspeed.initialize`` calls whose config has ``"engine": "megatrain"`` go to
+:func:`initialize`, which returns a ``DeepSpeedEngine`` subclass
+(:class:`megatrain_ds.deepspeed_adapter.MegatrainDeepSpeedEngine`). The routing is
+installed with the package (a ``.pth`` start-up hook), so scripts need not import this
+package; importing it installs the routing too (see :mod:`megatrain_ds.deepspeed_hook`).
 """
 
 from megatrain_ds import deepspeed_hook

@@ -24,8 +24,65 @@ ENGINE_NAME = "megatrain"
 _KNOWN_TOP_LEVEL = {
     "engine", "megatrain", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
     "train_micro_batch_size_per_gpu", "train_batch_size", "optimizer",
+    # DeepSpeed semantics added for Accelerate and the HF Trainer (see README):
+    "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_optimization", "bfloat16",
+    # Accelerate and the HF Trainer add these to every config they prepare; they concern
+    # which client optimizers DeepSpeed lets through (this engine checks the class itself).
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
 }
 _OPTIMIZER_TYPES = ("adamw", "adam")
+
+AUTO = "auto"
+"""The placeholder Accelerate and the HF Trainer fill in before calling ``deepspeed.initialize``."""
+_AUTO_HELP = ('"auto" values are filled in by the HF Trainer (from TrainingArguments) or by '
+              "Accelerate before they call deepspeed.initialize; this one was not: give a value")
+
+# DeepSpeed's defaults for keys it reads (deepspeed/runtime/constants.py, DeepSpeed 0.19).
+GRADIENT_CLIPPING_DEFAULT = 1.0
+
+# A "zero_optimization" block copied from a ZeRO-3 offload config: this engine's host-resident
+# layout replaces every ZeRO stage, so only these keys mean something here; the others are
+# listed in the one warning about ignored keys.
+_ZERO_UNDERSTOOD = {"stage", "stage3_gather_16bit_weights_on_model_save"}
+_ZERO_OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
+_OFFLOAD_HOST_DEVICES = ("cpu", "none", None)  # host memory is where this engine keeps both
+
+
+def _reject_auto(block: Mapping[str, Any], prefix: str) -> None:
+    for key, value in block.items():
+        if value == AUTO:
+            raise ConfigError(f"{prefix}.{key} is {AUTO!r}: {_AUTO_HELP}")
+
+
+def _zero_optimization(block: Any) -> tuple[bool | None, list[str]]:
+    """``(pin_memory or None, ignored dotted keys)`` of a ``zero_optimization`` block.
+
+    ``offload_param.pin_memory``/``offload_optimizer.pin_memory`` set ``megatrain.pin_memory``
+    (unless the ``megatrain`` block sets it; pinned if either says so); offload devices
+    ``cpu``/``none`` agree with the engine; any ``stage`` 0-3 is accepted.
+    """
+    if not isinstance(block, Mapping):
+        raise ConfigError(f'"zero_optimization" must be a JSON object, got {block!r}')
+    stage = block.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    pins: list[bool] = []
+    ignored: list[str] = []
+    for key, value in block.items():
+        if key in _ZERO_UNDERSTOOD:
+            continue
+        if key not in _ZERO_OFFLOAD_BLOCKS or not isinstance(value, Mapping):
+            ignored.append(f"zero_optimization.{key}")
+            continue
+        for sub, sub_value in value.items():
+            name = f"zero_optimization.{key}.{sub}"
+            if sub == "pin_memory":
+                if not isinstance(sub_value, bool):
+                    raise ConfigError(f"{name} must be true or false, got {sub_value!r}")
+                pins.append(sub_value)
+            elif not (sub == "device" and sub_value in _OFFLOAD_HOST_DEVICES):
+                ignored.append(name)
+    return (any(pins) if pins else None), ignored
 
 
 class ConfigError(ValueError):
@@ -53,17 +110,62 @@ class MegatrainOptions:
     """Page-lock host buffers when CUDA is used (needed for asynchronous copies)."""
     num_staging_buffers: int = 4
     """Pinned host buffers (4M elements each) for device-to-host gradient copies."""
+    load_from: str | None = None
+    """A local directory of Hugging Face safetensors shards (``model.safetensors`` or a
+    ``model.safetensors.index.json`` and its shards) to fill the parameters from, block by
+    block, converted to the master dtype; lets a model built on the meta device
+    (``accelerate.init_empty_weights()``) be trained without ever holding it twice."""
+    preflight: bool = True
+    """Check before allocating that the run fits in host (and device) memory, and fail at
+    once with the numbers and the settings that would fit."""
+    optimizer_device: str = "auto"
+    """Where AdamW runs: "cpu" (host SIMD kernel, overlapping backward), "gpu" (optimizer
+    state streamed through the device and a fused Triton kernel), or "auto": measured at
+    start-up (cached per machine), possibly splitting blocks between the two; "cpu"
+    without CUDA. See ``optimizer_placement.py``."""
+    cpu_adam_kernel: str = "auto"
+    """The CPU AdamW kernel: "torch_fused" (ATen's fused kernel), "deepspeed" (DeepSpeed's
+    cpu_adam op, JIT-built), "torch" (op by op), or "auto" (the first that runs, in that
+    order); one that cannot run here falls back with a logged reason. See ``cpu_adam.py``."""
+    speculative_blocks: int | str = "auto"
+    """Blocks whose update may run during backward before the global gradient norm is
+    known (then validated, and undone exactly if clipping or a non-finite norm says so).
+    Each keeps a journal of 12 bytes per parameter (14 with a bf16 shadow) of host memory;
+    "auto" takes as many as fit in 0.5 bytes per model parameter. See
+    ``speculative_step.py``."""
+    non_finite_steps: str = "auto"
+    """What a step with a non-finite gradient norm does: "skip" (weights and optimizer
+    state untouched; needs the gradients held until the norm is known, which costs
+    nothing with clipping or accumulation and 2-4 bytes/param without), "raise", or "auto"
+    ("skip" when gradients are held anyway, else "raise")."""
+    max_consecutive_skips: int = 10
+    """Non-finite steps skipped in a row before the engine gives up: the next one raises
+    ``NonFiniteGradientError`` (the state is still intact then)."""
 
     def __post_init__(self) -> None:
         if self.block_path is not None and not isinstance(self.block_path, str):
             raise ConfigError(f'megatrain.block_path must be a string, got {self.block_path!r}')
-        for name, minimum in (("checkpoint_interval", 1), ("num_buffers", 2), ("num_staging_buffers", 1)):
+        if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
+            raise ConfigError(f"megatrain.load_from must be a directory path, got {self.load_from!r}")
+        for name, choices in (("optimizer_device", ("auto", "cpu", "gpu")),
+                              ("cpu_adam_kernel", ("auto", "torch_fused", "deepspeed", "torch")),
+                              ("non_finite_steps", ("auto", "skip", "raise"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"megatrain.{name} must be one of {', '.join(map(repr, choices))}; "
+                                  f"got {getattr(self, name)!r}")
+        if self.speculative_blocks != "auto" and (not isinstance(self.speculative_blocks, int)
+                                                  or isinstance(self.speculative_blocks, bool)
+                                                  or self.speculative_blocks < 0):
+            raise ConfigError(f'megatrain.speculative_blocks must be "auto" or an integer >= 0, '
+                              f"got {self.speculative_blocks!r}")
+        for name, minimum in (("checkpoint_interval", 1), ("num_buffers", 2), ("num_staging_buffers", 1),
+                              ("max_consecutive_skips", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ConfigError(f"megatrain.{name} must be an integer >= {minimum}, got {value!r}")
         if self.master_dtype not in ("fp32", "bf16"):
             raise ConfigError(f'megatrain.master_dtype must be one of "fp32", "bf16"; got {self.master_dtype!r}')
-        for name in ("pin_memory", "offload_checkpoints"):
+        for name in ("pin_memory", "offload_checkpoints", "preflight"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -83,7 +185,12 @@ class MegatrainOptions:
 
 @dataclass(kw_only=True)
 class OptimizerSpec:
-    """The ``"optimizer"`` block: AdamW (or Adam with ``adam_w_mode``)."""
+    """The ``"optimizer"`` block: AdamW (or Adam with ``adam_w_mode``), read as DeepSpeed does.
+
+    ``"AdamW"`` is always decoupled; ``"Adam"`` is too unless ``adam_w_mode`` is false
+    (then L2). The weight decay defaults to 0 (DeepSpeed's FusedAdam/DeepSpeedCPUAdam),
+    or to 0.01 with ``torch_adam`` in decoupled mode (``torch.optim.AdamW``'s default).
+    """
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -100,16 +207,26 @@ class OptimizerSpec:
                 f'optimizer.type {block.get("type")!r} is not supported; valid: "AdamW", "Adam"'
             )
         params = dict(block.get("params", {}))
-        decoupled = bool(params.pop("adam_w_mode", True))
-        params.pop("torch_adam", None)  # the host step is always the engine's own
+        _reject_auto(params, "optimizer.params")
+        if "max_grad_norm" in params:  # DeepSpeed's own message
+            raise ConfigError("'max_grad_norm' is not supported as an optimizer parameter, please switch "
+                              "to using the deepspeed parameter 'gradient_clipping'")
+        adam_w_mode = bool(params.pop("adam_w_mode", True))
+        decoupled = kind == "adamw" or adam_w_mode  # DeepSpeed: "AdamW" forces AdamW
+        torch_adam = bool(params.pop("torch_adam", False))  # the host step is always the engine's own
+        # Options of DeepSpeed's Adam classes that only this value agrees with the engine's Adam.
+        for key, required in (("bias_correction", True), ("amsgrad", False), ("fp32_optimizer_states", True)):
+            if key in params and bool(params.pop(key)) != required:
+                raise ConfigError(f"optimizer.params.{key} must be {str(required).lower()} with this engine")
+        params.pop("foreach", None)  # a torch implementation choice, no effect on the result
         allowed = {"lr", "betas", "eps", "weight_decay"}
         unknown = sorted(set(params) - allowed)
         if unknown:
             raise ConfigError(
                 f"unknown optimizer.params key(s): {', '.join(unknown)}; valid: "
-                f"{', '.join(sorted(allowed | {'adam_w_mode', 'torch_adam'}))}"
+                f"{', '.join(sorted(allowed | {'adam_w_mode', 'torch_adam', 'bias_correction', 'amsgrad', 'fp32_optimizer_states', 'foreach'}))}"
             )
-        default_wd = 0.01 if kind == "adamw" else 0.0
+        default_wd = 0.01 if torch_adam and decoupled else 0.0
         spec = cls(
             lr=float(params.get("lr", 1e-3)),
             betas=tuple(float(b) for b in params.get("betas", (0.9, 0.999))),  # type: ignore[arg-type]
@@ -120,6 +237,30 @@ class OptimizerSpec:
         if len(spec.betas) != 2:
             raise ConfigError(f"optimizer.params.betas must have two values, got {spec.betas!r}")
         return spec
+
+
+@dataclass(kw_only=True)
+class SchedulerSpec:
+    """The ``"scheduler"`` block; built with DeepSpeed's own classes (``deepspeed_adapter``)."""
+
+    type: str
+    """A class of ``deepspeed.runtime.lr_schedules`` (``WarmupLR``, ``WarmupDecayLR``,
+    ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``) or of ``torch.optim.lr_scheduler``."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of that class."""
+
+    @classmethod
+    def from_dict(cls, block: Any) -> "SchedulerSpec":
+        if not isinstance(block, Mapping):
+            raise ConfigError(f'"scheduler" must be a JSON object, got {block!r}')
+        kind = block.get("type")
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f'scheduler.type must name a scheduler such as "WarmupLR", got {kind!r}')
+        params = block.get("params", {})
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"scheduler.params must be a JSON object, got {params!r}")
+        _reject_auto(params, "scheduler.params")
+        return cls(type=kind, params=dict(params))
 
 
 @dataclass(kw_only=True)
@@ -136,6 +277,20 @@ class EngineConfig:
     train_batch_size: int = 1
     optimizer: OptimizerSpec | None = None
     ignored_keys: tuple[str, ...] = ()
+    scheduler: SchedulerSpec | None = None
+    """Built on the engine's optimizer unless ``deepspeed.initialize`` gets ``lr_scheduler=``
+    (DeepSpeed's precedence)."""
+    steps_per_print: int | None = None
+    """Log ``step=, lr=, mom=`` every this many optimizer steps (None: never, DeepSpeed's default)."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step, and log them at every optimizer step."""
+    source: Mapping[str, Any] = field(default_factory=dict)
+    """The DeepSpeed JSON as given (its "auto" values filled by Accelerate/the HF Trainer)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``dict.get`` on the DeepSpeed JSON: DeepSpeed's ``engine.config`` is that dict, and
+        code written for DeepSpeed (the HF Trainer) reads it so."""
+        return self.source.get(key, default)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -148,7 +303,14 @@ class EngineConfig:
     @property
     def holds_gradients(self) -> bool:
         """Whether gradients must be kept on the host until backward ends."""
-        return self.gradient_clipping > 0 or self.gradient_accumulation_steps > 1
+        return (self.gradient_clipping > 0 or self.gradient_accumulation_steps > 1
+                or self.options.non_finite_steps == "skip")
+
+    @property
+    def skips_non_finite(self) -> bool:
+        """Whether a non-finite step is skipped (else it raises); see ``non_finite_steps``."""
+        return self.options.non_finite_steps == "skip" or (
+            self.options.non_finite_steps == "auto" and self.holds_gradients)
 
 
 def load_config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
@@ -165,7 +327,7 @@ def is_megatrain_config(config: Mapping[str, Any] | None) -> bool:
 
 def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
     value = config.get(key)
-    if value is None:
+    if value is None or value == AUTO:  # "auto": derived from the other two, as Accelerate does
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
@@ -190,7 +352,9 @@ def _batch_sizes(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
     elif micro is not None:
         accumulation, train = 1, micro * world_size
     else:
-        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
+        autos = [key for key in ("train_batch_size", "train_micro_batch_size_per_gpu") if config.get(key) == AUTO]
+        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
+                          + (f" ({', '.join(autos)} is {AUTO!r}: {_AUTO_HELP})" if autos else ""))
     if micro < 1 or accumulation < 1 or train != micro * accumulation * world_size:
         raise ConfigError(
             "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
@@ -201,30 +365,51 @@ def _batch_sizes(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
 
 def parse_engine_config(config: Mapping[str, Any], world_size: int = 1) -> EngineConfig:
     """Read an ``"engine": "megatrain"`` DeepSpeed config; raise :class:`ConfigError` on bad input."""
-    if (config.get("fp16") or {}).get("enabled", False):
+    if (config.get("fp16") or {}).get("enabled") not in (None, False, AUTO):
         raise ConfigError(
             "fp16.enabled is not supported: this engine trains with fp32 master weights; "
             'use "bf16": {"enabled": true} for bf16 compute (no loss scaling needed)'
         )
     train, micro, accumulation = _batch_sizes(config, world_size)
-    clipping = config.get("gradient_clipping", 0.0)
+    clipping = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    if clipping == AUTO:  # what Accelerate fills in, and the HF Trainer's max_grad_norm default
+        clipping = GRADIENT_CLIPPING_DEFAULT
     if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0, got {clipping!r}")
-    bf16 = config.get("bf16") or {}
+    bf16 = config.get("bf16", config.get("bfloat16")) or {}  # DeepSpeed's old name is an alias
     if not isinstance(bf16, Mapping):
         raise ConfigError(f'"bf16" must be an object like {{"enabled": true}}, got {bf16!r}')
+    bf16_enabled = bf16.get("enabled", False)
+    if bf16_enabled == AUTO:  # Accelerate's and the HF Trainer's default: no mixed precision
+        bf16_enabled = False
     optimizer = config.get("optimizer")
-    ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL))
+    steps_per_print = config.get("steps_per_print")
+    if steps_per_print == float("inf"):  # what Accelerate sets to silence DeepSpeed
+        steps_per_print = None
+    if steps_per_print is not None:
+        steps_per_print = _positive_int(config, "steps_per_print")
+    wall_clock_breakdown = config.get("wall_clock_breakdown", False)
+    if not isinstance(wall_clock_breakdown, bool):
+        raise ConfigError(f"wall_clock_breakdown must be true or false, got {wall_clock_breakdown!r}")
+    options = config.get("megatrain", {})
+    zero_pin, zero_ignored = _zero_optimization(config.get("zero_optimization", {}))
+    if zero_pin is not None and isinstance(options, Mapping):
+        options = {"pin_memory": zero_pin, **options}  # the megatrain block has the last word
+    ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL)) + tuple(zero_ignored)
     if ignored:
         logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s",
                        ", ".join(ignored))
     return EngineConfig(
-        options=MegatrainOptions.from_dict(config.get("megatrain", {})),
-        bf16=bool(bf16.get("enabled", False)),
+        options=MegatrainOptions.from_dict(options),
+        bf16=bool(bf16_enabled),
         gradient_clipping=float(clipping),
         gradient_accumulation_steps=accumulation,
         train_micro_batch_size_per_gpu=micro,
         train_batch_size=train,
         optimizer=OptimizerSpec.from_dict(optimizer) if optimizer is not None else None,
         ignored_keys=ignored,
+        scheduler=SchedulerSpec.from_dict(config["scheduler"]) if config.get("scheduler") is not None else None,
+        steps_per_print=steps_per_print,
+        wall_clock_breakdown=wall_clock_breakdown,
+        source=config,
     )

@@ -1,25 +1,36 @@
 """Route ``deepspeed.initialize`` to this engine when the config says ``"engine": "megatrain"``.
 
-This is the one place the project patches a third-party function. ``install()`` wraps
-``deepspeed.initialize`` as soon as ``deepspeed`` is imported (immediately if it already
-is): the wrapper sends configs with ``"engine": "megatrain"`` to
-:func:`megatrain_ds.initialize.initialize` and every other call, unchanged, to the
-original. Set ``MEGATRAIN_DISABLE_HOOK=1`` to turn the routing off.
+This is the one place the project patches a third-party function. :func:`wrap` replaces
+``deepspeed.initialize`` with a wrapper that sends configs with ``"engine": "megatrain"``
+to :func:`megatrain_ds.initialize.initialize` and every other call, unchanged, to the
+original. Set ``MEGATRAIN_DISABLE_HOOK=1`` to turn the routing off (checked per call).
+
+Two ways in, one mechanism (the import watcher of the top-level ``_megatrain_ds_hook``
+module, installed with the package):
+
+- zero-code: ``_megatrain_ds_hook.pth`` registers the watcher at interpreter start-up, so
+  a script that never imports ``megatrain_ds`` (an Accelerate or HF Trainer script) is
+  routed as soon as it, or a library, imports ``deepspeed``;
+- explicit: ``import megatrain_ds`` calls :func:`install`, which wraps ``deepspeed`` now
+  if it is imported, or registers the same watcher.
+
+Accelerate looks ``deepspeed.initialize`` up when it prepares the model and the HF Trainer
+goes through Accelerate, so both see the wrapper.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 from types import ModuleType
 from typing import Any
 
+import _megatrain_ds_hook
+
 from megatrain_ds.config import is_megatrain_config, load_config_dict
 
-DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"
+DISABLE_ENV = _megatrain_ds_hook.DISABLE_ENV
 _MARKER = "__megatrain_original__"
 
 
@@ -36,7 +47,8 @@ def _config_of(args: tuple, kwargs: dict[str, Any]) -> Any:
         return None  # not ours to judge: DeepSpeed reports its own config errors
 
 
-def _wrap(deepspeed: ModuleType) -> None:
+def wrap(deepspeed: ModuleType) -> None:
+    """Replace ``deepspeed.initialize`` by the routing wrapper (idempotent)."""
     original = deepspeed.initialize
     if getattr(original, _MARKER, None) is not None:
         return
@@ -53,42 +65,9 @@ def _wrap(deepspeed: ModuleType) -> None:
     deepspeed.initialize = initialize
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``deepspeed`` with the normal machinery, then wraps it once it has executed.
-
-    It stays registered until the module really executes: libraries probe for deepspeed
-    with ``importlib.util.find_spec`` without importing it.
-    """
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "deepspeed":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
-        finder = self
-
-        class _Loader(importlib.abc.Loader):
-            def __getattr__(self, name: str) -> Any:
-                return getattr(loader, name)  # resource readers etc. of the real loader
-
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: ModuleType) -> None:
-                loader.exec_module(module)
-                _wrap(module)
-                if finder in sys.meta_path:
-                    sys.meta_path.remove(finder)
-
-        spec.loader = _Loader()
-        return spec
-
-
 def install() -> None:
     """Wrap ``deepspeed.initialize`` now, or right after ``deepspeed`` is imported."""
     if "deepspeed" in sys.modules:
-        _wrap(sys.modules["deepspeed"])
-    elif not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+        wrap(sys.modules["deepspeed"])
+    else:
+        _megatrain_ds_hook.watch()

@@ -57,6 +57,9 @@ class DeviceRuntime:
         device: where blocks compute (``cuda:N`` or ``cpu``).
         h2d_stream: host-to-device weight copies; overlaps the compute of the previous block.
         d2h_stream: device-to-host gradient copies; overlaps the backward of the next block.
+        optimizer_stream: host-to-device copies of optimizer state and the device AdamW
+            kernel (``device_adamw.py``); overlaps backward, apart from the weight prefetch
+            so that a block's weights never queue behind a chunk of optimizer state.
         pin_memory: whether host buffers are page-locked (needed for asynchronous copies).
     """
 
@@ -64,6 +67,7 @@ class DeviceRuntime:
     h2d_stream: object
     d2h_stream: object
     pin_memory: bool
+    optimizer_stream: object = field(default_factory=NullStream)
     _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
     """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
 
@@ -76,6 +80,7 @@ class DeviceRuntime:
                 device=device,
                 h2d_stream=torch.cuda.Stream(device),
                 d2h_stream=torch.cuda.Stream(device),
+                optimizer_stream=torch.cuda.Stream(device),
                 pin_memory=pin_memory,
             )
         return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)

@@ -4,16 +4,17 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
 
     engine(**batch)        blocks stream in, block inputs kept as checkpoints
     engine.backward(loss)  blocks recompute in reverse, gradients flow to the host worker,
-                           which accumulates them, or, when they are final and no clipping
-                           is needed, applies AdamW to each block right away
-    engine.step()          at the boundary: wait for the worker, clip with the exact global
-                           norm, update what is left, refresh the resident device copies
+                           which accumulates them and, on the last micro-batch, sums their
+                           norm and steps the journal blocks speculatively
+    engine.step()          at the boundary: wait for the worker, validate the speculation
+                           against the exact global norm (clip, or skip a non-finite step),
+                           update what is left, refresh the resident device copies
+                           (speculative_step.py: [Note: speculative steps])
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Iterable
 
 import torch
@@ -30,9 +31,11 @@ from megatrain_ds.gradient_sink import GradientSink
 from megatrain_ds.host_adamw import HostAdamW
 from megatrain_ds.host_store import HostFlatState, migrate_to_host
 from megatrain_ds.optimizer_facade import MegatrainOptimizer, build_optimizer, group_index_of
+from megatrain_ds.optimizer_placement import build_host_adamw
 from megatrain_ds.preflight import preflight
 from megatrain_ds.resident_params import ResidentParams
 from megatrain_ds.safetensors_source import materialize_meta_buffers, open_source
+from megatrain_ds.speculative_step import OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
 from megatrain_ds.streamed_blocks import StreamedBlocks
 from megatrain_ds.weight_streamer import WeightStreamer
 
@@ -42,8 +45,13 @@ logger = logging.getLogger(__name__)
 # large enough for full PCIe bandwidth, small enough that staging costs a fraction of a block.
 STAGING_CHUNK_ELEMENTS = 1 << 22
 
-# DeepSpeed's and torch's clip_grad_norm_ epsilon.
-_CLIP_EPS = 1e-6
+# Host memory the speculative-step journal may take by default, per model parameter
+# (speculative_blocks "auto"): bf16 + clipping stays within 16.5 B/param.
+AUTO_JOURNAL_BYTES_PER_PARAM = 0.5
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The global gradient norm was not finite and the step could not (or may no longer) be skipped."""
 
 
 def default_device() -> torch.device:
@@ -82,7 +90,12 @@ class MegatrainEngine(nn.Module):
         self.optimizer_steps = 0
         self._boundary_override: bool | None = None
         self._global_grad_norm: float | None = None
-        self._sum_squares: list[torch.Tensor] = []
+        self.skipped_steps = 0
+        """Optimizer steps skipped for a non-finite gradient norm (DeepSpeed's counter)."""
+        self._consecutive_skips = 0
+        self._step_applied = True
+        self.last_step_report: StepReport | None = None
+        """How the last optimizer step went: outcome, norm, scale, speculated/restored elements."""
         self._build(model)
 
     # -- construction --------------------------------------------------------------------
@@ -139,7 +152,15 @@ class MegatrainEngine(nn.Module):
             for state in self.states:
                 state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype)
 
-        self.adamw = HostAdamW(self.optimizer.param_groups, self.optimizer.decoupled)
+        self.adamw: HostAdamW = build_host_adamw(
+            self.optimizer.param_groups, self.optimizer.decoupled, self.states, self.runtime,
+            options.optimizer_device, options.cpu_adam_kernel,
+            self.states[0].grad.dtype if self.states[0].grad is not None else compute)
+        self.stepper = OptimizerStepper(
+            self.states, self.adamw, clipping=self.config.gradient_clipping,
+            journal_indices=speculative_block_indices(self.states, self._resident_index, options.speculative_blocks,
+                                                      AUTO_JOURNAL_BYTES_PER_PARAM),
+            holds_gradients=self.config.holds_gradients)
         self.optimizer.attach(self._finish_optimizer_step)
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
         self.sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
@@ -195,7 +216,7 @@ class MegatrainEngine(nn.Module):
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
         if self.is_gradient_accumulation_boundary():
             self.optimizer.step()  # -> _finish_optimizer_step (DeepSpeed's order)
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and self._step_applied:  # DeepSpeed: not after a skip
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
         self.micro_steps += 1
@@ -221,6 +242,10 @@ class MegatrainEngine(nn.Module):
     def get_global_grad_norm(self) -> float | None:
         return self._global_grad_norm
 
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the weights (False: skipped, non-finite)."""
+        return self._step_applied
+
     def get_lr(self) -> list[float]:
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
@@ -242,6 +267,8 @@ class MegatrainEngine(nn.Module):
         for state in self.states:
             for kind, nbytes in state.nbytes_by_kind().items():
                 totals[kind] = totals.get(kind, 0) + nbytes
+        if self.stepper.journal.nbytes:
+            totals["journal"] = self.stepper.journal.nbytes
         return totals
 
     def destroy(self) -> None:
@@ -259,35 +286,44 @@ class MegatrainEngine(nn.Module):
         """Runs on the gradient worker for every host chunk (see GradientSink)."""
         state = self.states[index]
         step = self.optimizer_steps + 1
-        if state.grad is None:  # final by construction: no clipping, no accumulation
-            self.adamw.update_range(state, offset, grad, step=step)
+        if state.grad is None:  # nothing held (no clipping, accumulation or skipping): final
+            self.stepper.consume_final(index, offset, grad, step)
             return
         accumulated = state.grad[offset : offset + grad.numel()]
         accumulated.add_(grad)
-        if not final:
-            return
-        if self.config.gradient_clipping > 0:
-            # The update needs the global norm, known only when backward ends (engine.step).
-            # vector_norm reduces without a chunk-sized temporary (host allocator churn).
-            self._sum_squares.append(torch.linalg.vector_norm(accumulated, dtype=torch.float32) ** 2)
-        else:
-            self.adamw.update_range(state, offset, accumulated, step=step)
-            accumulated.zero_()
+        if final:
+            self.stepper.consume_final(index, offset, accumulated, step)
 
     def _finish_optimizer_step(self) -> None:
         self.sink.drain()
-        step = self.optimizer_steps + 1
-        if self.config.gradient_clipping > 0:
-            norm = math.sqrt(float(sum(self._sum_squares))) if self._sum_squares else 0.0
-            self._sum_squares.clear()
-            self._global_grad_norm = norm
-            scale = min(self.config.gradient_clipping / (norm + _CLIP_EPS), 1.0)
-            for state in self.states:
-                assert state.grad is not None
-                self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
-                state.grad.zero_()
-        self.optimizer_steps = step
-        self.resident.refresh_device()
+        report = self.stepper.finish(self.optimizer_steps + 1)
+        self.last_step_report = report
+        self._global_grad_norm = report.norm
+        self._step_applied = report.outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED)
+        if self._step_applied:
+            self._consecutive_skips = 0
+            self.optimizer_steps += 1
+            self.resident.refresh_device()
+            return
+        if report.outcome is StepOutcome.PARTIAL:
+            raise NonFiniteGradientError(
+                f"the global gradient norm of optimizer step {self.optimizer_steps + 1} is {report.norm}; "
+                f"{report.speculated} elements whose gradients came before the first non-finite one were "
+                "already updated, because this configuration holds no gradients (no clipping, no "
+                'accumulation). Restore the last checkpoint; set "megatrain": {"non_finite_steps": '
+                '"skip"} to skip such steps exactly (gradients are then held: 2-4 bytes/param)')
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        logger.warning("megatrain: skipped optimizer step %d: global gradient norm %s (%d skipped in a row, "
+                       "%d in all); weights and optimizer state unchanged", self.optimizer_steps + 1,
+                       report.norm, self._consecutive_skips, self.skipped_steps)
+        if not self.config.skips_non_finite or self._consecutive_skips > self.config.options.max_consecutive_skips:
+            raise NonFiniteGradientError(
+                f"the global gradient norm was not finite ({report.norm}) in {self._consecutive_skips} "
+                f"optimizer step(s) in a row (megatrain.non_finite_steps={self.config.options.non_finite_steps!r}, "
+                f"max_consecutive_skips={self.config.options.max_consecutive_skips}); weights and optimizer "
+                "state are those before the first of them. Check the data, lower the learning rate or "
+                "restore a checkpoint")
 
     # -- checkpoints ---------------------------------------------------------------------------
 

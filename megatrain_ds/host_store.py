@@ -10,7 +10,7 @@ without a second copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -63,12 +63,21 @@ class HostFlatState:
             self.shadow[start:end].copy_(self.master[start:end])
 
 
+class TensorSource(Protocol):
+    """Where parameter values come from instead of the parameters themselves (e.g. the
+    safetensors shards of a model built on the meta device)."""
+
+    def copy_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` (a master slot, any dtype) with the tensor called ``name``."""
+
+
 def migrate_to_host(
     named_params: Sequence[tuple[str, nn.Parameter]],
     group_of: dict[nn.Parameter, int],
     runtime: DeviceRuntime,
     master_dtype: torch.dtype,
     compute_dtype: torch.dtype,
+    source: TensorSource | None = None,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 
@@ -76,6 +85,10 @@ def migrate_to_host(
     into its slot and re-pointed at once, which frees its old storage before the next is
     copied. So the model never exists twice in memory: the peak is the final state plus
     one parameter.
+
+    With ``source`` each slot is filled from ``source.copy_into(name, slot)`` instead of
+    the parameter's own value; parameters on the ``meta`` device (no storage) then become
+    real parameters viewing their slot, keeping their identity (optimizer groups hold them).
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     by_name = dict(named_params)
@@ -84,8 +97,16 @@ def migrate_to_host(
     for index, slot in enumerate(layout.slots):
         param = by_name[slot.name]
         view = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        view.copy_(param.detach())
-        param.data = view
+        if source is not None:
+            source.copy_into(slot.name, view)
+        else:
+            view.copy_(param.detach())
+        if param.is_meta:
+            # A meta tensor's data cannot be re-pointed (incompatible tensor types); swapping
+            # keeps the Python object, so the optimizer's groups and tied modules follow.
+            torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+        else:
+            param.data = view
         params.append(param)
         # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
         pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from megatrain_ds.device_runtime import DeviceRuntime
-from megatrain_ds.host_store import HostFlatState, migrate_to_host
+from megatrain_ds.host_store import HostFlatState, TensorSource, migrate_to_host
 
 PushFn = Callable[[int, torch.Tensor], None]
 """``push(offset, flat_device_grad)``: hand a gradient to the sink."""
@@ -35,12 +35,15 @@ class ResidentParams:
         group_of: optimizer group of each parameter.
         runtime: device and allocation.
         master_dtype, compute_dtype: as for blocks.
+        source: where the values come from instead of the parameters (see ``migrate_to_host``).
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]],
                  group_of: dict[nn.Parameter, int], runtime: DeviceRuntime,
-                 master_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-        self.state: HostFlatState = migrate_to_host(named_params, group_of, runtime, master_dtype, compute_dtype)
+                 master_dtype: torch.dtype, compute_dtype: torch.dtype,
+                 source: TensorSource | None = None) -> None:
+        self.state: HostFlatState = migrate_to_host(named_params, group_of, runtime, master_dtype,
+                                                    compute_dtype, source=source)
         streamed = self.state.streamed
         if runtime.device.type == "cpu":
             # The CPU is its own device: the streamed host buffer is the device copy.

@@ -15,8 +15,9 @@ def test_defaults():
     assert config.options.checkpoint_interval == 1 and config.options.num_buffers == 2
     assert config.options.master_dtype == "fp32" and config.options.offload_checkpoints
     assert config.gradient_accumulation_steps == 1 and config.train_batch_size == 2
-    assert not config.bf16 and config.gradient_clipping == 0.0
-    assert config.optimizer.decoupled and config.optimizer.weight_decay == 0.01
+    # DeepSpeed 0.19's defaults: clipping at 1.0; FusedAdam's weight decay 0 (tests/test_deepspeed_config.py)
+    assert not config.bf16 and config.gradient_clipping == 1.0
+    assert config.optimizer.decoupled and config.optimizer.weight_decay == 0.0
 
 
 @pytest.mark.parametrize(
@@ -85,6 +86,6 @@ def test_adam_without_w_mode_is_l2_adam():
 
 def test_keys_without_meaning_are_reported_once(caplog):
     with caplog.at_level(logging.WARNING):
-        config = parse_engine_config({**BASE, "steps_per_print": 10, "zero_optimization": {"stage": 3}})
-    assert config.ignored_keys == ("steps_per_print", "zero_optimization")
-    assert "steps_per_print, zero_optimization" in caplog.text
+        config = parse_engine_config({**BASE, "prescale_gradients": True, "zero_optimization": {"stage": 3, "overlap_comm": True}})
+    assert config.ignored_keys == ("prescale_gradients", "zero_optimization.overlap_comm")
+    assert "prescale_gradients, zero_optimization.overlap_comm" in caplog.text

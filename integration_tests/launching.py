@@ -1,0 +1,111 @@
+"""Running scripts the way users run them: fresh processes, ``accelerate launch``, shipped configs.
+
+Each run gets its own rendezvous port (runs may go side by side) and one CPU thread
+(two cores shared by parallel runs; and a run and its reference must use the same thread
+count for their float sums to agree). DeepSpeed's variables are set explicitly: a
+launched process must not depend on what the test process happens to have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE_CONFIG = REPO_ROOT / "configs" / "accelerate_megatrain.yaml"
+TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(port: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "DS_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
+    })
+    env.pop("MEGATRAIN_DISABLE_HOOK", None)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    """One script run in a fresh process, writing into ``output_dir`` (its ``--output-dir``)."""
+
+    name: str
+    script: Path
+    output_dir: Path
+    args: Sequence[str] = ()
+    accelerate: bool = True
+    """Through ``accelerate launch --config_file configs/accelerate_megatrain.yaml``."""
+    env: dict[str, str] = field(default_factory=dict)
+    _process: subprocess.Popen | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.output_dir.with_name(self.output_dir.name + ".log")
+
+    def start(self) -> None:
+        port = free_port()
+        command = [sys.executable, str(self.script), *self.args, "--output-dir", str(self.output_dir)]
+        if self.accelerate:
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(ACCELERATE_CONFIG), "--main_process_port", str(port), *command[1:]]
+        # The Accelerate config names its DeepSpeed JSON relative to the repository root.
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            self._process = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(port, **self.env),
+                                             stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self) -> None:
+        assert self._process is not None
+        code = self._process.wait(timeout=TIMEOUT_S)
+        if code != 0:
+            tail = self.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+            raise AssertionError(f"run {self.name!r} exited with {code}:\n{tail}")
+
+    def result(self, name: str = "result.json") -> dict[str, Any]:
+        return json.loads((self.output_dir / name).read_text(encoding="utf-8"))
+
+
+def run_side_by_side(runs: Sequence[Run]) -> dict[str, Run]:
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.wait()
+    return {run.name: run for run in runs}
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file, or every one in a directory (a sharded checkpoint)."""
+    import safetensors.torch
+
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    assert files, f"no safetensors under {path}"
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(safetensors.torch.load_file(file))
+    return weights
+
+
+@torch.no_grad()
+def eval_loss_of_saved_model(model_dir: Path, batches: Sequence[torch.Tensor]) -> float:
+    """Mean causal-LM loss of ``from_pretrained(model_dir)`` over ``batches`` (plain
+    transformers, fp32, CPU): the independent check that the saved model is the trained one."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return sum(float(model(input_ids=batch, labels=batch).loss) for batch in batches) / len(batches)

@@ -1,0 +1,64 @@
+"""Clear errors for batches a model cannot take, before any block is streamed.
+
+Without these a wrong batch fails deep inside an embedding or an attention kernel
+("Expected tensor for argument #1 'indices' to have one of the following scalar types",
+"index out of range in self", "Expected all tensors to be on the same device") or, for
+positions past a learned position table, silently reads garbage on some devices.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+# Keyword arguments of Hugging Face models that hold token or position indices.
+_INDEX_ARGUMENTS = ("input_ids", "position_ids", "token_type_ids", "cache_position")
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions")
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's position embeddings cover, if its config says."""
+    config = getattr(model, "config", None)
+    for key in _POSITION_LIMITS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_batch(model: nn.Module, device: torch.device, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the argument for a tensor on the wrong device, token
+    indices that are not integers, or a sequence longer than the model's positions."""
+    named = dict(kwargs)
+    if args:  # positional arguments by the names the model's forward gives them
+        try:
+            names = list(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        named.update((name, value) for name, value in zip(names, args) if name not in named)
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.device != device:
+            raise ValueError(
+                f"batch tensor {name!r} is on {value.device}, but the engine computes on {device}: "
+                f"move the batch there first (tensor.to({str(device)!r}))")
+        if name in _INDEX_ARGUMENTS and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            raise ValueError(f"batch tensor {name!r} has dtype {value.dtype}; it holds token indices and "
+                             "must be an integer tensor (torch.long)")
+        if name == "inputs_embeds" and not value.is_floating_point():
+            raise ValueError(f"batch tensor 'inputs_embeds' has dtype {value.dtype}; it must be floating point")
+    limit = max_positions(model)
+    tokens = named.get("input_ids", named.get("inputs_embeds"))
+    if limit is None or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+        return
+    length = tokens.shape[1]
+    past = named.get("past_key_values")
+    past_length = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
+    if past_length + length > limit:
+        cached = f" after {past_length} cached" if past_length else ""
+        raise ValueError(f"the batch has sequences of {length} tokens{cached}, more than the "
+                         f"{limit} positions the model has (config.max_position_embeddings / n_positions)")

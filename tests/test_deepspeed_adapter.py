@@ -1,0 +1,170 @@
+"""The engine as a ``DeepSpeedEngine``: what Accelerate and the HF Trainer check and call."""
+
+import logging
+import re
+
+import pytest
+import torch
+
+import tiny_models
+from megatrain_ds import ConfigError, MegatrainEngine
+from side_by_side import ds_config
+
+
+@pytest.fixture
+def engine():
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=ds_config())
+    yield engine
+    engine.destroy()
+
+
+def _train_step(engine, seed=0):
+    loss = engine(**tiny_models.make_batch(seed)).loss
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+def test_passes_accelerates_and_the_trainers_type_checks(engine):
+    from accelerate.utils import extract_model_from_parallel
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert isinstance(engine, DeepSpeedEngine) and isinstance(engine, MegatrainEngine)
+    assert extract_model_from_parallel(engine) is engine.module  # accelerator.unwrap_model
+
+
+def test_no_deepspeed_engine_code_runs_on_state_it_never_built():
+    """Every method of DeepSpeedEngine resolves to the engine, this adapter, nn.Module, or a
+    stub that names itself: DeepSpeedEngine.__init__ never ran, so its own code cannot."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from megatrain_ds.deepspeed_adapter import MegatrainDeepSpeedEngine
+
+    kept = {"__getattr__", "__del__", "__module__", "__doc__"}  # DeepSpeed behaviour that needs no state
+    for name, value in vars(DeepSpeedEngine).items():
+        if name in kept or isinstance(value, (staticmethod, classmethod)):
+            continue
+        owner = next(cls for cls in MegatrainDeepSpeedEngine.__mro__ if name in vars(cls))
+        assert owner is not DeepSpeedEngine, name
+
+
+def test_unsupported_deepspeed_api_raises_naming_it(engine):
+    with pytest.raises(NotImplementedError, match=r"DeepSpeedEngine.allreduce_gradients is not supported"):
+        engine.allreduce_gradients()
+    with pytest.raises(NotImplementedError, match=r"engine.compile is not supported"):
+        engine.compile()
+
+
+def test_train_and_eval_are_nn_modules(engine):
+    engine.eval()
+    assert not engine.training and not engine.module.training
+    engine.train()
+    assert engine.training and engine.module.training
+
+
+def test_deepspeed_api_values(engine):
+    _train_step(engine)
+    assert engine.zero_optimization_stage() == 0 and not engine.zero_optimization()
+    assert engine.get_batch_info() == (2, 2, 1)
+    assert engine.gradient_clipping() == 1.0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.get_mom() == [group["betas"] for group in engine.optimizer.param_groups]
+    assert engine.global_steps == 1 and engine.skipped_steps == 0
+    assert engine.config.get("train_micro_batch_size_per_gpu") == 2  # the Trainer reads engine.config so
+    assert engine.get_global_grad_norm() > 0
+    assert not engine.is_compiled
+    with engine.no_sync():  # Accelerate's no_sync path: nothing to synchronise in one process
+        _train_step(engine, seed=1)
+    assert engine.global_steps == 2
+
+
+def test_deepspeed_getattr_reaches_the_model(engine):
+    """DeepSpeed's __getattr__ is kept: unknown attributes are the model's."""
+    assert engine.can_generate() == engine.module.can_generate()
+    assert engine.get_input_embeddings() is engine.module.get_input_embeddings()
+
+
+def test_state_dicts_for_saving_are_the_masters(engine):
+    """What Accelerate's get_state_dict and the Trainer's save_model take under ZeRO-3
+    (``zero_gather_16bit_weights_on_model_save``): the full fp32 state, as copies."""
+    _train_step(engine)
+    reference = engine.module.state_dict()
+    assert engine.zero_gather_16bit_weights_on_model_save()
+    for state in (engine._zero3_consolidated_16bit_state_dict(), engine.module_state_dict()):
+        assert state.keys() == reference.keys()
+        for key in reference:
+            assert torch.equal(state[key], reference[key]) and state[key].dtype == torch.float32
+    copied = engine._zero3_consolidated_16bit_state_dict()
+    assert all(copied[key].data_ptr() != reference[key].data_ptr() for key in reference)
+
+
+def test_frozen_parameters_can_be_excluded():
+    import deepspeed
+
+    model = tiny_models.llama()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config())
+    try:
+        state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+        assert "model.embed_tokens.weight" not in state and "lm_head.weight" in state
+    finally:
+        engine.destroy()
+
+
+@pytest.fixture
+def deepspeed_info_logs(caplog):
+    """DeepSpeed's INFO records (hidden at its default level, WARNING), collected by caplog
+    (its logger does not propagate)."""
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+
+
+def test_steps_per_print_and_wall_clock_breakdown_in_deepspeeds_format(capsys, deepspeed_info_logs):
+    """DeepSpeed's own progress line (log_dist) and timer report (its SynchronizedWallClockTimer)."""
+    import deepspeed
+
+    config = {**ds_config(), "steps_per_print": 2, "wall_clock_breakdown": True}
+    engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=config)
+    try:
+        capsys.readouterr()
+        for step in range(4):
+            _train_step(engine, seed=step)
+        timers = engine.get_wall_clock_timers()
+        printed = capsys.readouterr().out
+    finally:
+        engine.destroy()
+    logged = "\n".join(deepspeed_info_logs.messages)
+    progress = re.findall(r"step=(\d+), skipped=0, lr=\[0\.001\], mom=\[\(0\.9, 0\.999\)\]", logged)
+    assert progress == ["2", "4"]
+    assert len(re.findall(r"time \(ms\) \| fwd: [\d.]+ \| bwd: [\d.]+ \| step: [\d.]+", printed)) == 4
+    assert set(timers) == {"fwd", "bwd", "step"} and all(value > 0 for value in timers.values())
+
+
+def test_one_process_only(monkeypatch):
+    import deepspeed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"one process on one device; WORLD_SIZE=2"):
+        deepspeed.initialize(model=tiny_models.llama(), config=ds_config())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match=r"model parallelism \(mpu=, mesh_param=\) is not supported"):
+        deepspeed.initialize(model=tiny_models.llama(), config=ds_config(), mpu=object())
+
+
+def test_a_model_partitioned_by_zero_init_is_rejected():
+    """A stage-3 config makes the HF Trainer build the model under deepspeed.zero.Init;
+    DeepSpeed marks each partitioned parameter with ds_id (simulated here)."""
+    import deepspeed
+
+    model = tiny_models.llama()
+    param = next(model.parameters())
+    param.ds_id = 0
+    with pytest.raises(ConfigError, match=r'partitioned by deepspeed.zero.Init.*"stage": 0'):
+        deepspeed.initialize(model=model, config=ds_config())

@@ -1,0 +1,102 @@
+"""Zero-code activation: the package's ``.pth`` routes ``deepspeed.initialize`` in scripts
+that never import ``megatrain_ds``, in an editable install (this environment) and from a
+regular wheel, and ``MEGATRAIN_DISABLE_HOOK=1`` switches it off."""
+
+import os
+import site
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PTH_NAME = "_megatrain_ds_hook.pth"
+PTH_LINE = "import _megatrain_ds_hook; _megatrain_ds_hook.install()\n"
+
+# Run in a fresh interpreter: what a user's script sees when it starts.
+PROBE = textwrap.dedent("""
+    import importlib.util, sys
+    assert "megatrain_ds" not in sys.modules
+    assert importlib.util.find_spec("deepspeed") is not None  # libraries probe like this...
+    assert "deepspeed" not in sys.modules                      # ... without importing it
+    from deepspeed import initialize                            # bound once, right after import
+    import _megatrain_ds_hook
+    print(hasattr(initialize, "__megatrain_original__"), "megatrain_ds" in sys.modules,
+          _megatrain_ds_hook.__file__)
+""")
+
+
+def _probe(python: str = sys.executable, **env: str) -> list[str]:
+    result = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **env}, cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split()
+
+
+def test_this_environment_routes_without_an_import():
+    # Looked up on disk: the checkout's megatrain_ds.egg-info (first on sys.path under
+    # pytest) would answer importlib.metadata instead of the installed dist-info.
+    pth = [Path(d) / PTH_NAME for d in site.getsitepackages() if (Path(d) / PTH_NAME).is_file()]
+    assert pth, f"{PTH_NAME} is not installed: re-run scripts/setup.sh (pip install -e .)"
+    assert pth[0].read_text() == PTH_LINE
+    routed, imported, _ = _probe()
+    assert (routed, imported) == ("True", "True")
+
+
+def test_the_hook_can_be_switched_off():
+    routed, imported, _ = _probe(MEGATRAIN_DISABLE_HOOK="1")
+    assert (routed, imported) == ("False", "False")  # deepspeed untouched, megatrain_ds not loaded
+
+
+def _build(tmp_path: Path) -> dict[str, Path]:
+    pytest.importorskip("setuptools", minversion="64")  # PEP 660 editable wheels
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "_megatrain_ds_hook.py", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    for name in ("megatrain_ds", "triton_kernels"):
+        shutil.copytree(REPO_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "wheels"
+    script = f"from setuptools import build_meta as b; b.build_wheel({str(out)!r}); b.build_editable({str(out)!r})"
+    result = subprocess.run([sys.executable, "-c", script], cwd=source, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wheels = {("editable" if "editable" in p.name else "wheel"): p for p in out.glob("*.whl")}
+    assert wheels.keys() == {"wheel", "editable"}
+    return wheels
+
+
+def test_both_wheel_kinds_ship_the_pth_at_their_root(tmp_path):
+    wheels = _build(tmp_path)
+    for kind, path in wheels.items():
+        with zipfile.ZipFile(path) as wheel:
+            names = wheel.namelist()
+            assert wheel.read(PTH_NAME).decode() == PTH_LINE, kind
+            record = wheel.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+            assert PTH_NAME in record, kind  # so that pip uninstall removes it
+            if kind == "wheel":
+                assert "_megatrain_ds_hook.py" in names
+            else:  # the editable finder maps the hook module to the checkout
+                finder = wheel.read(next(n for n in names if n.endswith("_finder.py"))).decode()
+                assert "'_megatrain_ds_hook':" in finder
+
+
+def test_a_regular_wheel_install_routes(tmp_path):
+    """Install the wheel into a fresh virtual environment (this one's packages visible for
+    torch and deepspeed): its own .pth and hook module route deepspeed.initialize."""
+    wheel = _build(tmp_path)["wheel"]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    python = venv / "bin" / "python"
+    venv_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    # --target, never --prefix: with --prefix pip uninstalls the copy it finds on sys.path
+    # (this environment's editable install) before installing.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--target", str(venv_site), str(wheel)], check=True, timeout=300, capture_output=True)
+    routed, imported, hook_file = _probe(str(python))
+    assert (routed, imported) == ("True", "True")
+    assert Path(hook_file).is_relative_to(venv)  # the wheel's copy, not this checkout's

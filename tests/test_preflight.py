@@ -1,0 +1,171 @@
+"""Preflight: the estimate equals what the engine allocates; a run that does not fit fails
+before anything is allocated, with the numbers and settings that fit (available memory is
+injected, so the tests do not depend on the machine)."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import transformers
+
+import megatrain_ds.engine
+from megatrain_ds import MegatrainEngine, parse_engine_config, preflight
+from megatrain_ds.device_runtime import PAGE_BYTES
+from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+from megatrain_ds.optimizer_facade import build_optimizer
+from side_by_side import ds_config
+
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu(monkeypatch):
+    """CPU numerics are the reference in this file (CUDA is covered where marked gpu), on one
+    thread: these tiny models gain nothing from a second one, and on a shared machine
+    spinning OpenMP threads make them several times slower."""
+    monkeypatch.setattr(megatrain_ds.engine, "default_device", lambda: torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(num_layers=4):
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,
+                                      num_hidden_layers=num_layers, num_attention_heads=4,
+                                      num_key_value_heads=2, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(config)
+
+
+def _estimate(model, config, device_type="cpu"):
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    shapes = preflight._shapes(model, config, optimizer)
+    return preflight.estimate_from_shapes(shapes, config, device_type, STAGING_CHUNK_ELEMENTS)
+
+
+@pytest.mark.parametrize("kwargs", [dict(bf16=True), dict(clipping=0.0), dict(accumulation=2),
+                                    dict(bf16=True, megatrain={"master_dtype": "bf16", "num_buffers": 3})])
+def test_estimate_equals_the_engines_allocations(kwargs):
+    """Reference: the tensors the built engine holds (host state, staging, CPU weight
+    buffers); the estimate adds the one alignment page each host buffer over-allocates."""
+    model = _model()
+    config = parse_engine_config(ds_config(**kwargs))
+    need = _estimate(model, config)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert need.host_freed == weights
+    engine = MegatrainEngine(model, config)
+    try:
+        held = engine.host_bytes()
+        buffers = len(engine.states)
+        assert need.host["master"] == held["master"] + buffers * PAGE_BYTES
+        assert need.host["adam_m_v"] == held["exp_avg"] + held["exp_avg_sq"] + 2 * buffers * PAGE_BYTES
+        assert need.host.get("shadow", 0) == held.get("shadow", -buffers * PAGE_BYTES) + buffers * PAGE_BYTES
+        assert need.host.get("gradients", 0) == held.get("grad", -buffers * PAGE_BYTES) + buffers * PAGE_BYTES
+        staging = list(engine.sink._pool.queue)
+        assert need.host["staging"] == sum(t.numel() * t.element_size() + PAGE_BYTES for t in staging)
+        assert need.host["weight_buffers"] == engine.device_bytes()["weight_buffers"]
+    finally:
+        engine.destroy()
+
+
+def test_cuda_run_counts_device_buffers_and_pinned_bytes():
+    model = _model()
+    config = parse_engine_config(ds_config(bf16=True))
+    need = _estimate(model, config, device_type="cuda")
+    largest_block = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers)
+    resident = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel() + model.model.norm.weight.numel()
+    assert need.device["weight_buffers"] == 2 * largest_block * 2  # two bf16 slots (no padding at hidden 64)
+    assert need.device["resident_copy"] == resident * 2
+    assert "weight_buffers" not in need.host and need.pinned == sum(need.host.values())
+
+
+def _available(monkeypatch, host, device=None, memlock=None):
+    monkeypatch.setattr(preflight, "available_memory",
+                        lambda device_: preflight.AvailableMemory(host=host, host_source="injected",
+                                                                  device=device, memlock=memlock))
+
+
+def test_a_run_that_does_not_fit_fails_before_allocating_with_the_numbers(monkeypatch):
+    model = _model()
+    config = parse_engine_config(ds_config(bf16=True, clipping=1.0))
+    need = _estimate(model, config)
+    budget = need.host_total - 4 * need.host["gradients"] // 5  # dropping the held gradients fits
+    _available(monkeypatch, budget)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(preflight.InsufficientMemoryError) as raised:
+        MegatrainEngine(model, config)
+    message = str(raised.value)
+    assert f"host memory: needs {preflight.format_bytes(need.host_total)}" in message
+    assert f"{preflight.format_bytes(budget)} available (injected)" in message
+    assert '"gradient_clipping": 0' in message
+    assert [p.data_ptr() for p in model.parameters()] == pointers, "something was migrated"
+    # The setting it names makes the same run fit under the same budget.
+    engine = MegatrainEngine(model, parse_engine_config(ds_config(bf16=True, clipping=0.0)))
+    engine.destroy()
+
+
+def test_settings_that_fit_only_together_are_listed_together(monkeypatch):
+    """Accumulation 2 with clipping: dropping either alone keeps an fp32 gradient buffer."""
+    model = _model()
+    config = parse_engine_config(ds_config(accumulation=2, clipping=1.0))
+    without = parse_engine_config(ds_config(accumulation=1, clipping=0.0))
+    budget = _estimate(model, without).host_total
+    _available(monkeypatch, budget)
+    with pytest.raises(preflight.InsufficientMemoryError) as raised:
+        MegatrainEngine(model, config)
+    message = str(raised.value)
+    assert "no single setting fits; these together would:" in message
+    assert '"gradient_accumulation_steps": 1' in message and '"gradient_clipping": 0' in message
+    MegatrainEngine(model, without).destroy()
+
+
+def test_nothing_fits_says_so(monkeypatch):
+    _available(monkeypatch, 1 << 20)
+    with pytest.raises(preflight.InsufficientMemoryError, match="no combination of settings makes it fit"):
+        MegatrainEngine(_model(), parse_engine_config(ds_config()))
+
+
+def test_device_shortage_names_device_memory_and_fixes():
+    model = _model()
+    config = parse_engine_config(ds_config(megatrain={"num_buffers": 4, "checkpoint_interval": 2}))
+    shapes = preflight._shapes(model, config, build_optimizer(model, None, config.optimizer, None))
+    need_of = lambda c: preflight.estimate_from_shapes(shapes, c, "cuda", STAGING_CHUNK_ELEMENTS)  # noqa: E731
+    need = need_of(config)
+    available = preflight.AvailableMemory(host=64 * GIB, device=need.device_total - 1)
+    with pytest.raises(preflight.InsufficientMemoryError) as raised:
+        preflight.check(need_of, config, available)
+    message = str(raised.value)
+    assert "device memory: needs" in message and "weight_buffers" in message
+    assert '"num_buffers": 2, "checkpoint_interval": 1' in message
+
+
+def test_pinned_bytes_above_ulimit_l_warn(caplog):
+    model = _model()
+    config = parse_engine_config(ds_config())
+    shapes = preflight._shapes(model, config, build_optimizer(model, None, config.optimizer, None))
+    need_of = lambda c: preflight.estimate_from_shapes(shapes, c, "cuda", STAGING_CHUNK_ELEMENTS)  # noqa: E731
+    with caplog.at_level(logging.WARNING):
+        preflight.check(need_of, config, preflight.AvailableMemory(host=64 * GIB, device=64 * GIB, memlock=64 << 10))
+    assert "ulimit -l is 0.1 MiB" in caplog.text and "pin_memory" in caplog.text
+
+
+def test_preflight_can_be_switched_off(monkeypatch):
+    _available(monkeypatch, 1 << 20)
+    engine = MegatrainEngine(_model(), parse_engine_config(ds_config(megatrain={"preflight": False})))
+    engine.destroy()
+
+
+def test_meta_model_needs_its_whole_state():
+    with torch.device("meta"):
+        model = _model()
+    need = _estimate(model, parse_engine_config(ds_config()))
+    assert need.host_freed == 0 and need.host_total == sum(need.host.values())
+
+
+def test_available_memory_reads_this_machine():
+    have = preflight.available_memory(torch.device("cpu"))
+    with open("/proc/meminfo") as handle:
+        total = int(next(line for line in handle if line.startswith("MemTotal")).split()[1]) * 1024
+    assert 0 < have.host <= total and have.device is None
+    assert dataclasses.replace(have, host=1).host == 1
