@@ -5,23 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-import megatrain_ds.engine
 import tiny_models
 from megatrain_ds import ConfigError, initialize
 from megatrain_ds.block_discovery import BlockDiscoveryError
 from side_by_side import ds_config
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu(monkeypatch):
-    """CPU numerics are the reference in this file (CUDA is covered where marked gpu), on one
-    thread: these tiny models gain nothing from a second one, and on a shared machine
-    spinning OpenMP threads make them several times slower."""
-    monkeypatch.setattr(megatrain_ds.engine, "default_device", lambda: torch.device("cpu"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 def _initialize(config, model=None, **kwargs):

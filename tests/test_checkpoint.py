@@ -20,7 +20,6 @@ import torch
 import transformers
 
 import checkpoint_worker
-import megatrain_ds.engine
 import tiny_models
 from megatrain_ds import MegatrainEngine, checkpointing, parse_engine_config
 from megatrain_ds.checkpoint_files import LATEST_FILE, MANIFEST_FILE
@@ -31,16 +30,7 @@ TESTS = Path(__file__).parent
 WORKER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu(monkeypatch):
-    """CPU numerics are the reference in this file (CUDA is covered where marked gpu), on one
-    thread: these tiny models gain nothing from a second one, and on a shared machine
-    spinning OpenMP threads make them several times slower."""
-    monkeypatch.setattr(megatrain_ds.engine, "default_device", lambda: torch.device("cpu"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 def assert_same_host_state(a, b):

@@ -13,22 +13,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import megatrain_ds.engine
 import tiny_models
 from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config, safetensors_source
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu(monkeypatch):
-    """CPU numerics are the reference in this file (CUDA is covered where marked gpu), on one
-    thread: these tiny models gain nothing from a second one, and on a shared machine
-    spinning OpenMP threads make them several times slower."""
-    monkeypatch.setattr(megatrain_ds.engine, "default_device", lambda: torch.device("cpu"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,7 @@ from side_by_side import ds_config
 GIB = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu(monkeypatch):
-    """CPU numerics are the reference in this file (CUDA is covered where marked gpu), on one
-    thread: these tiny models gain nothing from a second one, and on a shared machine
-    spinning OpenMP threads make them several times slower."""
-    monkeypatch.setattr(megatrain_ds.engine, "default_device", lambda: torch.device("cpu"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 def _model(num_layers=4):
