@@ -13,10 +13,11 @@ fp32 buffer, read + written bytes, the STREAM convention). Rows:
   engine fp32             the engine's ``HostAdamW.update_range`` with its CPU kernel ("auto"):
                           fp32 gradient, no shadow (the same work as the next two rows)
   torch AdamW foreach     ``torch.optim.AdamW(foreach=True).step()`` on one parameter
+  torch AdamW fused       ``torch.optim.AdamW(fused=True).step()``: the kernel "engine fp32" runs
   DeepSpeedCPUAdam        ``deepspeed.ops.adam.DeepSpeedCPUAdam.step()`` on one parameter
   engine bf16+shadow      the engine's layout in bf16 compute: bf16 gradient, bf16 shadow written
   engine journaled        bf16+shadow while journaling (a speculative step: speculative_step.py)
-  engine kernel=K         the engine path with each other CPU kernel (deepspeed, torch)
+  engine kernel=K         the engine path with each other CPU kernel (torch_fused, torch)
 
 The implementations run interleaved, round after round, and each row reports its median:
 a machine shared with other jobs slows all of them alike. The load average before and
@@ -24,12 +25,15 @@ after is recorded; on a busy machine the numbers are lower bounds.
 
 It also measures what each kernel costs the *training* thread when it runs on the engine's
 gradient worker: a main-thread loop of small torch ops (like backward's Python) timed
-alone and while a worker thread updates back to back ([Note: the GIL and DeepSpeed's op]
-in ``megatrain_ds/cpu_adam.py``).
+alone and while a worker thread updates back to back, for each engine kernel and for
+``DeepSpeedCPUAdam`` through DeepSpeed's own binding, which holds the GIL ([Note: the GIL
+and DeepSpeed's op] in ``megatrain_ds/cpu_adam.py``). On a machine with few cores the
+ratio also contains plain CPU contention (the worker's threads use every core).
 
 Usage:  python bench/optimizer.py [--elements 33554432] [--rounds 5] [--output PATH]
 Writes bench/results/optimizer_<cpu>.json unless --output says otherwise. DeepSpeed's op
-JIT-compiles on first use (25-110 s, cached in ~/.cache/torch_extensions).
+JIT-compiles on first use (25-110 s, cached in ~/.cache/torch_extensions); so does the
+engine's build of DeepSpeed's kernel.
 """
 
 from __future__ import annotations
@@ -107,10 +111,10 @@ def _engine_update(n: int, kernel_name: str, grad_dtype: torch.dtype, shadow: bo
     return run, kernel.name
 
 
-def _torch_foreach(n: int) -> Callable[[], None]:
+def _torch_adamw(n: int, **implementation: bool) -> Callable[[], None]:
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n)
-    optimizer = torch.optim.AdamW([param], foreach=True, **HYPER)
+    optimizer = torch.optim.AdamW([param], **implementation, **HYPER)
     return optimizer.step
 
 
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     candidates: list[tuple[str, Callable[[], tuple[Callable[[], None], int]]]] = [
         ("memcpy", lambda: (_memcpy(n), 8)),
         ("engine fp32", lambda: (_engine_update(n, "auto", torch.float32, False)[0], BYTES_PER_ELEMENT)),
-        ("torch AdamW foreach", lambda: (_torch_foreach(n), BYTES_PER_ELEMENT)),
+        ("torch AdamW foreach", lambda: (_torch_adamw(n, foreach=True), BYTES_PER_ELEMENT)),
+        ("torch AdamW fused", lambda: (_torch_adamw(n, fused=True), BYTES_PER_ELEMENT)),
         ("DeepSpeedCPUAdam", lambda: (_deepspeed_cpu_adam(n), BYTES_PER_ELEMENT)),
         ("engine bf16+shadow", lambda: (_engine_update(n, "auto", torch.bfloat16, True)[0], BYTES_PER_ELEMENT)),
         ("engine journaled", lambda: (_engine_update(n, "auto", torch.bfloat16, True, True)[0],
@@ -223,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         small = max(1 << 20, n // 16)  # short calls, as the engine issues them per chunk
         probes = {"engine kernel=" + name: lambda name=name: _engine_update(small, name, torch.float32, False)[0]
                   for name in CPU_KERNELS}
-        probes["torch AdamW foreach"] = lambda: _torch_foreach(small)
+        probes["torch AdamW foreach"] = lambda: _torch_adamw(small, foreach=True)
+        probes["DeepSpeedCPUAdam (its own binding)"] = lambda: _deepspeed_cpu_adam(small)
         print("training-thread slowdown while a worker thread updates back to back (1.0 = none):")
         for name, build in probes.items():
             try:
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:
                 interference[name] = f"{type(error).__name__}: {error}"
             value = interference[name]
-            print(f"  {name:<28} {value:.2f}x" if isinstance(value, float) else f"  {name:<28} {value}")
+            print(f"  {name:<36} {value:.2f}x" if isinstance(value, float) else f"  {name:<36} {value}")
 
     load_after = os.getloadavg()
     print(f"load average after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")

@@ -124,9 +124,10 @@ class MegatrainOptions:
     start-up (cached per machine), possibly splitting blocks between the two; "cpu"
     without CUDA. See ``optimizer_placement.py``."""
     cpu_adam_kernel: str = "auto"
-    """The CPU AdamW kernel: "torch_fused" (ATen's fused kernel), "deepspeed" (DeepSpeed's
-    cpu_adam op, JIT-built), "torch" (op by op), or "auto" (the first that runs, in that
-    order); one that cannot run here falls back with a logged reason. See ``cpu_adam.py``."""
+    """The CPU AdamW kernel: "deepspeed" (DeepSpeed's CPU Adam kernel, JIT-built on first
+    use), "torch_fused" (ATen's fused kernel), "torch" (op by op), or "auto" (the first that
+    runs, in that order); one that cannot run here falls back with a logged reason. See
+    ``cpu_adam.py``."""
     speculative_blocks: int | str = "auto"
     """Blocks whose update may run during backward before the global gradient norm is
     known (then validated, and undone exactly if clipping or a non-finite norm says so).
@@ -148,7 +149,7 @@ class MegatrainOptions:
         if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
             raise ConfigError(f"megatrain.load_from must be a directory path, got {self.load_from!r}")
         for name, choices in (("optimizer_device", ("auto", "cpu", "gpu")),
-                              ("cpu_adam_kernel", ("auto", "torch_fused", "deepspeed", "torch")),
+                              ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
                               ("non_finite_steps", ("auto", "skip", "raise"))):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"megatrain.{name} must be one of {', '.join(map(repr, choices))}; "

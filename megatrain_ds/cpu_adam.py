@@ -10,62 +10,43 @@ Every kernel computes, per element (``g`` = the fp32 gradient times the clipping
 
 Kernels (``CPU_KERNELS``; ``"auto"`` tries them in this order):
 
-- ``torch_fused``: ATen's fused CPU Adam(W) (``torch._fused_adamw_``, what
-  ``torch.optim.AdamW(fused=True)`` runs on the CPU): one vectorised, multi-threaded pass
-  over p, g, m, v, and the GIL is released while it runs. Ships with torch: no build.
-- ``deepspeed``: DeepSpeed's ``cpu_adam`` op (AVX2/AVX-512 + OpenMP), JIT-compiled on
-  first use (25-110 s, then cached in ``~/.cache/torch_extensions``). As fast as
-  ``torch_fused`` in ``bench/optimizer.py``, but it holds the GIL: see
-  ``[Note: the GIL and DeepSpeed's op]``.
-- ``torch``: op-by-op torch (:func:`megatrain_ds.host_adamw.adamw_update_`), exactly
-  ``torch.optim.AdamW``'s single-tensor arithmetic; several passes and temporaries, the
-  slowest. The fallback when neither op can run.
-
-Numerics against ``torch.optim.AdamW`` (single-tensor path), all fp32: ``torch_fused``
-uses the same formula with multiply-adds fused; after 5 steps 1.7% of parameters differ
-by one ulp, m is bitwise equal (AdamW). ``deepspeed`` rounds its bias corrections in fp32
-(``beta^t`` accumulated in float, ``1 / sqrt(1 - b2^t)`` multiplied rather than divided)
-and fuses multiply-adds: a few ulps per step. Both are far inside the engine's parity
-tolerance (2e-6 relative weight error after 5 steps; ``tests/test_optimizer_placement.py``).
-
-[Note: bf16 gradients and the shadow]
-Neither op reads a bf16 gradient next to an fp32 master, nor writes a bf16 copy of the
-result (DeepSpeed 0.19's ``adam_update`` has no such output; its old ``adam_update_copy``
-is gone). So a kernel walks its range in chunks of ``CHUNK_ELEMENTS``: the gradient chunk
-is widened (and multiplied by the clipping scale) into an fp32 scratch, the op updates the
-chunk, and the shadow chunk is rounded from the master while that is still in cache. A
-chunk of p, m, v, the scratch and the shadow is 4.5 MiB: it stays in L2/L3, so the extra
-passes cost almost no DRAM traffic (28 bytes per element in all: read p, g, m, v, write
-p, m, v, shadow). Only when the gradient is fp32, the scale 1 and there is no shadow or
-journal (fp32 compute, no clipping) does the op get the whole range in one call.
-
-[Note: the GIL and DeepSpeed's op]
+- ``deepspeed``: DeepSpeed's CPU Adam kernel (``csrc/adam/cpu_adam_impl.cpp``: AVX2/AVX-512
+  + OpenMP), built from DeepSpeed's sources with its own flags but a binding that releases
+  the GIL (see [Note: the GIL and DeepSpeed's op]
 The engine runs updates on its gradient worker thread while the main thread runs
-backward, whose Python code needs the GIL between torch ops. ``torch_fused`` releases the
-GIL like every ATen op. DeepSpeed's pybind binding of ``adam_update`` does not: while it
-runs, the training thread cannot execute a line of Python. ``bench/optimizer.py``
-measures the effect: a main-thread loop of small torch ops that takes 0.04 s alone took
-40 s with a worker calling ``adam_update`` back to back on 16M elements. The ``deepspeed``
-kernel therefore calls the op one chunk at a time and sleeps for zero seconds between
-chunks (which releases the GIL), bounding each stall of the training thread to one chunk
-(~0.1-0.5 ms); ``torch_fused`` is preferred by ``"auto"`` for this reason.
+backward, whose Python code needs the GIL between torch ops. DeepSpeed's own binding of
+``adam_update`` (``DeepSpeedCPUAdam``, ``CPUAdamBuilder().load()``) keeps the GIL for the
+whole update, so the training thread cannot run a line of Python meanwhile: a main-thread
+loop of small torch ops that took 0.04 s alone took 40 s while a worker called
+``adam_update`` back to back on 16M elements (``bench/optimizer.py`` measures it for every
+kernel). The engine therefore compiles DeepSpeed's kernel source with a three-function
+binding of its own (:data:`_GIL_FREE_BINDING`) whose update releases the GIL, as every
+ATen op does; the kernel and its numerics are DeepSpeed's.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
 import itertools
 import logging
-import time
+import os
+import re
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements per cache-resident chunk (see [Note: bf16 gradients and the shadow]); 256K
-fp32 elements keep p, m, v, scratch and shadow (4.5 MiB) within L2 + a slice of L3."""
+CHUNK_ELEMENTS = 1 << 19
+"""Elements per cache-resident chunk (see [Note: bf16 gradients and the shadow]): p, m, v,
+scratch and shadow of 512K elements (9 MiB) stay in L3. Measured on a 2-core EPYC VM
+(32 MiB L3): 256K-512K chunks ran at 21-24 GB/s, above the whole-range fp32 call
+(20 GB/s); 64K and below pay for three thread-pool launches per chunk."""
 
 BeforeChunk = Callable[[int, int], None]
 """``before_chunk(start, end)``: called before elements ``[start, end)`` of the range are
@@ -93,6 +74,9 @@ class CpuAdamKernel:
     """
 
     name = ""
+    whole_range_ok = True
+    """Whether a range that needs no widening, scaling, shadow or journal may go to the op
+    in one call (not where one long call would stall the GIL, or allocate temporaries)."""
 
     def __init__(self, chunk_numel: int = CHUNK_ELEMENTS) -> None:
         self.chunk_numel = chunk_numel
@@ -111,8 +95,8 @@ class CpuAdamKernel:
         n = param.numel()
         if n == 0:
             return
-        if grad.dtype == torch.float32 and grad_scale == 1.0 and shadow is None and before_chunk is None \
-                and self._whole_range_ok:
+        plain = grad.dtype == torch.float32 and grad_scale == 1.0 and shadow is None and before_chunk is None
+        if plain and self.whole_range_ok:
             self._update(param, grad, exp_avg, exp_avg_sq, step, hyper)
             return
         for start in range(0, n, self.chunk_numel):
@@ -124,10 +108,6 @@ class CpuAdamKernel:
                          exp_avg_sq[start:end], step, hyper)
             if shadow is not None:
                 shadow[start:end].copy_(chunk)  # round to nearest even, from cache
-            self._between_chunks()
-
-    _whole_range_ok = True
-    """Whether a range may go to the op in one call (False where that would stall the GIL)."""
 
     def _fp32(self, grad: torch.Tensor, scale: float) -> torch.Tensor:
         """``grad`` as fp32 times ``scale``: the gradient itself when nothing changes."""
@@ -141,9 +121,6 @@ class CpuAdamKernel:
             # The same rounding as ``grad * scale`` in the reference (scale rounded to fp32).
             scratch.mul_(scale)
         return scratch
-
-    def _between_chunks(self) -> None:
-        pass
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper) -> None:
@@ -175,20 +152,72 @@ class TorchFusedKernel(CpuAdamKernel):
 
 
 _DEEPSPEED_IDS = itertools.count(1 << 20)
-"""Optimizer ids in DeepSpeed's process-wide table, far from ``DeepSpeedCPUAdam``'s (from 0)."""
+"""Optimizer ids in the op's process-wide table (``DeepSpeedCPUAdam`` counts from 0)."""
+
+# DeepSpeed's kernel (csrc/adam/cpu_adam_impl.cpp) with the entry points the engine uses,
+# bound so that the GIL is released while the update runs (DeepSpeed's own binding,
+# csrc/adam/cpu_adam.cpp, keeps it: see [Note: the GIL and DeepSpeed's op]). Arguments are
+# converted before the release and nothing in the call touches Python objects.
+_GIL_FREE_BINDING = """
+#include <torch/extension.h>
+#include "cpu_adam.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.def("adam_update", &ds_adam_step, "DeepSpeed CPU Adam update, GIL released",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def("create_adam", &create_adam_optimizer, "DeepSpeed CPU Adam create");
+    m.def("destroy_adam", &destroy_adam_optimizer, "DeepSpeed CPU Adam destroy");
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load_deepspeed_op() -> Any:
+    """DeepSpeed's CPU Adam kernel, built from DeepSpeed's sources with its own flags
+    (``-O3 -march=native -fopenmp``, AVX2/AVX-512) and the GIL-releasing binding above;
+    JIT-compiled on first use into torch's extension cache (25-110 s), imported from it
+    after. The module name carries DeepSpeed's version and the binding's hash, so a new
+    DeepSpeed or binding builds afresh (and a cached build loads without recomputing
+    DeepSpeed's flags, which probes the CPU for seconds)."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha1(_GIL_FREE_BINDING.encode()).hexdigest()[:8]
+    name = "megatrain_cpu_adam_" + re.sub(r"\W", "_", importlib.metadata.version("deepspeed")) + "_" + digest
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        spec = importlib.util.spec_from_file_location(name, built)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builder = CPUAdamBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise RuntimeError(f"DeepSpeed's cpu_adam op cannot build here: {builder.error_log}")
+    kernel_sources = [os.path.abspath(builder.deepspeed_src_path(path)) for path in builder.sources()
+                      if path.endswith("_impl.cpp")]  # cpu_adam.cpp is only DeepSpeed's binding
+    binding = build_dir / "gil_free_binding.cpp"
+    binding.write_text(_GIL_FREE_BINDING)
+    logger.info("megatrain: building DeepSpeed's CPU Adam kernel (once, 25-110 s) in %s", build_dir)
+    return cpp_extension.load(
+        name=name, sources=[*kernel_sources, str(binding)],
+        extra_include_paths=[os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.include_paths()],
+        extra_cflags=[*builder.strip_empty_entries(builder.cxx_args()), "-UC10_USE_GLOG"],
+        extra_ldflags=builder.strip_empty_entries(builder.extra_ldflags()),
+        build_directory=str(build_dir), verbose=False)
 
 
 class DeepSpeedKernel(CpuAdamKernel):
-    """DeepSpeed's ``cpu_adam`` op, one chunk at a time (see [Note: the GIL and DeepSpeed's op])."""
+    """DeepSpeed's CPU Adam kernel (AVX2/AVX-512 + OpenMP), GIL released (:func:`load_deepspeed_op`)."""
 
     name = "deepspeed"
-    _whole_range_ok = False
 
     def __init__(self, chunk_numel: int = CHUNK_ELEMENTS) -> None:
         super().__init__(chunk_numel)
-        from deepspeed.ops.op_builder import CPUAdamBuilder  # JIT build on first use
-
-        self._op = CPUAdamBuilder().load()
+        self._op = load_deepspeed_op()
         # The op fixes AdamW/Adam per id; lr, betas, eps and wd are passed at every call.
         self._ids = {mode: next(_DEEPSPEED_IDS) for mode in (True, False)}
         for mode, opt_id in self._ids.items():
@@ -206,15 +235,12 @@ class DeepSpeedKernel(CpuAdamKernel):
         self._op.adam_update(self._ids[hyper.decoupled], step, hyper.lr, beta1, beta2, hyper.eps,
                              hyper.weight_decay, True, param, grad, exp_avg, exp_avg_sq)
 
-    def _between_chunks(self) -> None:
-        time.sleep(0)  # releases the GIL the op held: the training thread may run a line
-
 
 class TorchKernel(CpuAdamKernel):
     """Op-by-op torch, ``torch.optim.AdamW``'s single-tensor arithmetic exactly."""
 
     name = "torch"
-    _whole_range_ok = False  # chunks bound the temporaries it allocates
+    whole_range_ok = False  # chunks bound the temporaries it allocates
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper) -> None:
@@ -225,11 +251,11 @@ class TorchKernel(CpuAdamKernel):
 
 
 CPU_KERNELS: dict[str, type[CpuAdamKernel]] = {
-    "torch_fused": TorchFusedKernel,
     "deepspeed": DeepSpeedKernel,
+    "torch_fused": TorchFusedKernel,
     "torch": TorchKernel,
 }
-AUTO_ORDER = ("torch_fused", "deepspeed", "torch")
+AUTO_ORDER = ("deepspeed", "torch_fused", "torch")
 
 
 def make_cpu_kernel(choice: str = "auto") -> CpuAdamKernel:

@@ -28,7 +28,11 @@ needs neither (the steady state of a healthy run) and validates at ``engine.step
       is copied back and every range is stepped with the clipping scale.
   (c) not finite: the journal is copied back; nothing is stepped; the step is skipped.
   Copying back is a bit copy, so (b) and (c) end in exactly the state a non-speculative
-  step gives, bit for bit (``tests/test_nonfinite_steps.py``, ``tests/test_overlap.py``).
+  step gives, bit for bit (``tests/test_nonfinite_steps.py``,
+  ``tests/test_speculative_step.py``). (a) applies the same arithmetic to the same values,
+  so it is bit-identical too, for kernels whose results do not depend on where a range
+  starts (the ATen kernel; DeepSpeed's does a range's last few elements in a scalar loop,
+  which may round differently from its SIMD loop by an ulp).
 
 Cost. Memory: one journal slot per journal block, ``12 B (+2 B with a bf16 shadow)`` per
 element of the block, allocated once (``journal_bytes``; about 0.5 B per model parameter
@@ -238,6 +242,9 @@ class OptimizerStepper:
             if state.grad is not None:
                 state.grad.zero_()
         report = StepReport(outcome, norm, scale, self._speculated, restored)
+        if restored:
+            logger.debug("megatrain: speculation refuted (%s, norm %s): %d elements restored and redone",
+                         outcome.value, norm, restored)
         self.speculate_next = outcome is StepOutcome.APPLIED and scale == 1.0
         self._begin_step()
         return report

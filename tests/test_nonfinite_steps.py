@@ -22,6 +22,8 @@ from megatrain_ds.engine import NonFiniteGradientError
 from megatrain_ds.speculative_step import StepOutcome
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
+
 KINDS = ("master", "exp_avg", "exp_avg_sq", "shadow", "grad")
 
 

@@ -20,6 +20,8 @@ from megatrain_ds.speculative_step import StepOutcome, _unstepped, speculative_b
 from megatrain_ds.streamed_blocks import StreamedBlocks
 from side_by_side import ds_config
 
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
+
 CLIP = 1.6  # clips the first three of five steps of this llama (test_optimizer_placement.py)
 KINDS = ("master", "exp_avg", "exp_avg_sq", "shadow")
 
