@@ -12,7 +12,7 @@ package; importing it installs the routing too (see :mod:`megatrain_ds.deepspeed
 
 from megatrain_ds import deepspeed_hook
 from megatrain_ds.config import ConfigError, EngineConfig, MegatrainOptions, parse_engine_config
-from megatrain_ds.engine import MegatrainEngine
+from megatrain_ds.engine import MegatrainEngine, NonFiniteGradientError
 from megatrain_ds.initialize import initialize
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "EngineConfig",
     "MegatrainEngine",
     "MegatrainOptions",
+    "NonFiniteGradientError",
     "initialize",
     "parse_engine_config",
 ]

@@ -61,7 +61,6 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.skipped_steps = 0  # no loss scaling, so no step is ever skipped
         self.timers = SynchronizedWallClockTimer() if self.config.wall_clock_breakdown else NoopTimer()
         self._wall_clock_timers: dict[str, float] = {}
 

@@ -35,7 +35,7 @@ from megatrain_ds.optimizer_placement import build_host_adamw
 from megatrain_ds.preflight import preflight
 from megatrain_ds.resident_params import ResidentParams
 from megatrain_ds.safetensors_source import materialize_meta_buffers, open_source
-from megatrain_ds.speculative_step import OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
+from megatrain_ds.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
 from megatrain_ds.streamed_blocks import StreamedBlocks
 from megatrain_ds.weight_streamer import WeightStreamer
 
@@ -45,9 +45,6 @@ logger = logging.getLogger(__name__)
 # large enough for full PCIe bandwidth, small enough that staging costs a fraction of a block.
 STAGING_CHUNK_ELEMENTS = 1 << 22
 
-# Host memory the speculative-step journal may take by default, per model parameter
-# (speculative_blocks "auto"): bf16 + clipping stays within 16.5 B/param.
-AUTO_JOURNAL_BYTES_PER_PARAM = 0.5
 
 
 class NonFiniteGradientError(RuntimeError):

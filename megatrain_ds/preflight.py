@@ -40,6 +40,7 @@ from megatrain_ds.config import EngineConfig
 from megatrain_ds.device_runtime import PAGE_BYTES
 from megatrain_ds.flat_layout import build_flat_layout
 from megatrain_ds.optimizer_facade import group_index_of
+from megatrain_ds.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,14 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
     if config.holds_gradients:
         grad = 4 if config.gradient_accumulation_steps > 1 else compute
         host["gradients"] = sum(_host_buffer(n, grad) for n in numels)
+    if config.holds_gradients:
+        # The speculative-step journal (speculative_step.py), chosen by the engine's rule.
+        per_element = master + 8 + (compute if config.compute_dtype != config.master_dtype else 0)
+        costs = [per_element * n for n in shapes.block_numels]
+        chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks,
+                                       AUTO_JOURNAL_BYTES_PER_PARAM)
+        if chosen:
+            host["journal"] = sum(costs[i] for i in chosen)
     largest = max(shapes.block_numels)
     host["staging"] = options.num_staging_buffers * _host_buffer(min(largest, staging_chunk), compute)
     slots = (options.num_buffers + options.checkpoint_interval - 1) * largest * streamed

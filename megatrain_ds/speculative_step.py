@@ -70,6 +70,10 @@ CLIP_EPS = 1e-6
 
 _JOURNALED = ("master", "exp_avg", "exp_avg_sq", "shadow")
 
+# Host memory the journal may take by default, per model parameter (speculative_blocks
+# "auto"): bf16 + clipping then stays within 16.5 B/param.
+AUTO_JOURNAL_BYTES_PER_PARAM = 0.5
+
 
 class StepOutcome(enum.Enum):
     APPLIED = "applied"
@@ -270,18 +274,23 @@ def speculative_block_indices(states: Sequence[HostFlatState], num_blocks: int, 
                               budget_bytes_per_param: float) -> list[int]:
     """The journal blocks: the last ``setting`` blocks, or with ``"auto"`` as many as fit
     in ``budget_bytes_per_param`` times the number of parameters."""
-    blocks = list(range(num_blocks - 1, -1, -1))  # backward finishes the last block first
+    costs = [sum(getattr(state, kind).element_size() for kind in _JOURNALED if getattr(state, kind) is not None)
+             * state.layout.numel for state in states[:num_blocks]]
+    return choose_journal_blocks(costs, sum(state.layout.numel for state in states), setting,
+                                 budget_bytes_per_param)
+
+
+def choose_journal_blocks(block_costs: Sequence[int], total_numel: int, setting: int | str,
+                          budget_bytes_per_param: float) -> list[int]:
+    """Pure selection rule (shared with preflight): ``block_costs`` are journal bytes per block."""
+    blocks = list(range(len(block_costs) - 1, -1, -1))  # backward finishes the last block first
     if setting != "auto":
         return blocks[: int(setting)]
-    total = sum(state.layout.numel for state in states)
-    budget = budget_bytes_per_param * total
+    budget = budget_bytes_per_param * total_numel
     chosen, used = [], 0
     for index in blocks:
-        state = states[index]
-        cost = sum(getattr(state, kind).element_size() for kind in _JOURNALED
-                   if getattr(state, kind) is not None) * state.layout.numel
-        if used + cost > budget:
+        if used + block_costs[index] > budget:
             break
         chosen.append(index)
-        used += cost
+        used += block_costs[index]
     return chosen

@@ -57,8 +57,8 @@ def test_placements_match_torch_adamw_with_clipping_and_accumulation(device, ker
         clipped = [norm > CLIP for norm in trace.reference_norms]
         assert any(clipped) and not all(clipped), trace.reference_norms
         _assert_parity(engine, reference, trace)
-        if device == "cpu":  # "auto": DeepSpeed's kernel, built on first use
-            assert engine.adamw.cpu.name == ("deepspeed" if kernel == "auto" else kernel)
+        if device == "cpu":  # "auto": the first that runs of DeepSpeed's kernel, ATen's fused one
+            assert engine.adamw.cpu.name == (make_cpu_kernel().name if kernel == "auto" else kernel)
         gpu_placed = [engine.adamw.placement_of(state).name == "gpu" for state in engine.states]
         assert all(gpu_placed) if device == "gpu" else not any(gpu_placed)  # auto: no CUDA -> cpu
     finally:
