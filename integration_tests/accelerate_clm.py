@@ -24,13 +24,11 @@ import json
 import warnings
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import transformers
 from accelerate import Accelerator
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SEQ_LEN = 32
+from tiny_clm import byte_blocks, corpus, tiny_llama
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,27 +43,15 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def byte_blocks(text: str, count: int, start: int = 0) -> list[dict[str, torch.Tensor]]:
-    ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-    blocks = ids[start * SEQ_LEN: (start + count) * SEQ_LEN].view(count, SEQ_LEN)
-    return [{"input_ids": block, "labels": block.clone()} for block in blocks]
-
-
 def main() -> None:
     args = parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     transformers.set_seed(args.seed)
 
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-        attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(config)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                                args.output_dir / "initial.safetensors")
+    model = tiny_llama(args.output_dir)
 
-    text = (REPO_ROOT / "data" / "kjv_excerpt.txt").read_text(encoding="utf-8")
+    text = corpus()
     train_data = byte_blocks(text, args.num_examples)
     eval_batches = [torch.stack([b["input_ids"] for b in byte_blocks(text, 8, start=args.num_examples + 8 * i)])
                     for i in range(2)]

@@ -19,18 +19,10 @@ import argparse
 import json
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import transformers
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SEQ_LEN = 32
-
-
-def byte_blocks(text: str, count: int, start: int = 0) -> list[dict[str, torch.Tensor]]:
-    ids = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-    blocks = ids[start * SEQ_LEN: (start + count) * SEQ_LEN].view(count, SEQ_LEN)
-    return [{"input_ids": block, "labels": block.clone()} for block in blocks]
+from tiny_clm import REPO_ROOT, byte_blocks, corpus, tiny_llama
 
 
 def main() -> None:
@@ -48,15 +40,9 @@ def main() -> None:
         warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
     transformers.set_seed(training_args.seed)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-        attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(config)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                                args.output_dir / "initial.safetensors")
+    model = tiny_llama(args.output_dir)
 
-    text = (REPO_ROOT / "data" / "kjv_excerpt.txt").read_text(encoding="utf-8")
+    text = corpus()
     train_dataset = byte_blocks(text, args.num_examples)
     eval_dataset = byte_blocks(text, 16, start=args.num_examples)
     torch.save([torch.stack([e["input_ids"] for e in eval_dataset[i:i + 8]]) for i in (0, 8)],
