@@ -109,3 +109,15 @@ def eval_loss_of_saved_model(model_dir: Path, batches: Sequence[torch.Tensor]) -
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return sum(float(model(input_ids=batch, labels=batch).loss) for batch in batches) / len(batches)
+
+
+def assert_zero_lr_kept_weights(lr0_run: "Run", trained_run: "Run") -> None:
+    """The lr=0 run saved exactly its initial weights, bit for bit, while the trained run's
+    weights moved (so the first check can fail)."""
+    initial = load_weights(lr0_run.output_dir / "initial.safetensors")
+    saved = load_weights(lr0_run.output_dir / "model")
+    assert initial.keys() == saved.keys()
+    for name in initial:
+        assert torch.equal(initial[name], saved[name]), name
+    trained = load_weights(trained_run.output_dir / "model")
+    assert not all(torch.equal(initial[name], trained[name]) for name in initial)

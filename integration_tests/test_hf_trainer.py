@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launching import Run, eval_loss_of_saved_model, load_weights, run_side_by_side
+from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, run_side_by_side
 
 SCRIPT = Path(__file__).with_name("hf_trainer_clm.py")
 LR = 3e-3
@@ -70,12 +70,7 @@ def test_auto_scheduler_follows_deepspeeds_warmup_decay(runs) -> None:
 
 def test_zero_learning_rate_leaves_weights_bit_identical(runs) -> None:
     run = runs["megatrain_lr0"]
-    initial, saved = load_weights(run.output_dir / "initial.safetensors"), load_weights(run.output_dir / "model")
-    assert initial.keys() == saved.keys()
-    for name in initial:
-        assert torch.equal(initial[name], saved[name]), name
-    trained = load_weights(runs["megatrain"].output_dir / "model")
-    assert not all(torch.equal(initial[name], trained[name]) for name in initial)
+    assert_zero_lr_kept_weights(run, runs["megatrain"])
 
 
 @pytest.mark.parametrize("name", ["megatrain", "megatrain_lr0"])
