@@ -11,6 +11,15 @@ under ``bench/results/``.
 Counted FLOPs are 6*P*T (the recompute's extra 2*P*T for blocks is reported separately).
 On a CPU-only machine everything is fp32; with CUDA the engine and ZeRO-3 compute in bf16
 and plain PyTorch uses bf16 autocast.
+
+The planner is checked against the engine in the same run: right after each engine round,
+``megatrain plan`` (fresh process, ``--recalibrate``: the machine is measured under the
+same conditions as the round) predicts the same model and batch; the prediction made next
+to the engine's best round goes into ``results.megatrain.predicted_*`` with the ratios
+predicted / measured. Peak host bytes are the process's peak RSS above its RSS right
+before the model is built (``baseline_rss_bytes``: the interpreter and libraries).
+ZeRO-3 offload needs ~40 B/param (22 GB at 551M): a run is killed, not the machine, should
+``MemAvailable`` fall under ``--min-free`` (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -97,6 +108,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     for _ in range(args.steps):
         ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=generator).to(device)
         times = {}
+        c0 = time.process_time()
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and system == "torch"):
             loss = engine(input_ids=ids, labels=ids).loss
@@ -120,7 +132,8 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        times.update(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2, step=t3 - t0)
+        times.update(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2, step=t3 - t0,
+                     cpu=time.process_time() - c0)
         phases.append(times)
         losses.append(float(loss))
     measured = phases[1:] if len(phases) > 1 else phases  # first step warms up
@@ -133,16 +146,100 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         "backward_seconds": best["backward"],
         "optimizer_seconds": best["optimizer"],
         "all_step_seconds": [t["step"] for t in phases],
+        # CPU seconds of every thread of the process: less sensitive than wall time to
+        # other processes on a shared machine (but it counts OpenMP threads spinning).
+        "cpu_seconds": best["cpu"],
+        "all_cpu_seconds": [t["cpu"] for t in phases],
         "tokens_per_s": tokens / best["step"],
         "tflops_6pt": 6 * params * tokens / best["step"] / 1e12,
         "recompute_tflops": (2 * params * tokens / best["step"] / 1e12) if system == "megatrain" else 0.0,
         "init_seconds": init_seconds,
         "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+        "baseline_rss_bytes": baseline,
         "losses": losses,
     }
     result["bytes_per_param"] = result["peak_host_bytes"] / params
     return result
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _run_guarded(command: list[str], min_free: int) -> subprocess.CompletedProcess:
+    """Run a child; kill it (and say so) should MemAvailable fall under ``min_free``: ZeRO-3
+    offload needs ~40 B/param, and the machine may be shared -- no run may bring on the
+    OOM killer."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = threading.Event()
+
+    def watch() -> None:
+        while child.poll() is None:
+            if _mem_available() < min_free:
+                killed.set()
+                child.kill()  # our own child, by its handle
+                return
+            time.sleep(0.1)
+
+    watchdog = threading.Thread(target=watch, daemon=True)
+    watchdog.start()
+    stdout, stderr = child.communicate()
+    watchdog.join()
+    if killed.is_set():
+        stderr += f"\nkilled: MemAvailable fell under {min_free / 2**30:.2f} GiB"
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+def run_planner(args: argparse.Namespace) -> dict | None:
+    """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
+    ``None`` where the planner has no figures for this device."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().upper()
+        gpu = next((key for marker, key in (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100"))
+                    if marker in name), None)
+        if gpu is None:
+            return None
+    else:
+        gpu = "cpu"
+    config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
+              "intermediate_size": args.intermediate or args.hidden * 8 // 3 // 64 * 64,
+              "num_hidden_layers": args.layers, "num_attention_heads": max(1, args.hidden // 128),
+              "num_key_value_heads": max(1, args.hidden // 128), "attn_implementation": "sdpa"}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "config.json")
+        path.write_text(json.dumps(config))
+        command = [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", str(path), "--gpu", gpu,
+                   "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--json", "--recalibrate"]
+        if not args.clip:
+            command.append("--no-clipping")
+        completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        print(f"planner: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")
+        return None
+    return json.loads(completed.stdout)
+
+
+def _add_prediction(result: dict, prediction: dict) -> None:
+    """The planner's figures next to the engine's measured ones (ratios: predicted / measured)."""
+    params = result["params"]
+    result["predicted_step_seconds"] = prediction["predicted_step_seconds"]
+    result["predicted_tokens_per_s"] = prediction["predicted_tokens_per_second"]
+    result["predicted_peak_host_bytes"] = prediction["predicted_peak_host_bytes"]
+    result["predicted_bytes_per_param"] = prediction["predicted_peak_host_bytes"] / params
+    result["predicted_over_measured"] = {
+        "step_seconds": prediction["predicted_step_seconds"] / result["step_seconds"],
+        "tokens_per_s": prediction["predicted_tokens_per_second"] / result["tokens_per_s"],
+        "peak_host_bytes": prediction["predicted_peak_host_bytes"] / result["peak_host_bytes"],
+    }
+    result["predicted_by_part"] = prediction["step_seconds_by_bound"]
+    result["planner_hardware"] = prediction.get("hardware")
 
 
 def _versions() -> dict:
@@ -163,6 +260,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--no-planner", action="store_true", help="skip the planner's prediction")
+    parser.add_argument("--min-free", type=float, default=0.5,
+                        help="GiB of MemAvailable under which a run is killed (the machine may be shared)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/compare_<device>_<params>.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,15 +272,22 @@ def main() -> None:
 
     passthrough = [arg for arg in sys.argv[1:]]
     best: dict[str, dict] = {}
+    rounds: dict[str, list[dict]] = {system: [] for system in args.systems}
+    predictions: list[dict | None] = []
     for _ in range(args.repeats):
         for system in args.systems:
-            completed = subprocess.run([sys.executable, __file__, *passthrough, "--child", system],
-                                       capture_output=True, text=True)
+            completed = _run_guarded([sys.executable, __file__, *passthrough, "--child", system],
+                                     int(args.min_free * 2**30))
             lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
             if completed.returncode != 0 or not lines:
                 print(f"{system}: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")
                 continue
             result = json.loads(lines[-1][len("RESULT "):])
+            rounds[system].append(result)
+            if system == "megatrain" and not args.no_planner:
+                prediction = run_planner(args)  # calibrated now, as the machine is for this round
+                if prediction is not None:
+                    _add_prediction(result, prediction)
             if system not in best or result["step_seconds"] < best[system]["step_seconds"]:
                 best[system] = result
     print(f"{'system':24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} "
@@ -194,6 +301,12 @@ def main() -> None:
             if other in best:
                 print(f"megatrain step time / {RESULT_KEY[other]}: "
                       f"{best['megatrain']['step_seconds'] / best[other]['step_seconds']:.2f}")
+        mt = best["megatrain"]
+        if "predicted_step_seconds" in mt:
+            ratio = mt["predicted_over_measured"]
+            print(f"planner: step {mt['predicted_step_seconds']:.2f} s predicted vs {mt['step_seconds']:.2f} s "
+                  f"measured ({ratio['step_seconds']:.2f}x); peak host {mt['predicted_bytes_per_param']:.2f} vs "
+                  f"{mt['bytes_per_param']:.2f} B/param ({ratio['peak_host_bytes']:.2f}x)")
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
@@ -206,6 +319,11 @@ def main() -> None:
                   "vocab": args.vocab, "params": params},
         "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gradient_clipping": args.clip},
         "results": {RESULT_KEY[s]: r for s, r in best.items()},
+        "rounds": {RESULT_KEY[s]: [{k: r[k] for k in ("step_seconds", "all_step_seconds", "all_cpu_seconds",
+                                                     "bytes_per_param", "predicted_step_seconds") if k in r}
+                                   for r in runs]
+                   for s, runs in rounds.items()},
+        "load_average_at_end": os.getloadavg(),
     }, indent=2))
     print(f"wrote {out}")
 

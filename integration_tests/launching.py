@@ -53,6 +53,8 @@ class Run:
     accelerate: bool = True
     """Through ``accelerate launch --config_file configs/accelerate_megatrain.yaml``."""
     env: dict[str, str] = field(default_factory=dict)
+    num_processes: int = 1
+    """Data-parallel ranks (``accelerate launch --num_processes``)."""
     _process: subprocess.Popen | None = None
 
     @property
@@ -64,7 +66,8 @@ class Run:
         command = [sys.executable, str(self.script), *self.args, "--output-dir", str(self.output_dir)]
         if self.accelerate:
             command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(ACCELERATE_CONFIG), "--main_process_port", str(port), *command[1:]]
+                       str(ACCELERATE_CONFIG), "--main_process_port", str(port),
+                       "--num_processes", str(self.num_processes), *command[1:]]
         # The Accelerate config names its DeepSpeed JSON relative to the repository root.
         with open(self.log_path, "w", encoding="utf-8") as log:
             self._process = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(port, **self.env),

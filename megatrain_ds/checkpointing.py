@@ -124,9 +124,12 @@ def _shards(groups: list[list[_Entry]], max_bytes: int) -> list[list[int]]:
 
 
 def _quiesce(engine: "MegatrainEngine") -> None:
-    """No update may be in flight while the host state is read or overwritten."""
+    """No update may be in flight while the host state is read or overwritten (by any
+    rank: with data parallel the state is node-shared)."""
     engine.sink.drain()
     engine.runtime.synchronize()
+    if engine.data_parallel is not None:
+        engine.data_parallel.world_barrier("the checkpoint barrier")
 
 
 # -- save ---------------------------------------------------------------------------------
@@ -135,10 +138,27 @@ def save_checkpoint(engine: "MegatrainEngine", save_dir: str, tag: Any = None,
                     client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False,
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> bool:
-    """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring."""
+    """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring.
+
+    With data parallel every rank calls this (as with DeepSpeed); rank 0 writes the whole
+    checkpoint from its node's shared copy, which holds every rank's state, and the
+    others return when it is written (``save_dir`` must be visible to every rank that
+    loads it later).
+    """
     _quiesce(engine)
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    root = Path(save_dir)
+    def save() -> None:
+        _save_tag(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, max_shard_bytes)
+
+    if engine.data_parallel is not None:
+        engine.data_parallel.on_rank0(f"saving checkpoint {tag!r}", save)
+    else:
+        save()
+    return True
+
+
+def _save_tag(engine: "MegatrainEngine", root: Path, tag: str, client_state: Mapping[str, Any] | None,
+              save_latest: bool, exclude_frozen_parameters: bool, max_shard_bytes: int) -> None:
     temp = make_temp_dir(root, tag)
     try:
         files = _write_tag_dir(engine, temp, client_state or {}, exclude_frozen_parameters, max_shard_bytes)
@@ -157,7 +177,6 @@ def save_checkpoint(engine: "MegatrainEngine", save_dir: str, tag: Any = None,
     if save_latest:
         write_latest(root, tag)
     logger.info("megatrain: saved checkpoint %s (%d files)", root / tag, len(files) + 1)
-    return True
 
 
 def _write_tag_dir(engine: "MegatrainEngine", temp: Path, client_state: Mapping[str, Any],
@@ -306,17 +325,22 @@ def load_checkpoint(engine: "MegatrainEngine", load_dir: str, tag: Any = None,
 
     _quiesce(engine)
     engine.streamer.begin([])  # no prefetched copy of the old weights may survive
-    for file in model_files.values():
-        file.read_into(model_targets.get(file.path, {}), checked_digest(path, manifest, Path(file.path).name))
-    for state in engine.states:
-        state.refresh_shadow()
-    engine.resident.refresh_device()
-    if with_optimizer:
+    dp = engine.data_parallel
+    if dp is None or dp.is_node_writer:  # node-shared state: one reader per node
+        for file in model_files.values():
+            file.read_into(model_targets.get(file.path, {}), checked_digest(path, manifest, Path(file.path).name))
         for state in engine.states:
-            if state.grad is not None:
-                state.grad.zero_()  # overwritten below when saved inside an accumulation window
-        for file in optimizer_files.values():
-            file.read_into(optimizer_targets.get(file.path, {}), checked_digest(path, manifest, Path(file.path).name))
+            state.refresh_shadow()
+        if with_optimizer:
+            for state in engine.states:
+                if state.grad is not None:
+                    state.grad.zero_()  # overwritten below when saved inside an accumulation window
+            for file in optimizer_files.values():
+                file.read_into(optimizer_targets.get(file.path, {}),
+                               checked_digest(path, manifest, Path(file.path).name))
+    if dp is not None:
+        dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
+    engine.resident.refresh_device()
     _apply_trainer_state(engine, trainer_state, with_optimizer, load_lr_scheduler_states, load_module_only)
     logger.info("megatrain: loaded checkpoint %s", path)
     return str(path), trainer_state["client_state"]

@@ -5,18 +5,24 @@
 
 The model is built on the meta device (no memory) from a Hugging Face model directory or
 a ``config.json`` (with ``model_type``), so its blocks are found exactly as the engine
-finds them. ``--gpu cpu`` measures this machine's matmul and copy throughput first.
+finds them. ``--gpu cpu`` plans a run whose device is this machine's CPU: it measures
+the model's own matmul shapes, one real block, memory copies and the engine's AdamW here
+first, and caches the figures (:func:`cpu_profile`; ``--recalibrate`` measures again).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import re
+import socket
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -68,28 +74,166 @@ def load_meta_model(source: str) -> torch.nn.Module:
 
 
 def measure_cpu(seconds: float = 0.5) -> Hardware:
-    """This machine as the compute device: fp32 matmul rate and memory copy rate."""
-    import os
-
+    """This machine as the compute device, model-independent: a 1024^3 fp32 matmul and a
+    128 MB memory copy (:func:`cpu_profile` measures a model's own shapes instead)."""
     size = 1024
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    count, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        a @ b
-        count += 1
-    flops = 2 * size**3 * count / (time.perf_counter() - started)
+    flops = 2 * size**3 / _best_seconds(lambda: a @ b, seconds)
     source = torch.empty(32 << 20)
     target = torch.empty_like(source)
-    target.copy_(source)
-    count, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        target.copy_(source)
-        count += 1
-    copy_rate = source.numel() * 4 * count / (time.perf_counter() - started)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    copy_rate = source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
     # Copies move bytes once each way: read+write traffic is twice the copy rate.
-    return Hardware("cpu", flops, copy_rate, copy_rate, 2 * copy_rate, memory, shares_host_memory=True)
+    return Hardware("cpu", flops, copy_rate, copy_rate, 2 * copy_rate, physical_memory(), shares_host_memory=True)
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _best_seconds(work: Callable[[], object], budget: float, min_runs: int = 3) -> float:
+    """The fastest of repeated runs of ``work`` (after a warm-up) within about ``budget``
+    seconds: other load on the machine only ever slows a run down."""
+    work()
+    best, started, runs = float("inf"), time.perf_counter(), 0
+    while runs < min_runs or time.perf_counter() - started < budget:
+        begin = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - begin)
+        runs += 1
+    return best
+
+
+# -- the CPU profile of one model ------------------------------------------------------------
+
+CPU_PROFILE_MAX_TOKENS = 1024
+"""Tokens the CPU profile measures a block at, at most (a block's efficiency is flat past
+a few hundred tokens; attention's share at longer sequences is then underestimated)."""
+_PROFILE_VOCAB = 256
+_ADAM_ELEMENTS = 1 << 24
+_HEAD_COLUMNS = 8192
+"""The lm_head's matmul is timed on this many vocabulary rows (the rate is flat beyond)."""
+
+
+def cpu_profile(config: Any, block_path: str, settings: RunSettings, recalibrate: bool = False,
+                cache: Path | None = None, seconds: float = 0.3) -> Hardware:
+    """This machine as the device for ``config``'s model at ``settings``' tokens, measured
+    once and cached per machine, model shape and tokens (``--recalibrate`` measures again).
+    ``block_path`` names the model's block list (``block_discovery.find_blocks``).
+
+    - ``flops``, ``head_flops``: the matmul rate at the model's own linear shapes (a block's
+      weight shapes, weighted by FLOPs; the lm_head's), forward, input-gradient and
+      weight-gradient matmuls at the run's tokens;
+    - ``block_efficiency``: one real block of the model (a one-layer model built from
+      ``config`` with a tiny vocabulary), forward without grad and then forward and
+      backward, as the engine runs it, against ``8 * P_b * T / flops``;
+    - ``host_memory_bytes_per_s``: a 256 MB copy (past the caches), read + write;
+    - ``adam_bytes_per_s``: the engine's CPU AdamW kernel (``cpu_adam.make_cpu_kernel``) on
+      16M-element fp32 states, 28 bytes touched per element (states well past the caches, as
+      a model's are: on 4M elements a 32 MB L3 made it look 3x faster here).
+    Each figure is the fastest of repeated runs: load from other processes only slows a run.
+    """
+    from megatrain_ds.optimizer_placement import cache_path
+
+    path = cache or cache_path().with_name("cpu_profile.json")
+    tokens = min(settings.tokens_per_pass, CPU_PROFILE_MAX_TOKENS)
+    seq_len = min(settings.seq_len, tokens)
+    dtype = torch.bfloat16 if settings.bf16 else torch.float32
+    key = "|".join([socket.gethostname(), platform.processor() or platform.machine(), str(os.cpu_count()),
+                    str(torch.get_num_threads()), torch.__version__, str(dtype), f"{seq_len}x{tokens // seq_len}",
+                    json.dumps(_shape_signature(config), sort_keys=True)])
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if recalibrate or key not in cached:
+        cached[key] = _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp = path.with_suffix(f".{os.getpid()}.tmp")
+            temp.write_text(json.dumps(cached, indent=2) + "\n")
+            temp.replace(path)  # atomic: concurrent runs never read half a file
+        except OSError:
+            pass  # a profile that cannot be cached is measured again next time
+    figures = cached[key]
+    return Hardware("cpu", figures["flops"], figures["copy_bytes_per_s"], figures["copy_bytes_per_s"],
+                    2 * figures["copy_bytes_per_s"], physical_memory(), shares_host_memory=True,
+                    block_efficiency=figures["block_efficiency"], adam_bytes_per_s=figures["adam_bytes_per_s"],
+                    head_flops=figures["head_flops"])
+
+
+def _shape_signature(config: Any) -> dict[str, Any]:
+    keep = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "n_embd", "n_head", "n_inner", "tie_word_embeddings")
+    return {k: getattr(config, k) for k in keep if isinstance(getattr(config, k, None), (int, str, bool))}
+
+
+def _measure_profile(config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype,
+                     seconds: float) -> dict:
+    from megatrain_ds.cpu_adam import AdamHyper, make_cpu_kernel
+
+    tokens = seq_len * micro_batch
+    block, model = _one_block_model(config, block_path, dtype)
+    weight_shapes = [tuple(p.shape) for p in block.parameters() if p.dim() == 2]
+    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd"))
+    vocab = int(config.vocab_size)
+    head = (min(vocab, _HEAD_COLUMNS), hidden)
+
+    def matmul_seconds(rows: int, cols: int) -> float:
+        """Forward, input-gradient and weight-gradient matmuls of a [rows, cols] weight."""
+        x, weight, dy = (torch.randn(tokens, cols, dtype=dtype), torch.randn(rows, cols, dtype=dtype),
+                         torch.randn(tokens, rows, dtype=dtype))
+        with torch.no_grad():
+            return _best_seconds(lambda: (x @ weight.t(), dy @ weight, dy.t() @ x), seconds / 4)
+
+    distinct = {shape: weight_shapes.count(shape) for shape in weight_shapes}
+    matmul_flops = (sum(count * 6 * tokens * rows * cols for (rows, cols), count in distinct.items())
+                    / sum(count * matmul_seconds(rows, cols) for (rows, cols), count in distinct.items()))
+    head_flops = 6 * tokens * head[0] * head[1] / matmul_seconds(*head)
+    block_params = sum(p.numel() for p in block.parameters())
+    ids = torch.randint(0, _PROFILE_VOCAB, (micro_batch, seq_len))
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    def forward_backward() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    block_seconds = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
+    del model, block
+    source = torch.empty(64 << 20)
+    target = torch.empty_like(source)
+    copy_rate = source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
+    del source, target
+    kernel, hyper = make_cpu_kernel("auto"), AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True)
+    p, g, m, v = (torch.rand(_ADAM_ELEMENTS) for _ in range(4))
+    adam = 28 * _ADAM_ELEMENTS / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
+    return {"flops": matmul_flops, "head_flops": head_flops,
+            "block_efficiency": 8 * block_params * tokens / matmul_flops / block_seconds,
+            "copy_bytes_per_s": copy_rate, "adam_bytes_per_s": adam, "block_seconds": block_seconds,
+            "tokens": tokens, "load_average": os.getloadavg()[0], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _one_block_model(config: Any, block_path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A real (random) one-block model of ``config``'s architecture with a tiny vocabulary,
+    and its block: the head and embedding then cost next to nothing."""
+    import copy
+
+    import transformers
+
+    small = copy.deepcopy(config)
+    for attr in ("num_hidden_layers", "n_layer"):
+        if hasattr(small, attr):
+            setattr(small, attr, 1)
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:1]
+    small.vocab_size = _PROFILE_VOCAB
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(small, attr, None), int) and getattr(small, attr) >= _PROFILE_VOCAB:
+            setattr(small, attr, 0)
+    model = transformers.AutoModelForCausalLM.from_config(small, dtype=dtype)
+    return model.get_submodule(block_path)[0], model
 
 
 def _format_bytes(value: float) -> str:
@@ -107,7 +251,16 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     for kind, value in result.gpu_bytes.items():
         print(f"  {kind:18s} {_format_bytes(value)}")
     print(f"  {'total':18s} {_format_bytes(result.gpu_bytes_total)}")
-    print(f"tokens per weight pass to hide transfers: {result.min_tokens_to_hide_transfer}")
+    if hardware.shares_host_memory:
+        print(f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
+              f"({result.predicted_peak_host_bytes / result.params:.2f} bytes/param)")
+        print(f"measured: matmul {hardware.flops / 1e9:.0f} GFLOP/s at the blocks' shapes "
+              f"({hardware.head_flops / 1e9:.0f} at the head's), a block at "
+              f"{hardware.block_efficiency:.0%} of it, memory copy {hardware.host_memory_bytes_per_s / 2e9:.1f} GB/s, "
+              f"AdamW {hardware.adam_bytes_per_s / 1e9:.1f} GB/s")
+        print("step (one set of cores does each part in turn):")
+    else:
+        print(f"tokens per weight pass to hide transfers: {result.min_tokens_to_hide_transfer}")
     for bound, seconds in result.step_seconds_by_bound.items():
         print(f"  {bound:18s} {seconds:8.3f} s/step")
     print(f"predicted step: {result.predicted_step_seconds:.3f} s, "
@@ -132,21 +285,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--checkpoint-interval", type=int, default=1)
     p.add_argument("--keep-checkpoints-on-device", action="store_true")
     p.add_argument("--block-path", default=None)
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --gpu cpu: measure this machine again instead of using the cached profile")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
-    hardware = measure_cpu() if args.gpu == "cpu" else GPU_HARDWARE[args.gpu]
-    host_memory = args.host_memory or measure_cpu(0.01).device_memory_bytes
+    host_memory = args.host_memory or physical_memory()
     settings = RunSettings(
         seq_len=args.seq_len, micro_batch=args.micro_batch,
         accumulation=args.gradient_accumulation_steps, bf16=not (args.fp32 or args.gpu == "cpu"),
         clipping=not args.no_clipping, checkpoint_interval=args.checkpoint_interval,
         offload_checkpoints=not args.keep_checkpoints_on_device,
     )
-    shape = shape_of(load_meta_model(args.model), args.block_path)
+    model = load_meta_model(args.model)
+    shape = shape_of(model, args.block_path)
+    if args.gpu == "cpu":
+        block_path, _ = find_blocks(model, args.block_path)
+        hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
+    else:
+        hardware = GPU_HARDWARE[args.gpu]
     result = plan(shape, settings, hardware, host_memory)
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
+        data = result.to_json()
+        data["hardware"] = asdict(hardware)
+        json.dump(data, sys.stdout, indent=2)
         print()
     else:
         _print_plan(result, hardware, settings)

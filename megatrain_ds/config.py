@@ -118,6 +118,13 @@ class MegatrainOptions:
     preflight: bool = True
     """Check before allocating that the run fits in host (and device) memory, and fail at
     once with the numbers and the settings that would fit."""
+    trace: str | None = None
+    """Write a Chrome/Perfetto trace (JSON) of the weight copies, block compute, gradient
+    copies and the optimizer worker to this path, for ``trace_steps`` optimizer steps after
+    one warm-up step; open it at https://ui.perfetto.dev or draw a step with
+    ``bench/timeline.py``. See ``trace.py``."""
+    trace_steps: int = 3
+    """Optimizer steps written to ``trace``."""
     optimizer_device: str = "auto"
     """Where AdamW runs: "cpu" (host SIMD kernel, overlapping backward), "gpu" (optimizer
     state streamed through the device and a fused Triton kernel), or "auto": measured at
@@ -142,12 +149,19 @@ class MegatrainOptions:
     max_consecutive_skips: int = 10
     """Non-finite steps skipped in a row before the engine gives up: the next one raises
     ``NonFiniteGradientError`` (the state is still intact then)."""
+    collective_timeout_s: float = 600.0
+    """Data parallel: the longest any collective waits for the other ranks. A rank that
+    died breaks the connections at once; one that hangs is reported after this long."""
 
     def __post_init__(self) -> None:
         if self.block_path is not None and not isinstance(self.block_path, str):
             raise ConfigError(f'megatrain.block_path must be a string, got {self.block_path!r}')
         if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
             raise ConfigError(f"megatrain.load_from must be a directory path, got {self.load_from!r}")
+        if self.trace is not None and not (isinstance(self.trace, (str, os.PathLike)) and str(self.trace)):
+            raise ConfigError(f"megatrain.trace must be a file path (a .json), got {self.trace!r}")
+        if not isinstance(self.trace_steps, int) or isinstance(self.trace_steps, bool) or self.trace_steps < 1:
+            raise ConfigError(f"megatrain.trace_steps must be an integer >= 1, got {self.trace_steps!r}")
         for name, choices in (("optimizer_device", ("auto", "cpu", "gpu")),
                               ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
                               ("non_finite_steps", ("auto", "skip", "raise"))):
@@ -164,6 +178,10 @@ class MegatrainOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ConfigError(f"megatrain.{name} must be an integer >= {minimum}, got {value!r}")
+        if (not isinstance(self.collective_timeout_s, (int, float)) or isinstance(self.collective_timeout_s, bool)
+                or not self.collective_timeout_s > 0):
+            raise ConfigError(f"megatrain.collective_timeout_s must be a number of seconds > 0, "
+                              f"got {self.collective_timeout_s!r}")
         if self.master_dtype not in ("fp32", "bf16"):
             raise ConfigError(f'megatrain.master_dtype must be one of "fp32", "bf16"; got {self.master_dtype!r}')
         for name in ("pin_memory", "offload_checkpoints", "preflight"):
@@ -360,12 +378,29 @@ def _batch_sizes(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
         raise ConfigError(
             "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
             f"gradient_acc_step * world_size {train} != {micro} * {accumulation} * {world_size}"
+            + (f" (world_size: the {world_size} ranks of torch.distributed; without a GPU, `accelerate launch` "
+               "runs DeepSpeed's ranks as if each were alone, filling \"auto\" for one rank and not sharding "
+               "the data, so DeepSpeed itself fails here too: launch the ranks with torchrun instead)"
+               if world_size > 1 else "")
         )
     return train, micro, accumulation
 
 
-def parse_engine_config(config: Mapping[str, Any], world_size: int = 1) -> EngineConfig:
-    """Read an ``"engine": "megatrain"`` DeepSpeed config; raise :class:`ConfigError` on bad input."""
+def launcher_world_size() -> int:
+    """The number of data-parallel ranks: the process group's, else the launcher's ``WORLD_SIZE``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None) -> EngineConfig:
+    """Read an ``"engine": "megatrain"`` DeepSpeed config; raise :class:`ConfigError` on bad input.
+
+    ``world_size`` (default: :func:`launcher_world_size`) enters DeepSpeed's batch rule
+    ``train_batch_size = micro_batch * gradient_accumulation_steps * world_size``.
+    """
+    if world_size is None:
+        world_size = launcher_world_size()
     if (config.get("fp16") or {}).get("enabled") not in (None, False, AUTO):
         raise ConfigError(
             "fp16.enabled is not supported: this engine trains with fp32 master weights; "

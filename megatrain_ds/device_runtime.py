@@ -16,10 +16,15 @@ CPU tests exercise.
 from __future__ import annotations
 
 import contextlib
+import platform
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
+
+from megatrain_ds.node_shared_memory import NodeSharedMemory
+from megatrain_ds.trace import NULL_TRACER, NullTracer, Tracer
 
 PAGE_BYTES = 4096
 
@@ -49,6 +54,50 @@ class NullStream:
         del event
 
 
+class HostClockEvent:
+    """Timing event of the CPU path: work is done when issued, so the host clock read at
+    ``record`` is when it happened (``trace.py``: [Note: trace clocks])."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def record(self, stream: object = None) -> None:
+        del stream
+        self.ns = time.perf_counter_ns()
+
+    def synchronize(self) -> None:
+        pass
+
+    def host_ns(self, anchor: "ClockAnchor") -> int:
+        del anchor
+        return self.ns
+
+
+class CudaClockEvent:
+    """A timing CUDA event, read as the host-clock time at which the device reached it."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+
+    def record(self, stream: object = None) -> None:
+        self.event.record(stream)  # type: ignore[arg-type]
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def host_ns(self, anchor: "ClockAnchor") -> int:
+        """Needs both events complete; ``elapsed_time`` is in milliseconds (~0.5 us resolution)."""
+        return anchor.host_ns + round(anchor.event.event.elapsed_time(self.event) * 1e6)
+
+
+@dataclass(frozen=True)
+class ClockAnchor:
+    """A timing event whose host-clock time is known: device times are read relative to it."""
+
+    event: HostClockEvent | CudaClockEvent
+    host_ns: int
+
+
 @dataclass
 class DeviceRuntime:
     """The compute device, the engine's side streams, and how host memory is allocated.
@@ -60,7 +109,11 @@ class DeviceRuntime:
         optimizer_stream: host-to-device copies of optimizer state and the device AdamW
             kernel (``device_adamw.py``); overlaps backward, apart from the weight prefetch
             so that a block's weights never queue behind a chunk of optimizer state.
+        comm_stream: the data-parallel gradient all-reduce (``gradient_reducer.py``);
+            overlaps the backward of the blocks before the one being reduced.
         pin_memory: whether host buffers are page-locked (needed for asynchronous copies).
+        tracer: where spans of copies, compute and the optimizer go (``trace.py``); the
+            no-op :data:`~megatrain_ds.trace.NULL_TRACER` unless a traced step is running.
     """
 
     device: torch.device
@@ -68,6 +121,8 @@ class DeviceRuntime:
     d2h_stream: object
     pin_memory: bool
     optimizer_stream: object = field(default_factory=NullStream)
+    comm_stream: object = field(default_factory=NullStream)
+    tracer: NullTracer | Tracer = field(default=NULL_TRACER, repr=False)
     _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
     """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
 
@@ -81,6 +136,7 @@ class DeviceRuntime:
                 h2d_stream=torch.cuda.Stream(device),
                 d2h_stream=torch.cuda.Stream(device),
                 optimizer_stream=torch.cuda.Stream(device),
+                comm_stream=torch.cuda.Stream(device),
                 pin_memory=pin_memory,
             )
         return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
@@ -89,12 +145,42 @@ class DeviceRuntime:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def shares_host_memory(self) -> bool:
+        """The device computes on host memory (the CPU): a host buffer needs no device copy
+        to be computed on, and a "device" buffer costs host memory."""
+        return self.device.type == "cpu"
+
     def compute_stream(self) -> object:
         """The stream the caller computes on (the current stream, as PyTorch sets it)."""
         return torch.cuda.current_stream(self.device) if self.is_cuda else NullStream()
 
     def event(self) -> Event:
         return torch.cuda.Event() if self.is_cuda else NullEvent()
+
+    def clock_event(self) -> HostClockEvent | CudaClockEvent:
+        """An event that also tells when the device reached it (for traces only: timing
+        events cost more than the engine's synchronisation events)."""
+        return CudaClockEvent() if self.is_cuda else HostClockEvent()
+
+    def clock_anchor(self) -> ClockAnchor:
+        """Relates the device's clock to the host's (once per trace; synchronizes)."""
+        event = self.clock_event()
+        self.synchronize()  # the device is idle: the event completes as soon as it is issued
+        before = time.perf_counter_ns()
+        event.record(self.compute_stream())
+        event.synchronize()
+        after = time.perf_counter_ns()
+        # The device reached the event between the two host readings: the midpoint is off
+        # by at most half the round trip of one event (microseconds on CUDA).
+        return ClockAnchor(event, (before + after) // 2)
+
+    @property
+    def device_name(self) -> str:
+        """The device as a person names it (for traces and warnings)."""
+        if self.is_cuda:
+            return torch.cuda.get_device_name(self.device)
+        return _cpu_name()
 
     @contextlib.contextmanager
     def on(self, stream: object) -> Iterator[None]:
@@ -105,7 +191,7 @@ class DeviceRuntime:
         else:
             yield
 
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def host_empty(self, numel: int, dtype: torch.dtype, shared: NodeSharedMemory | None = None) -> torch.Tensor:
         """A flat host tensor starting on a page boundary, pinned when CUDA is used.
 
         Page alignment lets the copy engine and SIMD code take whole pages; the
@@ -113,11 +199,17 @@ class DeviceRuntime:
         place (``cudaHostRegister``) rather than taking them from PyTorch's pinned caching
         allocator, which rounds every request up to a power of two -- up to 2x the host
         memory for a store that is most of the machine's RAM.
+
+        With ``shared`` the tensor is mapped by every rank of the node (a collective call,
+        see ``node_shared_memory.py``); each rank pins its own mapping.
         """
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % PAGE_BYTES
-        tensor = raw[start : start + nbytes].view(dtype)
+        if shared is not None:
+            tensor = shared.empty(numel, dtype)
+        else:
+            raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+            start = (-raw.data_ptr()) % PAGE_BYTES
+            tensor = raw[start : start + nbytes].view(dtype)
         if self.pin_memory and nbytes > 0:
             error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
             if int(error) != 0:
@@ -135,8 +227,16 @@ class DeviceRuntime:
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
         self._registered.clear()
 
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def host_zeros(self, numel: int, dtype: torch.dtype, shared: NodeSharedMemory | None = None) -> torch.Tensor:
+        if shared is not None:
+            return self.host_empty(numel, dtype, shared)  # born zero, and untouched stays unpaid
         return self.host_empty(numel, dtype).zero_()
+
+    def used_on(self, tensor: torch.Tensor, stream: object) -> None:
+        """``tensor`` (from the compute stream) is also read on ``stream``: the caching
+        allocator must not reuse its memory before that work is done (``record_stream``)."""
+        if self.is_cuda:
+            tensor.record_stream(stream)  # type: ignore[arg-type]
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -145,3 +245,14 @@ class DeviceRuntime:
         """Wait for all queued device work (used only outside the hot path)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

@@ -15,6 +15,7 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -27,7 +28,9 @@ from megatrain_ds.block_discovery import check_blocks_own_their_params, find_blo
 from megatrain_ds.block_template import BlockTemplate, structure_key
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.device_runtime import DeviceRuntime
-from megatrain_ds.gradient_sink import GradientSink
+from megatrain_ds.data_parallel import DataParallel
+from megatrain_ds.gradient_reducer import GradientReducer
+from megatrain_ds.gradient_sink import GradientPort, GradientSink
 from megatrain_ds.host_adamw import HostAdamW
 from megatrain_ds.host_store import HostFlatState, migrate_to_host
 from megatrain_ds.optimizer_facade import MegatrainOptimizer, build_optimizer, group_index_of
@@ -37,6 +40,8 @@ from megatrain_ds.resident_params import ResidentParams
 from megatrain_ds.safetensors_source import materialize_meta_buffers, open_source
 from megatrain_ds.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
 from megatrain_ds.streamed_blocks import StreamedBlocks
+from megatrain_ds.trace import TraceSchedule
+from megatrain_ds.transfer_hiding import warn_if_transfers_exposed
 from megatrain_ds.weight_streamer import WeightStreamer
 
 logger = logging.getLogger(__name__)
@@ -76,6 +81,10 @@ class MegatrainEngine(nn.Module):
                  lr_scheduler: Any = None, device: torch.device | None = None) -> None:
         super().__init__()
         self.config = config
+        # Before the device is chosen: on CUDA each rank takes the device LOCAL_RANK.
+        self.data_parallel = DataParallel.join(
+            use_cuda=(device.type == "cuda") if device is not None else torch.cuda.is_available(),
+            timeout_s=config.options.collective_timeout_s)
         self.runtime = DeviceRuntime.create(device or default_device(), config.options.pin_memory)
         self.optimizer: MegatrainOptimizer = build_optimizer(
             model, model_parameters, config.optimizer, optimizer
@@ -94,6 +103,8 @@ class MegatrainEngine(nn.Module):
         self.last_step_report: StepReport | None = None
         """How the last optimizer step went: outcome, norm, scale, speculated/restored elements."""
         self._build(model)
+        self._tracing = _trace_schedule(self.runtime, config, model, self.data_parallel)
+        self._batch_checked = False  # the transfer-hiding warning, at the first training forward
 
     # -- construction --------------------------------------------------------------------
 
@@ -111,6 +122,8 @@ class MegatrainEngine(nn.Module):
         self.block_path = path
         group_of = group_index_of(model, self.optimizer)
         master, compute = self.config.master_dtype, self.config.compute_dtype
+        dp = self.data_parallel
+        shared = dp.shared if dp is not None else None  # one host copy per node
 
         templates_by_key: dict[tuple, BlockTemplate] = {}
         templates: list[BlockTemplate] = []
@@ -126,13 +139,14 @@ class MegatrainEngine(nn.Module):
             # next is copied: the model never exists twice in host memory.
             self.states.append(migrate_to_host(
                 list(block.named_parameters()), group_of, self.runtime, master, compute,
-                source=source.scoped(f"{path}.{index}.") if source is not None else None,
+                source=source.scoped(f"{path}.{index}.") if source is not None else None, shared=shared,
             ))
         self.num_templates = len(templates_by_key)
 
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
-        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source)
+        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source,
+                                       shared=shared)
         if source is not None:
             source.report_unused(name for name, _ in model.named_buffers())
         self.states.append(self.resident.state)
@@ -147,21 +161,32 @@ class MegatrainEngine(nn.Module):
         if self.config.holds_gradients:
             grad_dtype = torch.float32 if self.config.gradient_accumulation_steps > 1 else compute
             for state in self.states:
-                state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype)
+                state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype, shared)
+        if dp is not None:
+            self._share_initial_weights(dp)
 
+        # What this rank updates: every state whole, or with data parallel its window of
+        # each (data_parallel.py: [Note: data-parallel step]).
+        self.windows = [dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel)
+                        for state in self.states]
+        self.optimizer_states = self.states if dp is None else [
+            state.window(*window) for state, window in zip(self.states, self.windows)]
         self.adamw: HostAdamW = build_host_adamw(
-            self.optimizer.param_groups, self.optimizer.decoupled, self.states, self.runtime,
+            self.optimizer.param_groups, self.optimizer.decoupled, self.optimizer_states, self.runtime,
             options.optimizer_device, options.cpu_adam_kernel,
             self.states[0].grad.dtype if self.states[0].grad is not None else compute)
         self.stepper = OptimizerStepper(
-            self.states, self.adamw, clipping=self.config.gradient_clipping,
-            journal_indices=speculative_block_indices(self.states, self._resident_index, options.speculative_blocks,
-                                                      AUTO_JOURNAL_BYTES_PER_PARAM),
-            holds_gradients=self.config.holds_gradients)
+            self.optimizer_states, self.adamw, clipping=self.config.gradient_clipping,
+            journal_indices=speculative_block_indices(self.optimizer_states, self._resident_index,
+                                                      options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM),
+            holds_gradients=self.config.holds_gradients,
+            sum_over_ranks=dp.node_sum if dp is not None else None, runtime=self.runtime)
         self.optimizer.attach(self._finish_optimizer_step)
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
-        self.sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
-                                 options.num_staging_buffers, self._consume_gradient)
+        sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
+                            options.num_staging_buffers, self._consume_gradient)
+        self.sink: GradientPort = sink if dp is None else GradientReducer(
+            self.runtime, dp, sink, self.windows)
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
@@ -182,6 +207,16 @@ class MegatrainEngine(nn.Module):
         logger.info("megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
                     len(blocks), path, self.num_templates, len(resident), self.runtime.device)
 
+    def _share_initial_weights(self, dp: DataParallel) -> None:
+        """Every node starts from the first node's weights (as DDP starts from rank 0's);
+        then no rank reads the shared state before its writer has filled it."""
+        if dp.leaders_group is not None:  # this node's writer, and there are other nodes
+            for state in self.states:
+                dp.broadcast_from_first_node_(state.master)
+                state.refresh_shadow()
+        dp.shared.written()
+        self.resident.refresh_device()
+
     def _master_state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any],
                                 prefix: str, local_metadata: Any) -> None:
         """Report resident parameters by their fp32 master, not their device copy."""
@@ -198,6 +233,11 @@ class MegatrainEngine(nn.Module):
         """Run the model (call the engine, not ``engine.module``: this plans the prefetch of
         block 0 before the embedding computes; the module alone also works, a little later)."""
         check_batch(self.module, self.runtime.device, args, kwargs)
+        if not self._batch_checked and torch.is_grad_enabled() and self.module.training:
+            self._batch_checked = True
+            warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
+                                      accumulation=self.gradient_accumulation_steps())
+        self._tracing.before_forward(self.global_steps)
         self.blocks.begin_forward()
         return self.module(*args, **kwargs)
 
@@ -216,6 +256,7 @@ class MegatrainEngine(nn.Module):
             if self.lr_scheduler is not None and self._step_applied:  # DeepSpeed: not after a skip
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
+            self._tracing.after_step(self.global_steps - 1)  # writes the trace after its last step
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -273,6 +314,7 @@ class MegatrainEngine(nn.Module):
 
         The model stays usable: its parameters keep viewing the (now unpinned) host masters.
         """
+        self._tracing.close()  # a trace cut short is still written
         self.sink.close()
         self.blocks.uninstall()
         self.runtime.release_host_memory()
@@ -280,8 +322,9 @@ class MegatrainEngine(nn.Module):
     # -- optimizer ---------------------------------------------------------------------------
 
     def _consume_gradient(self, index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
-        """Runs on the gradient worker for every host chunk (see GradientSink)."""
-        state = self.states[index]
+        """Runs on the gradient worker for every host chunk of this rank's windows (see GradientSink)."""
+        state = self.optimizer_states[index]
+        offset -= self.windows[index][0]
         step = self.optimizer_steps + 1
         if state.grad is None:  # nothing held (no clipping, accumulation or skipping): final
             self.stepper.consume_final(index, offset, grad, step)
@@ -293,7 +336,11 @@ class MegatrainEngine(nn.Module):
 
     def _finish_optimizer_step(self) -> None:
         self.sink.drain()
-        report = self.stepper.finish(self.optimizer_steps + 1)
+        with self.runtime.tracer.span("step finish", "optimizer worker"):
+            report = self.stepper.finish(self.optimizer_steps + 1)
+        if self.data_parallel is not None:
+            # Sync: the next forward streams weights every rank of the node has updated.
+            self.data_parallel.node_barrier(f"the end of optimizer step {self.optimizer_steps + 1}")
         self.last_step_report = report
         self._global_grad_norm = report.norm
         self._step_applied = report.outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED)
@@ -339,6 +386,19 @@ class MegatrainEngine(nn.Module):
         ``(None, None)`` without a ``latest`` file. See :mod:`checkpointing`."""
         return checkpointing.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+
+def _trace_schedule(runtime: DeviceRuntime, config: EngineConfig, model: nn.Module,
+                    data_parallel: DataParallel | None) -> TraceSchedule:
+    """``"megatrain": {"trace": ...}`` (one file per rank with data parallel: ``NAME.rankR.json``)."""
+    path = config.options.trace
+    if path is not None and data_parallel is not None:
+        path = Path(path).with_name(f"{Path(path).stem}.rank{data_parallel.rank}{Path(path).suffix}")
+    metadata = {"model": type(model).__name__, "bf16": config.bf16,
+                "micro_batch": config.train_micro_batch_size_per_gpu,
+                "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                "rank": data_parallel.rank if data_parallel is not None else 0}
+    return TraceSchedule(runtime, path, config.options.trace_steps, metadata)
 
 
 def _reject_unsupported_outputs(model: nn.Module) -> None:

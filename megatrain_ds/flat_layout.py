@@ -62,6 +62,13 @@ class FlatLayout:
     def trained_runs(self) -> tuple[GroupRun, ...]:
         return tuple(run for run in self.runs if run.group != FROZEN_GROUP)
 
+    def window(self, start: int, end: int) -> "FlatLayout":
+        """Elements ``[start, end)`` as a layout of their own, for the optimizer: group runs
+        only, shifted to start at 0 (a data-parallel rank's share, ``data_parallel.py``)."""
+        runs = tuple(GroupRun(run.group, run.start - start, run.end - start)
+                     for run in intersect_runs(self.runs, start, end))
+        return FlatLayout(slots=(), numel=end - start, runs=runs, split_sizes=())
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

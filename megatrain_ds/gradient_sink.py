@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -29,6 +29,19 @@ from megatrain_ds.device_runtime import DeviceRuntime, Event
 
 ConsumeFn = Callable[[int, int, torch.Tensor, bool], None]
 """``consume(state_index, offset, host_chunk, final)``; ``final`` marks the last micro-batch."""
+
+
+class GradientPort(Protocol):
+    """Where backward hands gradients: the :class:`GradientSink`, or with data parallel the
+    ``GradientReducer`` in front of it."""
+
+    def push(self, state_index: int, offset: int, grad: torch.Tensor, final: bool) -> None: ...
+
+    def push_block(self, state_index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -77,9 +90,17 @@ class GradientSink:
             done = self._runtime.event()
             with self._runtime.on(self._runtime.d2h_stream):
                 self._runtime.d2h_stream.wait_event(produced)
-                staging[: piece.numel()].copy_(piece, non_blocking=True)
+                with self._runtime.tracer.device_span(f"grads {state_index}", "d2h", self._runtime.d2h_stream,
+                                                      state=state_index, offset=offset + start, numel=piece.numel()):
+                    staging[: piece.numel()].copy_(piece, non_blocking=True)
                 done.record(self._runtime.d2h_stream)
             self._work.put(_Chunk(state_index, offset + start, piece.numel(), staging, final, done, piece))
+
+    def push_block(self, state_index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None:
+        """Queue a block's gradients: ``(state offset, flat device gradient)`` per parameter
+        (the same interface as ``GradientReducer.push_block``)."""
+        for offset, grad in pieces:
+            self.push(state_index, offset, grad, final)
 
     def drain(self) -> None:
         """Wait until every pushed chunk has been consumed; re-raise a worker failure."""
@@ -105,7 +126,10 @@ class GradientSink:
                 chunk.done.synchronize()  # the staging buffer is valid only after the copy
                 chunk.source = None  # type: ignore[assignment]  # device memory may be reused now
                 if self._error is None:
-                    self._consume(chunk.state_index, chunk.offset, chunk.staging[: chunk.numel], chunk.final)
+                    with self._runtime.tracer.span(f"consume {chunk.state_index}", "optimizer worker",
+                                                   state=chunk.state_index, offset=chunk.offset,
+                                                   numel=chunk.numel, final=chunk.final):
+                        self._consume(chunk.state_index, chunk.offset, chunk.staging[: chunk.numel], chunk.final)
             except BaseException as error:  # surfaced on the main thread by drain()/push()
                 self._error = error
             finally:

@@ -17,6 +17,7 @@ from torch import nn
 
 from megatrain_ds.device_runtime import DeviceRuntime
 from megatrain_ds.flat_layout import FlatLayout, build_flat_layout
+from megatrain_ds.node_shared_memory import NodeSharedMemory
 
 
 @dataclass
@@ -57,6 +58,15 @@ class HostFlatState:
                    "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
         return {kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None}
 
+    def window(self, start: int, end: int) -> "HostFlatState":
+        """Views of elements ``[start, end)`` of every buffer, with the matching layout
+        (:meth:`FlatLayout.window`): the part of this state one data-parallel rank steps."""
+        def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[start:end]
+        return HostFlatState(layout=self.layout.window(start, end), master=self.master[start:end],
+                             shadow=part(self.shadow), exp_avg=self.exp_avg[start:end],
+                             exp_avg_sq=self.exp_avg_sq[start:end], grad=part(self.grad))
+
     def refresh_shadow(self, start: int = 0, end: int | None = None) -> None:
         """Round the updated master into the streamed shadow (no-op without a shadow)."""
         if self.shadow is not None:
@@ -78,6 +88,7 @@ def migrate_to_host(
     master_dtype: torch.dtype,
     compute_dtype: torch.dtype,
     source: TensorSource | None = None,
+    shared: NodeSharedMemory | None = None,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 
@@ -89,17 +100,23 @@ def migrate_to_host(
     With ``source`` each slot is filled from ``source.copy_into(name, slot)`` instead of
     the parameter's own value; parameters on the ``meta`` device (no storage) then become
     real parameters viewing their slot, keeping their identity (optimizer groups hold them).
+
+    With ``shared`` the buffers are node-shared (``node_shared_memory.py``): only the
+    node's writer copies values in; the other ranks just re-point their parameters (their
+    own values are dropped, as DDP drops them for rank 0's) and must not read the state
+    before :meth:`NodeSharedMemory.written`.
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     by_name = dict(named_params)
-    master = runtime.host_empty(layout.numel, master_dtype)
+    master = runtime.host_empty(layout.numel, master_dtype, shared)
+    writes = shared is None or shared.is_writer
     params = []
     for index, slot in enumerate(layout.slots):
         param = by_name[slot.name]
         view = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        if source is not None:
+        if writes and source is not None:
             source.copy_into(slot.name, view)
-        else:
+        elif writes:
             view.copy_(param.detach())
         if param.is_meta:
             # A meta tensor's data cannot be re-pointed (incompatible tensor types); swapping
@@ -108,18 +125,20 @@ def migrate_to_host(
         else:
             param.data = view
         params.append(param)
-        # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
-        pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
-        master[slot.offset + slot.numel : pad_end].zero_()
+        if writes:
+            # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
+            pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
+            master[slot.offset + slot.numel : pad_end].zero_()
     shadow = None
     if compute_dtype != master_dtype:
-        shadow = runtime.host_empty(layout.numel, compute_dtype)
-        shadow.copy_(master)
+        shadow = runtime.host_empty(layout.numel, compute_dtype, shared)
+        if writes:
+            shadow.copy_(master)
     return HostFlatState(
         layout=layout,
         master=master,
         shadow=shadow,
-        exp_avg=runtime.host_zeros(layout.numel, torch.float32),
-        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32),
+        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared),
+        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared),
         params=params,
     )

@@ -42,7 +42,8 @@ def initialize(
     The scheduler follows DeepSpeed's precedence: ``lr_scheduler`` (a scheduler, or a
     callable taking the engine's optimizer) if given, else the config's ``"scheduler"``
     block built on the engine's optimizer, else none. The engine steps it after every
-    optimizer step. ``distributed_port``/``dist_init_required`` do not apply (one process);
+    optimizer step. With several ranks (``torchrun``, ``accelerate launch``) the engine trains data parallel
+    (``data_parallel.py``), on the launcher's process group or one made from its environment;
     model parallelism (``mpu``, ``mesh_param``) is rejected.
     """
     del distributed_port, dist_init_required, unused
@@ -56,11 +57,7 @@ def initialize(
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     if config is None:
         raise ConfigError("deepspeed.initialize needs config= (a dict or a JSON path)")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != 1:
-        raise ConfigError(f"the megatrain engine trains in one process on one device; WORLD_SIZE={world_size} "
-                          "(data parallelism is not supported yet): launch one process")
-    engine_config = parse_engine_config(load_config_dict(config), world_size=world_size)
+    engine_config = parse_engine_config(load_config_dict(config))  # batch rules count every rank
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         # With a stage-3 config the HF Trainer and Accelerate build the model under
         # deepspeed.zero.Init, which has already partitioned every parameter away.

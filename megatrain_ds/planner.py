@@ -1,4 +1,4 @@
-"""The engine's cost model: host and GPU memory, transfer-hiding batch, step time.
+"""The engine's cost model: host and device memory, transfer-hiding batch, step time.
 
 Pure arithmetic over a :class:`ModelShape`, :class:`RunSettings` and :class:`Hardware`;
 ``megatrain plan`` (:mod:`megatrain_ds.cli`) prints it. Per optimizer step with ``P_b``
@@ -14,12 +14,39 @@ weight (2 in bf16, 4 in fp32):
 
 Transfers hide behind compute once ``8 * P_b * T / F >= 2 * w * P_b / B``, i.e.
 ``T >= w * F / (4 * B)``, independent of model size.
+
+[Note: the CPU as the device]
+When the device is the host (``Hardware.shares_host_memory``) one set of cores does
+everything in turn, so a step is the *sum* of its parts, and blocks and resident
+parameters are computed on in place (``weight_streamer.py``: [Note: the host as the
+device]): no weight copies, no weight buffers. The parts, per optimizer step
+(``g``: gradient width, 4 when accumulating over micro-batches, else ``w``; ``s``: 2 for
+the bf16 shadow of an fp32 master, else 0):
+
+- blocks: ``8 * P_b * T`` FLOPs at ``flops * block_efficiency``. ``flops`` is the matmul
+  rate at the model's own linear shapes and ``T``; ``block_efficiency`` the fraction of it
+  one real block of the model achieves forward, then forward and backward (attention,
+  norms, activations, dispatch). ``megatrain plan --gpu cpu`` measures both;
+- head: ``6 * V * h * T`` FLOPs at ``head_flops`` (the matmul rate at the lm_head's shape)
+  and :data:`LOSS_PASSES` passes over the fp32 logits at host memory bandwidth;
+- the gradient path, at host memory bandwidth: the sink's staging copy (``2w`` bytes per
+  parameter, read + write, each micro-batch), the global norm's read (``g``) and, with
+  gradients held (clipping or accumulation), zeroing (``g``) and accumulating
+  (``2g + w`` per micro-batch), plus the speculative-step journal's copy;
+- the optimizer: ``24 + g + s`` bytes per parameter at ``adam_bytes_per_s``, the engine's
+  own CPU AdamW kernel on states past the caches (measured by ``megatrain plan``);
+- checkpoints: each copied to a host tensor and back (``4 * T * h * w`` per segment).
+
+Peak host memory there is the persistent state plus the compute-side buffers
+(:func:`gpu_bytes`), which live in host RAM too.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from megatrain_ds.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 
 GIB = 1 << 30
 
@@ -31,6 +58,10 @@ ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 34
 # Host-memory traffic of one AdamW update, bytes per parameter (fp32 p, g, m, v read;
 # p, m, v written; bf16 shadow written).
 ADAM_HOST_BYTES_PER_PARAM = 30
+
+# Passes over the fp32 logits outside the lm_head matmul: the loss's log-softmax written
+# and read, its gradient written, read and handed to the head (Hugging Face's loss).
+LOSS_PASSES = 6
 
 # Fraction of device memory the plan may use (allocator fragmentation, CUDA context).
 DEVICE_MEMORY_HEADROOM = 0.9
@@ -50,7 +81,16 @@ class Hardware:
     device_memory_bytes: int
     shares_host_memory: bool = False
     """The CPU target: compute, copies and the optimizer share the same cores and memory,
-    so nothing overlaps and device memory is host memory."""
+    so nothing overlaps and device memory is host memory ([Note: the CPU as the device])."""
+    block_efficiency: float = 1.0
+    """Fraction of ``flops`` a whole block achieves forward and backward (measured on the
+    CPU; the GPU figures assume the matmuls dominate)."""
+    adam_bytes_per_s: float = 0.0
+    """The host AdamW kernel, bytes of state touched per second; 0: bound by
+    ``host_memory_bytes_per_s`` at :data:`ADAM_HOST_BYTES_PER_PARAM`."""
+    head_flops: float = 0.0
+    """Matmul throughput at the lm_head's shape, FLOP/s (measured on the CPU, where a small
+    hidden size makes block matmuls much slower than the head's); 0: ``flops``."""
 
 
 # Achievable (not peak) figures: ~80% of dense bf16 peak, measured PCIe Gen5 x16 copy
@@ -101,6 +141,15 @@ class RunSettings:
     def weight_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
+    @property
+    def grad_bytes(self) -> int:
+        """Width of a held or consumed gradient: fp32 when accumulating, else compute."""
+        return 4 if self.accumulation > 1 else self.weight_bytes
+
+    @property
+    def holds_gradients(self) -> bool:
+        return self.clipping or self.accumulation > 1
+
 
 @dataclass
 class Plan:
@@ -115,6 +164,9 @@ class Plan:
     predicted_tokens_per_second: float
     max_micro_batch: int
     recommended: dict[str, Any] = field(default_factory=dict)
+    predicted_peak_host_bytes: int = 0
+    """Host memory at the step's peak: the state, plus the compute-side buffers where the
+    device is the host."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -137,26 +189,34 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     result = {"master": 4 * params, "adam_m_v": 8 * params}
     if settings.bf16:
         result["bf16_shadow"] = 2 * params
-    if settings.accumulation > 1:
-        result["gradients"] = 4 * params
-    elif settings.clipping:
-        result["gradients"] = settings.weight_bytes * params
-    result["staging"] = settings.num_staging_buffers * (1 << 22) * settings.weight_bytes
+    if settings.holds_gradients:
+        result["gradients"] = settings.grad_bytes * params
+    journal = _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
+    if journal:
+        result["journal"] = journal
+    result["staging"] = (settings.num_staging_buffers * min(shape.block_params, 1 << 22)
+                         * settings.weight_bytes)
     if settings.offload_checkpoints:
         result["checkpoints"] = _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
     return result
 
 
-def gpu_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
-    """Device memory of the run, by component."""
+def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
+    """Device memory of the run, by component (host memory where the device is the host:
+    there weights and resident parameters are used in place and cost nothing here)."""
     w = settings.weight_bytes
     tokens = settings.tokens_per_pass
+    in_place = hardware is not None and hardware.shares_host_memory
     slots = settings.num_buffers + settings.checkpoint_interval - 1
     checkpoints_on_device = slots if settings.offload_checkpoints else _num_checkpoints(shape, settings)
     return {
-        "weight_buffers": slots * shape.block_params * w,
-        "resident_params": shape.resident_params * w,
-        "resident_grads": shape.resident_params * w,
+        "weight_buffers": 0 if in_place else slots * shape.block_params * w,
+        "resident_params": 0 if in_place else shape.resident_params * w,
+        # One resident gradient at a time: the lm_head's leaves at the start of backward,
+        # the embedding's arrives at its end (resident_params.py frees each once copied).
+        "resident_grads": min(shape.resident_params, shape.vocab * shape.hidden) * w,
+        # A block's backward returns all its parameter gradients at once.
+        "block_grads": shape.block_params * w,
         "checkpoints": checkpoints_on_device * _checkpoint_bytes(shape, settings),
         "block_activations": settings.checkpoint_interval * tokens * shape.hidden
         * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN * w // 2,
@@ -174,14 +234,34 @@ def _num_checkpoints(shape: ModelShape, settings: RunSettings) -> int:
     return -(-shape.num_blocks // settings.checkpoint_interval)
 
 
+def _journal_bytes_per_element(settings: RunSettings) -> int:
+    """Master, m and v (fp32) and the bf16 shadow, as ``speculative_step.py`` journals them."""
+    return 12 + (2 if settings.bf16 else 0)
+
+
+def _journal_numel(shape: ModelShape, settings: RunSettings) -> int:
+    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
+    if not settings.holds_gradients:
+        return 0
+    cost = _journal_bytes_per_element(settings) * shape.block_params
+    chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
+    return len(chosen) * shape.block_params
+
+
 def min_tokens_to_hide_transfer(hardware: Hardware, bf16: bool = True) -> int:
-    """Tokens per weight pass at which block compute covers the host->device weight copies."""
+    """Tokens per weight pass at which block compute covers the host->device weight copies
+    (0 where the device is the host: blocks are computed on in place, nothing is copied)."""
+    if hardware.shares_host_memory:
+        return 0
     weight_bytes = 2 if bf16 else 4
     return int(weight_bytes * hardware.flops / (4 * hardware.h2d_bytes_per_s)) + 1
 
 
 def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
-    """Seconds per optimizer step that each resource alone needs."""
+    """Seconds per optimizer step that each resource alone needs (on the CPU: each part of
+    the step, [Note: the CPU as the device])."""
+    if hardware.shares_host_memory:
+        return _host_device_step_seconds(shape, settings, hardware)
     tokens = settings.tokens_per_pass
     passes = settings.accumulation
     w = settings.weight_bytes
@@ -194,6 +274,29 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
         / hardware.h2d_bytes_per_s,
         "device_to_host": passes * (w * shape.params + checkpoint_traffic) / hardware.d2h_bytes_per_s,
         "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
+    }
+
+
+def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
+    tokens, passes, params = settings.tokens_per_pass, settings.accumulation, shape.params
+    w, g = settings.weight_bytes, settings.grad_bytes
+    shadow = 2 if settings.bf16 else 0
+    bandwidth = hardware.host_memory_bytes_per_s
+    gradient_bytes = passes * 2 * w * params + g * params  # staging copies; the norm's read
+    if settings.holds_gradients:
+        gradient_bytes += g * params + passes * (2 * g + w) * params  # zeroing; accumulating
+    journal_bytes = 2 * _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
+    adam_rate = hardware.adam_bytes_per_s or hardware.host_memory_bytes_per_s
+    checkpoints = (4 * _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+                   if settings.offload_checkpoints else 0)
+    head_flops = 6 * shape.vocab * shape.hidden * tokens
+    return {
+        "blocks": passes * 8 * shape.total_block_params * tokens / (hardware.flops * hardware.block_efficiency),
+        "head": passes * (head_flops / (hardware.head_flops or hardware.flops)
+                          + LOSS_PASSES * tokens * shape.vocab * 4 / bandwidth),
+        "gradient_path": (gradient_bytes + journal_bytes) / bandwidth,
+        "checkpoints": passes * checkpoints / bandwidth,
+        "optimizer": (24 + g + shadow) * params / adam_rate,
     }
 
 
@@ -213,6 +316,8 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
     hide = min_tokens_to_hide_transfer(hardware, settings.bf16)
     max_micro = _max_micro_batch(shape, settings, hardware, host_memory_bytes)
     wanted_micro = max(1, -(-hide // settings.seq_len))
+    host = host_bytes(shape, settings)
+    device = gpu_bytes(shape, settings, hardware)
     recommended: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": min(max(wanted_micro, 1), max(max_micro, 1)),
         "offload_checkpoints": _num_checkpoints(shape, settings) * _checkpoint_bytes(shape, settings)
@@ -224,19 +329,20 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
     }
     return Plan(
         params=shape.params,
-        host_bytes=host_bytes(shape, settings),
-        gpu_bytes=gpu_bytes(shape, settings),
+        host_bytes=host,
+        gpu_bytes=device,
         min_tokens_to_hide_transfer=hide,
         step_seconds_by_bound=by_bound,
         predicted_step_seconds=step,
         predicted_tokens_per_second=settings.tokens_per_pass * settings.accumulation / step,
         max_micro_batch=max_micro,
         recommended=recommended,
+        predicted_peak_host_bytes=sum(host.values()) + (sum(device.values()) if hardware.shares_host_memory else 0),
     )
 
 
 def _fits(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> bool:
-    device = sum(gpu_bytes(shape, settings).values())
+    device = sum(gpu_bytes(shape, settings, hardware).values())
     host = sum(host_bytes(shape, settings).values())
     if hardware.shares_host_memory:
         return host + device <= host_memory_bytes

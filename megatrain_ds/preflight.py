@@ -9,7 +9,7 @@ exact to the byte, page rounding included):
 - host: per block and for the resident parameters, the master, the compute-dtype shadow,
   Adam m and v, the gradient buffer (fp32 when accumulating, else compute dtype, only
   with clipping or accumulation), plus the gradient staging buffers; on a CPU-only
-  machine the "device" weight buffers live in host memory too. Migration frees the
+  machine blocks compute on their host buffers in place (no weight buffers). Migration frees the
   model's current host weights as it goes, so they count as available.
 - device (CUDA): the streamed weight buffers and the resident parameters' compute copy.
 - pinned: with CUDA and ``pin_memory`` every host buffer above is page-locked.
@@ -146,7 +146,9 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
     if device_type == "cuda":
         device = {"weight_buffers": slots, "resident_copy": shapes.resident_numel * streamed}
     else:
-        host["weight_buffers"] = slots  # the CPU is its own device; resident params alias the host
+        # The CPU is its own device: blocks and resident parameters are computed on in place
+        # (weight_streamer.py: [Note: the host as the device]), so no weight buffer is allocated.
+        host["weight_buffers"] = 0
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned)
 

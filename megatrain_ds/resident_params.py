@@ -22,6 +22,7 @@ from torch import nn
 
 from megatrain_ds.device_runtime import DeviceRuntime
 from megatrain_ds.host_store import HostFlatState, TensorSource, migrate_to_host
+from megatrain_ds.node_shared_memory import NodeSharedMemory
 
 PushFn = Callable[[int, torch.Tensor], None]
 """``push(offset, flat_device_grad)``: hand a gradient to the sink."""
@@ -36,14 +37,16 @@ class ResidentParams:
         runtime: device and allocation.
         master_dtype, compute_dtype: as for blocks.
         source: where the values come from instead of the parameters (see ``migrate_to_host``).
+        shared: node-shared allocation (data parallel); the device copy is valid only after
+            the node's writer has filled the state and :meth:`refresh_device` ran.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]],
                  group_of: dict[nn.Parameter, int], runtime: DeviceRuntime,
                  master_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 source: TensorSource | None = None) -> None:
+                 source: TensorSource | None = None, shared: NodeSharedMemory | None = None) -> None:
         self.state: HostFlatState = migrate_to_host(named_params, group_of, runtime, master_dtype,
-                                                    compute_dtype, source=source)
+                                                    compute_dtype, source=source, shared=shared)
         streamed = self.state.streamed
         if runtime.device.type == "cpu":
             # The CPU is its own device: the streamed host buffer is the device copy.

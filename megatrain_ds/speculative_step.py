@@ -54,7 +54,7 @@ import enum
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
 
 import torch
 
@@ -62,6 +62,10 @@ from megatrain_ds.cpu_adam import AdamHyper
 from megatrain_ds.flat_layout import intersect_runs
 from megatrain_ds.host_adamw import HostAdamW
 from megatrain_ds.host_store import HostFlatState
+from megatrain_ds.trace import NULL_TRACER
+
+if TYPE_CHECKING:
+    from megatrain_ds.device_runtime import DeviceRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -164,14 +168,21 @@ class OptimizerStepper:
         journal_indices: states stepped speculatively during backward (block indices).
         holds_gradients: every state has a gradient buffer that keeps its final gradient
             until :meth:`finish` (``state.grad``); without it nothing is deferred or undone.
+        sum_over_ranks: with data parallel ``states`` are this rank's windows, and this
+            sums the squared norm over the ranks that hold the other windows.
+        runtime: whose tracer times each range update (``trace.py``); none: untraced.
     """
 
     def __init__(self, states: Sequence[HostFlatState], adamw: HostAdamW, *, clipping: float,
-                 journal_indices: Sequence[int], holds_gradients: bool) -> None:
+                 journal_indices: Sequence[int], holds_gradients: bool,
+                 sum_over_ranks: Callable[[float], float] | None = None,
+                 runtime: DeviceRuntime | None = None) -> None:
         self.states = states
+        self._runtime = runtime
         self.adamw = adamw
         self.clipping = clipping
         self.holds_gradients = holds_gradients
+        self._sum_over_ranks = sum_over_ranks
         self.journal = Journal(states, journal_indices if holds_gradients else ())
         self.speculate_next = True
         """The predictor: speculate in the next step (the last one was applied unclipped)."""
@@ -193,7 +204,8 @@ class OptimizerStepper:
         state = self.states[index]
         if not self.holds_gradients:
             if math.isfinite(self._sum_squares):  # after a non-finite chunk, stop spoiling the state
-                self.adamw.update_range(state, offset, grad, step=step, inputs_persist=False)
+                with self._span(index, offset, grad.numel()):
+                    self.adamw.update_range(state, offset, grad, step=step, inputs_persist=False)
                 self._speculated += grad.numel()
             return
         if self._speculating is None:
@@ -202,9 +214,15 @@ class OptimizerStepper:
             return  # deferred to finish(): the gradient waits in state.grad
         for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
             self._hyper_read.setdefault(run.group, self.adamw.hyper(run.group))
-        self.adamw.update_range(state, offset, grad, step=step,
-                                before_chunk=lambda start, end: self.journal.save(index, start, end))
+        with self._span(index, offset, grad.numel(), speculative=True):
+            self.adamw.update_range(state, offset, grad, step=step,
+                                    before_chunk=lambda start, end: self.journal.save(index, start, end))
         self._speculated += grad.numel()
+
+    def _span(self, index: int, offset: int, numel: int, **args: object) -> ContextManager[None]:
+        """Times one range update on the ``optimizer worker`` track (whichever thread runs it)."""
+        tracer = self._runtime.tracer if self._runtime is not None else NULL_TRACER
+        return tracer.span(f"adamw {index}", "optimizer worker", state=index, offset=offset, numel=numel, **args)
 
     def _speculation_may_hold(self) -> bool:
         """False once the running norm proves clipping or a skip (it can only grow)."""
@@ -218,7 +236,7 @@ class OptimizerStepper:
     def finish(self, step: int) -> StepReport:
         """Validate this step's speculation and complete (or skip) the update."""
         self.adamw.flush()  # device write-backs land before host state is read or restored
-        total = self._sum_squares
+        total = self._sum_squares if self._sum_over_ranks is None else self._sum_over_ranks(self._sum_squares)
         finite = math.isfinite(total)
         norm = math.sqrt(total) if finite else total
         scale = min(self.clipping / (norm + CLIP_EPS), 1.0) if (finite and self.clipping > 0) else 1.0
@@ -230,15 +248,17 @@ class OptimizerStepper:
             outcome = StepOutcome.SKIPPED
         elif scale != 1.0 or self._hyperparameters_changed():
             restored = self.journal.restore()
-            for state in self.states:
+            for index, state in enumerate(self.states):
                 assert state.grad is not None
-                self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
+                with self._span(index, 0, state.grad.numel(), scale=scale):
+                    self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
             outcome = StepOutcome.CLIPPED if scale != 1.0 else StepOutcome.APPLIED
         else:
             for index, state in enumerate(self.states):
                 assert state.grad is not None
                 for start, end in _unstepped(state, self.journal.ranges(index)):
-                    self.adamw.update_range(state, start, state.grad[start:end], step=step)
+                    with self._span(index, start, end - start):
+                        self.adamw.update_range(state, start, state.grad[start:end], step=step)
             outcome = StepOutcome.APPLIED
         self.adamw.flush()
         self.journal.clear()

@@ -30,7 +30,7 @@ from megatrain_ds.activation_offload import ActivationOffloader, HostCheckpoint
 from megatrain_ds.block_template import BlockTemplate
 from megatrain_ds.device_runtime import DeviceRuntime
 from megatrain_ds.flat_layout import FROZEN_GROUP
-from megatrain_ds.gradient_sink import GradientSink
+from megatrain_ds.gradient_sink import GradientPort
 from megatrain_ds.host_store import HostFlatState
 from megatrain_ds.weight_streamer import WeightStreamer
 
@@ -135,7 +135,7 @@ class StreamedBlocks:
         templates: the template of each block (shared between blocks of one structure).
         states: host state of each block.
         streamer: device buffers and the host-to-device stream.
-        sink: device-to-host gradient transport.
+        sink: where gradients go (device-to-host transport, or the data-parallel reducer).
         runtime: device, streams and events.
         checkpoint_interval: blocks per segment (K); one activation checkpoint each.
         offloader: parks checkpoints in host memory; ``None`` keeps them on the device.
@@ -143,7 +143,7 @@ class StreamedBlocks:
     """
 
     def __init__(self, blocks: nn.ModuleList, templates: Sequence[BlockTemplate],
-                 states: Sequence[HostFlatState], streamer: WeightStreamer, sink: GradientSink,
+                 states: Sequence[HostFlatState], streamer: WeightStreamer, sink: GradientPort,
                  runtime: DeviceRuntime, checkpoint_interval: int,
                  offloader: ActivationOffloader | None,
                  is_final_micro_batch: Callable[[], bool]) -> None:
@@ -227,7 +227,9 @@ class StreamedBlocks:
         release = params is None
         if params is None:
             params = BlockTemplate.bind(self.streamer.acquire(index), layout)
-        outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs)
+        phase = "forward" if release else "recompute"  # given weights: the backward's recompute
+        with self.runtime.tracer.device_span(f"{phase} {index}", "compute", block=index, phase=phase):
+            outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs)
         if release:
             self.streamer.release(index)
         return outputs
@@ -332,16 +334,17 @@ class StreamedBlocks:
         # block on the device, and frozen parameters get no gradient computed at all.
         inputs = [view for _, view in trained] + list(call.input_leaves.values())
         if pairs:
-            grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                        allow_unused=True)
+            with self.runtime.tracer.device_span(f"backward {call.index}", "compute", block=call.index,
+                                                 phase="backward"):
+                grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                            allow_unused=True)
         else:
             grads = (None,) * len(inputs)
-        final = self._is_final_micro_batch()
-        for (slot, view), grad in zip(trained, grads):
-            # An unused parameter contributes zeros, so every range of the block reaches
-            # the worker in every micro-batch (norm and update coverage stay complete).
-            grad = torch.zeros_like(view) if grad is None else grad
-            self.sink.push(call.index, slot.offset, grad.reshape(-1), final=final)
+        # An unused parameter contributes zeros, so every range of the block reaches
+        # the worker in every micro-batch (norm and update coverage stay complete).
+        self.sink.push_block(call.index, [(slot.offset, (torch.zeros_like(view) if grad is None else grad).reshape(-1))
+                                          for (slot, view), grad in zip(trained, grads)],
+                             final=self._is_final_micro_batch())
         # Every kernel that reads this block's weights is queued: the slot may be refilled.
         self.streamer.release(call.index)
         by_position = dict(zip(call.input_leaves, grads[len(trained):]))

@@ -13,6 +13,17 @@ Each device buffer (a *slot*) carries two events:
   (``release``). The h2d stream waits on it before overwriting the slot, so a prefetch
   never clobbers weights a queued kernel still reads.
 No host-side synchronisation happens here.
+
+[Note: the host as the device]
+When the device computes on host memory (``runtime.shares_host_memory``: the CPU), a
+"copy to the device" would only duplicate the block in the same RAM: two slots of the
+largest block (0.4 B/param at 551M parameters in fp32) and a memcpy of every block twice
+per step. There a slot *is* the block's ``streamed`` host buffer: ``_top_up`` points it
+there instead of copying, and everything else -- the plan, the slots in flight and held,
+the events, ``transfers`` -- runs as on a GPU. Reading the host buffer in place is safe
+for the same reason a prefetch is: the optimizer writes a block's weights only after its
+last use in the step (``gradient_sink.py``: [Note: gradient ordering]), and the next
+forward starts after ``engine.step()`` has drained the worker.
 """
 
 from __future__ import annotations
@@ -54,7 +65,9 @@ class WeightStreamer:
 
     def __post_init__(self) -> None:
         dtype = self.states[0].streamed.dtype
-        numel = max(state.layout.numel for state in self.states)
+        # On the CPU the slots view the host buffers ([Note: the host as the device]).
+        self._in_place = self.runtime.shares_host_memory
+        numel = 0 if self._in_place else max(state.layout.numel for state in self.states)
         self._slots = [
             _Slot(self.runtime.device_empty(numel, dtype), self.runtime.event(), self.runtime.event())
             for _ in range(self.num_slots)
@@ -66,7 +79,9 @@ class WeightStreamer:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory of the buffer pool: independent of model depth."""
+        """Device memory of the buffer pool: independent of model depth (none on the CPU)."""
+        if self._in_place:
+            return 0
         return sum(slot.buffer.numel() * slot.buffer.element_size() for slot in self._slots)
 
     def begin(self, plan: Iterable[int]) -> None:
@@ -125,7 +140,11 @@ class WeightStreamer:
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
                 self.runtime.h2d_stream.wait_event(slot.free)
-                slot.buffer[: source.numel()].copy_(source, non_blocking=True)
+                with self.runtime.tracer.device_span(f"weights {block}", "h2d", self.runtime.h2d_stream, block=block):
+                    if self._in_place:
+                        slot.buffer = source  # nothing to copy: the device reads the host buffer
+                    else:
+                        slot.buffer[: source.numel()].copy_(source, non_blocking=True)
                 slot.ready.record(self.runtime.h2d_stream)
             self.transfers[block] += 1
             self._in_flight.append((block, slot))

@@ -147,12 +147,13 @@ def test_steps_per_print_and_wall_clock_breakdown_in_deepspeeds_format(capsys, d
     assert set(timers) == {"fwd", "bwd", "step"} and all(value > 0 for value in timers.values())
 
 
-def test_one_process_only(monkeypatch):
+def test_batch_rule_counts_the_launchers_ranks_and_model_parallel_is_rejected(monkeypatch):
+    """Checked before any process group is joined (data parallel: tests/test_data_parallel.py)."""
     import deepspeed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"one process on one device; WORLD_SIZE=2"):
-        deepspeed.initialize(model=tiny_models.llama(), config=ds_config())
+    with pytest.raises(ConfigError, match=r"2 != 2 \* 1 \* 2"):
+        deepspeed.initialize(model=tiny_models.llama(), config={**ds_config(), "train_batch_size": 2})
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"model parallelism \(mpu=, mesh_param=\) is not supported"):
         deepspeed.initialize(model=tiny_models.llama(), config=ds_config(), mpu=object())

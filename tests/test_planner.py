@@ -10,8 +10,10 @@ import transformers
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds import cli
 from megatrain_ds.cli import parse_size, shape_of
-from megatrain_ds.planner import GPU_HARDWARE, RunSettings, _fits, _with, gpu_bytes, host_bytes, min_tokens_to_hide_transfer, plan
+from megatrain_ds.planner import (GPU_HARDWARE, LOSS_PASSES, Hardware, RunSettings, _fits, _with, gpu_bytes, host_bytes,
+                                  min_tokens_to_hide_transfer, plan, step_seconds)
 from side_by_side import ds_config
 
 
@@ -37,13 +39,18 @@ def test_host_state_matches_the_engines_accounting(bf16, clipping, accumulation)
         engine.destroy()
 
 
+# The CPU as the device: nothing overlaps, blocks are computed on in place (figures made up).
+CPU = Hardware("cpu", 100e9, 10e9, 10e9, 20e9, 64 << 30, shares_host_memory=True, block_efficiency=0.8,
+               adam_bytes_per_s=40e9, head_flops=50e9)
+
+
 @pytest.mark.parametrize("offload", [True, False])
 def test_device_buffers_and_checkpoints_match_the_engine(offload):
     model = tiny_models.llama(num_layers=6)
     shape = shape_of(model)
     settings = RunSettings(seq_len=12, micro_batch=2, bf16=False, offload_checkpoints=offload)
-    predicted = gpu_bytes(shape, settings)
     engine = MegatrainEngine(model, parse_engine_config(ds_config(megatrain={"offload_checkpoints": offload})))
+    predicted = gpu_bytes(shape, settings, CPU if engine.runtime.shares_host_memory else None)
     try:
         loss = engine(**tiny_models.make_batch(0)).loss
         engine.backward(loss)
@@ -52,6 +59,8 @@ def test_device_buffers_and_checkpoints_match_the_engine(offload):
         # The engine pads each block to 64-element alignment; the planner counts parameters.
         padded_block = engine.states[0].layout.numel * 4
         assert measured["weight_buffers"] == predicted["weight_buffers"] // (shape.block_params * 4) * padded_block
+        if engine.runtime.shares_host_memory:  # resident parameters are computed on in place
+            assert measured["resident"] == predicted["resident_params"] == 0
         if offload:
             assert measured["checkpoints_peak"] <= predicted["checkpoints"]
         else:
@@ -75,7 +84,11 @@ def test_a_70b_model_plan_is_consistent():
     assert 68e9 < shape.params < 70e9
     settings = RunSettings(seq_len=4096, micro_batch=1)
     result = plan(shape, settings, GPU_HARDWARE["h200"], host_memory_bytes=1536 << 30)
-    assert result.host_bytes_total == pytest.approx(16 * shape.params, rel=0.01)  # bf16 + clipping
+    # bf16 + clipping: 16 B/param of state, the speculative-step journal (at most 0.5 B/param)
+    # and staging; the journal holds whole blocks, 14 B per element, as the engine's rule picks.
+    journal = result.host_bytes["journal"]
+    assert journal % (14 * shape.block_params) == 0 and 0 < journal <= 0.5 * shape.params
+    assert result.host_bytes_total - journal == pytest.approx(16 * shape.params, rel=0.01)
     assert result.gpu_bytes_total < GPU_HARDWARE["h200"].device_memory_bytes
     micro = result.max_micro_batch
     assert micro >= 1
@@ -104,3 +117,85 @@ def test_parse_size():
     assert parse_size("512") == 512
     with pytest.raises(Exception, match="not a memory size"):
         parse_size("lots")
+
+
+def test_weight_buffers_on_a_gpu_are_the_slots():
+    shape = shape_of(tiny_models.llama(num_layers=6))
+    settings = RunSettings(seq_len=12, micro_batch=2, bf16=True, checkpoint_interval=2, num_buffers=3)
+    assert gpu_bytes(shape, settings)["weight_buffers"] == (3 + 2 - 1) * shape.block_params * 2
+    assert gpu_bytes(shape, settings, GPU_HARDWARE["h100"])["resident_params"] == shape.resident_params * 2
+    on_cpu = gpu_bytes(shape, settings, CPU)
+    assert on_cpu["weight_buffers"] == on_cpu["resident_params"] == 0  # used in place
+
+
+@pytest.mark.parametrize("clipping, accumulation", [(True, 1), (False, 1), (False, 4)])
+def test_cpu_step_is_the_sum_of_its_parts_by_hand(clipping, accumulation):
+    """[Note: the CPU as the device] term by term, fp32 (w = 4), against hand arithmetic."""
+    shape = shape_of(_mid_llama())
+    settings = RunSettings(seq_len=16, micro_batch=2, accumulation=accumulation, bf16=False, clipping=clipping)
+    tokens, params, w = 32, shape.params, 4
+    g = 4  # fp32 compute, and fp32 accumulation
+    parts = step_seconds(shape, settings, CPU)
+    assert parts["blocks"] == pytest.approx(accumulation * 8 * shape.total_block_params * tokens / (100e9 * 0.8))
+    assert parts["head"] == pytest.approx(accumulation * (6 * shape.vocab * shape.hidden * tokens / 50e9
+                                                          + LOSS_PASSES * tokens * shape.vocab * 4 / 20e9))
+    gradient = accumulation * 2 * w * params + g * params  # staging copies, the norm's read
+    if clipping or accumulation > 1:
+        gradient += g * params + accumulation * (2 * g + w) * params  # zeroing, accumulating
+    assert parts["gradient_path"] == pytest.approx(gradient / 20e9)  # no journal at this size
+    assert parts["optimizer"] == pytest.approx((24 + g) * params / 40e9)
+    assert parts["checkpoints"] == pytest.approx(accumulation * 4 * tokens * shape.hidden * w * 4 / 20e9)
+    result = plan(shape, settings, CPU, host_memory_bytes=1 << 30)
+    assert result.predicted_step_seconds == pytest.approx(sum(parts.values()))
+    assert result.min_tokens_to_hide_transfer == min_tokens_to_hide_transfer(CPU) == 0  # nothing is copied
+    assert result.predicted_peak_host_bytes == result.host_bytes_total + result.gpu_bytes_total
+
+
+def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    measured = []
+
+    def fake_measure(config, block_path, seq_len, micro_batch, dtype, seconds):
+        measured.append((block_path, seq_len, micro_batch, dtype))
+        return {"flops": 1e11, "head_flops": 5e10, "block_efficiency": 0.5, "copy_bytes_per_s": 1e10,
+                "adam_bytes_per_s": 3e10}
+
+    monkeypatch.setattr(cli, "_measure_profile", fake_measure)
+    model = cli.load_meta_model("configs/models/tiny_llama.json")
+    settings = RunSettings(seq_len=4096, micro_batch=2, bf16=False)
+    cache = tmp_path / "profile.json"
+    first = cli.cpu_profile(model.config, "model.layers", settings, cache=cache)
+    again = cli.cpu_profile(model.config, "model.layers", settings, cache=cache)
+    assert first == again and len(measured) == 1
+    # Long runs are measured at CPU_PROFILE_MAX_TOKENS tokens, one sequence of that length.
+    assert measured[0] == ("model.layers", cli.CPU_PROFILE_MAX_TOKENS, 1, torch.float32)
+    assert first.shares_host_memory and first.block_efficiency == 0.5 and first.adam_bytes_per_s == 3e10
+    assert first.host_memory_bytes_per_s == 2e10  # a copy reads and writes each byte
+    cli.cpu_profile(model.config, "model.layers", settings, cache=cache, recalibrate=True)
+    cli.cpu_profile(model.config, "model.layers", _with(settings, seq_len=64), cache=cache)
+    assert len(measured) == 3
+
+
+def test_cpu_profile_measures_a_real_block(tmp_path):
+    model = cli.load_meta_model("configs/models/tiny_llama.json")
+    profile = cli.cpu_profile(model.config, "model.layers", RunSettings(seq_len=16, micro_batch=2, bf16=False),
+                              cache=tmp_path / "profile.json", seconds=0.02)
+    figures = json.loads((tmp_path / "profile.json").read_text())
+    (entry,) = figures.values()
+    assert entry["tokens"] == 32 and entry["block_seconds"] > 0
+    for value in (profile.flops, profile.head_flops, profile.block_efficiency, profile.adam_bytes_per_s,
+                  profile.host_memory_bytes_per_s):
+        assert 0 < value < float("inf")
+
+
+def test_cli_cpu_plan_reports_the_profile_and_peak(tmp_path):
+    env = {**__import__("os").environ, "MEGATRAIN_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", "configs/models/tiny_llama.json",
+         "--gpu", "cpu", "--host-memory", "8GB", "--seq-len", "16", "--micro-batch", "2", "--json"],
+        capture_output=True, text=True, check=True, env=env)
+    data = json.loads(result.stdout)
+    assert data["hardware"]["shares_host_memory"] and data["hardware"]["block_efficiency"] > 0
+    assert data["gpu_bytes"]["weight_buffers"] == 0 and data["min_tokens_to_hide_transfer"] == 0
+    assert data["predicted_peak_host_bytes"] == data["host_bytes_total"] + data["gpu_bytes_total"]
+    assert set(data["step_seconds_by_bound"]) == {"blocks", "head", "gradient_path", "checkpoints", "optimizer"}
+    assert (tmp_path / "cpu_profile.json").exists()

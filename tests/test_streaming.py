@@ -42,7 +42,9 @@ def test_device_bytes_do_not_grow_with_depth_when_checkpoints_are_offloaded(offl
             measured[depth] = engine.device_bytes()
         finally:
             engine.destroy()
-    assert measured[4]["weight_buffers"] == measured[16]["weight_buffers"] > 0
+    assert measured[4]["weight_buffers"] == measured[16]["weight_buffers"]
+    # On the CPU blocks compute on their host buffers in place: no weight buffers at all.
+    assert (measured[16]["weight_buffers"] > 0) == torch.cuda.is_available()
     hidden_state_bytes = 2 * 12 * 32 * 4  # batch x length x hidden x fp32
     if offload:
         # Only the checkpoints in flight back to the device: one per weight buffer at most.

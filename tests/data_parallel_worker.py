@@ -1,0 +1,155 @@
+"""One rank of a data-parallel run, launched by ``torchrun`` (or by hand) from test_data_parallel.py.
+
+Modes:
+  parity  train ``--steps`` optimizer steps on this rank's half of each global batch
+          (reference_batches) and save the final state_dict and grad norms.
+  order   a model whose blocks sleep in backward: log when each gradient all-reduce
+          starts and when backward returns.
+  die     rank 1 kills itself in the middle of step 2; rank 0 reports what it sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_models  # noqa: E402
+from megatrain_ds import MegatrainEngine, parse_engine_config  # noqa: E402
+
+LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
+MICRO, LENGTH = 2, 12
+
+
+def global_batch(seed: int, rows: int) -> dict[str, torch.Tensor]:
+    """``rows`` unpadded sequences: every rank's mean loss then weighs tokens equally."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, tiny_models.VOCAB, (rows, LENGTH), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+
+
+def config(accumulation: int, world_size: int, **megatrain: object) -> dict:
+    return {"engine": "megatrain", "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": accumulation, "train_batch_size": MICRO * accumulation * world_size,
+            "gradient_clipping": CLIPPING,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "megatrain": megatrain}
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(0.1)
+        return grad
+
+
+class SleepyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepInBackward.apply(torch.tanh(self.linear(x)))
+
+
+class SleepyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(SleepyBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
+    model = tiny_models.llama(num_layers=4)
+    engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size)))
+    norms = []
+    first = 0
+    if args.resume_from:
+        engine.load_checkpoint(args.resume_from)
+        first = engine.global_steps
+    for step in range(first, args.steps):
+        if args.save_to and step == args.save_at:
+            engine.save_checkpoint(args.save_to)
+        for micro in range(args.accumulation):
+            batch = global_batch(step * args.accumulation + micro, MICRO * world_size)
+            mine = {key: value[rank * MICRO : (rank + 1) * MICRO] for key, value in batch.items()}
+            engine.backward(engine(**mine).loss)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    state = {key: value.clone() for key, value in engine.module.state_dict().items()}
+    torch.save({"state_dict": state, "norms": norms}, Path(args.out) / f"rank{rank}.pt")
+    engine.destroy()
+
+
+def run_order(args: argparse.Namespace, rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    engine = MegatrainEngine(SleepyModel(), parse_engine_config(config(1, world_size)))
+    starts: list[tuple[int, float]] = []
+    engine.sink.on_all_reduce = lambda index: starts.append((index, time.perf_counter()))
+    x = torch.randn(MICRO, 16)
+    loss = engine(x)
+    backward_start = time.perf_counter()
+    engine.backward(loss)
+    backward_end = time.perf_counter()
+    engine.step()
+    Path(args.out, f"order{rank}.json").write_text(json.dumps(
+        {"starts": starts, "backward_start": backward_start, "backward_end": backward_end}))
+    engine.destroy()
+
+
+def run_die(args: argparse.Namespace, rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(num_layers=4),
+                             parse_engine_config(config(1, world_size, collective_timeout_s=args.timeout)))
+    for step in range(4):
+        batch = global_batch(step, MICRO)
+        loss = engine(**batch).loss
+        if step == 2 and rank == 1:
+            Path(args.out, "killed").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        engine.backward(loss)
+        engine.step()
+    print("rank", rank, "finished every step", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["parity", "order", "die"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--save-to", help="parity: save a checkpoint here before step --save-at")
+    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
+    parser.add_argument("--one-rank-per-node", action="store_true",
+                        help="treat every rank as a node of its own (multi-node code path on one host)")
+    args, _ = parser.parse_known_args()  # the deepspeed launcher adds --local_rank=N
+    torch.set_num_threads(1)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.one_rank_per_node:
+        import megatrain_ds.data_parallel as data_parallel
+
+        data_parallel.node_name = lambda: f"node-{rank}"
+    {"parity": run_parity, "order": run_order, "die": run_die}[args.mode](args, rank, world_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The fused DeepSpeed pass (``cpu_adam.py``, [Note: one pass over DeepSpeed's kernel]).
+
+One call widens and scales the gradient, runs DeepSpeed's kernel and rounds the shadow,
+block by block on every thread. Each is checked bit for bit against the unfused
+composition: torch for the widening (``grad.float() * scale``) and the shadow
+(``master.to(torch.bfloat16)``), and the kernel's unblocked fp32 path (one ``Step_8`` per
+thread, DeepSpeed's own split), which itself is checked against DeepSpeed's own build of
+the op (``DeepSpeedCPUAdam``) when that is in the extension cache. Bit for bit,
+not a tolerance: the pass only moves where each operation runs, never what it computes.
+Sizes are odd (not multiples of a block or a SIMD width) so the scalar tail runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_ds import cpu_adam
+from megatrain_ds.cpu_adam import AdamHyper, DeepSpeedKernel
+
+BLOCK = 256  # small blocks: many per call, so every thread takes several in any order
+N = 7 * BLOCK + 77
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Compare NaNs too: as integers of the same width."""
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+
+
+def _state(n: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"p": torch.randn(n, generator=gen), "m": 0.1 * torch.randn(n, generator=gen),
+            "v": 0.01 * torch.rand(n, generator=gen)}
+
+
+def _assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    for name in ours:
+        assert torch.equal(_bits(ours[name]), _bits(theirs[name])), name
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DeepSpeedKernel:
+    return DeepSpeedKernel(block_numel=BLOCK)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
+@pytest.mark.parametrize("grad_dtype, scale, with_shadow", [
+    (torch.float32, 1.0, False), (torch.float32, 0.37, False), (torch.float32, 0.37, True),
+    (torch.bfloat16, 1.0, True), (torch.bfloat16, 0.37, True), (torch.bfloat16, 0.37, False),
+], ids=["fp32", "fp32-scaled", "fp32-scaled+shadow", "bf16+shadow", "bf16-scaled+shadow", "bf16-scaled"])
+def test_fused_pass_is_the_unfused_composition_bit_for_bit(kernel, grad_dtype, scale, with_shadow, decoupled):
+    ours, theirs = _state(N, 1), _state(N, 1)
+    ours["p"][5], ours["p"][6] = float("nan"), float("inf")  # the shadow's NaN and Inf bits
+    theirs["p"][5], theirs["p"][6] = float("nan"), float("inf")
+    shadow = torch.empty(N, dtype=torch.bfloat16) if with_shadow else None
+    hyper = AdamHyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
+    gen = torch.Generator().manual_seed(2)
+    for step in (1, 2, 3):
+        grad = torch.randn(N, generator=gen).to(grad_dtype)
+        kernel.step_(ours["p"], grad, ours["m"], ours["v"], shadow, step=step, hyper=hyper, grad_scale=scale)
+        reference_grad = grad.float() * scale if scale != 1.0 else grad.float()
+        # fp32, scale 1, no shadow: one unblocked Step_8 per thread, DeepSpeed's own split
+        kernel.step_(theirs["p"], reference_grad, theirs["m"], theirs["v"], None, step=step, hyper=hyper)
+    _assert_same(ours, theirs)
+    if with_shadow:
+        assert torch.equal(_bits(shadow), _bits(theirs["p"].to(torch.bfloat16))), "the shadow is torch's rounding"
+
+
+def test_results_do_not_depend_on_the_thread_count(kernel):
+    """Threads take blocks in whatever order they come; one thread must give the same bits."""
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, previous)):
+            torch.set_num_threads(threads)  # the OpenMP team of this thread, as for DeepSpeed's op
+            state = _state(N, 3)
+            shadow = torch.empty(N, dtype=torch.bfloat16)
+            grad = torch.randn(N, generator=torch.Generator().manual_seed(4)).bfloat16()
+            kernel.step_(state["p"], grad, state["m"], state["v"], shadow, step=1,
+                         hyper=AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True), grad_scale=0.5)
+            results.append({**state, "shadow": shadow})
+    finally:
+        torch.set_num_threads(previous)
+    _assert_same(results[0], results[1])
+
+
+def test_journaled_update_steps_chunk_by_chunk_after_each_callback(kernel):
+    """``before_chunk`` sees every chunk's values as they were before the update."""
+    n, chunk = 3 * 1000 + 7, 1000
+    kernel = DeepSpeedKernel(chunk_numel=chunk, block_numel=BLOCK)
+    state, before = _state(n, 5), _state(n, 5)
+    seen = []
+
+    def journal(start: int, end: int) -> None:
+        assert torch.equal(state["p"][start:end], before["p"][start:end]), "overwritten before its callback"
+        seen.append((start, end))
+
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    kernel.step_(state["p"], grad, state["m"], state["v"], None, step=1,
+                 hyper=AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True), before_chunk=journal)
+    assert seen == [(0, 1000), (1000, 2000), (2000, 3000), (3000, n)]
+    assert not torch.equal(state["p"], before["p"])
+
+
+def test_bad_arguments_are_refused(kernel):
+    p, m, v = torch.zeros(300), torch.zeros(300), torch.zeros(300)
+    hyper = AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.0, True)
+    with pytest.raises(RuntimeError, match="grads"):
+        kernel.step_(p, torch.zeros(300, dtype=torch.float16), m, v, None, step=1, hyper=hyper)
+    with pytest.raises(RuntimeError, match="exp_avg_sq"):
+        kernel.step_(p, torch.zeros(300), m, torch.zeros(600)[::2], None, step=1, hyper=hyper)
+
+
+def _deepspeed_op_is_built() -> bool:
+    from torch.utils import cpp_extension
+
+    return (Path(cpp_extension._get_build_directory("cpu_adam", verbose=False)) / "cpu_adam.so").exists()
+
+
+@pytest.mark.skipif(not _deepspeed_op_is_built(),
+                    reason="DeepSpeed's own cpu_adam op is not built (bench/optimizer.py builds it)")
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
+def test_fp32_update_is_deepspeeds_op_bit_for_bit(kernel, decoupled):
+    """The engine's blocks give exactly what one call of DeepSpeed's own op gives."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    ours = _state(N, 7)
+    param = torch.nn.Parameter(ours["p"].clone())
+    optimizer = DeepSpeedCPUAdam([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                                 adamw_mode=decoupled)
+    optimizer.state[param] = {"step": 0, "exp_avg": ours["m"].clone(), "exp_avg_sq": ours["v"].clone()}
+    hyper = AdamHyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
+    gen = torch.Generator().manual_seed(8)
+    for step in (1, 2, 3):
+        grad = torch.randn(N, generator=gen)
+        kernel.step_(ours["p"], grad, ours["m"], ours["v"], None, step=step, hyper=hyper)
+        param.grad = grad.clone()
+        optimizer.step()
+    state = optimizer.state[param]
+    _assert_same(ours, {"p": param.detach(), "m": state["exp_avg"], "v": state["exp_avg_sq"]})
+
+
+def test_block_size_is_a_multiple_of_every_simd_unroll():
+    """Blocks start where one whole-range call would be in its 8-way unrolled SIMD loop."""
+    assert cpu_adam.BLOCK_ELEMENTS % 128 == 0

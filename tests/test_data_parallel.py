@@ -1,0 +1,167 @@
+"""Data parallel over gloo on the CPU: 2 ranks vs one plain-PyTorch process with both batches.
+
+Each test launches ``tests/data_parallel_worker.py`` in fresh processes (``torchrun``, the
+``deepspeed`` launcher, or by hand where the launcher must not be the one that notices a
+dead rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny_models
+from megatrain_ds import parse_engine_config
+from megatrain_ds.config import ConfigError
+from megatrain_ds.data_parallel import DataParallel
+from megatrain_ds.flat_layout import ALIGN_ELEMENTS, build_flat_layout
+from data_parallel_worker import CLIPPING, LR, MICRO, WEIGHT_DECAY, global_batch
+
+WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
+from launching import free_port  # noqa: E402
+
+TIMEOUT_S = 300
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, **extra)
+    return env
+
+
+def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "torchrun") -> None:
+    prefix = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"],
+              "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus"]}[launcher]
+    command = [*prefix, str(nproc), "--master_port", str(free_port()), str(WORKER), mode, "--out", str(out), *args]
+    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def reference_training(steps: int, accumulation: int, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size."""
+    torch.manual_seed(0)  # rank 0's model: the engine keeps the node writer's weights
+    model = tiny_models.llama(num_layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    norms = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            loss = model(**global_batch(step * accumulation + micro, MICRO * world_size)).loss
+            (loss / accumulation).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIPPING)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict(), norms
+
+
+def relative_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    assert ours.keys() == theirs.keys()
+    diff = sum(((ours[k].double() - theirs[k].double()) ** 2).sum() for k in theirs)
+    norm = sum((theirs[k].double() ** 2).sum() for k in theirs)
+    return float((diff / norm).sqrt())
+
+
+# -- pure rules (no processes) ------------------------------------------------------------
+
+@pytest.mark.parametrize("numel", [1, 63, 64, 1000, 4096 + 17])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+def test_windows_split_a_state_exactly_on_aligned_bounds(numel: int, ranks: int) -> None:
+    windows = [_rank_on_node(index, ranks).window(numel) for index in range(ranks)]
+    assert windows[0][0] == 0 and windows[-1][1] == numel
+    for (_, end), (start, _) in zip(windows, windows[1:]):
+        assert end == start  # disjoint and covering
+    assert all(start % ALIGN_ELEMENTS == 0 or start == numel for start, _ in windows)  # empty at the end
+
+
+def test_layout_window_keeps_the_group_runs_inside_it() -> None:
+    layout = build_flat_layout([("a", torch.Size([100]), 0), ("b", torch.Size([50]), 1), ("c", torch.Size([30]), 0)])
+    window = layout.window(64, 200)
+    assert window.numel == 136
+    whole = [(r.group, r.start, r.end) for r in layout.runs]
+    shifted = [(r.group, r.start + 64, r.end + 64) for r in window.runs]
+    assert shifted == [(g, max(a, 64), min(b, 200)) for g, a, b in whole if min(b, 200) > max(a, 64)]
+
+
+def test_batch_rules_count_every_rank() -> None:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert parse_engine_config(config, world_size=4).train_batch_size == 24
+    with pytest.raises(ConfigError, match="torchrun"):
+        parse_engine_config({**config, "train_batch_size": 6}, world_size=2)
+
+
+def _rank_on_node(index: int, ranks: int) -> DataParallel:
+    return DataParallel(rank=index, world_size=ranks, node_index=index, node_size=ranks, comm_group=None,
+                        control_group=None, node_group=None, leaders_group=None, shared=None,  # type: ignore[arg-type]
+                        timeout_s=1.0)
+
+
+# -- launched ranks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launcher, layout", [("torchrun", "one node"), ("torchrun", "one rank per node"),
+                                              ("deepspeed", "one node")])
+def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_single_thread: None, launcher: str,
+                                                      layout: str) -> None:
+    steps, accumulation = 5, 2
+    launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation),
+             *(["--one-rank-per-node"] if layout == "one rank per node" else []), launcher=launcher)
+    expected, expected_norms = reference_training(steps, accumulation, world_size=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert min(expected_norms) > CLIPPING  # clipping is active in every step
+    for rank in ranks:
+        assert relative_error(rank["state_dict"], expected) < 2e-6
+        assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
+    for key, value in ranks[0]["state_dict"].items():  # every rank (every node) holds the same weights
+        assert torch.equal(value, ranks[1]["state_dict"][key]), key
+
+
+def test_checkpoint_saved_by_two_ranks_resumes_bit_identically(tmp_path: Path) -> None:
+    straight, resumed, checkpoint = tmp_path / "straight", tmp_path / "resumed", tmp_path / "checkpoint"
+    for directory in (straight, resumed):
+        directory.mkdir()
+    launch("parity", straight, "--steps", "5", "--save-to", str(checkpoint), "--save-at", "3")
+    launch("parity", resumed, "--steps", "5", "--resume-from", str(checkpoint))
+    for rank in range(2):
+        expected = torch.load(straight / f"rank{rank}.pt")["state_dict"]
+        got = torch.load(resumed / f"rank{rank}.pt")["state_dict"]
+        for key, value in expected.items():
+            assert torch.equal(value, got[key]), key
+
+
+def test_gradient_all_reduce_starts_while_backward_runs(tmp_path: Path) -> None:
+    launch("order", tmp_path)
+    for rank in range(2):
+        log = json.loads((tmp_path / f"order{rank}.json").read_text())
+        # State 4 is the head (resident), reduced parameter by parameter; the last block's
+        # gradient is reduced next, while three blocks (0.1 s each) remain.
+        assert [index for index, _ in log["starts"] if index < 4] == [3, 2, 1, 0]
+        during_backward = [t for _, t in log["starts"] if log["backward_start"] < t < log["backward_end"]]
+        assert len(during_backward) >= 3, log
+
+
+def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> None:
+    port = str(free_port())
+    processes = []
+    for rank in range(2):
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+        processes.append(subprocess.Popen([sys.executable, str(WORKER), "die", "--out", str(tmp_path),
+                                           "--timeout", "60"], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    survivor, victim = processes
+    victim.wait(timeout=TIMEOUT_S)
+    killed_at = float((tmp_path / "killed").read_text())
+    _, stderr = survivor.communicate(timeout=TIMEOUT_S)
+    elapsed = time.time() - killed_at
+    assert survivor.returncode != 0
+    assert "PeerFailureError" in stderr and "rank 0 of 2" in stderr, stderr[-3000:]
+    assert "died or stopped responding" in stderr
+    assert elapsed < 60, f"the survivor took {elapsed:.0f} s to stop"
