@@ -37,18 +37,20 @@ per OpenMP thread), so the same speed as ``DeepSpeedCPUAdam`` (``bench/optimizer
 The engine's usual update has more to do: a bf16 gradient to widen, a clipping scale, a
 bf16 shadow to write. It used to run as a Python loop over ``CHUNK_ELEMENTS`` chunks of
 four thread-team launches each (widen, scale, DeepSpeed's op, shadow copy): 20-25% slower
-than the fp32 call on a quiet 2-core VM, and 1-3 s instead of 0.07-0.1 s for 30M elements
-once other processes shared the cores, since each of the ~230 barriers per update waited
-for a descheduled thread. :data:`_BINDING`'s ``adam_step`` does it in one OpenMP region:
-each thread takes one contiguous share (DeepSpeed's split; handing out blocks dynamically
-measured 10-30% slower when both cores were shared, and no better when quiet) and walks
-it in ``BLOCK_ELEMENTS`` blocks: widen and scale the gradient into a thread-local scratch,
-run DeepSpeed's serial ``Step_8``, round the fresh master into the shadow while the block
-is still in cache. Shares and blocks start on multiples of every SIMD width times the
-kernel's unroll, so each element takes the code path (hence gets the bits) of one
-whole-range call of DeepSpeed's op. The team size is the calling thread's OpenMP setting,
-as for DeepSpeed's op. ``Step_8`` opens its own ``omp parallel for if (parallel)``: called
-per block with ``parallel=false`` it still opens a one-thread team, 0.7 us per block.
+than the fp32 call on a quiet 2-core VM, and 0.1-2.8 s instead of 0.04-0.06 s for 30M
+elements once other processes shared the cores, since each of the ~230 barriers per update
+waited for a descheduled thread. :data:`_BINDING`'s ``adam_step`` does it in one OpenMP
+region (8-16% slower than the fp32 call, quiet: it writes the shadow and makes two more
+passes in cache): each thread takes one contiguous share (DeepSpeed's split; handing out
+blocks dynamically measured 10-20% slower when both cores were shared with other
+processes, and no better when quiet) and walks it in ``BLOCK_ELEMENTS`` blocks: widen and
+scale the gradient into a thread-local scratch, run DeepSpeed's serial ``Step_8``, round
+the fresh master into the shadow while the block is still in cache. Shares and blocks
+start on multiples of every SIMD width times the kernel's unroll, so each element takes the
+code path (hence gets the bits) of one whole-range call of DeepSpeed's op. The team size
+is the calling thread's OpenMP setting, as for DeepSpeed's op. ``Step_8`` opens its own
+``omp parallel for if (parallel)``: called per block with ``parallel=false`` it still opens
+a one-thread team, 0.7 us per block.
 """
 
 from __future__ import annotations
