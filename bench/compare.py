@@ -171,16 +171,18 @@ def _mem_available() -> int:
     return 1 << 62
 
 
-def _run_guarded(command: list[str], min_free: int) -> subprocess.CompletedProcess:
-    """Run a child; kill it (and say so) should MemAvailable fall under ``min_free``: ZeRO-3
-    offload needs ~40 B/param, and the machine may be shared -- no run may bring on the
-    OOM killer."""
+def run_guarded(command: list[str], min_free: int) -> tuple[subprocess.CompletedProcess, int]:
+    """Run a child; kill it (and say so in its stderr) should MemAvailable fall under
+    ``min_free``: ZeRO-3 offload needs ~40 B/param, and the machine may be shared -- no run
+    may bring on the OOM killer. Returns the run and the lowest MemAvailable seen."""
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed = threading.Event()
+    lowest = [_mem_available()]
 
     def watch() -> None:
         while child.poll() is None:
-            if _mem_available() < min_free:
+            lowest[0] = min(lowest[0], _mem_available())
+            if lowest[0] < min_free:
                 killed.set()
                 child.kill()  # our own child, by its handle
                 return
@@ -192,7 +194,7 @@ def _run_guarded(command: list[str], min_free: int) -> subprocess.CompletedProce
     watchdog.join()
     if killed.is_set():
         stderr += f"\nkilled: MemAvailable fell under {min_free / 2**30:.2f} GiB"
-    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr), lowest[0]
 
 
 def run_planner(args: argparse.Namespace) -> dict | None:
@@ -276,8 +278,8 @@ def main() -> None:
     predictions: list[dict | None] = []
     for _ in range(args.repeats):
         for system in args.systems:
-            completed = _run_guarded([sys.executable, __file__, *passthrough, "--child", system],
-                                     int(args.min_free * 2**30))
+            completed, _ = run_guarded([sys.executable, __file__, *passthrough, "--child", system],
+                                       int(args.min_free * 2**30))
             lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
             if completed.returncode != 0 or not lines:
                 print(f"{system}: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")

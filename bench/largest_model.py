@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's megatrain_ds, wherever pip points
+from compare import run_guarded  # noqa: E402  (bench/, the script's own folder)
 
 SYSTEMS = ("megatrain", "zero3_offload", "torch")
 MODEL = {"hidden": 1536, "intermediate": 4096, "vocab": 32000, "seq_len": 128, "micro_batch": 2, "clip": 1.0}
@@ -49,6 +48,19 @@ def meminfo(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def meta_llama(layers: int):  # -> transformers.LlamaForCausalLM
+    """The benchmark's model at depth ``layers``, on the meta device (shapes only)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=MODEL["vocab"], hidden_size=MODEL["hidden"],
+                                      intermediate_size=MODEL["intermediate"], num_hidden_layers=layers,
+                                      num_attention_heads=MODEL["hidden"] // 128,
+                                      num_key_value_heads=MODEL["hidden"] // 128)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
 
 
 def params_of(layers: int) -> int:
@@ -63,31 +75,14 @@ def run(system: str, layers: int, min_free: int, steps: int = 2) -> dict:
                "--vocab", str(MODEL["vocab"]), "--seq-len", str(MODEL["seq_len"]),
                "--micro-batch", str(MODEL["micro_batch"]), "--clip", str(MODEL["clip"]), "--steps", str(steps)]
     started = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lowest = [meminfo("MemAvailable")]
-    killed = threading.Event()
-
-    def watch() -> None:
-        while child.poll() is None:
-            available = meminfo("MemAvailable")
-            lowest[0] = min(lowest[0], available)
-            if available < min_free:
-                killed.set()
-                child.kill()  # only our own child, by its handle
-                return
-            time.sleep(0.1)
-
-    watchdog = threading.Thread(target=watch, daemon=True)
-    watchdog.start()
-    stdout, stderr = child.communicate()
-    watchdog.join()
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    outcome = {"system": system, "layers": layers, "params": params_of(layers), "exit": child.returncode,
-               "seconds": time.perf_counter() - started, "lowest_mem_available": lowest[0]}
-    if killed.is_set():
+    completed, lowest = run_guarded(command, min_free)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    outcome = {"system": system, "layers": layers, "params": params_of(layers), "exit": completed.returncode,
+               "seconds": time.perf_counter() - started, "lowest_mem_available": lowest}
+    if "killed: MemAvailable fell under" in completed.stderr:
         outcome["killed_by_watchdog"] = True
-    if child.returncode != 0 or not lines:
-        outcome["error"] = stderr[-1500:]
+    if completed.returncode != 0 or not lines:
+        outcome["error"] = completed.stderr[-1500:]
         return outcome
     result = json.loads(lines[-1][len("RESULT "):])
     outcome.update(peak_rss=result["baseline_rss_bytes"] + result["peak_host_bytes"],
@@ -117,20 +112,12 @@ def largest(predict, budget: int, limit: int = 4096) -> int:
 def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
     """The planner's peak host bytes for depth ``layers`` (cached CPU profile) plus the
     interpreter baseline, and its plan."""
-    import torch
-    import transformers
-
     from megatrain_ds.cli import cpu_profile, shape_of
     from megatrain_ds.planner import RunSettings, plan
 
-    config = transformers.LlamaConfig(vocab_size=MODEL["vocab"], hidden_size=MODEL["hidden"],
-                                      intermediate_size=MODEL["intermediate"], num_hidden_layers=layers,
-                                      num_attention_heads=MODEL["hidden"] // 128,
-                                      num_key_value_heads=MODEL["hidden"] // 128)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+    model = meta_llama(layers)
     settings = RunSettings(seq_len=MODEL["seq_len"], micro_batch=MODEL["micro_batch"], bf16=False, clipping=True)
-    hardware = cpu_profile(config, "model.layers", settings)
+    hardware = cpu_profile(model.config, "model.layers", settings)
     result = plan(shape_of(model), settings, hardware, host_memory_bytes=meminfo("MemTotal"))
     return baseline + result.predicted_peak_host_bytes, result.to_json()
 
@@ -138,19 +125,13 @@ def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
 def preflight_verdict(layers: int, budget: int) -> str:
     """The engine's own preflight check (persistent state only) for depth ``layers``."""
     import torch
-    import transformers
 
     from megatrain_ds import parse_engine_config
     from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
     from megatrain_ds.optimizer_facade import build_optimizer
     from megatrain_ds.preflight import AvailableMemory, InsufficientMemoryError, preflight
 
-    config = transformers.LlamaConfig(vocab_size=MODEL["vocab"], hidden_size=MODEL["hidden"],
-                                      intermediate_size=MODEL["intermediate"], num_hidden_layers=layers,
-                                      num_attention_heads=MODEL["hidden"] // 128,
-                                      num_key_value_heads=MODEL["hidden"] // 128)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+    model = meta_llama(layers)
     engine_config = parse_engine_config({"train_micro_batch_size_per_gpu": MODEL["micro_batch"],
                                          "gradient_clipping": MODEL["clip"], "bf16": {"enabled": False},
                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})

@@ -368,6 +368,13 @@ def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[s
     return files
 
 
+def _check_shape(name: str, file: SafetensorsFile, record: Any, entry: _Entry, path: Path) -> None:
+    if _shape(record.shape) != _shape(entry.slot.shape):
+        raise CheckpointError(
+            f"tensor {name!r}: the checkpoint ({Path(file.path).name}) has shape {_shape(record.shape)}, "
+            f"this model has {_shape(entry.slot.shape)}: {path} is a checkpoint of a different model")
+
+
 def _shape(shape: Any) -> list[int]:
     return [int(d) for d in shape]
 
@@ -399,10 +406,7 @@ def _match_weights(engine: "MegatrainEngine", path: Path, files: Mapping[str, Sa
                     "load_module_strict=False keeps this model's own value")
             continue
         file, record = found[hit]
-        if _shape(record.shape) != _shape(entry.slot.shape):
-            raise CheckpointError(
-                f"tensor {hit!r}: the checkpoint ({Path(file.path).name}) has shape {_shape(record.shape)}, "
-                f"this model has {_shape(entry.slot.shape)}: {path} is a checkpoint of a different model")
+        _check_shape(hit, file, record, entry, path)
         if record.dtype != entry.state.master.dtype:
             logger.warning("megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
                            hit, record.dtype, entry.state.master.dtype)
@@ -453,10 +457,7 @@ def _match_optimizer(engine: "MegatrainEngine", path: Path, files: Mapping[str, 
                                           "(was this parameter frozen when it was saved?)")
                 continue
             file, record = found[name]
-            if _shape(record.shape) != _shape(entry.slot.shape):
-                raise CheckpointError(
-                    f"tensor {name!r}: the checkpoint ({Path(file.path).name}) has shape {_shape(record.shape)}, "
-                    f"this model has {_shape(entry.slot.shape)}: {path} is a checkpoint of a different model")
+            _check_shape(name, file, record, entry, path)
             targets.setdefault(file.path, {})[name] = entry.view(flat)
     return targets
 
