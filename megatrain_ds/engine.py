@@ -195,12 +195,13 @@ class MegatrainEngine(nn.Module):
             blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
             self.runtime, options.checkpoint_interval,
             ActivationOffloader(self.runtime) if options.offload_checkpoints else None,
-            self.is_gradient_accumulation_boundary,
+            self.is_gradient_accumulation_boundary, STAGING_CHUNK_ELEMENTS,
         )
         self.blocks.install()
         self.resident.hook_gradients(
             lambda offset, grad: self.sink.push(self._resident_index, offset, grad,
-                                                self.is_gradient_accumulation_boundary())
+                                                self.is_gradient_accumulation_boundary()),
+            (m for m in model.modules() if id(m) not in block_modules), STAGING_CHUNK_ELEMENTS,
         )
         # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
         model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
@@ -317,6 +318,7 @@ class MegatrainEngine(nn.Module):
         self._tracing.close()  # a trace cut short is still written
         self.sink.close()
         self.blocks.uninstall()
+        self.resident.unhook_gradients()
         self.runtime.release_host_memory()
 
     # -- optimizer ---------------------------------------------------------------------------

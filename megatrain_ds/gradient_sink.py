@@ -4,6 +4,8 @@
 the device. It copies the gradient into a pinned staging buffer on the d2h stream and
 queues it; a worker thread waits for that copy and hands the host chunk to ``consume``
 (accumulate, or run the optimizer on it). Backward goes on with the next block meanwhile.
+On the CPU the gradient already is in host memory: the worker consumes it in place, and
+the same pool bounds the chunks in flight (no staging buffers, no copy).
 
 [Note: gradient ordering]
 - The d2h stream waits on an event recorded on the compute stream after the gradient
@@ -48,11 +50,13 @@ class GradientPort(Protocol):
 class _Chunk:
     state_index: int
     offset: int
-    numel: int
-    staging: torch.Tensor
+    host: torch.Tensor | None
+    """The chunk's values on the host, valid once ``done`` has completed."""
+    staging: torch.Tensor | None
+    """Where ``host`` lies, returned to the pool after the consume; ``None`` without staging."""
     final: bool
     done: Event
-    source: torch.Tensor
+    source: torch.Tensor | None
 
 
 class GradientSink:
@@ -71,9 +75,12 @@ class GradientSink:
         self._runtime = runtime
         self._staging_numel = staging_numel
         self._consume = consume
-        self._pool: queue.Queue[torch.Tensor] = queue.Queue()
+        # Where the device computes on host memory (the CPU) a gradient is consumed where
+        # autograd put it: the pool holds tokens instead of buffers, and bounds the same
+        # number of chunks in flight.
+        self._pool: queue.Queue[torch.Tensor | None] = queue.Queue()
         for _ in range(num_staging):
-            self._pool.put(runtime.host_empty(staging_numel, dtype))
+            self._pool.put(None if runtime.shares_host_memory else runtime.host_empty(staging_numel, dtype))
         self._work: queue.Queue[_Chunk | None] = queue.Queue()
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._run, name="megatrain-grad-worker", daemon=True)
@@ -92,9 +99,13 @@ class GradientSink:
                 self._runtime.d2h_stream.wait_event(produced)
                 with self._runtime.tracer.device_span(f"grads {state_index}", "d2h", self._runtime.d2h_stream,
                                                       state=state_index, offset=offset + start, numel=piece.numel()):
-                    staging[: piece.numel()].copy_(piece, non_blocking=True)
+                    if staging is None:  # the device computes on host memory: nothing to copy
+                        host = piece
+                    else:
+                        staging[: piece.numel()].copy_(piece, non_blocking=True)
+                        host = staging[: piece.numel()]
                 done.record(self._runtime.d2h_stream)
-            self._work.put(_Chunk(state_index, offset + start, piece.numel(), staging, final, done, piece))
+            self._work.put(_Chunk(state_index, offset + start, host, staging, final, done, piece))
 
     def push_block(self, state_index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None:
         """Queue a block's gradients: ``(state offset, flat device gradient)`` per parameter
@@ -124,14 +135,16 @@ class GradientSink:
                 return
             try:
                 chunk.done.synchronize()  # the staging buffer is valid only after the copy
-                chunk.source = None  # type: ignore[assignment]  # device memory may be reused now
+                chunk.source = None  # device memory may be reused now (unless it is ``host``)
                 if self._error is None:
+                    assert chunk.host is not None
                     with self._runtime.tracer.span(f"consume {chunk.state_index}", "optimizer worker",
                                                    state=chunk.state_index, offset=chunk.offset,
-                                                   numel=chunk.numel, final=chunk.final):
-                        self._consume(chunk.state_index, chunk.offset, chunk.staging[: chunk.numel], chunk.final)
+                                                   numel=chunk.host.numel(), final=chunk.final):
+                        self._consume(chunk.state_index, chunk.offset, chunk.host, chunk.final)
             except BaseException as error:  # surfaced on the main thread by drain()/push()
                 self._error = error
             finally:
+                chunk.host = None  # without staging: the gradient itself, freed here
                 self._pool.put(chunk.staging)
                 self._work.task_done()

@@ -212,10 +212,10 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
     return {
         "weight_buffers": 0 if in_place else slots * shape.block_params * w,
         "resident_params": 0 if in_place else shape.resident_params * w,
-        # One resident gradient at a time: the lm_head's leaves at the start of backward,
-        # the embedding's arrives at its end (resident_params.py frees each once copied).
+        # Upper bounds: a tied embedding's gradient is built whole (untied ones leave in
+        # row chunks, row_chunked_grads.py; the shape does not say which), and a block's
+        # gradients leave in buckets as backward finishes them (gradient_outbox.py).
         "resident_grads": min(shape.resident_params, shape.vocab * shape.hidden) * w,
-        # A block's backward returns all its parameter gradients at once.
         "block_grads": shape.block_params * w,
         "checkpoints": checkpoints_on_device * _checkpoint_bytes(shape, settings),
         "block_activations": settings.checkpoint_interval * tokens * shape.hidden

@@ -9,7 +9,8 @@ exact to the byte, page rounding included):
 - host: per block and for the resident parameters, the master, the compute-dtype shadow,
   Adam m and v, the gradient buffer (fp32 when accumulating, else compute dtype, only
   with clipping or accumulation), plus the gradient staging buffers; on a CPU-only
-  machine blocks compute on their host buffers in place (no weight buffers). Migration frees the
+  machine blocks compute on their host buffers in place and gradients are consumed where
+  they are (no weight buffers, no staging). Migration frees the
   model's current host weights as it goes, so they count as available.
 - device (CUDA): the streamed weight buffers and the resident parameters' compute copy.
 - pinned: with CUDA and ``pin_memory`` every host buffer above is page-locked.
@@ -140,7 +141,8 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
         if chosen:
             host["journal"] = sum(costs[i] for i in chosen)
     largest = max(shapes.block_numels)
-    host["staging"] = options.num_staging_buffers * _host_buffer(min(largest, staging_chunk), compute)
+    if device_type == "cuda":  # on the CPU gradients are consumed where they are (gradient_sink.py)
+        host["staging"] = options.num_staging_buffers * _host_buffer(min(largest, staging_chunk), compute)
     slots = (options.num_buffers + options.checkpoint_interval - 1) * largest * streamed
     device: dict[str, int] = {}
     if device_type == "cuda":

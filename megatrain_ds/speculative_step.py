@@ -198,7 +198,7 @@ class OptimizerStepper:
 
     def consume_final(self, index: int, offset: int, grad: torch.Tensor, step: int) -> None:
         """A final gradient chunk of state ``index`` (the held buffer's view when gradients
-        are held, else the staging chunk). Runs on the gradient worker."""
+        are held, else the sink's chunk). Runs on the gradient worker."""
         # vector_norm reduces without a chunk-sized temporary (host allocator churn).
         self._sum_squares += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         state = self.states[index]

@@ -30,6 +30,7 @@ from megatrain_ds.activation_offload import ActivationOffloader, HostCheckpoint
 from megatrain_ds.block_template import BlockTemplate
 from megatrain_ds.device_runtime import DeviceRuntime
 from megatrain_ds.flat_layout import FROZEN_GROUP
+from megatrain_ds.gradient_outbox import GradientOutbox
 from megatrain_ds.gradient_sink import GradientPort
 from megatrain_ds.host_store import HostFlatState
 from megatrain_ds.weight_streamer import WeightStreamer
@@ -140,13 +141,15 @@ class StreamedBlocks:
         checkpoint_interval: blocks per segment (K); one activation checkpoint each.
         offloader: parks checkpoints in host memory; ``None`` keeps them on the device.
         is_final_micro_batch: whether gradients produced now finish the accumulation window.
+        gradient_bucket_elements: a block's gradients go to ``sink`` in buckets of at least
+            this many elements, as backward finishes them (:class:`GradientOutbox`).
     """
 
     def __init__(self, blocks: nn.ModuleList, templates: Sequence[BlockTemplate],
                  states: Sequence[HostFlatState], streamer: WeightStreamer, sink: GradientPort,
                  runtime: DeviceRuntime, checkpoint_interval: int,
                  offloader: ActivationOffloader | None,
-                 is_final_micro_batch: Callable[[], bool]) -> None:
+                 is_final_micro_batch: Callable[[], bool], gradient_bucket_elements: int) -> None:
         self.blocks = blocks
         self.templates = templates
         self.states = states
@@ -158,6 +161,7 @@ class StreamedBlocks:
         self._prefetch_with: dict[int, list[HostCheckpoint]] = {}
         streamer.on_issue = self._send_checkpoints_along
         self._is_final_micro_batch = is_final_micro_batch
+        self.gradient_bucket_elements = gradient_bucket_elements
         self._overrides = [t.scalar_overrides(b) for t, b in zip(templates, blocks)]
         self._anchor = torch.empty(0, device=runtime.device, requires_grad=True)
         self._segments: list[_Segment] = []
@@ -298,7 +302,7 @@ class StreamedBlocks:
         """Re-run the segment with grad, one detached graph per block (see module doc)."""
         previous: list[torch.Tensor] = []
         for call in segment.calls:
-            weights = self.streamer.acquire(call.index).detach().requires_grad_(True)
+            weights = self.streamer.acquire(call.index)
             leaves = list(call.leaves)
             call.input_leaves = {}
             for position in call.tensor_positions:
@@ -314,10 +318,12 @@ class StreamedBlocks:
                     leaf.requires_grad_(True)
                     call.input_leaves[position] = leaf
                 leaves[position] = leaf
+            # One leaf per parameter (sharing the buffer): each gets its gradient from its
+            # own AccumulateGrad node, so it can leave as soon as it is complete.
+            layout = self.states[call.index].layout
+            call.param_views = [view.detach().requires_grad_(slot.group != FROZEN_GROUP)
+                                for slot, view in zip(layout.slots, BlockTemplate.bind(weights, layout))]
             with call.replay.replay(self.runtime), torch.enable_grad():
-                # Bound under enable_grad: backward runs with grad mode off, and the views
-                # must be part of the graph to receive gradients.
-                call.param_views = BlockTemplate.bind(weights, self.states[call.index].layout)
                 outputs = self._run(call.index, call.training, leaves, call.spec, params=call.param_views)
             call.outputs = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
             previous = call.outputs
@@ -328,26 +334,32 @@ class StreamedBlocks:
                        grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         pairs = [(out, grad) for out, grad in zip(call.outputs, grad_outputs)
                  if grad is not None and out.requires_grad]
-        trained = [(slot, view) for slot, view in zip(self.states[call.index].layout.slots, call.param_views)
-                   if slot.group != FROZEN_GROUP]
-        # Gradients w.r.t. the parameter views themselves: no flat ``cat`` of the whole
-        # block on the device, and frozen parameters get no gradient computed at all.
-        inputs = [view for _, view in trained] + list(call.input_leaves.values())
-        if pairs:
-            with self.runtime.tracer.device_span(f"backward {call.index}", "compute", block=call.index,
-                                                 phase="backward"):
-                grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                            allow_unused=True)
-        else:
-            grads = (None,) * len(inputs)
+        trained = [(slot, leaf) for slot, leaf in zip(self.states[call.index].layout.slots, call.param_views)
+                   if leaf.requires_grad]
+        final = self._is_final_micro_batch()
+        outbox = GradientOutbox(self.sink, call.index, final, self.gradient_bucket_elements)
+        # Each parameter's gradient goes to the sink from its AccumulateGrad hook, while
+        # backward goes on through the block: at most a bucket of the block's gradients
+        # waits on the device, not all of them. Frozen parameters get none computed.
+        handles = [leaf.register_post_accumulate_grad_hook(outbox.hook(slot.offset)) for slot, leaf in trained]
+        try:
+            inputs = [leaf for _, leaf in trained] + list(call.input_leaves.values())
+            if pairs and inputs:
+                with self.runtime.tracer.device_span(f"backward {call.index}", "compute", block=call.index,
+                                                     phase="backward"):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
         # An unused parameter contributes zeros, so every range of the block reaches
         # the worker in every micro-batch (norm and update coverage stay complete).
-        self.sink.push_block(call.index, [(slot.offset, (torch.zeros_like(view) if grad is None else grad).reshape(-1))
-                                          for (slot, view), grad in zip(trained, grads)],
-                             final=self._is_final_micro_batch())
+        for slot, leaf in trained:
+            if slot.offset not in outbox.sent:
+                outbox.add(slot.offset, torch.zeros(leaf.numel(), dtype=leaf.dtype, device=leaf.device))
+        outbox.flush()
         # Every kernel that reads this block's weights is queued: the slot may be refilled.
         self.streamer.release(call.index)
-        by_position = dict(zip(call.input_leaves, grads[len(trained):]))
+        by_position = {position: leaf.grad for position, leaf in call.input_leaves.items()}
         call.param_views, call.input_leaves, call.outputs, call.leaves = [], {}, [], []
         del segment
         return [by_position.get(position) for position in call.tensor_positions]

@@ -21,8 +21,8 @@ largest block (0.4 B/param at 551M parameters in fp32) and a memcpy of every blo
 per step. There a slot *is* the block's ``streamed`` host buffer: ``_top_up`` points it
 there instead of copying, and everything else -- the plan, the slots in flight and held,
 the events, ``transfers`` -- runs as on a GPU. Reading the host buffer in place is safe
-for the same reason a prefetch is: the optimizer writes a block's weights only after its
-last use in the step (``gradient_sink.py``: [Note: gradient ordering]), and the next
+for the same reason a prefetch is: the optimizer writes a parameter only after its last
+use in the step (``gradient_outbox.py``: [Note: complete gradients]), and the next
 forward starts after ``engine.step()`` has drained the worker.
 """
 

@@ -1,7 +1,7 @@
 """Numerical parity with plain PyTorch AdamW + clip_grad_norm_ on every supported family.
 
 Tolerances (fp32 compute on the CPU): the engine computes the same matmuls as the
-reference, but block gradients come out of a recompute and one flat ``split`` backward,
+reference, but block gradients come out of a recompute with one leaf per parameter,
 and the global norm is summed per block instead of per tensor, so results differ in the
 last bits. DeepSpeed's own stage-0 engine reaches 2e-7 against this reference; we ask
 1e-5 relative per-step loss and 2e-6 global relative weight error after 5 steps.

@@ -152,7 +152,9 @@ def test_spans_are_in_schedule_order(traced_run):
                 assert _end(forward) <= compute[("forward", block + 1)]["ts"]
                 assert _end(compute[("backward", block + 1)]) <= recompute["ts"]
             grads = [e for e in spans["d2h"] if e["args"]["step"] == step and e["args"]["state"] == block]
-            assert grads and min(e["ts"] for e in grads) >= _end(backward)  # copied after they exist
+            # Each parameter's gradient leaves as soon as backward has finished it: during
+            # the block's backward, never before it.
+            assert grads and min(e["ts"] for e in grads) >= backward["ts"]
             for event in (forward, recompute, backward, *grads):
                 assert step_span["ts"] <= event["ts"] and _end(event) <= _end(step_span)
         # The worker consumes a chunk only after its copy is done.
