@@ -12,8 +12,8 @@ Without clipping the host worker may update a resident parameter's master while
 backward is still running. That is safe because the hook fires only after autograd has
 accumulated every contribution to that parameter, i.e. after its last use in this
 backward (a row-chunked weight's only use is its module, whose backward reads the weight
-before it pushes the first chunk); and on a separate device copy the update becomes visible only at
-``refresh_device`` (after the optimizer step).
+before it pushes the first chunk); and on a separate device copy the update becomes
+visible only at ``refresh_device`` (after the optimizer step).
 """
 
 from __future__ import annotations
