@@ -113,7 +113,7 @@ class RowChunkedModule:
 
     A weight with a tensor hook (``weight.register_hook``, e.g. a gradient mask) takes the
     plain path instead: the hook sees the whole gradient, which then reaches ``.grad``.
-    ``chunked`` tells whether the last forward with gradients took the chunked path.
+    ``chunked`` tells whether the last forward with gradients enabled took the chunked path.
     """
 
     def __init__(self, module: nn.Module, offset: int, push: PushFn, rows_per_chunk: int) -> None:
@@ -123,7 +123,9 @@ class RowChunkedModule:
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            self.chunked = torch.is_grad_enabled() and weight.requires_grad and not _has_tensor_hooks(weight)
+            if not torch.is_grad_enabled():  # no backward follows: ``chunked`` keeps its value
+                return F.embedding(x, weight, module.padding_idx) if embedding else F.linear(x, weight, module.bias)
+            self.chunked = weight.requires_grad and not _has_tensor_hooks(weight)
             if embedding:
                 if not self.chunked:
                     return F.embedding(x, weight, module.padding_idx)

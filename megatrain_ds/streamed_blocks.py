@@ -336,21 +336,18 @@ class StreamedBlocks:
                  if grad is not None and out.requires_grad]
         trained = [(slot, leaf) for slot, leaf in zip(self.states[call.index].layout.slots, call.param_views)
                    if leaf.requires_grad]
-        final = self._is_final_micro_batch()
-        outbox = GradientOutbox(self.sink, call.index, final, self.gradient_bucket_elements)
+        outbox = GradientOutbox(self.sink, call.index, self._is_final_micro_batch(), self.gradient_bucket_elements)
         # Each parameter's gradient goes to the sink from its AccumulateGrad hook, while
         # backward goes on through the block: at most a bucket of the block's gradients
-        # waits on the device, not all of them. Frozen parameters get none computed.
-        handles = [leaf.register_post_accumulate_grad_hook(outbox.hook(slot.offset)) for slot, leaf in trained]
-        try:
-            inputs = [leaf for _, leaf in trained] + list(call.input_leaves.values())
-            if pairs and inputs:
-                with self.runtime.tracer.device_span(f"backward {call.index}", "compute", block=call.index,
-                                                     phase="backward"):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        # waits on the device, not all of them. Frozen parameters get none computed. The
+        # hooks die with the leaves, which this call drops.
+        for slot, leaf in trained:
+            leaf.register_post_accumulate_grad_hook(outbox.hook(slot.offset))
+        inputs = [leaf for _, leaf in trained] + list(call.input_leaves.values())
+        if pairs and inputs:
+            with self.runtime.tracer.device_span(f"backward {call.index}", "compute", block=call.index,
+                                                 phase="backward"):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=inputs)
         # An unused parameter contributes zeros, so every range of the block reaches
         # the worker in every micro-batch (norm and update coverage stay complete).
         for slot, leaf in trained:
