@@ -23,6 +23,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from megatrain_ds.host_heap import keep_large_transients_mapped, return_free_memory
 from megatrain_ds.node_shared_memory import NodeSharedMemory
 from megatrain_ds.trace import NULL_TRACER, NullTracer, Tracer
 
@@ -139,6 +140,8 @@ class DeviceRuntime:
                 comm_stream=torch.cuda.Stream(device),
                 pin_memory=pin_memory,
             )
+        # The step's transients will be host memory: keep the large ones out of glibc's heap.
+        keep_large_transients_mapped()
         return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
 
     @property
@@ -226,6 +229,14 @@ class DeviceRuntime:
         for tensor in self._registered:
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
         self._registered.clear()
+
+    def return_transient_memory(self) -> None:
+        """Called between the step's phases (``streamed_blocks.py``). When the device is the
+        host, give the system back what the last phase's transients left cached in glibc's
+        heap and MKL (``host_heap.py``). On a GPU nothing: the caching allocator keeps its
+        blocks for the next phase, as it should."""
+        if self.shares_host_memory:
+            return_free_memory()
 
     def host_zeros(self, numel: int, dtype: torch.dtype, shared: NodeSharedMemory | None = None) -> torch.Tensor:
         if shared is not None:

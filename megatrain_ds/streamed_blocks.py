@@ -14,6 +14,10 @@ The model's own ``forward`` runs unchanged; each block's ``forward`` is redirect
 
 With ``checkpoint_interval`` 1 each block's weights cross host->device exactly twice per
 step: once in forward, once in backward.
+
+Between the step's phases -- blocks forward, head forward and backward, blocks backward,
+embedding backward -- the runtime may hand cached transient memory back
+(``DeviceRuntime.return_transient_memory``; only where the device is the host).
 """
 
 from __future__ import annotations
@@ -171,6 +175,8 @@ class StreamedBlocks:
         """Device bytes of checkpoints kept on the device (not offloaded)."""
         self.peak_checkpoint_bytes = 0
         """Peak device bytes of checkpoints, kept or in flight back from the host."""
+        self._head_backward_pending = False
+        """The forward ended and no block's backward has started: the head's is under way."""
 
     # -- wiring ---------------------------------------------------------------------
 
@@ -201,6 +207,11 @@ class StreamedBlocks:
     def begin_backward(self) -> None:
         """Backward is about to start: plan the segments' blocks in backward order."""
         plan = [call.index for segment in reversed(self._segments) for call in segment.calls]
+        # Phase boundary (called after the last block's forward and again from
+        # engine.backward): the head's forward or backward comes next, with the step's
+        # largest transients (logits); what the previous phase left goes back first.
+        self.runtime.return_transient_memory()
+        self._head_backward_pending = True
         self._prefetch_with = {
             segment.calls[0].index: [leaf for leaf in segment.calls[0].leaves if isinstance(leaf, HostCheckpoint)]
             for segment in self._segments
@@ -301,6 +312,9 @@ class StreamedBlocks:
     def _recompute(self, segment: _Segment) -> None:
         """Re-run the segment with grad, one detached graph per block (see module doc)."""
         previous: list[torch.Tensor] = []
+        if self._head_backward_pending:  # phase boundary: the head's backward is done
+            self._head_backward_pending = False
+            self.runtime.return_transient_memory()
         for call in segment.calls:
             weights = self.streamer.acquire(call.index)
             leaves = list(call.leaves)
@@ -359,4 +373,6 @@ class StreamedBlocks:
         by_position = {position: leaf.grad for position, leaf in call.input_leaves.items()}
         call.param_views, call.input_leaves, call.outputs, call.leaves = [], {}, [], []
         del segment
+        if call.index == 0:  # phase boundary: the blocks' backward is done, the embedding's is next
+            self.runtime.return_transient_memory()
         return [by_position.get(position) for position in call.tensor_positions]

@@ -1,0 +1,66 @@
+"""How the CPU path holds transient host memory (``host_heap.py``), measured through glibc's
+own counters and the process's resident set size."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from megatrain_ds.host_heap import MMAP_THRESHOLD_BYTES, keep_large_transients_mapped, return_free_memory
+
+MIB = 1 << 20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _glibc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("glibc 2.33+ only: the behaviour under test is glibc's")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def _mapped_bytes(libc: ctypes.CDLL) -> int:
+    return libc.mallinfo2().hblkhd
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096
+
+
+def test_large_transients_get_pages_of_their_own():
+    libc = _glibc()
+    # Free a 20 MiB block first: left to itself glibc would now serve the 8 MiB tensor
+    # below from its heap (its threshold rises to the size of a mapped block freed).
+    raises_threshold = torch.empty(20 * MIB, dtype=torch.uint8)
+    del raises_threshold
+    assert keep_large_transients_mapped()
+    before = _mapped_bytes(libc)
+    large = torch.empty(MMAP_THRESHOLD_BYTES * 2, dtype=torch.uint8)
+    assert _mapped_bytes(libc) - before >= large.numel()
+    small = torch.empty(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8)
+    assert _mapped_bytes(libc) - before < large.numel() + small.numel()
+    del large, small
+
+
+def test_free_heap_pages_go_back_to_the_system():
+    _glibc()
+    assert keep_large_transients_mapped()
+    # Heap-sized tensors, written so their pages are resident, with a kept one after each:
+    # freeing the others leaves holes, which glibc keeps (it can only shrink the heap's top).
+    pairs = [(torch.ones(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8),
+              torch.ones(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8)) for _ in range(32)]
+    kept = [keep for _, keep in pairs]
+    freed = sum(hole.numel() for hole, _ in pairs)
+    del pairs
+    before = _rss_bytes()
+    return_free_memory()
+    assert before - _rss_bytes() >= freed // 2, "most of the freed heap pages should have left the process"
+    del kept
