@@ -99,7 +99,7 @@ class _Sampler:
 
 def _allocator_environment() -> dict[str, str]:
     """The variables, set before the process started, that change how glibc and MKL hold
-    memory (README, Performance: they trade step time for a lower peak)."""
+    memory: the figures depend on them (``megatrain_ds/host_heap.py``)."""
     return {name: value for name, value in sorted(os.environ.items()) if name.startswith(("MALLOC_", "MKL_"))}
 
 
