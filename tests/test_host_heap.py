@@ -64,3 +64,17 @@ def test_free_heap_pages_go_back_to_the_system():
     return_free_memory()
     assert before - _rss_bytes() >= freed // 2, "most of the freed heap pages should have left the process"
     del kept
+
+
+def test_mkl_gemm_buffers_go_back_to_the_system():
+    libc = _glibc()
+    if not torch.backends.mkl.is_available():
+        pytest.skip("PyTorch built without MKL")
+    assert keep_large_transients_mapped()
+    x, weight = torch.randn(256, 1536), torch.randn(32000, 1536)
+    logits = x @ weight.t()  # the shape of a vocabulary-wide output projection
+    del logits  # mapped (over the threshold): gone from RSS at once
+    libc.malloc_trim(0)  # the heap's free pages go first, so what follows is MKL's
+    before = _rss_bytes()
+    return_free_memory()
+    assert before - _rss_bytes() >= 8 * MIB, "MKL's packing buffers for the GEMM should have been freed"
