@@ -4,6 +4,7 @@ own counters and the process's resident set size."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def _mapped_bytes(libc: ctypes.CDLL) -> int:
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_large_transients_get_pages_of_their_own():
