@@ -9,6 +9,13 @@ under ``bench/results/``.
     python bench/compare.py --hidden 512 --layers 4 --systems megatrain torch --steps 3
 
 Counted FLOPs are 6*P*T (the recompute's extra 2*P*T for blocks is reported separately).
+
+The engine's step is also split by its own trace (``"megatrain": {"trace": ...}``, all
+steps after the warm-up; ``megatrain_ds/trace.py``): ``device_idle_seconds`` is the step
+less the union of its spans on the compute track (block forward, recompute, backward) --
+the time the device spent waiting for weights or the optimizer, plus the head, loss and
+embedding, which are not on that track (so an upper bound). The other systems are not
+traced: theirs is reported as ``null``.
 On a CPU-only machine everything is fp32; with CUDA the engine and ZeRO-3 compute in bf16
 and plain PyTorch uses bf16 autocast.
 
@@ -45,7 +52,7 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _ds_config(system: str, args: argparse.Namespace, cuda: bool) -> dict:
+def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | None = None) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -55,6 +62,8 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool) -> dict:
     }
     if system == "megatrain":
         config["engine"] = "megatrain"
+        if trace is not None:  # every step after the warm-up
+            config["megatrain"] = {"trace": str(trace), "trace_steps": max(1, args.steps - 1)}
     else:
         config["zero_optimization"] = {
             "stage": 3,
@@ -97,7 +106,8 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         model = transformers.LlamaForCausalLM(config)
         params = sum(p.numel() for p in model.parameters())
         if system == "megatrain":
-            engine, *_ = deepspeed.initialize(model=model, config=_ds_config(system, args, cuda))
+            trace = Path(tempfile.mkdtemp()) / "trace.json"
+            engine, *_ = deepspeed.initialize(model=model, config=_ds_config(system, args, cuda, trace))
         else:
             engine = model.to(device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
@@ -160,7 +170,32 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         "losses": losses,
     }
     result["bytes_per_param"] = result["peak_host_bytes"] / params
+    result["device_idle_seconds"] = None
+    if system == "megatrain":
+        engine.destroy()  # writes the trace, should its last step not have
+        idle = _device_idle_seconds(trace)
+        if len(idle) == len(measured):  # the traced steps are the measured ones, in order
+            result["device_idle_seconds"] = idle[measured.index(best)]
     return result
+
+
+def _device_idle_seconds(trace: Path) -> list[float]:
+    """Per traced step: its length less the union of its compute-track spans (seconds)."""
+    from timeline import busy_ms, load_spans, steps_in
+
+    if not trace.exists():
+        return []
+    spans, _ = load_spans(trace)
+    idle = []
+    for step in steps_in(spans):
+        mine = [s for s in spans if s["args"].get("step") == step]
+        length = sum(s["end_ms"] - s["start_ms"] for s in mine if s["track"] == "step")
+        idle.append((length - busy_ms([s for s in mine if s["track"] == "compute"])) / 1e3)
+    return idle
+
+
+def _seconds_or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _mem_available() -> int:
@@ -293,10 +328,11 @@ def main() -> None:
             if system not in best or result["step_seconds"] < best[system]["step_seconds"]:
                 best[system] = result
     print(f"{'system':24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} "
-          f"{'opt':>6s} {'host B/param':>12s} {'GPU GiB':>8s}")
+          f"{'opt':>6s} {'idle':>6s} {'host B/param':>12s} {'GPU GiB':>8s}")
     for system, r in best.items():
         print(f"{RESULT_KEY[system]:24s} {r['tokens_per_s']:10.1f} {r['tflops_6pt']:8.4f} {r['step_seconds']:8.2f} "
               f"{r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} {r['optimizer_seconds']:6.2f} "
+              f"{_seconds_or_dash(r.get('device_idle_seconds')):>6s} "
               f"{r['bytes_per_param']:12.2f} {r['peak_gpu_bytes'] / 2**30:8.2f}")
     if "megatrain" in best:
         for other in ("zero3_offload", "torch"):
