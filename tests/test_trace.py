@@ -271,6 +271,26 @@ def test_timeline_renders_a_step(traced_run, tmp_path):
     assert timeline.steps_in(spans) == list(range(WARMUP_STEPS, WARMUP_STEPS + TRACED))
 
 
+def test_compare_reports_each_steps_time_outside_block_compute(traced_run, monkeypatch):
+    bench = Path(__file__).parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("compare", bench / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    idle = compare._device_idle_seconds(traced_run["path"])
+
+    # Reference: one compute stream runs one block at a time, so its spans do not overlap
+    # and their plain sum is the busy time.
+    _, spans = _spans(traced_run["path"])
+    expected = []
+    for step in range(WARMUP_STEPS, WARMUP_STEPS + TRACED):
+        length = sum(e["dur"] for e in spans["step"] if e["args"]["step"] == step)
+        busy = sum(e["dur"] for e in spans["compute"] if e["args"]["step"] == step)
+        expected.append((length - busy) / 1e6)  # trace-event times are microseconds
+    assert idle == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert all(0 < seconds for seconds in idle)
+
+
 # -- the warning ------------------------------------------------------------------------------
 
 def _hardware_needing(tokens):
