@@ -9,6 +9,8 @@ under ``bench/results/``.
     python bench/compare.py --hidden 512 --layers 4 --systems megatrain torch --steps 3
 
 Counted FLOPs are 6*P*T (the recompute's extra 2*P*T for blocks is reported separately).
+On a CPU-only machine everything is fp32; with CUDA the engine and ZeRO-3 compute in bf16
+and plain PyTorch uses bf16 autocast.
 
 The engine's step is also split by its own trace (``"megatrain": {"trace": ...}``, all
 steps after the warm-up; ``megatrain_ds/trace.py``): ``device_idle_seconds`` is the step
@@ -16,8 +18,6 @@ less the union of its spans on the compute track (block forward, recompute, back
 the time the device spent waiting for weights or the optimizer, plus the head, loss and
 embedding, which are not on that track (so an upper bound). The other systems are not
 traced: theirs is reported as ``null``.
-On a CPU-only machine everything is fp32; with CUDA the engine and ZeRO-3 compute in bf16
-and plain PyTorch uses bf16 autocast.
 
 The planner is checked against the engine in the same run: right after each engine round,
 ``megatrain plan`` (fresh process, ``--recalibrate``: the machine is measured under the
@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,6 +175,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     if system == "megatrain":
         engine.destroy()  # writes the trace, should its last step not have
         idle = _device_idle_seconds(trace)
+        shutil.rmtree(trace.parent, ignore_errors=True)
         if len(idle) == len(measured):  # the traced steps are the measured ones, in order
             result["device_idle_seconds"] = idle[measured.index(best)]
     return result
