@@ -8,7 +8,7 @@ in ``site-packages``; Python runs the ``.pth`` line at start-up::
 ``install`` only registers an import watcher (this module imports nothing heavy: it runs
 in every Python process of the environment). When, and only when, ``deepspeed`` is
 imported, the watcher lets it execute normally and then imports
-:mod:`megatrain_ds.deepspeed_hook`, which wraps ``deepspeed.initialize``: configs with
+:mod:`megatrain_ds.integration.deepspeed_hook`, which wraps ``deepspeed.initialize``: configs with
 ``"engine": "megatrain"`` go to this engine, every other call to DeepSpeed unchanged.
 Because the wrapper replaces the module attribute before anyone can read it, callers
 that look ``deepspeed.initialize`` up at call time (Accelerate) or bind it once after
@@ -26,7 +26,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"
+DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
 WATCHED = "deepspeed"
 
 
@@ -78,7 +78,7 @@ class DeepSpeedImportWatcher(importlib.abc.MetaPathFinder):
         if self in sys.meta_path:
             sys.meta_path.remove(self)
         try:
-            from megatrain_ds import deepspeed_hook
+            from megatrain_ds.integration import deepspeed_hook
         except Exception as error:  # never break `import deepspeed` for a broken megatrain_ds
             import warnings
 
@@ -99,7 +99,7 @@ def install() -> None:
     if disabled():
         return
     if WATCHED in sys.modules:  # imported by an earlier .pth: wrap it now
-        from megatrain_ds import deepspeed_hook
+        from megatrain_ds.integration import deepspeed_hook
 
         deepspeed_hook.wrap(sys.modules[WATCHED])
         return

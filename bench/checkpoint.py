@@ -137,9 +137,10 @@ def run_meta_load(hidden: int, layers: int, directory: str) -> dict:
     import torch
     import transformers
 
-    from megatrain_ds import MegatrainEngine, parse_engine_config, preflight
+    from megatrain_ds import MegatrainEngine, parse_engine_config
+    from megatrain_ds.planning import preflight
     from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
-    from megatrain_ds.optimizer_facade import build_optimizer
+    from megatrain_ds.optimizer.facade import build_optimizer
 
     with accelerate.init_empty_weights():
         model = transformers.LlamaForCausalLM(_model_config(hidden, layers))

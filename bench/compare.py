@@ -13,7 +13,7 @@ On a CPU-only machine everything is fp32; with CUDA the engine and ZeRO-3 comput
 and plain PyTorch uses bf16 autocast.
 
 The engine's step is also split by its own trace (``"megatrain": {"trace": ...}``, all
-steps after the warm-up; ``megatrain_ds/trace.py``): ``device_idle_seconds`` is the step
+steps after the warm-up; ``megatrain_ds/runtime/trace.py``): ``device_idle_seconds`` is the step
 less the union of its spans on the compute track (block forward, recompute, backward) --
 the time the device spent waiting for weights or the optimizer, plus the head, loss and
 embedding, which are not on that track (so an upper bound). The other systems are not

@@ -99,7 +99,7 @@ class _Sampler:
 
 def _allocator_environment() -> dict[str, str]:
     """The variables, set before the process started, that change how glibc and MKL hold
-    memory: the figures depend on them (``megatrain_ds/host_heap.py``)."""
+    memory: the figures depend on them (``megatrain_ds/runtime/host_heap.py``)."""
     return {name: value for name, value in sorted(os.environ.items()) if name.startswith(("MALLOC_", "MKL_"))}
 
 
@@ -144,7 +144,7 @@ def run_case(case: str, hidden: int, layers: int, steps: int, seq_len: int) -> d
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     state = sum(engine.host_bytes().values())
     # The embedding's and output projection's gradients leave in row chunks (untied; see
-    # row_chunked_grads.py): the largest gradient autograd builds whole is another one.
+    # gradients/row_chunked.py): the largest gradient autograd builds whole is another one.
     row_chunked = {id(module.weight) for module in model.modules()
                    if "forward" in module.__dict__ and isinstance(module, (torch.nn.Embedding, torch.nn.Linear))}
     largest_whole_gradient = max(p.numel() * p.element_size() for p in model.parameters() if id(p) not in row_chunked)

@@ -113,7 +113,7 @@ def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
     """The planner's peak host bytes for depth ``layers`` (cached CPU profile) plus the
     interpreter baseline, and its plan."""
     from megatrain_ds.cli import cpu_profile, shape_of
-    from megatrain_ds.planner import RunSettings, plan
+    from megatrain_ds.planning.planner import RunSettings, plan
 
     model = meta_llama(layers)
     settings = RunSettings(seq_len=MODEL["seq_len"], micro_batch=MODEL["micro_batch"], bf16=False, clipping=True)
@@ -128,8 +128,8 @@ def preflight_verdict(layers: int, budget: int) -> str:
 
     from megatrain_ds import parse_engine_config
     from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
-    from megatrain_ds.optimizer_facade import build_optimizer
-    from megatrain_ds.preflight import AvailableMemory, InsufficientMemoryError, preflight
+    from megatrain_ds.optimizer.facade import build_optimizer
+    from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError, preflight
 
     model = meta_llama(layers)
     engine_config = parse_engine_config({"train_micro_batch_size_per_gpu": MODEL["micro_batch"],

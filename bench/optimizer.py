@@ -19,7 +19,7 @@ fp32 buffer, read + written bytes, the STREAM convention). Rows:
   engine bf16+shadow      the engine's layout in bf16 compute: bf16 gradient, bf16 shadow written
                           (more work than DeepSpeedCPUAdam: widening and the shadow)
   engine bf16 clipped     bf16+shadow with a clipping scale
-  engine journaled        bf16+shadow while journaling (a speculative step: speculative_step.py)
+  engine journaled        bf16+shadow while journaling (a speculative step: optimizer/speculative_step.py)
   DeepSpeedCPUAdam A/A    a second DeepSpeedCPUAdam: the control, whose ratio to the first
                           shows how far a ratio of identical work strays from 1 in the run
   engine kernel=K         the engine path with each other CPU kernel (torch_fused, torch)
@@ -44,13 +44,13 @@ The main AdamW rows then run again beside one busy-looping process: the engine's
 situation (its gradient worker updates while the main thread runs backward) and that of
 any shared machine. DeepSpeed's op splits a range into one fixed share per thread, so a
 thread that shares its core holds up the whole update; the engine's threads take blocks
-as they go ([Note: one pass over DeepSpeed's kernel] in ``megatrain_ds/cpu_adam.py``).
+as they go ([Note: one pass over DeepSpeed's kernel] in ``megatrain_ds/optimizer/cpu_adam.py``).
 
 It also measures what each kernel costs the *training* thread when it runs on the engine's
 gradient worker: a main-thread loop of small torch ops (like backward's Python) timed
 alone and while a worker thread updates back to back, for each engine kernel and for
 ``DeepSpeedCPUAdam`` through DeepSpeed's own binding, which holds the GIL ([Note: the GIL
-and DeepSpeed's op] in ``megatrain_ds/cpu_adam.py``). On a machine with few cores the
+and DeepSpeed's op] in ``megatrain_ds/optimizer/cpu_adam.py``). On a machine with few cores the
 ratio also contains plain CPU contention (the worker's threads use every core).
 
 Usage:  python bench/optimizer.py [--elements 30000000] [--rounds 15] [--contended-rounds 9]
@@ -83,12 +83,12 @@ for _key, _value in {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTE
 
 import torch  # noqa: E402
 
-from megatrain_ds.cpu_adam import CPU_KERNELS, make_cpu_kernel  # noqa: E402
-from megatrain_ds.device_runtime import DeviceRuntime  # noqa: E402
-from megatrain_ds.flat_layout import build_flat_layout  # noqa: E402
-from megatrain_ds.host_adamw import HostAdamW  # noqa: E402
-from megatrain_ds.host_store import HostFlatState  # noqa: E402
-from megatrain_ds.speculative_step import Journal  # noqa: E402
+from megatrain_ds.optimizer.cpu_adam import CPU_KERNELS, make_cpu_kernel  # noqa: E402
+from megatrain_ds.runtime.device_runtime import DeviceRuntime  # noqa: E402
+from megatrain_ds.state.flat_layout import build_flat_layout  # noqa: E402
+from megatrain_ds.optimizer.host_adamw import HostAdamW  # noqa: E402
+from megatrain_ds.state.host_store import HostFlatState  # noqa: E402
+from megatrain_ds.optimizer.speculative_step import Journal  # noqa: E402
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 BYTES_PER_ELEMENT = 28

@@ -1,7 +1,7 @@
 """One optimizer step of a megatrain trace as a timeline picture.
 
 Reads the Chrome trace-event JSON that ``"megatrain": {"trace": "PATH.json"}`` writes
-(``megatrain_ds/trace.py``) and draws one step: a row per track (step, compute, h2d, d2h,
+(``megatrain_ds/runtime/trace.py``) and draws one step: a row per track (step, compute, h2d, d2h,
 comm, optimizer worker), a box per span coloured by what it is, time in ms from the
 step's first span, each row labelled with how busy it was. Spans nested in another of the
 same row (AdamW ranges inside a worker chunk or the step finish) are drawn thinner, below.

@@ -17,7 +17,7 @@ import torch
 from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, load_weights, run_side_by_side
 
 SCRIPT = Path(__file__).with_name("accelerate_clm.py")
-MEGATRAIN_ENGINE = "megatrain_ds.deepspeed_adapter.MegatrainDeepSpeedEngine"
+MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
 DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 
 

@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 def test_the_engine_is_megatrain_without_an_import(runs) -> None:
     assert "megatrain_ds" not in SCRIPT.read_text(encoding="utf-8").split('"""', 2)[2]
     result = runs["megatrain"].result()
-    assert result["engine_mro"][0] == "megatrain_ds.deepspeed_adapter.MegatrainDeepSpeedEngine"
+    assert result["engine_mro"][0] == "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
     assert "deepspeed.runtime.engine.DeepSpeedEngine" in result["engine_mro"]
     assert result["global_steps"] == NUM_STEPS
 

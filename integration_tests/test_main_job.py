@@ -40,7 +40,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_uses_megatrain_engine(run) -> None:
-    assert run["engine_type"] == "megatrain_ds.deepspeed_adapter.MegatrainDeepSpeedEngine"
+    assert run["engine_type"] == "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
 
 
 def test_eval_loss_falls(run) -> None:

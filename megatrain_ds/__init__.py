@@ -5,15 +5,16 @@ host memory; each transformer block's weights stream to the GPU just in time.
 
 ``deepspeed.initialize`` calls whose config has ``"engine": "megatrain"`` go to
 :func:`initialize`, which returns a ``DeepSpeedEngine`` subclass
-(:class:`megatrain_ds.deepspeed_adapter.MegatrainDeepSpeedEngine`). The routing is
+(:class:`megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine`). The routing is
 installed with the package (a ``.pth`` start-up hook), so scripts need not import this
-package; importing it installs the routing too (see :mod:`megatrain_ds.deepspeed_hook`).
+package; importing it installs the routing too (see :mod:`megatrain_ds.integration.deepspeed_hook`).
 """
 
-from megatrain_ds import deepspeed_hook
+import _megatrain_ds_hook
+
 from megatrain_ds.config import ConfigError, EngineConfig, MegatrainOptions, parse_engine_config
 from megatrain_ds.engine import MegatrainEngine, NonFiniteGradientError
-from megatrain_ds.initialize import initialize
+from megatrain_ds.integration.initialize import initialize
 
 __all__ = [
     "ConfigError",
@@ -25,4 +26,4 @@ __all__ = [
     "parse_engine_config",
 ]
 
-deepspeed_hook.install()
+_megatrain_ds_hook.install()

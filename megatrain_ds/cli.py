@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megatrain_ds.block_discovery import find_blocks
-from megatrain_ds.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan
+from megatrain_ds.model.block_discovery import find_blocks
+from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -132,7 +132,7 @@ def cpu_profile(config: Any, block_path: str, settings: RunSettings, recalibrate
       a model's are: on 4M elements a 32 MB L3 made it look 3x faster here).
     Each figure is the fastest of repeated runs: load from other processes only slows a run.
     """
-    from megatrain_ds.optimizer_placement import cache_path
+    from megatrain_ds.optimizer.placement import cache_path
 
     path = cache or cache_path().with_name("cpu_profile.json")
     tokens = min(settings.tokens_per_pass, CPU_PROFILE_MAX_TOKENS)
@@ -169,7 +169,8 @@ def _shape_signature(config: Any) -> dict[str, Any]:
 
 def _measure_profile(config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype,
                      seconds: float) -> dict:
-    from megatrain_ds.cpu_adam import AdamHyper, make_cpu_kernel
+    from megatrain_ds.optimizer.adamw_math import AdamHyper
+    from megatrain_ds.optimizer.cpu_adam import make_cpu_kernel
 
     tokens = seq_len * micro_batch
     block, model = _one_block_model(config, block_path, dtype)

@@ -122,25 +122,25 @@ class MegatrainOptions:
     """Write a Chrome/Perfetto trace (JSON) of the weight copies, block compute, gradient
     copies and the optimizer worker to this path, for ``trace_steps`` optimizer steps after
     one warm-up step; open it at https://ui.perfetto.dev or draw a step with
-    ``bench/timeline.py``. See ``trace.py``."""
+    ``bench/timeline.py``. See ``runtime/trace.py``."""
     trace_steps: int = 3
     """Optimizer steps written to ``trace``."""
     optimizer_device: str = "auto"
     """Where AdamW runs: "cpu" (host SIMD kernel, overlapping backward), "gpu" (optimizer
     state streamed through the device and a fused Triton kernel), or "auto": measured at
     start-up (cached per machine), possibly splitting blocks between the two; "cpu"
-    without CUDA. See ``optimizer_placement.py``."""
+    without CUDA. See ``optimizer/placement.py``."""
     cpu_adam_kernel: str = "auto"
     """The CPU AdamW kernel: "deepspeed" (DeepSpeed's CPU Adam kernel, JIT-built on first
     use), "torch_fused" (ATen's fused kernel), "torch" (op by op), or "auto" (the first that
     runs, in that order); one that cannot run here falls back with a logged reason. See
-    ``cpu_adam.py``."""
+    ``optimizer/cpu_adam.py``."""
     speculative_blocks: int | str = "auto"
     """Blocks whose update may run during backward before the global gradient norm is
     known (then validated, and undone exactly if clipping or a non-finite norm says so).
     Each keeps a journal of 12 bytes per parameter (14 with a bf16 shadow) of host memory;
     "auto" takes as many as fit in 0.5 bytes per model parameter. See
-    ``speculative_step.py``."""
+    ``optimizer/speculative_step.py``."""
     non_finite_steps: str = "auto"
     """What a step with a non-finite gradient norm does: "skip" (weights and optimizer
     state untouched; needs the gradients held until the norm is known, which costs

@@ -9,7 +9,7 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
     engine.step()          at the boundary: wait for the worker, validate the speculation
                            against the exact global norm (clip, or skip a non-finite step),
                            update what is left, refresh the resident device copies
-                           (speculative_step.py: [Note: speculative steps])
+                           (optimizer/speculative_step.py: [Note: speculative steps])
 """
 
 from __future__ import annotations
@@ -21,28 +21,28 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from megatrain_ds import checkpointing
-from megatrain_ds.activation_offload import ActivationOffloader
-from megatrain_ds.batch_checks import check_batch
-from megatrain_ds.block_discovery import check_blocks_own_their_params, find_blocks
-from megatrain_ds.block_template import BlockTemplate, structure_key
+from megatrain_ds.checkpoint import save_load
+from megatrain_ds.streaming.activation_offload import ActivationOffloader
+from megatrain_ds.model.batch_checks import check_batch
+from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
+from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.config import EngineConfig
-from megatrain_ds.device_runtime import DeviceRuntime
-from megatrain_ds.data_parallel import DataParallel
-from megatrain_ds.gradient_reducer import GradientReducer
-from megatrain_ds.gradient_sink import GradientPort, GradientSink
-from megatrain_ds.host_adamw import HostAdamW
-from megatrain_ds.host_store import HostFlatState, migrate_to_host
-from megatrain_ds.optimizer_facade import MegatrainOptimizer, build_optimizer, group_index_of
-from megatrain_ds.optimizer_placement import build_host_adamw
-from megatrain_ds.preflight import preflight
-from megatrain_ds.resident_params import ResidentParams
-from megatrain_ds.safetensors_source import materialize_meta_buffers, open_source
-from megatrain_ds.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
-from megatrain_ds.streamed_blocks import StreamedBlocks
-from megatrain_ds.trace import TraceSchedule
-from megatrain_ds.transfer_hiding import warn_if_transfers_exposed
-from megatrain_ds.weight_streamer import WeightStreamer
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.gradient_reducer import GradientReducer
+from megatrain_ds.gradients.sink import GradientPort, GradientSink
+from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.state.host_store import HostFlatState, migrate_to_host
+from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
+from megatrain_ds.optimizer.placement import build_host_adamw
+from megatrain_ds.planning.preflight import preflight
+from megatrain_ds.streaming.resident_params import ResidentParams
+from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
+from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
+from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
+from megatrain_ds.runtime.trace import TraceSchedule
+from megatrain_ds.planning.transfer_hiding import warn_if_transfers_exposed
+from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +109,14 @@ class MegatrainEngine(nn.Module):
     # -- construction --------------------------------------------------------------------
 
     def _build(self, model: nn.Module) -> None:
-        if self.config.options.preflight:  # fail before allocating anything (preflight.py)
+        if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
         _reject_unsupported_outputs(model)
         options = self.config.options
         path, blocks = find_blocks(model, options.block_path)
         check_blocks_own_their_params(model, blocks)
         # load_from: values come from safetensors shards, one tensor at a time, so a model
-        # built on the meta device is never in host memory twice (safetensors_source.py).
+        # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
         source = open_source(model, options.load_from)
         materialize_meta_buffers(model, source)
         self.block_path = path
@@ -166,7 +166,7 @@ class MegatrainEngine(nn.Module):
             self._share_initial_weights(dp)
 
         # What this rank updates: every state whole, or with data parallel its window of
-        # each (data_parallel.py: [Note: data-parallel step]).
+        # each (distributed/data_parallel.py: [Note: data-parallel step]).
         self.windows = [dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel)
                         for state in self.states]
         self.optimizer_states = self.states if dp is None else [
@@ -376,8 +376,8 @@ class MegatrainEngine(nn.Module):
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
-        directory (fp32 masters); crash-safe and checksummed. See :mod:`checkpointing`."""
-        return checkpointing.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+        directory (fp32 masters); crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`."""
+        return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                              exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -385,8 +385,8 @@ class MegatrainEngine(nn.Module):
                         load_module_only: bool = False, custom_load_fn: Any = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
-        ``(None, None)`` without a ``latest`` file. See :mod:`checkpointing`."""
-        return checkpointing.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+        ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.save_load`."""
+        return save_load.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only, custom_load_fn)
 
 

@@ -145,7 +145,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.one_rank_per_node:
-        import megatrain_ds.data_parallel as data_parallel
+        import megatrain_ds.distributed.data_parallel as data_parallel
 
         data_parallel.node_name = lambda: f"node-{rank}"
     {"parity": run_parity, "order": run_order, "die": run_die}[args.mode](args, rank, world_size)

@@ -7,7 +7,7 @@ from torch import nn
 
 import tiny_models
 from megatrain_ds import ConfigError, initialize
-from megatrain_ds.block_discovery import BlockDiscoveryError
+from megatrain_ds.model.block_discovery import BlockDiscoveryError
 from side_by_side import ds_config
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.block_discovery import BlockDiscoveryError, find_blocks
+from megatrain_ds.model.block_discovery import BlockDiscoveryError, find_blocks
 from side_by_side import ds_config
 
 EXPECTED_PATHS = {"llama": "model.layers", "qwen2": "model.layers", "mistral": "model.layers",

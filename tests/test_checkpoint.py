@@ -21,8 +21,9 @@ import transformers
 
 import checkpoint_worker
 import tiny_models
-from megatrain_ds import MegatrainEngine, checkpointing, parse_engine_config
-from megatrain_ds.checkpoint_files import LATEST_FILE, MANIFEST_FILE
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.checkpoint import save_load as checkpointing
+from megatrain_ds.checkpoint.directories import LATEST_FILE, MANIFEST_FILE
 from side_by_side import ds_config
 
 TESTS = Path(__file__).parent
@@ -262,7 +263,7 @@ def _crash_at(monkeypatch, event: int) -> list[str]:
 
         monkeypatch.setattr(owner, name, hooked)
 
-    from megatrain_ds import checkpoint_files
+    from megatrain_ds.checkpoint import directories as checkpoint_files
 
     for name in ("write_safetensors", "write_bytes_durably", "write_manifest", "publish_dir", "write_latest"):
         wrap(checkpointing, name)

@@ -1,4 +1,4 @@
-"""The fused DeepSpeed pass (``cpu_adam.py``, [Note: one pass over DeepSpeed's kernel]).
+"""The fused DeepSpeed pass (``optimizer/cpu_adam.py``, [Note: one pass over DeepSpeed's kernel]).
 
 One call widens and scales the gradient, runs DeepSpeed's kernel and rounds the shadow,
 block by block on every thread. Each is checked bit for bit against the unfused
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_ds import cpu_adam
-from megatrain_ds.cpu_adam import AdamHyper, DeepSpeedKernel
+from megatrain_ds.optimizer import cpu_adam
+from megatrain_ds.optimizer.adamw_math import AdamHyper
+from megatrain_ds.optimizer.cpu_adam import DeepSpeedKernel
 
 BLOCK = 256  # small blocks: many per call, so every thread takes several in any order
 N = 7 * BLOCK + 77

@@ -20,8 +20,8 @@ import torch
 import tiny_models
 from megatrain_ds import parse_engine_config
 from megatrain_ds.config import ConfigError
-from megatrain_ds.data_parallel import DataParallel
-from megatrain_ds.flat_layout import ALIGN_ELEMENTS, build_flat_layout
+from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
 from data_parallel_worker import CLIPPING, LR, MICRO, WEIGHT_DECAY, global_batch
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"

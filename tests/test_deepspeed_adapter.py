@@ -40,7 +40,7 @@ def test_no_deepspeed_engine_code_runs_on_state_it_never_built():
     stub that names itself: DeepSpeedEngine.__init__ never ran, so its own code cannot."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from megatrain_ds.deepspeed_adapter import MegatrainDeepSpeedEngine
+    from megatrain_ds.integration.deepspeed_adapter import MegatrainDeepSpeedEngine
 
     kept = {"__getattr__", "__del__", "__module__", "__doc__"}  # DeepSpeed behaviour that needs no state
     for name, value in vars(DeepSpeedEngine).items():

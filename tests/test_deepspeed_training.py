@@ -156,7 +156,7 @@ def test_deepspeeds_adam_as_client_follows_its_adam_w_mode():
     """Accelerate swaps a client AdamW for DeepSpeedCPUAdam when the config offloads the
     optimizer; the engine takes its groups and its adam_w_mode (a stand-in class with the
     same name and module: the real one compiles a C++ op when constructed)."""
-    from megatrain_ds.optimizer_facade import build_optimizer
+    from megatrain_ds.optimizer.facade import build_optimizer
 
     stand_in = type("DeepSpeedCPUAdam", (torch.optim.Optimizer,), {"__module__": "deepspeed.ops.adam.cpu_adam"})
     model = tiny_models.llama(num_layers=2)

@@ -14,7 +14,7 @@ import transformers
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.block_template import BlockTemplate
+from megatrain_ds.model.block_template import BlockTemplate
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -1,4 +1,4 @@
-"""How the CPU path holds transient host memory (``host_heap.py``), measured through glibc's
+"""How the CPU path holds transient host memory (``runtime/host_heap.py``), measured through glibc's
 own counters and the process's resident set size."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatrain_ds.host_heap import MMAP_THRESHOLD_BYTES, keep_large_transients_mapped, return_free_memory
+from megatrain_ds.runtime.host_heap import MMAP_THRESHOLD_BYTES, keep_large_transients_mapped, return_free_memory
 
 MIB = 1 << 20
 

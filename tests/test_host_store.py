@@ -8,7 +8,7 @@ import transformers
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.device_runtime import PAGE_BYTES
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from side_by_side import ds_config
 
 

@@ -14,7 +14,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import tiny_models
-from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config, safetensors_source
+from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
+from megatrain_ds.checkpoint import safetensors_source
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
 

@@ -19,7 +19,7 @@ import torch
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import NonFiniteGradientError
-from megatrain_ds.speculative_step import StepOutcome
+from megatrain_ds.optimizer.speculative_step import StepOutcome
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")

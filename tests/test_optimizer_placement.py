@@ -22,11 +22,12 @@ import pytest
 import torch
 
 import tiny_models
-from megatrain_ds import cpu_adam
-from megatrain_ds.cpu_adam import AdamHyper, TorchFusedKernel, TorchKernel, make_cpu_kernel
-from megatrain_ds.device_runtime import DeviceRuntime
-from megatrain_ds.host_adamw import adamw_update_
-from megatrain_ds.optimizer_placement import Calibration, calibrate, device_share, split
+from megatrain_ds.optimizer import cpu_adam
+from megatrain_ds.optimizer.adamw_math import AdamHyper
+from megatrain_ds.optimizer.cpu_adam import TorchFusedKernel, TorchKernel, make_cpu_kernel
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.optimizer.adamw_math import adamw_update_
+from megatrain_ds.optimizer.placement import Calibration, calibrate, device_share, split
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
@@ -128,7 +129,7 @@ def test_unavailable_kernel_falls_back_with_a_logged_reason(monkeypatch, caplog)
             raise RuntimeError("Error building extension 'cpu_adam'")
 
     monkeypatch.setitem(cpu_adam.CPU_KERNELS, "deepspeed", Broken)
-    with caplog.at_level(logging.WARNING, logger="megatrain_ds.cpu_adam"):
+    with caplog.at_level(logging.WARNING, logger="megatrain_ds.optimizer.cpu_adam"):
         kernel = make_cpu_kernel("auto")
     assert kernel.name == "torch_fused"
     assert "Error building extension 'cpu_adam'" in caplog.text and "'deepspeed' unavailable" in caplog.text
@@ -156,7 +157,7 @@ def test_auto_split_balances_measured_throughputs():
 
 
 def test_calibration_is_measured_once_per_machine(tmp_path, monkeypatch):
-    from megatrain_ds import optimizer_placement
+    from megatrain_ds.optimizer import placement as optimizer_placement
 
     calls = []
 
@@ -174,7 +175,7 @@ def test_calibration_is_measured_once_per_machine(tmp_path, monkeypatch):
 
 def test_measured_calibration_on_the_cpu():
     """The real measurement (no device here): plausible, positive CPU numbers."""
-    from megatrain_ds.optimizer_placement import measure
+    from megatrain_ds.optimizer.placement import measure
 
     calibration = measure(DeviceRuntime.create(torch.device("cpu")), TorchFusedKernel(), n=1 << 20)
     assert calibration.cpu_adam > 1e7 and calibration.host_copy > 1e7 and calibration.h2d is None

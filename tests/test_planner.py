@@ -12,7 +12,7 @@ import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds import cli
 from megatrain_ds.cli import parse_size, shape_of
-from megatrain_ds.planner import (GPU_HARDWARE, LOSS_PASSES, Hardware, RunSettings, _fits, _with, gpu_bytes, host_bytes,
+from megatrain_ds.planning.planner import (GPU_HARDWARE, LOSS_PASSES, Hardware, RunSettings, _fits, _with, gpu_bytes, host_bytes,
                                   min_tokens_to_hide_transfer, plan, step_seconds)
 from side_by_side import ds_config
 

@@ -10,10 +10,11 @@ import torch
 import transformers
 
 import megatrain_ds.engine
-from megatrain_ds import MegatrainEngine, parse_engine_config, preflight
-from megatrain_ds.device_runtime import PAGE_BYTES
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.planning import preflight
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
-from megatrain_ds.optimizer_facade import build_optimizer
+from megatrain_ds.optimizer.facade import build_optimizer
 from side_by_side import ds_config
 
 GIB = 1 << 30

@@ -14,7 +14,7 @@ from torch import nn
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.row_chunked_grads import redirect_row_chunked
+from megatrain_ds.gradients.row_chunked import redirect_row_chunked
 
 OFFSET = 5  # the weight's place in the flat state: pushes must be shifted by it
 

@@ -16,8 +16,8 @@ import torch
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.speculative_step import StepOutcome, _unstepped, speculative_block_indices
-from megatrain_ds.streamed_blocks import StreamedBlocks
+from megatrain_ds.optimizer.speculative_step import StepOutcome, _unstepped, speculative_block_indices
+from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
 from side_by_side import ds_config
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")

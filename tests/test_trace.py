@@ -20,12 +20,12 @@ import torch
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds import trace as trace_module
-from megatrain_ds import transfer_hiding
+from megatrain_ds.runtime import trace as trace_module
+from megatrain_ds.planning import transfer_hiding
 from megatrain_ds.config import ConfigError
-from megatrain_ds.device_runtime import ClockAnchor, CudaClockEvent, DeviceRuntime
-from megatrain_ds.planner import Hardware
-from megatrain_ds.trace import NULL_TRACER, WARMUP_STEPS, Tracer
+from megatrain_ds.runtime.device_runtime import ClockAnchor, CudaClockEvent, DeviceRuntime
+from megatrain_ds.planning.planner import Hardware
+from megatrain_ds.runtime.trace import NULL_TRACER, WARMUP_STEPS, Tracer
 from side_by_side import ds_config
 
 NUM_BLOCKS = 4

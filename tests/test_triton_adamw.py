@@ -176,7 +176,7 @@ def test_beta1_zero_keeps_the_gradient():
 
 def test_reference_is_the_host_adamw():
     """Same torch ops as the engine's host optimizer: bitwise equal."""
-    from megatrain_ds.host_adamw import adamw_update_
+    from megatrain_ds.optimizer.adamw_math import adamw_update_
 
     for decoupled in (True, False):
         ours = _state(1025, seed=5)

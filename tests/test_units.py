@@ -5,12 +5,12 @@ import threading
 import pytest
 import torch
 
-from megatrain_ds.device_runtime import DeviceRuntime
-from megatrain_ds.flat_layout import ALIGN_ELEMENTS, FROZEN_GROUP, build_flat_layout, intersect_runs
-from megatrain_ds.gradient_sink import GradientSink
-from megatrain_ds.host_adamw import adamw_update_
-from megatrain_ds.host_store import HostFlatState
-from megatrain_ds.weight_streamer import WeightStreamer
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, FROZEN_GROUP, build_flat_layout, intersect_runs
+from megatrain_ds.gradients.sink import GradientSink
+from megatrain_ds.optimizer.adamw_math import adamw_update_
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 CPU = DeviceRuntime.create(torch.device("cpu"))
 

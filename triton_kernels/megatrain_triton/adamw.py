@@ -9,7 +9,7 @@ Per element, all in fp32 (``g`` is the gradient after the clipping scale)::
     p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     shadow = bf16(p)                                 (optional, round to nearest even)
 
-These are the semantics of the engine's host AdamW (``megatrain_ds.host_adamw``), which
+These are the semantics of the engine's host AdamW (``megatrain_ds.optimizer.host_adamw``), which
 mirrors ``torch.optim.AdamW``'s single-tensor path; ``adamw_reference.py`` is the pure-torch
 reference. Each element is read once (p, g, m, v) and written once (p, m, v, shadow), so
 the kernel is bound by memory bandwidth: 16 B read (14 with a bf16 gradient) + 12 B

@@ -10,7 +10,7 @@ Per element, all in fp32 (``g`` is the gradient after the clipping scale)::
     shadow = bf16(p)                                 (optional, round to nearest even)
 
 It issues the same torch ops, in the same order, as the engine's host optimizer
-(``megatrain_ds.host_adamw.adamw_update_``), which mirrors the single-tensor path of
+(``megatrain_ds.optimizer.adamw_math.adamw_update_``), which mirrors the single-tensor path of
 ``torch.optim.AdamW``; the tests check the three agree. It is written out here rather
 than imported so that the kernel package does not depend on the engine.
 """

@@ -1,0 +1,506 @@
+"""``save_checkpoint``/``load_checkpoint`` of the engine, with DeepSpeed's API.
+
+A checkpoint is a directory ``<save_dir>/<tag>`` (``tag`` defaults to
+``global_step<N>``, as in DeepSpeed) that is also a Hugging Face model directory::
+
+    model-0000k-of-0000n.safetensors       master weights (fp32) under Hugging Face names
+    model.safetensors.index.json           so AutoModelForCausalLM.from_pretrained(<tag dir>) loads it
+    config.json, generation_config.json    the model's own, when it has them
+    optimizer-0000k-of-0000n.safetensors   Adam m and v per trained parameter (and the gradient
+                                           accumulators, when saved inside an accumulation window)
+    trainer_state.pt                       step counters, optimizer hyperparameters, lr scheduler,
+                                           RNG states (Python, NumPy, CPU, every CUDA device), client_state
+    megatrain_checkpoint.json              manifest: size and CRC-32 of every file, written last
+
+and ``<save_dir>/latest`` names the newest complete tag. See ``directories.py`` for
+[Note: crash safety].
+
+Memory: the engine's host state is one flat buffer per block (and one for the resident
+parameters); a save writes views of those buffers to the files and a load reads the
+files straight into them (``tensor_files.py``), so neither holds a second copy of any
+tensor: the extra host memory is one 16 MiB scratch buffer, used only for dtype
+conversion and for checksumming bytes that are not loaded.
+
+Loading checks everything it can before it touches the engine: the manifest, every
+file's size, every header, every tensor's name and shape against this model (the first
+mismatch is named with both shapes) and the trainer state's checksum. Each shard's
+CRC-32 is verified as it is read into the engine's buffers; a mismatch then raises with
+the file named, leaving the engine partly loaded (load another checkpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import torch
+
+from megatrain_ds.checkpoint.directories import (
+    FORMAT_NAME, FORMAT_VERSION, check_tag, checked_digest, make_temp_dir,
+    publish_dir, read_latest, read_manifest, report_leftovers, resolve_tag_dir, write_bytes_durably,
+    write_latest, write_manifest,
+)
+from megatrain_ds.checkpoint.tensor_files import (
+    CheckpointError, FileDigest, SafetensorsFile, file_digest, write_safetensors,
+)
+from megatrain_ds.config import EngineConfig
+from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.gradients.sink import GradientPort
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.state.flat_layout import FROZEN_GROUP, ParamSlot
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.streaming.resident_params import ResidentParams
+from megatrain_ds.streaming.weight_streamer import WeightStreamer
+
+logger = logging.getLogger(__name__)
+
+MAX_SHARD_BYTES = 2 << 30
+"""Blocks are grouped into weight shards of at most this size (a block is never split)."""
+MODEL_INDEX = "model.safetensors.index.json"
+TRAINER_STATE = "trainer_state.pt"
+
+# Engine counters restored unless load_module_only; optimizer_steps is the Adam step
+# count (bias correction), so it belongs to the optimizer state.
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+_OPTIMIZER_COUNTERS = ("optimizer_steps",)
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointedEngine(Protocol):
+    """What saving and loading read and restore of the engine (``MegatrainEngine``; this
+    module sits below it). Counters not listed here (``global_samples``, ``skipped_steps``,
+    ``optimizer_steps``) are saved when the engine has them."""
+
+    module: torch.nn.Module
+    config: EngineConfig
+    optimizer: Any
+    """The optimizer facade: its ``param_groups`` are saved and restored."""
+    lr_scheduler: Any
+    data_parallel: DataParallel | None
+    runtime: DeviceRuntime
+    sink: GradientPort
+    streamer: WeightStreamer
+    resident: ResidentParams
+    states: list[HostFlatState]
+    """One flat state per block, in block order, then the resident parameters' state."""
+    block_path: str
+    global_steps: int
+    micro_steps: int
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One distinct parameter: its Hugging Face name and its place in a flat host state."""
+
+    name: str
+    state: HostFlatState
+    slot: ParamSlot
+
+    @property
+    def trained(self) -> bool:
+        return self.slot.group != FROZEN_GROUP
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
+
+
+def _entries_by_state(engine: CheckpointedEngine) -> list[list[_Entry]]:
+    """Entries of the resident state, then of each block, in flat-buffer order."""
+    num_blocks = len(engine.states) - 1  # the resident state comes last
+    groups = [[_Entry(slot.name, engine.resident.state, slot) for slot in engine.resident.state.layout.slots]]
+    for index, state in enumerate(engine.states[:num_blocks]):
+        prefix = f"{engine.block_path}.{index}."
+        groups.append([_Entry(prefix + slot.name, state, slot) for slot in state.layout.slots])
+    return groups
+
+
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong in a state dict (Hugging Face saves them; rotary tables are not)."""
+    found, seen = [], set()
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            found.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return found
+
+
+def _shards(groups: list[list[_Entry]], max_bytes: int) -> list[list[int]]:
+    shards: list[list[int]] = []
+    size = 0
+    for index, entries in enumerate(groups):
+        nbytes = sum(e.slot.numel for e in entries) * (entries[0].state.master.element_size() if entries else 0)
+        if not shards or size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(index)
+        size += nbytes
+    return shards
+
+
+def _quiesce(engine: CheckpointedEngine) -> None:
+    """No update may be in flight while the host state is read or overwritten (by any
+    rank: with data parallel the state is node-shared)."""
+    engine.sink.drain()
+    engine.runtime.synchronize()
+    if engine.data_parallel is not None:
+        engine.data_parallel.world_barrier("the checkpoint barrier")
+
+
+# -- save ---------------------------------------------------------------------------------
+
+def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None,
+                    client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> bool:
+    """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring.
+
+    With data parallel every rank calls this (as with DeepSpeed); rank 0 writes the whole
+    checkpoint from its node's shared copy, which holds every rank's state, and the
+    others return when it is written (``save_dir`` must be visible to every rank that
+    loads it later).
+    """
+    _quiesce(engine)
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    def save() -> None:
+        _save_tag(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, max_shard_bytes)
+
+    if engine.data_parallel is not None:
+        engine.data_parallel.on_rank0(f"saving checkpoint {tag!r}", save)
+    else:
+        save()
+    return True
+
+
+def _save_tag(engine: CheckpointedEngine, root: Path, tag: str, client_state: Mapping[str, Any] | None,
+              save_latest: bool, exclude_frozen_parameters: bool, max_shard_bytes: int) -> None:
+    temp = make_temp_dir(root, tag)
+    try:
+        files = _write_tag_dir(engine, temp, client_state or {}, exclude_frozen_parameters, max_shard_bytes)
+        write_manifest(temp, {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "tag": tag,
+            "exclude_frozen_parameters": exclude_frozen_parameters,
+            "global_steps": engine.global_steps,
+            "files": {name: {"bytes": d.nbytes, "crc32": d.crc32,
+                             **({"header_crc32": d.header_crc32} if d.header_crc32 is not None else {})}
+                      for name, d in sorted(files.items())},
+        })
+        publish_dir(temp, root / tag)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)  # a failed save leaves the directory as it was
+        raise
+    if save_latest:
+        write_latest(root, tag)
+    logger.info("megatrain: saved checkpoint %s (%d files)", root / tag, len(files) + 1)
+
+
+def _write_tag_dir(engine: CheckpointedEngine, temp: Path, client_state: Mapping[str, Any],
+                   exclude_frozen: bool, max_shard_bytes: int) -> dict[str, FileDigest]:
+    files: dict[str, FileDigest] = {}
+    groups = _entries_by_state(engine)
+    shards = _shards(groups, max_shard_bytes)
+    count = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for number, members in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{count:05d}.safetensors"
+        tensors = [(e.name, e.view(e.state.master)) for i in members for e in groups[i]
+                   if e.trained or not exclude_frozen]
+        if number == 1:
+            tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
+        files[name] = write_safetensors(temp / name, tensors, {"format": "pt"})
+        weight_map.update((tensor_name, name) for tensor_name, _ in tensors)
+        total += sum(t.numel() * t.element_size() for _, t in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    files[MODEL_INDEX] = write_bytes_durably(temp / MODEL_INDEX, json.dumps(index, indent=2).encode())
+    files.update(_write_model_config(engine, temp))
+
+    mid_window = _inside_accumulation_window(engine)
+    for number, members in enumerate(shards, start=1):
+        tensors = []
+        for e in (e for i in members for e in groups[i] if e.trained):
+            tensors += [(f"{e.name}.{kind}", e.view(getattr(e.state, kind))) for kind in _MOMENTS]
+            if mid_window and e.state.grad is not None:
+                tensors.append((f"{e.name}.grad", e.view(e.state.grad)))
+        name = f"optimizer-{number:05d}-of-{count:05d}.safetensors"
+        files[name] = write_safetensors(temp / name, tensors, {"format": "megatrain-optimizer"})
+
+    buffer = io.BytesIO()
+    torch.save(_trainer_state(engine, client_state, mid_window), buffer)
+    files[TRAINER_STATE] = write_bytes_durably(temp / TRAINER_STATE, buffer.getvalue())
+    return files
+
+
+def _write_model_config(engine: CheckpointedEngine, temp: Path) -> dict[str, FileDigest]:
+    """config.json (dtype set to the master dtype) and generation_config.json, when present."""
+    config = getattr(engine.module, "config", None)
+    written = []
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        config.dtype = engine.config.master_dtype  # what from_pretrained should load as
+        config.save_pretrained(temp)
+        written.append("config.json")
+    generation = getattr(engine.module, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(temp)
+        written.append("generation_config.json")
+    digests = {}
+    for name in written:
+        with open(temp / name, "rb+") as handle:
+            os.fsync(handle.fileno())
+        digests[name] = file_digest(temp / name)
+    return digests
+
+
+def _inside_accumulation_window(engine: CheckpointedEngine) -> bool:
+    return engine.micro_steps % engine.gradient_accumulation_steps() != 0
+
+
+def _trainer_state(engine: CheckpointedEngine, client_state: Mapping[str, Any], mid_window: bool) -> dict[str, Any]:
+    scheduler = engine.lr_scheduler
+    return {
+        "counters": {name: getattr(engine, name) for name in _ENGINE_COUNTERS + _OPTIMIZER_COUNTERS
+                     if hasattr(engine, name)},
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
+        "rng": _capture_rng(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "mid_window_gradients": mid_window,
+        "client_state": dict(client_state),
+    }
+
+
+def _capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["cpu"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        devices = torch.cuda.device_count()
+        if len(state["cuda"]) != devices:
+            logger.warning("megatrain: the checkpoint has RNG states of %d CUDA devices, this process "
+                           "sees %d; restoring the first %d", len(state["cuda"]), devices,
+                           min(devices, len(state["cuda"])))
+        for index, device_state in enumerate(state["cuda"][:devices]):
+            torch.cuda.set_rng_state(device_state, index)
+
+
+# -- load ---------------------------------------------------------------------------------
+
+def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
+                    load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+    """Load ``<load_dir>/<tag>`` (``tag=None``: the one ``latest`` names) into ``engine``.
+
+    Returns ``(tag directory, client_state)``, or ``(None, None)`` when ``load_dir`` has
+    no ``latest`` file (DeepSpeed's behaviour).
+    """
+    if custom_load_fn is not None:
+        raise ValueError("custom_load_fn is not supported by the megatrain engine")
+    root = Path(load_dir)
+    report_leftovers(root)
+    if tag is None:
+        tag = read_latest(root)
+        if tag is None:
+            logger.warning("megatrain: no 'latest' file in %s, so no checkpoint was loaded; "
+                           "pass tag= to load a specific one", root)
+            return None, None
+    path = resolve_tag_dir(root, check_tag(tag))
+    manifest = read_manifest(path)
+    with_optimizer = load_optimizer_states and not load_module_only
+
+    # Everything that can be checked is checked before the engine is touched.
+    trainer_state = _read_trainer_state(path, manifest)
+    groups = _entries_by_state(engine)
+    entries = [e for group in groups for e in group]
+    model_files = _open_shards(path, manifest, "model-")
+    required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
+    model_targets = _match_weights(engine, path, model_files, entries, required, load_module_strict)
+    optimizer_targets: dict[str, dict[str, torch.Tensor]] = {}
+    if with_optimizer:
+        _check_optimizer_groups(engine, trainer_state)
+        optimizer_files = _open_shards(path, manifest, "optimizer-")
+        optimizer_targets = _match_optimizer(engine, path, optimizer_files, entries, trainer_state, load_module_strict)
+
+    _quiesce(engine)
+    engine.streamer.begin([])  # no prefetched copy of the old weights may survive
+    dp = engine.data_parallel
+    if dp is None or dp.is_node_writer:  # node-shared state: one reader per node
+        for file in model_files.values():
+            file.read_into(model_targets.get(file.path, {}), checked_digest(path, manifest, Path(file.path).name))
+        for state in engine.states:
+            state.refresh_shadow()
+        if with_optimizer:
+            for state in engine.states:
+                if state.grad is not None:
+                    state.grad.zero_()  # overwritten below when saved inside an accumulation window
+            for file in optimizer_files.values():
+                file.read_into(optimizer_targets.get(file.path, {}),
+                               checked_digest(path, manifest, Path(file.path).name))
+    if dp is not None:
+        dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
+    engine.resident.refresh_device()
+    _apply_trainer_state(engine, trainer_state, with_optimizer, load_lr_scheduler_states, load_module_only)
+    logger.info("megatrain: loaded checkpoint %s", path)
+    return str(path), trainer_state["client_state"]
+
+
+def _read_trainer_state(path: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    digest = checked_digest(path, manifest, TRAINER_STATE)
+    data = (path / TRAINER_STATE).read_bytes()
+    if zlib.crc32(data) != digest.crc32:
+        raise CheckpointError(f"{path / TRAINER_STATE}: checksum mismatch: the file is corrupted")
+    # The user's own checkpoint (as trusted as DeepSpeed's, which also unpickles):
+    # client_state and scheduler states may hold arbitrary objects.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:
+    names = sorted(n for n in manifest["files"] if n.startswith(prefix) and n.endswith(".safetensors"))
+    if not names:
+        raise CheckpointError(f"{path}: the manifest lists no {prefix}*.safetensors files")
+    files = {}
+    for name in names:
+        digest = checked_digest(path, manifest, name)  # exists, and has the recorded size
+        file = SafetensorsFile(path / name, digest.header_crc32)
+        files[file.path] = file
+    return files
+
+
+def _check_shape(name: str, file: SafetensorsFile, record: Any, entry: _Entry, path: Path) -> None:
+    if _shape(record.shape) != _shape(entry.slot.shape):
+        raise CheckpointError(
+            f"tensor {name!r}: the checkpoint ({Path(file.path).name}) has shape {_shape(record.shape)}, "
+            f"this model has {_shape(entry.slot.shape)}: {path} is a checkpoint of a different model")
+
+
+def _shape(shape: Any) -> list[int]:
+    return [int(d) for d in shape]
+
+
+def _index_records(files: Mapping[str, SafetensorsFile]) -> dict[str, tuple[SafetensorsFile, Any]]:
+    return {name: (file, record) for file in files.values() for name, record in file.records.items()}
+
+
+def _match_weights(engine: CheckpointedEngine, path: Path, files: Mapping[str, SafetensorsFile],
+                   entries: list[_Entry], required: list[_Entry], strict: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """``file path -> {tensor name -> destination view}``; raises on the first mismatch, in
+    the model's parameter order."""
+    found = _index_records(files)
+    aliases: dict[int, list[str]] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    by_name = {e.name: e for e in entries}
+    required_names = {e.name for e in required}
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    used: set[str] = set()
+    for name, param in engine.module.named_parameters():
+        entry = by_name[name]
+        hit = next((alias for alias in aliases[id(param)] if alias in found), None)
+        if hit is None:
+            if strict and name in required_names:
+                raise CheckpointError(
+                    f"{path}: the checkpoint has no tensor {name!r} (this model's has shape "
+                    f"{_shape(entry.slot.shape)}): is it a checkpoint of a different model? "
+                    "load_module_strict=False keeps this model's own value")
+            continue
+        file, record = found[hit]
+        _check_shape(hit, file, record, entry, path)
+        if record.dtype != entry.state.master.dtype:
+            logger.warning("megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
+                           hit, record.dtype, entry.state.master.dtype)
+        targets.setdefault(file.path, {})[hit] = entry.view(entry.state.master)
+        used.update(aliases[id(param)])
+    if strict:
+        known = used | {name for name, _ in engine.module.named_buffers(remove_duplicate=False)}
+        extra = next((name for name in found if name not in known), None)
+        if extra is not None:
+            raise CheckpointError(
+                f"tensor {extra!r} of {Path(found[extra][0].path).name} does not exist in this model: "
+                f"{path} is a checkpoint of a different model (load_module_strict=False ignores it)")
+    return targets
+
+
+def _check_optimizer_groups(engine: CheckpointedEngine, trainer_state: Mapping[str, Any]) -> None:
+    saved, current = len(trainer_state["param_groups"]), len(engine.optimizer.param_groups)
+    if saved != current:
+        raise CheckpointError(f"the checkpoint has {saved} optimizer parameter groups, this engine has "
+                              f"{current}; pass load_optimizer_states=False to load the weights only")
+    if trainer_state["mid_window_gradients"]:
+        saved_steps = trainer_state["gradient_accumulation_steps"]
+        if saved_steps != engine.gradient_accumulation_steps():
+            raise CheckpointError(
+                f"the checkpoint was saved inside an accumulation window of {saved_steps} micro-batches "
+                f"(micro step {trainer_state['counters'].get('micro_steps')}); this engine accumulates "
+                f"{engine.gradient_accumulation_steps()}: resume with gradient_accumulation_steps={saved_steps}")
+
+
+def _match_optimizer(engine: CheckpointedEngine, path: Path, files: Mapping[str, SafetensorsFile],
+                     entries: list[_Entry], trainer_state: Mapping[str, Any],
+                     strict: bool) -> dict[str, dict[str, torch.Tensor]]:
+    found = _index_records(files)
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    kinds = list(_MOMENTS) + (["grad"] if trainer_state["mid_window_gradients"] else [])
+    for entry in (e for e in entries if e.trained):
+        for kind in kinds:
+            name = f"{entry.name}.{kind}"
+            flat = getattr(entry.state, kind)
+            if flat is None:
+                raise CheckpointError(
+                    f"{path} was saved inside a gradient accumulation window and holds accumulated "
+                    "gradients, but this engine keeps none (its gradient_clipping and "
+                    "gradient_accumulation_steps differ from the saved run's)")
+            if name not in found:
+                if strict:
+                    raise CheckpointError(f"{path}: the checkpoint has no optimizer state {name!r} "
+                                          "(was this parameter frozen when it was saved?)")
+                continue
+            file, record = found[name]
+            _check_shape(name, file, record, entry, path)
+            targets.setdefault(file.path, {})[name] = entry.view(flat)
+    return targets
+
+
+def _apply_trainer_state(engine: CheckpointedEngine, state: Mapping[str, Any], with_optimizer: bool,
+                         with_scheduler: bool, module_only: bool) -> None:
+    if module_only:
+        return
+    counters = state["counters"]
+    for name in _ENGINE_COUNTERS + (_OPTIMIZER_COUNTERS if with_optimizer else ()):
+        if name in counters and hasattr(engine, name):
+            setattr(engine, name, counters[name])
+    if with_optimizer:
+        for group, saved in zip(engine.optimizer.param_groups, state["param_groups"]):
+            group.update(saved)
+    scheduler = engine.lr_scheduler
+    if with_scheduler and scheduler is not None and state["lr_scheduler"] is not None:
+        scheduler.load_state_dict(state["lr_scheduler"])
+    _restore_rng(state["rng"])

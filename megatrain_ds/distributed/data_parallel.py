@@ -1,0 +1,196 @@
+"""Data parallelism on torch.distributed: who shares memory with whom, and the collectives.
+
+One process per device (``torchrun``, ``accelerate launch``, the ``deepspeed``
+launcher). Every rank streams all blocks to its own device and computes the gradients
+of its own micro-batch; what is shared is decided here.
+
+[Note: data-parallel step]
+- Host state: the ranks of a node map one copy of every flat state
+  (``runtime/node_shared_memory.py``). Rank ``j`` of the node's ``n`` ranks *owns* the window
+  ``[j*N/n, (j+1)*N/n)`` of each state (64-element aligned): it alone accumulates, clips
+  and steps those elements, so host memory and optimizer work are split, never repeated
+  within a node. Each node holds a full copy and steps it redundantly with bit-identical
+  inputs, so nodes never exchange weights after the start.
+- Gradients: as soon as a block's backward is done its gradient is averaged over all
+  ranks by one all-reduce on its own stream and thread (``distributed/gradient_reducer.py``), while
+  backward goes on with the blocks before it; each rank then copies only its window to
+  the host. With gradient accumulation every micro-batch is reduced (sum over ranks and
+  micro-batches commutes), so no rank ever needs a private full-size gradient buffer.
+- Norm: each rank sums the squares of its windows; the sum over the node's ranks is the
+  global norm (every node has all windows), identical on every rank.
+- Step: a node barrier after the update; nothing reads the weights for the next step
+  before every window is written.
+- Failure: every collective runs on groups created with the engine's timeout
+  (``megatrain.collective_timeout_s``); a dead peer breaks gloo/NCCL connections at once
+  and a hung one times out, and either surfaces as :class:`PeerFailureError`.
+
+Why shared memory rather than sharded optimizer state: with shards each rank would
+still need its own full copy of the streamed weights (4 B/param in fp32, 2 in bf16),
+so a node of ``n`` ranks would need ``16 + (n - 1) * 4`` B/param instead of 16.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
+from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+
+T = TypeVar("T")
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed or timed out: another rank died or hung."""
+
+
+def node_name() -> str:
+    """The key that groups ranks into nodes (ranks on one host share host memory)."""
+    return socket.gethostname()
+
+
+def _process_group_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class DataParallel:
+    """This rank's place among the data-parallel ranks, and the engine's process groups.
+
+    Attributes:
+        rank, world_size: global rank and number of ranks.
+        node_index, node_size: this rank's index among its node's ranks, and their number.
+        comm_group: the gradient all-reduce group (NCCL on CUDA, gloo on the CPU).
+        control_group: gloo group of every rank, for host-side agreement (checkpoints).
+        node_group: gloo group of this node's ranks (shared memory, norm, barriers).
+        leaders_group: gloo group of each node's first rank; ``None`` on one node.
+        shared: the node-shared allocator of the host state.
+        timeout_s: how long any collective waits for a peer.
+    """
+
+    rank: int
+    world_size: int
+    node_index: int
+    node_size: int
+    comm_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
+    node_group: dist.ProcessGroup
+    leaders_group: dist.ProcessGroup | None
+    shared: NodeSharedMemory
+    timeout_s: float
+
+    @classmethod
+    def join(cls, use_cuda: bool, timeout_s: float) -> "DataParallel | None":
+        """The data-parallel context of this process, or ``None`` when it trains alone.
+
+        Uses the default process group if the launcher (Accelerate, DeepSpeed) made one,
+        else creates it from the ``torchrun`` environment (``WORLD_SIZE`` > 1). On CUDA,
+        selects the device ``LOCAL_RANK``.
+        """
+        if not dist.is_initialized():
+            if _process_group_env() <= 1:
+                return None
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        world_size = dist.get_world_size()
+        if world_size == 1:
+            return None
+        rank = dist.get_rank()
+        if use_cuda and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        names: list[str] = [""] * world_size
+        dist.all_gather_object(names, node_name())
+        nodes: dict[str, list[int]] = {}
+        for member, name in enumerate(names):
+            nodes.setdefault(name, []).append(member)
+        # new_group is collective over the whole world, in the same order everywhere.
+        comm_group = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
+        control_group = dist.new_group(backend="gloo", timeout=timeout)
+        node_group = None
+        for members in nodes.values():
+            group = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
+            if rank in members:
+                node_group = group
+        leaders = [members[0] for members in nodes.values()]
+        leaders_group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout) if len(leaders) > 1 else None
+        mine = nodes[names[rank]]
+        assert node_group is not None
+        return cls(rank=rank, world_size=world_size, node_index=mine.index(rank), node_size=len(mine),
+                   comm_group=comm_group, control_group=control_group, node_group=node_group,
+                   leaders_group=leaders_group if rank in leaders else None,
+                   shared=NodeSharedMemory(node_group, writer=mine[0], rank=rank), timeout_s=timeout_s)
+
+    @property
+    def is_node_writer(self) -> bool:
+        return self.shared.is_writer
+
+    def window(self, numel: int) -> tuple[int, int]:
+        """``[start, end)``: the elements of a ``numel``-element state this rank owns."""
+        def bound(index: int) -> int:
+            even = numel * index // self.node_size
+            return min(numel, -(-even // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)  # rounded up: aligned SIMD
+        return bound(self.node_index), bound(self.node_index + 1)
+
+    # -- collectives (each wrapped so a peer's failure reads as one) ---------------------
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` over every rank, in place (divided first: gloo has no AVG)."""
+        tensor.div_(self.world_size)
+        self._guard("the gradient all-reduce", lambda: dist.all_reduce(tensor, group=self.comm_group))
+
+    def node_sum(self, value: float) -> float:
+        """``value`` summed over this node's ranks (float64: the squared gradient norm)."""
+        total = torch.tensor([value], dtype=torch.float64)
+        self._guard("the gradient-norm all-reduce", lambda: dist.all_reduce(total, group=self.node_group))
+        return float(total.item())
+
+    def node_barrier(self, what: str) -> None:
+        """Wait for every rank of the node; names the ranks that do not arrive."""
+        self._guard(what, lambda: dist.monitored_barrier(
+            group=self.node_group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True))
+
+    def world_barrier(self, what: str) -> None:
+        """Wait for every rank; names the ranks that do not arrive."""
+        self._guard(what, lambda: dist.monitored_barrier(
+            group=self.control_group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True))
+
+    def on_rank0(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on global rank 0 only; every rank returns once it is done, and
+        raises if it failed there (so no rank goes on believing it succeeded)."""
+        outcome: list[object] = [None]
+        if self.rank == 0:
+            try:
+                action()
+            except BaseException as error:
+                outcome = [f"{type(error).__name__}: {error}"]
+                self._guard(what, lambda: dist.broadcast_object_list(outcome, src=0, group=self.control_group))
+                raise
+        self._guard(what, lambda: dist.broadcast_object_list(outcome, src=0, group=self.control_group))
+        if outcome[0] is not None:
+            raise RuntimeError(f"megatrain: rank 0 failed at {what}: {outcome[0]}")
+
+    def broadcast_from_first_node_(self, tensor: torch.Tensor) -> None:
+        """Give every node's copy the first node's values (node writers only)."""
+        if self.leaders_group is not None:
+            leader = dist.get_global_rank(self.leaders_group, 0)
+            self._guard("the initial weight broadcast",
+                        lambda: dist.broadcast(tensor, src=leader, group=self.leaders_group))
+
+    def _guard(self, what: str, collective: Callable[[], T]) -> T:
+        start = time.monotonic()
+        try:
+            return collective()
+        except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
+            raise PeerFailureError(
+                f"megatrain: rank {self.rank} of {self.world_size}: {what} failed after "
+                f"{time.monotonic() - start:.1f} s; another rank died or stopped responding "
+                f"(collectives wait at most {self.timeout_s:g} s, megatrain.collective_timeout_s). "
+                f"Look for the first error in the other ranks' logs. Cause: {error}") from error

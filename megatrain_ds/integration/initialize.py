@@ -1,0 +1,85 @@
+"""``initialize``: DeepSpeed's entry point, for configs with ``"engine": "megatrain"``.
+
+``deepspeed.initialize`` lands here through :mod:`megatrain_ds.integration.deepspeed_hook`, with the
+arguments DeepSpeed takes, as scripts, Accelerate (``model``, ``config_params``,
+``optimizer`` or ``model_parameters``, ``lr_scheduler``) and the HF Trainer (through
+Accelerate) pass them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from megatrain_ds.config import ConfigError, load_config_dict, parse_engine_config
+
+if TYPE_CHECKING:  # imported when called: `import megatrain_ds` does not import deepspeed
+    from megatrain_ds.integration.deepspeed_adapter import MegatrainDeepSpeedEngine
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
+    config_params: Mapping[str, Any] | None = None,
+    **unused: Any,
+) -> tuple["MegatrainDeepSpeedEngine", torch.optim.Optimizer, Any, Any]:
+    """Build the engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``
+    like ``deepspeed.initialize``.
+
+    The scheduler follows DeepSpeed's precedence: ``lr_scheduler`` (a scheduler, or a
+    callable taking the engine's optimizer) if given, else the config's ``"scheduler"``
+    block built on the engine's optimizer, else none. The engine steps it after every
+    optimizer step. With several ranks (``torchrun``, ``accelerate launch``) the engine trains data parallel
+    (``distributed/data_parallel.py``), on the launcher's process group or one made from its environment;
+    model parallelism (``mpu``, ``mesh_param``) is rejected.
+    """
+    del distributed_port, dist_init_required, unused
+    from megatrain_ds.integration.deepspeed_adapter import MegatrainDeepSpeedEngine, build_lr_scheduler
+
+    if model is None:
+        raise ConfigError("deepspeed.initialize needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError("model parallelism (mpu=, mesh_param=) is not supported by the megatrain engine")
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError("deepspeed.initialize needs config= (a dict or a JSON path)")
+    engine_config = parse_engine_config(load_config_dict(config))  # batch rules count every rank
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        # With a stage-3 config the HF Trainer and Accelerate build the model under
+        # deepspeed.zero.Init, which has already partitioned every parameter away.
+        raise ConfigError("the model's parameters were partitioned by deepspeed.zero.Init (a "
+                          'zero_optimization.stage 3 config): set "zero_optimization": {"stage": 0} '
+                          "for the megatrain engine, which keeps whole parameters in host memory")
+    engine = MegatrainDeepSpeedEngine(model, engine_config, model_parameters=model_parameters,
+                                      optimizer=optimizer)
+    try:
+        if lr_scheduler is not None:
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                lr_scheduler = lr_scheduler(engine.optimizer)
+        elif engine_config.scheduler is not None:
+            lr_scheduler = build_lr_scheduler(engine_config.scheduler, engine.optimizer)
+    except BaseException:
+        engine.destroy()  # the gradient worker and pinned memory of a half-built engine
+        raise
+    engine.lr_scheduler = lr_scheduler
+    dataloader = None
+    if training_data is not None:
+        dataloader = torch.utils.data.DataLoader(
+            training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+            shuffle=True, collate_fn=collate_fn,
+        )
+    return engine, engine.optimizer, dataloader, lr_scheduler

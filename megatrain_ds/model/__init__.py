@@ -1,0 +1,8 @@
+"""The user's model as the engine sees it: its repeated blocks, their templates, its batches.
+
+- ``block_discovery``: finds the repeated transformer blocks.
+- ``block_template``: one weightless module per distinct block structure, weights bound as views.
+- ``batch_checks``: clear errors for batches the model cannot take.
+
+May import: ``config``, ``runtime``, ``state``.
+"""

@@ -1,0 +1,105 @@
+"""Stateless block templates: one weightless module per distinct block structure.
+
+A template is a copy of a block whose parameters live on the ``meta`` device (no memory
+anywhere). To run block ``i`` the engine *binds* views of the streamed device buffer to
+the template with ``torch.func.functional_call``: no device-to-device copy, no
+per-block device module. Per-block scalar attributes that differ between blocks of one
+structure (``layer_idx``, a sliding-window flag) are set on the template before each call.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from megatrain_ds.model.block_discovery import BlockDiscoveryError
+from megatrain_ds.state.flat_layout import FlatLayout
+
+_SCALAR_TYPES = (bool, int, float, str, type(None))
+
+
+def structure_key(block: nn.Module) -> tuple:
+    """Blocks with equal keys can share a template: same module classes, shapes, dtypes."""
+    modules = tuple((name, type(module)) for name, module in block.named_modules())
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+    buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in block.named_buffers())
+    return modules, params, buffers
+
+
+def _scalar_attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
+    found = {}
+    for path, module in block.named_modules():
+        for attr, value in vars(module).items():
+            # ``training`` is set from the live block on every call (see ``run``).
+            if not attr.startswith("_") and attr != "training" and isinstance(value, _SCALAR_TYPES):
+                found[(path, attr)] = value
+    return found
+
+
+class BlockTemplate:
+    """A weightless copy of one block structure that runs any block of that structure.
+
+    Args:
+        block: the first block of this structure (its buffers are copied to ``device``).
+        device: where the template's buffers live and the block computes.
+    """
+
+    def __init__(self, block: nn.Module, device: torch.device) -> None:
+        # The memo makes deepcopy reuse a meta tensor for every parameter instead of
+        # copying its data: the template costs no memory for weights.
+        memo = {
+            id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in block.parameters()
+        }
+        self.module = copy.deepcopy(block, memo)
+        for sub in self.module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[name] = buffer.to(device)
+        self._reference_buffers = dict(block.named_buffers())
+        self._reference_scalars = _scalar_attributes(block)
+        self._varying: set[tuple[str, str]] = set()
+
+    def admit(self, block: nn.Module, index: int) -> None:
+        """Check that ``block`` can run on this template and note what differs."""
+        for name, buffer in block.named_buffers():
+            if not torch.equal(buffer, self._reference_buffers[name]):
+                raise BlockDiscoveryError(
+                    f"buffer {name} of block {index} differs from the other blocks of its "
+                    "structure; the engine shares buffers between blocks of one structure"
+                )
+        for key, value in _scalar_attributes(block).items():
+            if self._reference_scalars.get(key) != value:
+                self._varying.add(key)
+
+    def scalar_overrides(self, block: nn.Module) -> dict[tuple[str, str], Any]:
+        """The values ``block`` needs set on the template (all varying attributes)."""
+        own = _scalar_attributes(block)
+        return {key: own[key] for key in self._varying}
+
+    @staticmethod
+    def bind(flat_weights: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
+        """Views of ``flat_weights`` (1-D, ``layout.numel`` long), one per slot, in slot order."""
+        chunks = torch.split(flat_weights, layout.split_sizes)
+        return [chunks[slot.split_index].view(slot.shape) for slot in layout.slots]
+
+    def run(
+        self,
+        params: Sequence[torch.Tensor],
+        layout: FlatLayout,
+        overrides: dict[tuple[str, str], Any],
+        training: bool,
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run a block whose parameters are ``params`` (from :meth:`bind`, slot order)."""
+        named = {slot.name: param for slot, param in zip(layout.slots, params)}
+        for (path, attr), value in overrides.items():
+            setattr(self.module.get_submodule(path), attr, value)
+        if self.module.training != training:
+            self.module.train(training)
+        return functional_call(self.module, named, args, kwargs, tie_weights=False)

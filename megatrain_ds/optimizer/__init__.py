@@ -1,0 +1,12 @@
+"""AdamW over host-resident flat state: the arithmetic, where it runs, and the validated step.
+
+- ``adamw_math``: the hyperparameters of one update and the op-by-op reference.
+- ``cpu_adam``: CPU kernels (DeepSpeed's, ATen's fused, op by op) and the choice among them.
+- ``device_adamw``: the update on the compute device, state streamed in and out.
+- ``placement``: which state's update runs where (``"optimizer_device"``), calibrated once.
+- ``host_adamw``: walks a state's optimizer-group runs and hands each to its placement.
+- ``speculative_step``: global norm, speculative updates during backward, clipping, skips.
+- ``facade``: the optimizer object ``deepspeed.initialize`` returns.
+
+May import: ``config``, ``runtime``, ``state``.
+"""

@@ -1,0 +1,316 @@
+"""One optimizer step, validated: global norm, speculative updates during backward, skips.
+
+:class:`OptimizerStepper` sees every final gradient chunk on the gradient worker (during
+the backward of the last micro-batch) and finishes the step at ``engine.step()``, once
+the global gradient norm is known. Its decisions are described below; the arithmetic is
+:class:`~megatrain_ds.optimizer.host_adamw.HostAdamW`'s.
+
+[Note: speculative steps]
+The clipping scale ``min(clip / (norm + eps), 1)`` and the decision to skip a non-finite
+step need the norm of *all* gradients, known only when backward ends; waiting for it
+serialises the whole update after backward. Instead the worker *speculates* that the step
+needs neither (the steady state of a healthy run) and validates at ``engine.step()``:
+
+- Every final chunk adds its squared norm to a running sum (in double). The sum only
+  grows, so as soon as ``sqrt(sum) + eps > clip`` clipping is certain, and once it is not
+  finite the step is certainly skipped: speculation stops for the rest of the step.
+- The journal blocks (``speculative_blocks``: the highest-numbered blocks, whose gradients
+  backward finishes first) are stepped *as their chunks arrive*, with scale 1, if the
+  previous step was applied unclipped (a clipped or skipped step predicts another) and
+  the running sum has not proved speculation wrong. Right before a chunk of a journal
+  block is overwritten, its master, m, v and shadow are copied into the block's journal
+  slot (cache-hot for the update that follows).
+- Every other range is deferred: its gradient waits in the held gradient buffer.
+- At ``engine.step()``, with the norm known:
+  (a) finite, no clipping, hyperparameters unchanged since the speculative updates read
+      them: the speculation was right; the deferred ranges are stepped with scale 1.
+  (b) finite, clipping (or an lr/betas/eps/weight decay changed in between): the journal
+      is copied back and every range is stepped with the clipping scale.
+  (c) not finite: the journal is copied back; nothing is stepped; the step is skipped.
+  Copying back is a bit copy, so (b) and (c) end in exactly the state a non-speculative
+  step gives, bit for bit (``tests/test_nonfinite_steps.py``,
+  ``tests/test_speculative_step.py``). (a) applies the same arithmetic to the same values,
+  so it is bit-identical too, for kernels whose results do not depend on where a range
+  starts (the ATen kernel; DeepSpeed's does a range's last few elements in a scalar loop,
+  which may round differently from its SIMD loop by an ulp).
+
+Cost. Memory: one journal slot per journal block, ``12 B (+2 B with a bf16 shadow)`` per
+element of the block, allocated once (``journal_bytes``; about 0.5 B per model parameter
+by default, see ``config.py``). Time, on the worker during backward: a right speculation
+adds one copy of the journaled elements (14 B read + 14 B written each, against the 28 B
+the update itself touches); a wrong one adds the copy back and throws the speculative
+update away, so the step costs what it would have cost without speculation plus two
+copies of the journal blocks. Gradients are held for every range until the step is
+validated, which clipping and accumulation need anyway.
+
+Without clipping, accumulation or ``"non_finite_steps": "skip"`` no gradient is held
+(12 B/param with fp32 compute): each chunk is stepped as it arrives, nothing can be
+undone, and a non-finite norm can only be reported (``StepOutcome.PARTIAL``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
+
+import torch
+
+from megatrain_ds.optimizer.adamw_math import AdamHyper
+from megatrain_ds.state.flat_layout import intersect_runs
+from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.runtime.trace import NULL_TRACER
+
+if TYPE_CHECKING:
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+
+logger = logging.getLogger(__name__)
+
+CLIP_EPS = 1e-6
+"""DeepSpeed's and torch's ``clip_grad_norm_`` epsilon."""
+
+_JOURNALED = ("master", "exp_avg", "exp_avg_sq", "shadow")
+
+# Host memory the journal may take by default, per model parameter (speculative_blocks
+# "auto"): bf16 + clipping then stays within 16.5 B/param.
+AUTO_JOURNAL_BYTES_PER_PARAM = 0.5
+
+
+class StepOutcome(enum.Enum):
+    APPLIED = "applied"
+    """Finite norm at most the clipping threshold: gradients applied as they are."""
+    CLIPPED = "clipped"
+    """Finite norm above the threshold: gradients applied times ``clip / (norm + eps)``."""
+    SKIPPED = "skipped"
+    """Non-finite norm: weights and optimizer state exactly as before the step."""
+    PARTIAL = "partial"
+    """Non-finite norm with no gradients held: ranges whose gradients arrived before the
+    first non-finite chunk were already updated (the state cannot be restored)."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    outcome: StepOutcome
+    norm: float
+    scale: float
+    speculated: int
+    """Elements updated during backward (speculatively, or as they arrived without a hold)."""
+    restored: int
+    """Speculatively updated elements copied back from the journal."""
+
+
+@dataclass
+class _Slot:
+    """A journal block's pre-step copy of its state, and which ranges hold one."""
+
+    tensors: dict[str, torch.Tensor]
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Journal:
+    """Pre-step copies of the journal blocks' state (see [Note: speculative steps])."""
+
+    def __init__(self, states: Sequence[HostFlatState], indices: Sequence[int]) -> None:
+        self.states = states
+        # Ordinary (unpinned) host memory: only the CPU ever reads it.
+        self._slots = {
+            index: _Slot({kind: torch.empty(states[index].layout.numel, dtype=getattr(states[index], kind).dtype)
+                          for kind in _JOURNALED if getattr(states[index], kind) is not None})
+            for index in indices
+        }
+
+    def __contains__(self, index: int) -> bool:
+        return index in self._slots
+
+    def __bool__(self) -> bool:
+        return bool(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in self._slots.values() for t in slot.tensors.values())
+
+    def save(self, index: int, start: int, end: int) -> None:
+        """Copy elements ``[start, end)`` of state ``index`` before they are overwritten."""
+        slot = self._slots[index]
+        for kind, saved in slot.tensors.items():
+            saved[start:end].copy_(getattr(self.states[index], kind)[start:end])
+        slot.ranges.append((start, end))
+
+    def ranges(self, index: int) -> list[tuple[int, int]]:
+        slot = self._slots.get(index)
+        return list(slot.ranges) if slot is not None else []
+
+    def restore(self) -> int:
+        """Copy every saved range back (bit for bit); returns the elements restored."""
+        restored = 0
+        for index, slot in self._slots.items():
+            for start, end in slot.ranges:
+                for kind, saved in slot.tensors.items():
+                    getattr(self.states[index], kind)[start:end].copy_(saved[start:end])
+                restored += end - start
+        return restored
+
+    def clear(self) -> None:
+        for slot in self._slots.values():
+            slot.ranges.clear()
+
+
+class OptimizerStepper:
+    """Norm, speculation and validation of each optimizer step; see [Note: speculative steps].
+
+    Args:
+        states: every flat state (blocks, then the resident parameters).
+        adamw: the arithmetic and placements.
+        clipping: global-norm threshold; 0 disables clipping.
+        journal_indices: states stepped speculatively during backward (block indices).
+        holds_gradients: every state has a gradient buffer that keeps its final gradient
+            until :meth:`finish` (``state.grad``); without it nothing is deferred or undone.
+        sum_over_ranks: with data parallel ``states`` are this rank's windows, and this
+            sums the squared norm over the ranks that hold the other windows.
+        runtime: whose tracer times each range update (``runtime/trace.py``); none: untraced.
+    """
+
+    def __init__(self, states: Sequence[HostFlatState], adamw: HostAdamW, *, clipping: float,
+                 journal_indices: Sequence[int], holds_gradients: bool,
+                 sum_over_ranks: Callable[[float], float] | None = None,
+                 runtime: DeviceRuntime | None = None) -> None:
+        self.states = states
+        self._runtime = runtime
+        self.adamw = adamw
+        self.clipping = clipping
+        self.holds_gradients = holds_gradients
+        self._sum_over_ranks = sum_over_ranks
+        self.journal = Journal(states, journal_indices if holds_gradients else ())
+        self.speculate_next = True
+        """The predictor: speculate in the next step (the last one was applied unclipped)."""
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        self._sum_squares = 0.0
+        self._speculating: bool | None = None  # decided at the step's first final chunk
+        self._hyper_read: dict[int, AdamHyper] = {}
+        self._speculated = 0
+
+    # -- gradient worker ------------------------------------------------------------------
+
+    def consume_final(self, index: int, offset: int, grad: torch.Tensor, step: int) -> None:
+        """A final gradient chunk of state ``index`` (the held buffer's view when gradients
+        are held, else the sink's chunk). Runs on the gradient worker."""
+        # vector_norm reduces without a chunk-sized temporary (host allocator churn).
+        self._sum_squares += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        state = self.states[index]
+        if not self.holds_gradients:
+            if math.isfinite(self._sum_squares):  # after a non-finite chunk, stop spoiling the state
+                with self._span(index, offset, grad.numel()):
+                    self.adamw.update_range(state, offset, grad, step=step, inputs_persist=False)
+                self._speculated += grad.numel()
+            return
+        if self._speculating is None:
+            self._speculating = self.speculate_next and bool(self.journal)
+        if not (self._speculating and index in self.journal and self._speculation_may_hold()):
+            return  # deferred to finish(): the gradient waits in state.grad
+        for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
+            self._hyper_read.setdefault(run.group, self.adamw.hyper(run.group))
+        with self._span(index, offset, grad.numel(), speculative=True):
+            self.adamw.update_range(state, offset, grad, step=step,
+                                    before_chunk=lambda start, end: self.journal.save(index, start, end))
+        self._speculated += grad.numel()
+
+    def _span(self, index: int, offset: int, numel: int, **args: object) -> ContextManager[None]:
+        """Times one range update on the ``optimizer worker`` track (whichever thread runs it)."""
+        tracer = self._runtime.tracer if self._runtime is not None else NULL_TRACER
+        return tracer.span(f"adamw {index}", "optimizer worker", state=index, offset=offset, numel=numel, **args)
+
+    def _speculation_may_hold(self) -> bool:
+        """False once the running norm proves clipping or a skip (it can only grow)."""
+        norm = math.sqrt(self._sum_squares) if math.isfinite(self._sum_squares) else math.inf
+        if not math.isfinite(norm) or (self.clipping > 0 and self.clipping / (norm + CLIP_EPS) < 1.0):
+            self._speculating = False
+        return self._speculating
+
+    # -- main thread, at engine.step() (the worker has drained) ---------------------------
+
+    def finish(self, step: int) -> StepReport:
+        """Validate this step's speculation and complete (or skip) the update."""
+        self.adamw.flush()  # device write-backs land before host state is read or restored
+        total = self._sum_squares if self._sum_over_ranks is None else self._sum_over_ranks(self._sum_squares)
+        finite = math.isfinite(total)
+        norm = math.sqrt(total) if finite else total
+        scale = min(self.clipping / (norm + CLIP_EPS), 1.0) if (finite and self.clipping > 0) else 1.0
+        restored = 0
+        if not self.holds_gradients:
+            outcome = StepOutcome.APPLIED if finite else StepOutcome.PARTIAL
+        elif not finite:
+            restored = self.journal.restore()
+            outcome = StepOutcome.SKIPPED
+        elif scale != 1.0 or self._hyperparameters_changed():
+            restored = self.journal.restore()
+            for index, state in enumerate(self.states):
+                assert state.grad is not None
+                with self._span(index, 0, state.grad.numel(), scale=scale):
+                    self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
+            outcome = StepOutcome.CLIPPED if scale != 1.0 else StepOutcome.APPLIED
+        else:
+            for index, state in enumerate(self.states):
+                assert state.grad is not None
+                for start, end in _unstepped(state, self.journal.ranges(index)):
+                    with self._span(index, start, end - start):
+                        self.adamw.update_range(state, start, state.grad[start:end], step=step)
+            outcome = StepOutcome.APPLIED
+        self.adamw.flush()
+        self.journal.clear()
+        for state in self.states:
+            if state.grad is not None:
+                state.grad.zero_()
+        report = StepReport(outcome, norm, scale, self._speculated, restored)
+        if restored:
+            logger.debug("megatrain: speculation refuted (%s, norm %s): %d elements restored and redone",
+                         outcome.value, norm, restored)
+        self.speculate_next = outcome is StepOutcome.APPLIED and scale == 1.0
+        self._begin_step()
+        return report
+
+    def _hyperparameters_changed(self) -> bool:
+        return any(self.adamw.hyper(group) != read for group, read in self._hyper_read.items())
+
+
+def _unstepped(state: HostFlatState, stepped: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The trained ranges of ``state`` not in ``stepped`` (ranges that may touch but not overlap)."""
+    gaps = []
+    cursor = 0
+    for start, end in sorted(stepped):
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < state.layout.numel:
+        gaps.append((cursor, state.layout.numel))
+    return [(run.start, run.end) for lo, hi in gaps for run in intersect_runs(state.layout.trained_runs(), lo, hi)]
+
+
+def speculative_block_indices(states: Sequence[HostFlatState], num_blocks: int, setting: int | str,
+                              budget_bytes_per_param: float) -> list[int]:
+    """The journal blocks: the last ``setting`` blocks, or with ``"auto"`` as many as fit
+    in ``budget_bytes_per_param`` times the number of parameters."""
+    costs = [sum(getattr(state, kind).element_size() for kind in _JOURNALED if getattr(state, kind) is not None)
+             * state.layout.numel for state in states[:num_blocks]]
+    return choose_journal_blocks(costs, sum(state.layout.numel for state in states), setting,
+                                 budget_bytes_per_param)
+
+
+def choose_journal_blocks(block_costs: Sequence[int], total_numel: int, setting: int | str,
+                          budget_bytes_per_param: float) -> list[int]:
+    """Pure selection rule (shared with preflight): ``block_costs`` are journal bytes per block."""
+    blocks = list(range(len(block_costs) - 1, -1, -1))  # backward finishes the last block first
+    if setting != "auto":
+        return blocks[: int(setting)]
+    budget = budget_bytes_per_param * total_numel
+    chosen, used = [], 0
+    for index in blocks:
+        if used + block_costs[index] > budget:
+            break
+        chosen.append(index)
+        used += block_costs[index]
+    return chosen

@@ -1,0 +1,8 @@
+"""The cost model: what a run needs in memory and time, checked before it starts.
+
+- ``planner``: host and device memory, the transfer-hiding batch, step time (``megatrain plan``).
+- ``preflight``: the memory a run needs, checked before the engine allocates anything.
+- ``transfer_hiding``: warns once when a micro-batch is too small to hide weight transfers.
+
+May import: every room below it: ``config`` through ``checkpoint``.
+"""

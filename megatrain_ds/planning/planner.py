@@ -1,0 +1,370 @@
+"""The engine's cost model: host and device memory, transfer-hiding batch, step time.
+
+Pure arithmetic over a :class:`ModelShape`, :class:`RunSettings` and :class:`Hardware`;
+``megatrain plan`` (:mod:`megatrain_ds.cli`) prints it. Per optimizer step with ``P_b``
+streamed block parameters, ``T`` tokens per weight pass and ``w`` bytes per streamed
+weight (2 in bf16, 4 in fp32):
+
+- compute: ``8 * P_b * T`` FLOPs for blocks (forward, recompute, backward) plus
+  ``6 * V * h * T`` for the lm_head; the throughput metric counts ``6 * P * T``;
+- host->device: ``2 * w * P_b`` bytes (forward and backward) + checkpoints coming back;
+- device->host: ``w * P`` bytes of gradients + checkpoints going out;
+- host optimizer: ~30 bytes of host memory traffic per parameter (read p, g, m, v;
+  write p, m, v, shadow), overlapped with backward on a GPU machine.
+
+Transfers hide behind compute once ``8 * P_b * T / F >= 2 * w * P_b / B``, i.e.
+``T >= w * F / (4 * B)``, independent of model size.
+
+[Note: the CPU as the device]
+When the device is the host (``Hardware.shares_host_memory``) one set of cores does
+everything in turn, so a step is the *sum* of its parts, and blocks and resident
+parameters are computed on in place (``streaming/weight_streamer.py``: [Note: the host as the
+device]): no weight copies, no weight buffers. The parts, per optimizer step
+(``g``: gradient width, 4 when accumulating over micro-batches, else ``w``; ``s``: 2 for
+the bf16 shadow of an fp32 master, else 0):
+
+- blocks: ``8 * P_b * T`` FLOPs at ``flops * block_efficiency``. ``flops`` is the matmul
+  rate at the model's own linear shapes and ``T``; ``block_efficiency`` the fraction of it
+  one real block of the model achieves forward, then forward and backward (attention,
+  norms, activations, dispatch). ``megatrain plan --gpu cpu`` measures both;
+- head: ``6 * V * h * T`` FLOPs at ``head_flops`` (the matmul rate at the lm_head's shape)
+  and :data:`LOSS_PASSES` passes over the fp32 logits at host memory bandwidth;
+- the gradient path, at host memory bandwidth: the sink's staging copy (``2w`` bytes per
+  parameter, read + write, each micro-batch), the global norm's read (``g``) and, with
+  gradients held (clipping or accumulation), zeroing (``g``) and accumulating
+  (``2g + w`` per micro-batch), plus the speculative-step journal's copy;
+- the optimizer: ``24 + g + s`` bytes per parameter at ``adam_bytes_per_s``, the engine's
+  own CPU AdamW kernel on states past the caches (measured by ``megatrain plan``);
+- checkpoints: each copied to a host tensor and back (``4 * T * h * w`` per segment).
+
+Peak host memory there is the persistent state plus the compute-side buffers
+(:func:`gpu_bytes`), which live in host RAM too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+
+GIB = 1 << 30
+
+# Per token per block, bytes of activations a block's recompute holds for backward in
+# 16-bit (Korthikanti et al., "Reducing Activation Recomputation", with flash/SDPA
+# attention): 34 * hidden. Scaled by bytes per value / 2 for fp32 compute.
+ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 34
+
+# Host-memory traffic of one AdamW update, bytes per parameter (fp32 p, g, m, v read;
+# p, m, v written; bf16 shadow written).
+ADAM_HOST_BYTES_PER_PARAM = 30
+
+# Passes over the fp32 logits outside the lm_head matmul: the loss's log-softmax written
+# and read, its gradient written, read and handed to the head (Hugging Face's loss).
+LOSS_PASSES = 6
+
+# Fraction of device memory the plan may use (allocator fragmentation, CUDA context).
+DEVICE_MEMORY_HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What bounds a step on one machine."""
+
+    name: str
+    flops: float
+    """Achievable dense matmul throughput in the compute dtype, FLOP/s."""
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    host_memory_bytes_per_s: float
+    """Host memory bandwidth available to the optimizer (read + write)."""
+    device_memory_bytes: int
+    shares_host_memory: bool = False
+    """The CPU target: compute, copies and the optimizer share the same cores and memory,
+    so nothing overlaps and device memory is host memory ([Note: the CPU as the device])."""
+    block_efficiency: float = 1.0
+    """Fraction of ``flops`` a whole block achieves forward and backward (measured on the
+    CPU; the GPU figures assume the matmuls dominate)."""
+    adam_bytes_per_s: float = 0.0
+    """The host AdamW kernel, bytes of state touched per second; 0: bound by
+    ``host_memory_bytes_per_s`` at :data:`ADAM_HOST_BYTES_PER_PARAM`."""
+    head_flops: float = 0.0
+    """Matmul throughput at the lm_head's shape, FLOP/s (measured on the CPU, where a small
+    hidden size makes block matmuls much slower than the head's); 0: ``flops``."""
+
+
+# Achievable (not peak) figures: ~80% of dense bf16 peak, measured PCIe Gen5 x16 copy
+# rates, typical dual-socket DDR5 host bandwidth; GH200 uses NVLink-C2C and LPDDR5X.
+GPU_HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("h100", 790e12, 50e9, 50e9, 200e9, 80 * GIB),
+    "h200": Hardware("h200", 790e12, 50e9, 50e9, 200e9, 141 * GIB),
+    "gh200": Hardware("gh200", 790e12, 400e9, 400e9, 450e9, 96 * GIB),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the cost model needs, read from a model (see :func:`shape_of`)."""
+
+    num_blocks: int
+    block_params: int
+    """Parameters of the largest block."""
+    total_block_params: int
+    resident_params: int
+    hidden: int
+    vocab: int
+
+    @property
+    def params(self) -> int:
+        return self.total_block_params + self.resident_params
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run being planned (the DeepSpeed JSON's relevant values)."""
+
+    seq_len: int
+    micro_batch: int = 1
+    accumulation: int = 1
+    bf16: bool = True
+    clipping: bool = True
+    checkpoint_interval: int = 1
+    num_buffers: int = 2
+    offload_checkpoints: bool = True
+    num_staging_buffers: int = 4
+
+    @property
+    def tokens_per_pass(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Width of a held or consumed gradient: fp32 when accumulating, else compute."""
+        return 4 if self.accumulation > 1 else self.weight_bytes
+
+    @property
+    def holds_gradients(self) -> bool:
+        return self.clipping or self.accumulation > 1
+
+
+@dataclass
+class Plan:
+    """Everything ``megatrain plan`` reports."""
+
+    params: int
+    host_bytes: dict[str, int]
+    gpu_bytes: dict[str, int]
+    min_tokens_to_hide_transfer: int
+    step_seconds_by_bound: dict[str, float]
+    predicted_step_seconds: float
+    predicted_tokens_per_second: float
+    max_micro_batch: int
+    recommended: dict[str, Any] = field(default_factory=dict)
+    predicted_peak_host_bytes: int = 0
+    """Host memory at the step's peak: the state, plus the compute-side buffers where the
+    device is the host."""
+
+    @property
+    def host_bytes_total(self) -> int:
+        return sum(self.host_bytes.values())
+
+    @property
+    def gpu_bytes_total(self) -> int:
+        return sum(self.gpu_bytes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["host_bytes_total"] = self.host_bytes_total
+        data["gpu_bytes_total"] = self.gpu_bytes_total
+        return data
+
+
+def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
+    """Host memory of the run, by kind (the engine's persistent state plus staging)."""
+    params = shape.params
+    result = {"master": 4 * params, "adam_m_v": 8 * params}
+    if settings.bf16:
+        result["bf16_shadow"] = 2 * params
+    if settings.holds_gradients:
+        result["gradients"] = settings.grad_bytes * params
+    journal = _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
+    if journal:
+        result["journal"] = journal
+    result["staging"] = (settings.num_staging_buffers * min(shape.block_params, 1 << 22)
+                         * settings.weight_bytes)
+    if settings.offload_checkpoints:
+        result["checkpoints"] = _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+    return result
+
+
+def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
+    """Device memory of the run, by component (host memory where the device is the host:
+    there weights and resident parameters are used in place and cost nothing here)."""
+    w = settings.weight_bytes
+    tokens = settings.tokens_per_pass
+    in_place = hardware is not None and hardware.shares_host_memory
+    slots = settings.num_buffers + settings.checkpoint_interval - 1
+    checkpoints_on_device = slots if settings.offload_checkpoints else _num_checkpoints(shape, settings)
+    return {
+        "weight_buffers": 0 if in_place else slots * shape.block_params * w,
+        "resident_params": 0 if in_place else shape.resident_params * w,
+        # Upper bounds: a tied embedding's gradient is built whole (untied ones leave in
+        # row chunks, gradients/row_chunked.py; the shape does not say which), and a block's
+        # gradients leave in buckets as backward finishes them (gradients/outbox.py).
+        "resident_grads": min(shape.resident_params, shape.vocab * shape.hidden) * w,
+        "block_grads": shape.block_params * w,
+        "checkpoints": checkpoints_on_device * _checkpoint_bytes(shape, settings),
+        "block_activations": settings.checkpoint_interval * tokens * shape.hidden
+        * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN * w // 2,
+        # Hugging Face upcasts logits to fp32 for the loss: compute-dtype logits, their
+        # fp32 copy and its gradient.
+        "logits": tokens * shape.vocab * (w + 4 + 4),
+    }
+
+
+def _checkpoint_bytes(shape: ModelShape, settings: RunSettings) -> int:
+    return settings.tokens_per_pass * shape.hidden * settings.weight_bytes
+
+
+def _num_checkpoints(shape: ModelShape, settings: RunSettings) -> int:
+    return -(-shape.num_blocks // settings.checkpoint_interval)
+
+
+def _journal_bytes_per_element(settings: RunSettings) -> int:
+    """Master, m and v (fp32) and the bf16 shadow, as ``optimizer/speculative_step.py`` journals them."""
+    return 12 + (2 if settings.bf16 else 0)
+
+
+def _journal_numel(shape: ModelShape, settings: RunSettings) -> int:
+    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
+    if not settings.holds_gradients:
+        return 0
+    cost = _journal_bytes_per_element(settings) * shape.block_params
+    chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
+    return len(chosen) * shape.block_params
+
+
+def min_tokens_to_hide_transfer(hardware: Hardware, bf16: bool = True) -> int:
+    """Tokens per weight pass at which block compute covers the host->device weight copies
+    (0 where the device is the host: blocks are computed on in place, nothing is copied)."""
+    if hardware.shares_host_memory:
+        return 0
+    weight_bytes = 2 if bf16 else 4
+    return int(weight_bytes * hardware.flops / (4 * hardware.h2d_bytes_per_s)) + 1
+
+
+def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
+    """Seconds per optimizer step that each resource alone needs (on the CPU: each part of
+    the step, [Note: the CPU as the device])."""
+    if hardware.shares_host_memory:
+        return _host_device_step_seconds(shape, settings, hardware)
+    tokens = settings.tokens_per_pass
+    passes = settings.accumulation
+    w = settings.weight_bytes
+    checkpoint_traffic = (_checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+                          if settings.offload_checkpoints else 0)
+    compute_flops = 8 * shape.total_block_params * tokens + 6 * shape.vocab * shape.hidden * tokens
+    return {
+        "compute": passes * compute_flops / hardware.flops,
+        "host_to_device": passes * (2 * w * shape.total_block_params + checkpoint_traffic)
+        / hardware.h2d_bytes_per_s,
+        "device_to_host": passes * (w * shape.params + checkpoint_traffic) / hardware.d2h_bytes_per_s,
+        "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
+    }
+
+
+def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
+    tokens, passes, params = settings.tokens_per_pass, settings.accumulation, shape.params
+    w, g = settings.weight_bytes, settings.grad_bytes
+    shadow = 2 if settings.bf16 else 0
+    bandwidth = hardware.host_memory_bytes_per_s
+    gradient_bytes = passes * 2 * w * params + g * params  # staging copies; the norm's read
+    if settings.holds_gradients:
+        gradient_bytes += g * params + passes * (2 * g + w) * params  # zeroing; accumulating
+    journal_bytes = 2 * _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
+    adam_rate = hardware.adam_bytes_per_s or hardware.host_memory_bytes_per_s
+    checkpoints = (4 * _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+                   if settings.offload_checkpoints else 0)
+    head_flops = 6 * shape.vocab * shape.hidden * tokens
+    return {
+        "blocks": passes * 8 * shape.total_block_params * tokens / (hardware.flops * hardware.block_efficiency),
+        "head": passes * (head_flops / (hardware.head_flops or hardware.flops)
+                          + LOSS_PASSES * tokens * shape.vocab * 4 / bandwidth),
+        "gradient_path": (gradient_bytes + journal_bytes) / bandwidth,
+        "checkpoints": passes * checkpoints / bandwidth,
+        "optimizer": (24 + g + shadow) * params / adam_rate,
+    }
+
+
+def _predicted_step(by_bound: dict[str, float], shape: ModelShape, hardware: Hardware) -> float:
+    if hardware.shares_host_memory:
+        return sum(by_bound.values())  # one set of cores does everything in turn
+    # Streams and the optimizer worker overlap; the last block's update cannot hide.
+    tail = by_bound["optimizer"] / shape.num_blocks
+    return max(by_bound.values()) + tail
+
+
+def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
+         host_memory_bytes: int) -> Plan:
+    """Memory, speed and recommendations for ``settings`` on ``hardware``."""
+    by_bound = step_seconds(shape, settings, hardware)
+    step = _predicted_step(by_bound, shape, hardware)
+    hide = min_tokens_to_hide_transfer(hardware, settings.bf16)
+    max_micro = _max_micro_batch(shape, settings, hardware, host_memory_bytes)
+    wanted_micro = max(1, -(-hide // settings.seq_len))
+    host = host_bytes(shape, settings)
+    device = gpu_bytes(shape, settings, hardware)
+    recommended: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": min(max(wanted_micro, 1), max(max_micro, 1)),
+        "offload_checkpoints": _num_checkpoints(shape, settings) * _checkpoint_bytes(shape, settings)
+        > 0.25 * hardware.device_memory_bytes,
+        "checkpoint_interval": 1,
+        "num_buffers": 2,
+        "optimizer_device": "gpu" if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s
+        and not hardware.shares_host_memory else "cpu",
+    }
+    return Plan(
+        params=shape.params,
+        host_bytes=host,
+        gpu_bytes=device,
+        min_tokens_to_hide_transfer=hide,
+        step_seconds_by_bound=by_bound,
+        predicted_step_seconds=step,
+        predicted_tokens_per_second=settings.tokens_per_pass * settings.accumulation / step,
+        max_micro_batch=max_micro,
+        recommended=recommended,
+        predicted_peak_host_bytes=sum(host.values()) + (sum(device.values()) if hardware.shares_host_memory else 0),
+    )
+
+
+def _fits(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> bool:
+    device = sum(gpu_bytes(shape, settings, hardware).values())
+    host = sum(host_bytes(shape, settings).values())
+    if hardware.shares_host_memory:
+        return host + device <= host_memory_bytes
+    return device <= DEVICE_MEMORY_HEADROOM * hardware.device_memory_bytes and host <= host_memory_bytes
+
+
+def _max_micro_batch(shape: ModelShape, settings: RunSettings, hardware: Hardware,
+                     host_memory_bytes: int) -> int:
+    """Largest micro-batch that fits (0 when not even one sequence does)."""
+    def fits(micro: int) -> bool:
+        return _fits(shape, _with(settings, micro_batch=micro), hardware, host_memory_bytes)
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high) and high < 1 << 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _with(settings: RunSettings, **changes: Any) -> RunSettings:
+    return RunSettings(**{**asdict(settings), **changes})

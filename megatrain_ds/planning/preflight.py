@@ -1,0 +1,307 @@
+"""Preflight: the memory a run needs, checked before the engine allocates anything.
+
+A run that does not fit should fail in the first second with the numbers, not in the
+OOM killer halfway through migrating a 70B model. :func:`estimate` computes, from the
+model's parameter shapes and the config alone, every persistent allocation
+``MegatrainEngine._build`` makes (flat layouts are pure bookkeeping, so the figures are
+exact to the byte, page rounding included):
+
+- host: per block and for the resident parameters, the master, the compute-dtype shadow,
+  Adam m and v, the gradient buffer (fp32 when accumulating, else compute dtype, only
+  with clipping or accumulation), plus the gradient staging buffers; on a CPU-only
+  machine blocks compute on their host buffers in place and gradients are consumed where
+  they are (no weight buffers, no staging). Migration frees the
+  model's current host weights as it goes, so they count as available.
+- device (CUDA): the streamed weight buffers and the resident parameters' compute copy.
+- pinned: with CUDA and ``pin_memory`` every host buffer above is page-locked.
+
+Activations and activation checkpoints depend on the batch and are not included.
+:func:`check` compares the estimate with :func:`available_memory` (``MemAvailable``, a
+cgroup limit when lower, ``cudaMemGetInfo``) and, when it does not fit, raises
+:class:`InsufficientMemoryError` listing the numbers and the settings that would fit.
+Tests inject the available numbers (``available=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from megatrain_ds.model.block_discovery import find_blocks
+from megatrain_ds.config import EngineConfig
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES
+from megatrain_ds.state.flat_layout import build_flat_layout
+from megatrain_ds.optimizer.facade import group_index_of
+from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+
+logger = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+
+
+class InsufficientMemoryError(MemoryError):
+    """The run cannot fit in this machine's memory; the message says what would."""
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a run allocates, by kind, and what migration frees on the way."""
+
+    host: dict[str, int]
+    device: dict[str, int]
+    host_freed: int = 0
+    """Bytes of the model's current host weights that migration frees."""
+    pinned: int = 0
+    """Host bytes page-locked (CUDA with ``pin_memory``)."""
+
+    @property
+    def host_total(self) -> int:
+        return max(sum(self.host.values()) - self.host_freed, 0)
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+
+@dataclass(frozen=True)
+class AvailableMemory:
+    host: int
+    host_source: str = "MemAvailable"
+    device: int | None = None
+    """Free device bytes; ``None`` without CUDA."""
+    memlock: int | None = None
+    """``ulimit -l`` (soft RLIMIT_MEMLOCK) in bytes; ``None`` when unlimited."""
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """What the estimate needs of a model: flat sizes of its blocks and resident state."""
+
+    block_numels: list[int]
+    resident_numel: int
+    host_freed: int
+    device_freed: int
+
+
+def _host_buffer(numel: int, itemsize: int) -> int:
+    return numel * itemsize + PAGE_BYTES  # host_empty over-allocates one page to align
+
+
+def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer) -> _Shapes:
+    _, blocks = find_blocks(model, config.options.block_path)
+    group_of = group_index_of(model, optimizer)
+    block_numels = [build_flat_layout([(n, p.shape, group_of[p]) for n, p in block.named_parameters()]).numel
+                    for block in blocks]
+    block_ids = {id(p) for p in blocks.parameters()}
+    resident = [(n, p.shape, group_of[p]) for n, p in model.named_parameters() if id(p) not in block_ids]
+    resident_numel = build_flat_layout(resident).numel if resident else 0
+    freed = {"cpu": 0, "cuda": 0}
+    seen: set[int] = set()
+    for param in model.parameters():
+        if param.is_meta:
+            continue
+        storage = param.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        freed["cuda" if param.device.type == "cuda" else "cpu"] += storage.nbytes()
+    return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"])
+
+
+def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str,
+                         staging_chunk: int) -> MemoryNeed:
+    """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc)."""
+    options = config.options
+    master = torch.empty((), dtype=config.master_dtype).element_size()
+    compute = torch.empty((), dtype=config.compute_dtype).element_size()
+    streamed = compute if config.compute_dtype != config.master_dtype else master
+    numels = [*shapes.block_numels, shapes.resident_numel]
+    host = {"master": sum(_host_buffer(n, master) for n in numels),
+            "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels)}
+    if config.compute_dtype != config.master_dtype:
+        host["shadow"] = sum(_host_buffer(n, compute) for n in numels)
+    if config.holds_gradients:
+        grad = 4 if config.gradient_accumulation_steps > 1 else compute
+        host["gradients"] = sum(_host_buffer(n, grad) for n in numels)
+    if config.holds_gradients:
+        # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.
+        per_element = master + 8 + (compute if config.compute_dtype != config.master_dtype else 0)
+        costs = [per_element * n for n in shapes.block_numels]
+        chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks,
+                                       AUTO_JOURNAL_BYTES_PER_PARAM)
+        if chosen:
+            host["journal"] = sum(costs[i] for i in chosen)
+    largest = max(shapes.block_numels)
+    if device_type == "cuda":  # on the CPU gradients are consumed where they are (gradients/sink.py)
+        host["staging"] = options.num_staging_buffers * _host_buffer(min(largest, staging_chunk), compute)
+    slots = (options.num_buffers + options.checkpoint_interval - 1) * largest * streamed
+    device: dict[str, int] = {}
+    if device_type == "cuda":
+        device = {"weight_buffers": slots, "resident_copy": shapes.resident_numel * streamed}
+    else:
+        # The CPU is its own device: blocks and resident parameters are computed on in place
+        # (streaming/weight_streamer.py: [Note: the host as the device]), so no weight buffer is allocated.
+        host["weight_buffers"] = 0
+    pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
+    return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned)
+
+
+def available_memory(device: torch.device) -> AvailableMemory:
+    """What this machine (and its cgroup) has free now."""
+    host, source = _meminfo_available(), "MemAvailable"
+    limit = _cgroup_room()
+    if limit is not None and limit < host:
+        host, source = limit, "the cgroup memory limit"
+    free_device = None
+    if device.type == "cuda":
+        free_device, _ = torch.cuda.mem_get_info(device)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return AvailableMemory(host=host, host_source=source, device=free_device,
+                           memlock=None if soft == resource.RLIM_INFINITY else soft)
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cgroup_room() -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1), if limited."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None
+        return max(int(limit) - usage, 0)
+    return None
+
+
+# Settings that reduce memory, most to least faithful to the user's run; each maps an
+# engine config to a changed one (or None when it does not apply). Combinations are
+# applied in this order, so one that opens another (accumulation 1 lets clipping go
+# without keeping gradients) comes first.
+_ALTERNATIVES: list[tuple[str, Callable[[EngineConfig], EngineConfig | None]]] = [
+    ('"megatrain": {"num_staging_buffers": 1}',
+     lambda c: _options(c, num_staging_buffers=1) if c.options.num_staging_buffers > 1 else None),
+    ('"megatrain": {"num_buffers": 2, "checkpoint_interval": 1}',
+     lambda c: _options(c, num_buffers=2, checkpoint_interval=1)
+     if c.options.num_buffers + c.options.checkpoint_interval > 3 else None),
+    ('"gradient_accumulation_steps": 1 with a larger micro-batch (no fp32 gradient accumulator)',
+     lambda c: dataclasses.replace(c, gradient_accumulation_steps=1)
+     if c.gradient_accumulation_steps > 1 else None),
+    ('"gradient_clipping": 0 (gradients are then applied as they arrive, never held)',
+     lambda c: dataclasses.replace(c, gradient_clipping=0.0)
+     if c.gradient_clipping > 0 and c.gradient_accumulation_steps == 1 else None),
+    ('"bf16": {"enabled": true} (bf16 compute: half-size streamed weights and gradients)',
+     lambda c: dataclasses.replace(c, bf16=True) if not c.bf16 else None),
+    ('"megatrain": {"master_dtype": "bf16"} (rounds small updates away: a last resort)',
+     lambda c: _options(c, master_dtype="bf16") if c.options.master_dtype != "bf16" else None),
+]
+
+
+def _options(config: EngineConfig, **changes: Any) -> EngineConfig:
+    return dataclasses.replace(config, options=dataclasses.replace(config.options, **changes))
+
+
+def format_bytes(nbytes: float) -> str:
+    """``12.34 GiB``, or MiB below a GiB (the messages of this module)."""
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
+          available: AvailableMemory) -> MemoryNeed:
+    """Raise :class:`InsufficientMemoryError` when ``need_of(config)`` does not fit."""
+    need = need_of(config)
+    if need.pinned and available.memlock is not None and need.pinned > available.memlock:
+        # The NVIDIA driver pins cudaHostRegister'ed pages without charging RLIMIT_MEMLOCK,
+        # so this is a hint for when registration fails, not a reason to stop.
+        logger.warning("megatrain preflight: %s of host memory will be pinned but ulimit -l is %s; "
+                       "if pinning fails, raise it (ulimit -l unlimited) or set "
+                       '"megatrain": {"pin_memory": false}', format_bytes(need.pinned), format_bytes(available.memlock))
+    problems = []
+    if need.host_total > available.host:
+        problems.append(("host", need.host_total, available.host, available.host_source))
+    if available.device is not None and need.device_total > available.device:
+        problems.append(("device", need.device_total, available.device, "free device memory"))
+    if not problems:
+        if need.host_total > 0.9 * available.host:
+            logger.warning("megatrain preflight: the run needs %s of the %s of host memory available; "
+                           "activations come on top", format_bytes(need.host_total), format_bytes(available.host))
+        return need
+    lines = []
+    for kind, needed, have, source in problems:
+        items = need.host if kind == "host" else need.device
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in items.items())
+        freed = f" minus {format_bytes(need.host_freed)} of the model's weights that migration frees" \
+            if kind == "host" and need.host_freed else ""
+        lines.append(f"{kind} memory: needs {format_bytes(needed)} ({parts}{freed}), {format_bytes(have)} available "
+                     f"({source}); short by {format_bytes(needed - have)}")
+    def fits(candidate: EngineConfig) -> MemoryNeed | None:
+        other = need_of(candidate)
+        if other.host_total <= available.host and (available.device is None or other.device_total <= available.device):
+            return other
+        return None
+
+    def needs(other: MemoryNeed) -> str:
+        return f"needs {format_bytes(other.host_total)} host" + (
+            f", {format_bytes(other.device_total)} device" if available.device is not None else "")
+
+    fixes = []
+    for description, change in _ALTERNATIVES:
+        changed = change(config)
+        if changed is not None and (other := fits(changed)) is not None:
+            fixes.append(f"  {description}: {needs(other)}")
+    if fixes:
+        advice = "settings that would fit, each on its own:\n" + "\n".join(fixes)
+    else:
+        result, applied = None, []
+        for size in range(2, len(_ALTERNATIVES) + 1):  # the fewest changes first
+            for combination in itertools.combinations(_ALTERNATIVES, size):
+                combined: EngineConfig | None = config
+                for _, change in combination:
+                    combined = change(combined) if combined is not None else None
+                if combined is not None and (result := fits(combined)) is not None:
+                    applied = [description for description, _ in combination]
+                    break
+            if result is not None:
+                break
+        if result is not None:
+            advice = "no single setting fits; these together would:\n" + "\n".join(
+                f"  {d}" for d in applied) + f"\n  ({needs(result)})"
+        else:
+            advice = "no combination of settings makes it fit: use a machine with more memory or a smaller model"
+    raise InsufficientMemoryError("megatrain preflight: the run does not fit\n  " + "\n  ".join(lines)
+                                  + "\n" + advice + "\n(activations come on top; "
+                                  '"megatrain": {"preflight": false} skips this check)')
+
+
+def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
+              device: torch.device, staging_chunk: int,
+              available: AvailableMemory | None = None) -> MemoryNeed:
+    """Check that the run fits before anything is allocated; returns the estimate."""
+    shapes = _shapes(model, config, optimizer)
+    have = available if available is not None else available_memory(device)
+    if have.device is not None and shapes.device_freed:
+        have = dataclasses.replace(have, device=have.device + shapes.device_freed)
+    return check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk), config, have)

@@ -1,0 +1,10 @@
+"""The device and the host as the engine sees them: streams, events, host allocations, tracing.
+
+- ``device_runtime``: the only module that talks to CUDA; hands out streams, events,
+  pinned or page-aligned host buffers and device buffers (no-op streams on the CPU).
+- ``trace``: Chrome/Perfetto traces of copies, compute and the optimizer worker.
+- ``host_heap``: how the CPU path keeps transient host memory from piling up.
+- ``node_shared_memory``: host memory mapped by every rank of a node.
+
+May import: ``megatrain_ds.config`` only (nothing else of the package).
+"""

@@ -1,0 +1,269 @@
+"""Streams, events and host/device allocations: the only module that talks to CUDA.
+
+Everything else asks a :class:`DeviceRuntime` for streams, events and buffers. On a
+machine without CUDA the runtime hands out no-op streams and events and unpinned host
+memory, so the CPU runs exactly the scheduling code the GPU runs (see
+``[Note: one code path]`` below).
+
+[Note: one code path]
+The engine never branches on "is this a GPU". It records events, makes streams wait
+on them and issues ``copy_(..., non_blocking=True)`` everywhere. On the CPU those calls
+are no-ops or synchronous copies, which is still correct because CPU work is issued in
+program order; the ordering logic itself (which event guards which buffer) is what the
+CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from megatrain_ds.runtime.host_heap import keep_large_transients_mapped, return_free_memory
+from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
+
+PAGE_BYTES = 4096
+
+
+class Event(Protocol):
+    """What the engine needs of an event (``torch.cuda.Event`` or :class:`NullEvent`)."""
+
+    def record(self, stream: object = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class NullEvent:
+    """Event of the CPU path: work is complete the moment it has been issued."""
+
+    def record(self, stream: object = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+
+class NullStream:
+    """Stream of the CPU path: work runs in program order, so waiting is a no-op."""
+
+    def wait_event(self, event: Event) -> None:
+        del event
+
+
+class HostClockEvent:
+    """Timing event of the CPU path: work is done when issued, so the host clock read at
+    ``record`` is when it happened (``runtime/trace.py``: [Note: trace clocks])."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def record(self, stream: object = None) -> None:
+        del stream
+        self.ns = time.perf_counter_ns()
+
+    def synchronize(self) -> None:
+        pass
+
+    def host_ns(self, anchor: "ClockAnchor") -> int:
+        del anchor
+        return self.ns
+
+
+class CudaClockEvent:
+    """A timing CUDA event, read as the host-clock time at which the device reached it."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+
+    def record(self, stream: object = None) -> None:
+        self.event.record(stream)  # type: ignore[arg-type]
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def host_ns(self, anchor: "ClockAnchor") -> int:
+        """Needs both events complete; ``elapsed_time`` is in milliseconds (~0.5 us resolution)."""
+        return anchor.host_ns + round(anchor.event.event.elapsed_time(self.event) * 1e6)
+
+
+@dataclass(frozen=True)
+class ClockAnchor:
+    """A timing event whose host-clock time is known: device times are read relative to it."""
+
+    event: HostClockEvent | CudaClockEvent
+    host_ns: int
+
+
+@dataclass
+class DeviceRuntime:
+    """The compute device, the engine's side streams, and how host memory is allocated.
+
+    Attributes:
+        device: where blocks compute (``cuda:N`` or ``cpu``).
+        h2d_stream: host-to-device weight copies; overlaps the compute of the previous block.
+        d2h_stream: device-to-host gradient copies; overlaps the backward of the next block.
+        optimizer_stream: host-to-device copies of optimizer state and the device AdamW
+            kernel (``optimizer/device_adamw.py``); overlaps backward, apart from the weight prefetch
+            so that a block's weights never queue behind a chunk of optimizer state.
+        comm_stream: the data-parallel gradient all-reduce (``distributed/gradient_reducer.py``);
+            overlaps the backward of the blocks before the one being reduced.
+        pin_memory: whether host buffers are page-locked (needed for asynchronous copies).
+        tracer: where spans of copies, compute and the optimizer go (``runtime/trace.py``); the
+            no-op :data:`~megatrain_ds.runtime.trace.NULL_TRACER` unless a traced step is running.
+    """
+
+    device: torch.device
+    h2d_stream: object
+    d2h_stream: object
+    pin_memory: bool
+    optimizer_stream: object = field(default_factory=NullStream)
+    comm_stream: object = field(default_factory=NullStream)
+    tracer: NullTracer | Tracer = field(default=NULL_TRACER, repr=False)
+    _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
+
+    @classmethod
+    def create(cls, device: torch.device, pin_memory: bool = True) -> "DeviceRuntime":
+        """Streams for ``device``; pinned host memory only where CUDA can use it."""
+        if device.type == "cuda":
+            # Created once here; every other module refers to these two by purpose.
+            return cls(
+                device=device,
+                h2d_stream=torch.cuda.Stream(device),
+                d2h_stream=torch.cuda.Stream(device),
+                optimizer_stream=torch.cuda.Stream(device),
+                comm_stream=torch.cuda.Stream(device),
+                pin_memory=pin_memory,
+            )
+        # The step's transients will be host memory: keep the large ones out of glibc's heap.
+        keep_large_transients_mapped()
+        return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """The device computes on host memory (the CPU): a host buffer needs no device copy
+        to be computed on, and a "device" buffer costs host memory."""
+        return self.device.type == "cpu"
+
+    def compute_stream(self) -> object:
+        """The stream the caller computes on (the current stream, as PyTorch sets it)."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else NullStream()
+
+    def event(self) -> Event:
+        return torch.cuda.Event() if self.is_cuda else NullEvent()
+
+    def clock_event(self) -> HostClockEvent | CudaClockEvent:
+        """An event that also tells when the device reached it (for traces only: timing
+        events cost more than the engine's synchronisation events)."""
+        return CudaClockEvent() if self.is_cuda else HostClockEvent()
+
+    def clock_anchor(self) -> ClockAnchor:
+        """Relates the device's clock to the host's (once per trace; synchronizes)."""
+        event = self.clock_event()
+        self.synchronize()  # the device is idle: the event completes as soon as it is issued
+        before = time.perf_counter_ns()
+        event.record(self.compute_stream())
+        event.synchronize()
+        after = time.perf_counter_ns()
+        # The device reached the event between the two host readings: the midpoint is off
+        # by at most half the round trip of one event (microseconds on CUDA).
+        return ClockAnchor(event, (before + after) // 2)
+
+    @property
+    def device_name(self) -> str:
+        """The device as a person names it (for traces and warnings)."""
+        if self.is_cuda:
+            return torch.cuda.get_device_name(self.device)
+        return _cpu_name()
+
+    @contextlib.contextmanager
+    def on(self, stream: object) -> Iterator[None]:
+        """Issue the enclosed work on ``stream``."""
+        if self.is_cuda:
+            with torch.cuda.stream(stream):  # type: ignore[arg-type]
+                yield
+        else:
+            yield
+
+    def host_empty(self, numel: int, dtype: torch.dtype, shared: NodeSharedMemory | None = None) -> torch.Tensor:
+        """A flat host tensor starting on a page boundary, pinned when CUDA is used.
+
+        Page alignment lets the copy engine and SIMD code take whole pages; the
+        over-allocation costs at most one page per buffer. Pinning registers the pages in
+        place (``cudaHostRegister``) rather than taking them from PyTorch's pinned caching
+        allocator, which rounds every request up to a power of two -- up to 2x the host
+        memory for a store that is most of the machine's RAM.
+
+        With ``shared`` the tensor is mapped by every rank of the node (a collective call,
+        see ``runtime/node_shared_memory.py``); each rank pins its own mapping.
+        """
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if shared is not None:
+            tensor = shared.empty(numel, dtype)
+        else:
+            raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+            start = (-raw.data_ptr()) % PAGE_BYTES
+            tensor = raw[start : start + nbytes].view(dtype)
+        if self.pin_memory and nbytes > 0:
+            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(
+                    f"could not pin {nbytes} bytes of host memory (cudaHostRegister error "
+                    f"{int(error)}); raise the locked-memory limit (ulimit -l) or set "
+                    '"megatrain": {"pin_memory": false}'
+                )
+            self._registered.append(tensor)
+        return tensor
+
+    def release_host_memory(self) -> None:
+        """Unpin every registered host tensor (they stay valid as ordinary memory)."""
+        for tensor in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        self._registered.clear()
+
+    def return_transient_memory(self) -> None:
+        """Called between the step's phases (``streaming/streamed_blocks.py``). When the device is the
+        host, give the system back what the last phase's transients left cached in glibc's
+        heap and MKL (``runtime/host_heap.py``). On a GPU nothing: the caching allocator keeps its
+        blocks for the next phase, as it should."""
+        if self.shares_host_memory:
+            return_free_memory()
+
+    def host_zeros(self, numel: int, dtype: torch.dtype, shared: NodeSharedMemory | None = None) -> torch.Tensor:
+        if shared is not None:
+            return self.host_empty(numel, dtype, shared)  # born zero, and untouched stays unpaid
+        return self.host_empty(numel, dtype).zero_()
+
+    def used_on(self, tensor: torch.Tensor, stream: object) -> None:
+        """``tensor`` (from the compute stream) is also read on ``stream``: the caching
+        allocator must not reuse its memory before that work is done (``record_stream``)."""
+        if self.is_cuda:
+            tensor.record_stream(stream)  # type: ignore[arg-type]
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (used only outside the hot path)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

@@ -1,0 +1,87 @@
+"""Transient host memory on the CPU path: keep it from piling up, hand it back between phases.
+
+On a GPU a step's transients -- activations, weight gradients, logits -- come from the
+CUDA caching allocator, and host memory holds the persistent state. When the device is
+the host (``DeviceRuntime.shares_host_memory``) they come from glibc's ``malloc`` and
+MKL's GEMM, and two habits of theirs put the process's peak well above what is live
+(measured at 551M parameters, hidden 1536, 2x128 tokens; README, Performance):
+
+- glibc serves a request below its mmap threshold from a heap, and raises the threshold
+  to the size of every mapped block that is freed, up to 32 MiB. After the engine's
+  set-up the threshold is above every transient, so weight gradients (up to 25 MB) and
+  logits (33 MB) come from the heap, and 1.5 MB activations that outlive them pin its
+  pages: the heap grows well past what is live and keeps the difference (0.3-0.5 B/param)
+  as free, resident memory.
+- MKL keeps the packing buffers of the largest GEMMs it has run (the vocabulary-wide
+  output projection's, ~33 MB, and the blocks') for the life of the process.
+
+:func:`keep_large_transients_mapped` fixes glibc's mmap threshold at
+:data:`MMAP_THRESHOLD_BYTES`: a transient that large gets pages of its own and returns
+them when freed, at the price of faulting its pages in afresh each time (about 5% of the
+step at 551M parameters). Smaller ones stay in the heap, where a page fault per use would
+cost more than it saves (a 1 MiB threshold made the step about 14% slower).
+:func:`return_free_memory` hands back the heap's free pages (``malloc_trim``) and MKL's
+unused buffers (``mkl_serv_free_buffers``, which frees only buffers no GEMM is using).
+The engine calls it at the step's phase boundaries only (``streaming/streamed_blocks.py``): after
+every block it would cost more step time (10-20%: the pages are faulted in again)
+than the 0.05 B/param it saves.
+
+Both are process-wide and change only how memory is held, never a tensor's contents;
+without glibc, or with a PyTorch built without MKL, they do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Callable
+
+import torch
+
+MMAP_THRESHOLD_BYTES = 4 << 20
+"""Transients from this size up (MLP activations at 2x128 tokens and up, weight gradients,
+logits) are mapped, not taken from the heap."""
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, when it is glibc (``mallopt`` and ``malloc_trim`` are glibc's)."""
+    try:
+        libc = ctypes.CDLL(None)
+    except (OSError, TypeError):  # no process-wide symbol table to open (Windows)
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+@functools.cache
+def _mkl_free_buffers() -> Callable[[], object] | None:
+    """MKL's ``mkl_serv_free_buffers``, linked into PyTorch's CPU library, if it is there."""
+    if not torch.backends.mkl.is_available():
+        return None
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.CDLL(path).mkl_serv_free_buffers
+    except (OSError, AttributeError):
+        return None
+
+
+def keep_large_transients_mapped() -> bool:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (see the module doc).
+
+    Returns whether it was set. Idempotent; memory already allocated is not moved.
+    """
+    libc = _libc()
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+
+
+def return_free_memory() -> None:
+    """Give the heap's free pages and MKL's unused GEMM buffers back to the system."""
+    free_buffers = _mkl_free_buffers()
+    if free_buffers is not None:
+        free_buffers()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -1,0 +1,144 @@
+"""Host-resident training state: one flat fp32 master buffer per block, Adam m/v beside it.
+
+The host is the home of every persistent tensor. Each block (and the set of resident
+non-block parameters) owns a :class:`HostFlatState`: page-aligned flat buffers laid out
+by :mod:`megatrain_ds.state.flat_layout`. The user's parameters are re-pointed at views of
+the master buffer, so the model's ``state_dict()`` always shows the trained weights
+without a second copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.state.flat_layout import FlatLayout, build_flat_layout
+from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+
+
+@dataclass
+class HostFlatState:
+    """Host tensors of one flat group of parameters (all 1-D, ``layout.numel`` long).
+
+    Attributes:
+        layout: where each parameter lives in the flat buffers.
+        master: the weights the optimizer updates (fp32 unless ``master_dtype`` says bf16).
+        shadow: the compute-dtype copy that is streamed to the device when it differs
+            from ``master`` (bf16 compute with an fp32 master); ``None`` otherwise.
+        exp_avg, exp_avg_sq: Adam's first and second moments, fp32.
+        grad: gradient accumulator, allocated only when gradients must be held until
+            the end of backward (clipping, or accumulation over micro-batches).
+    """
+
+    layout: FlatLayout
+    master: torch.Tensor
+    shadow: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor | None = None
+    params: list[nn.Parameter] = field(default_factory=list)
+    """The user's parameters in slot order (for state_dict mapping and hooks)."""
+
+    @property
+    def streamed(self) -> torch.Tensor:
+        """The buffer whose bytes go to the device."""
+        return self.shadow if self.shadow is not None else self.master
+
+    def master_view(self, slot_index: int) -> torch.Tensor:
+        slot = self.layout.slots[slot_index]
+        return self.master[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Host bytes held, by kind (for memory accounting and tests)."""
+        tensors = {"master": self.master, "shadow": self.shadow, "exp_avg": self.exp_avg,
+                   "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
+        return {kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None}
+
+    def window(self, start: int, end: int) -> "HostFlatState":
+        """Views of elements ``[start, end)`` of every buffer, with the matching layout
+        (:meth:`FlatLayout.window`): the part of this state one data-parallel rank steps."""
+        def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[start:end]
+        return HostFlatState(layout=self.layout.window(start, end), master=self.master[start:end],
+                             shadow=part(self.shadow), exp_avg=self.exp_avg[start:end],
+                             exp_avg_sq=self.exp_avg_sq[start:end], grad=part(self.grad))
+
+    def refresh_shadow(self, start: int = 0, end: int | None = None) -> None:
+        """Round the updated master into the streamed shadow (no-op without a shadow)."""
+        if self.shadow is not None:
+            self.shadow[start:end].copy_(self.master[start:end])
+
+
+class TensorSource(Protocol):
+    """Where parameter values come from instead of the parameters themselves (e.g. the
+    safetensors shards of a model built on the meta device)."""
+
+    def copy_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` (a master slot, any dtype) with the tensor called ``name``."""
+
+
+def migrate_to_host(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    group_of: dict[nn.Parameter, int],
+    runtime: DeviceRuntime,
+    master_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    source: TensorSource | None = None,
+    shared: NodeSharedMemory | None = None,
+) -> HostFlatState:
+    """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
+
+    The master buffer is allocated untouched (no resident pages); each parameter is copied
+    into its slot and re-pointed at once, which frees its old storage before the next is
+    copied. So the model never exists twice in memory: the peak is the final state plus
+    one parameter.
+
+    With ``source`` each slot is filled from ``source.copy_into(name, slot)`` instead of
+    the parameter's own value; parameters on the ``meta`` device (no storage) then become
+    real parameters viewing their slot, keeping their identity (optimizer groups hold them).
+
+    With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
+    node's writer copies values in; the other ranks just re-point their parameters (their
+    own values are dropped, as DDP drops them for rank 0's) and must not read the state
+    before :meth:`NodeSharedMemory.written`.
+    """
+    layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
+    by_name = dict(named_params)
+    master = runtime.host_empty(layout.numel, master_dtype, shared)
+    writes = shared is None or shared.is_writer
+    params = []
+    for index, slot in enumerate(layout.slots):
+        param = by_name[slot.name]
+        view = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if writes and source is not None:
+            source.copy_into(slot.name, view)
+        elif writes:
+            view.copy_(param.detach())
+        if param.is_meta:
+            # A meta tensor's data cannot be re-pointed (incompatible tensor types); swapping
+            # keeps the Python object, so the optimizer's groups and tied modules follow.
+            torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+        else:
+            param.data = view
+        params.append(param)
+        if writes:
+            # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
+            pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
+            master[slot.offset + slot.numel : pad_end].zero_()
+    shadow = None
+    if compute_dtype != master_dtype:
+        shadow = runtime.host_empty(layout.numel, compute_dtype, shared)
+        if writes:
+            shadow.copy_(master)
+    return HostFlatState(
+        layout=layout,
+        master=master,
+        shadow=shadow,
+        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared),
+        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared),
+        params=params,
+    )

@@ -1,0 +1,152 @@
+"""Double-buffered host-to-device weight streaming over a small pool of device buffers.
+
+The streamer follows a *plan*: the order in which blocks will be asked for (forward:
+0..L-1; backward: segments in reverse). Whenever a device buffer is free it copies the
+next planned block into it on the host-to-device stream, so while block ``i`` computes,
+block ``i+1`` is already in flight.
+
+[Note: buffer ordering]
+Each device buffer (a *slot*) carries two events:
+- ``ready``: recorded on the h2d stream after the copy into the slot. The compute stream
+  waits on it before the block runs (``acquire``) -- the device waits, the host does not.
+- ``free``: recorded on the compute stream when the engine is done with the slot
+  (``release``). The h2d stream waits on it before overwriting the slot, so a prefetch
+  never clobbers weights a queued kernel still reads.
+No host-side synchronisation happens here.
+
+[Note: the host as the device]
+When the device computes on host memory (``runtime.shares_host_memory``: the CPU), a
+"copy to the device" would only duplicate the block in the same RAM: two slots of the
+largest block (0.4 B/param at 551M parameters in fp32) and a memcpy of every block twice
+per step. There a slot *is* the block's ``streamed`` host buffer: ``_top_up`` points it
+there instead of copying, and everything else -- the plan, the slots in flight and held,
+the events, ``transfers`` -- runs as on a GPU. Reading the host buffer in place is safe
+for the same reason a prefetch is: the optimizer writes a parameter only after its last
+use in the step (``gradients/outbox.py``: [Note: complete gradients]), and the next
+forward starts after ``engine.step()`` has drained the worker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
+from megatrain_ds.state.host_store import HostFlatState
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    ready: Event
+    free: Event
+
+
+@dataclass
+class WeightStreamer:
+    """Streams each block's ``HostFlatState.streamed`` buffer into device slots.
+
+    Args:
+        runtime: streams, events and allocation.
+        states: host state of every block, indexed by block number.
+        num_slots: device buffers in the pool (each sized for the largest block).
+    """
+
+    runtime: DeviceRuntime
+    states: Sequence[HostFlatState]
+    num_slots: int
+    on_issue: Callable[[int], None] | None = None
+    """Called after a block's copy is issued, to send companions (checkpoints) along."""
+    transfers: Counter = field(default_factory=Counter)
+    """Host-to-device copies issued, per block (for tests and traces)."""
+
+    def __post_init__(self) -> None:
+        dtype = self.states[0].streamed.dtype
+        # On the CPU the slots view the host buffers ([Note: the host as the device]).
+        self._in_place = self.runtime.shares_host_memory
+        numel = 0 if self._in_place else max(state.layout.numel for state in self.states)
+        self._slots = [
+            _Slot(self.runtime.device_empty(numel, dtype), self.runtime.event(), self.runtime.event())
+            for _ in range(self.num_slots)
+        ]
+        self._free: deque[_Slot] = deque(self._slots)
+        self._plan: deque[int] = deque()
+        self._in_flight: deque[tuple[int, _Slot]] = deque()
+        self._held: dict[int, _Slot] = {}
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the buffer pool: independent of model depth (none on the CPU)."""
+        if self._in_place:
+            return 0
+        return sum(slot.buffer.numel() * slot.buffer.element_size() for slot in self._slots)
+
+    def begin(self, plan: Iterable[int]) -> None:
+        """Start a pass that will acquire blocks in the order of ``plan``.
+
+        Blocks still held by an abandoned pass are released; copies already in flight
+        are kept when they match the head of the new plan, and dropped otherwise.
+        """
+        for block in list(self._held):
+            self.release(block)
+        self._replan(plan)
+
+    def _replan(self, plan: Iterable[int]) -> None:
+        plan = deque(plan)
+        kept: deque[tuple[int, _Slot]] = deque()
+        for block, slot in self._in_flight:
+            if plan and plan[0] == block:
+                kept.append((block, slot))
+                plan.popleft()
+            else:
+                self._free.append(slot)
+        self._in_flight, self._plan = kept, plan
+        self._top_up()
+
+    def acquire(self, block: int) -> torch.Tensor:
+        """The device weights of ``block``, ready for kernels queued on the compute stream.
+
+        A block asked for out of plan (a model that skips or reorders blocks) is copied
+        now and the plan continues from it in ascending order.
+        """
+        if not (self._in_flight and self._in_flight[0][0] == block):
+            self._replan([block, *range(block + 1, len(self.states))])
+            if not self._in_flight:
+                raise RuntimeError(
+                    f"no free device buffer for block {block}: all {self.num_slots} are held"
+                )
+        _, slot = self._in_flight.popleft()
+        # The device waits for the copy (see [Note: buffer ordering]); the host goes on.
+        self.runtime.compute_stream().wait_event(slot.ready)
+        self._held[block] = slot
+        self._top_up()
+        return slot.buffer[: self.states[block].layout.numel]
+
+    def release(self, block: int) -> None:
+        """The engine has queued its last use of ``block``'s weights; reuse the slot."""
+        slot = self._held.pop(block)
+        slot.free.record(self.runtime.compute_stream())
+        self._free.append(slot)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._free and self._plan:
+            block = self._plan.popleft()
+            slot = self._free.popleft()
+            source = self.states[block].streamed
+            with self.runtime.on(self.runtime.h2d_stream):
+                # Do not overwrite the slot before kernels that read its last block finish.
+                self.runtime.h2d_stream.wait_event(slot.free)
+                with self.runtime.tracer.device_span(f"weights {block}", "h2d", self.runtime.h2d_stream, block=block):
+                    if self._in_place:
+                        slot.buffer = source  # nothing to copy: the device reads the host buffer
+                    else:
+                        slot.buffer[: source.numel()].copy_(source, non_blocking=True)
+                slot.ready.record(self.runtime.h2d_stream)
+            self.transfers[block] += 1
+            self._in_flight.append((block, slot))
+            if self.on_issue is not None:
+                self.on_issue(block)
