@@ -139,8 +139,10 @@ def render(spans: list[dict[str, Any]], meta: dict[str, Any], step: int, out: st
     return out
 
 
-def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps: int, threads: int) -> None:
-    """Train a random-init model of ``model_config`` on the CPU for ``1 + steps`` steps, traced."""
+def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps: int, threads: int,
+           device: str = "cpu") -> None:
+    """Train a random-init model of ``model_config`` on ``device`` for ``1 + steps`` steps, traced
+    (bf16 compute on CUDA, fp32 on the CPU)."""
     import torch
     import transformers
 
@@ -152,12 +154,12 @@ def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps
     model = transformers.AutoModelForCausalLM.from_config(config)
     engine = MegatrainEngine(model, parse_engine_config({
         "engine": "megatrain", "train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": device == "cuda"},
         "megatrain": {"trace": str(trace), "trace_steps": steps},
-    }), device=torch.device("cpu"))
+    }), device=torch.device(device))
     try:
         for step in range(1 + steps):
-            ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+            ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
@@ -175,16 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", type=Path, help="trace JSON (written by the engine, or by --record)")
     parser.add_argument("--step", type=int, default=None, help="optimizer step to draw (default: the last traced)")
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default: the trace's, .png)")
-    recording = parser.add_argument_group("--record: run a short traced CPU training first")
+    recording = parser.add_argument_group("--record: run a short traced training first")
     recording.add_argument("--record", action="store_true")
     recording.add_argument("--model", default="configs/models/tiny_llama.json", help="model config JSON")
     recording.add_argument("--seq-len", type=int, default=256)
     recording.add_argument("--micro-batch", type=int, default=4)
     recording.add_argument("--steps", type=int, default=2, help="traced steps (after one warm-up step)")
     recording.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    recording.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model computes")
     args = parser.parse_args(argv)
     if args.record:
-        record(args.trace, args.model, args.seq_len, args.micro_batch, args.steps, args.threads)
+        record(args.trace, args.model, args.seq_len, args.micro_batch, args.steps, args.threads, args.device)
     spans, meta = load_spans(args.trace)
     step = args.step if args.step is not None else steps_in(spans)[-1]
     out = render(spans, meta, step, args.out or args.trace.with_suffix(".png"))

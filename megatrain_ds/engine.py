@@ -239,21 +239,24 @@ class MegatrainEngine(nn.Module):
             warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
                                       accumulation=self.gradient_accumulation_steps())
         self._tracing.before_forward(self.global_steps)
-        self.blocks.begin_forward()
-        return self.module(*args, **kwargs)
+        with self.runtime.observe():
+            self.blocks.begin_forward()
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` divided by the accumulation steps (DeepSpeed semantics)."""
-        self.blocks.begin_backward()
-        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        scaled.backward(retain_graph=retain_graph)
+        with self.runtime.observe():
+            self.blocks.begin_backward()
+            scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+            scaled.backward(retain_graph=retain_graph)
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
         if self.is_gradient_accumulation_boundary():
-            self.optimizer.step()  # -> _finish_optimizer_step (DeepSpeed's order)
+            with self.runtime.observe():
+                self.optimizer.step()  # -> _finish_optimizer_step (DeepSpeed's order)
             if self.lr_scheduler is not None and self._step_applied:  # DeepSpeed: not after a skip
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
@@ -338,7 +341,8 @@ class MegatrainEngine(nn.Module):
 
     def _finish_optimizer_step(self) -> None:
         self.sink.drain()
-        with self.runtime.tracer.span("step finish", "optimizer worker"):
+        # After the drain the worker is idle: the rest of the update is host code here.
+        with self.runtime.tracer.span("step finish", "optimizer worker"), self.runtime.host_work():
             report = self.stepper.finish(self.optimizer_steps + 1)
         if self.data_parallel is not None:
             # Sync: the next forward streams weights every rank of the node has updated.
@@ -377,7 +381,9 @@ class MegatrainEngine(nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
         directory (fp32 masters); crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`."""
-        return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+        # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.
+        with self.runtime.observe(), self.runtime.host_work():
+            return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                              exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -386,7 +392,8 @@ class MegatrainEngine(nn.Module):
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
         ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.save_load`."""
-        return save_load.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+        with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
+            return save_load.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only, custom_load_fn)
 
 

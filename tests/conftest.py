@@ -16,3 +16,10 @@ def cpu_single_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def stream_check(monkeypatch):
+    """CPU runtimes created in the test check stream ordering (``MEGATRAIN_STREAM_CHECK=1``):
+    virtual streams and events, and ``StreamRaceError`` on an access no synchronisation orders."""
+    monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")

@@ -22,6 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from megatrain_ds.runtime.stream_check import declare_access
+
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -84,6 +86,7 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Sequence[tuple[str,
     with open(path, "xb") as handle:
         handle.write(prefix)
         for _, tensor in tensors:
+            declare_access(reads=(tensor,), what=f"writing {path}")  # file I/O bypasses aten
             data = tensor_bytes(tensor)
             handle.write(data)
             crc = zlib.crc32(data, crc)
@@ -151,6 +154,7 @@ class SafetensorsFile:
             for record in self.records.values():
                 target = destinations.get(record.name)
                 if target is not None and target.dtype == record.dtype and target.is_contiguous():
+                    declare_access(writes=(target,), what=f"reading {self.path}")  # file I/O bypasses aten
                     data = tensor_bytes(target)
                     self._read_exactly(handle, data, record)
                     crc = zlib.crc32(data, crc)

@@ -71,12 +71,11 @@ class GradientReducer:
         self._sink = sink
         self._windows = windows
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._work: queue.Queue[_Job | None] = queue.Queue()
+        self._work: queue.Queue[_Job | None] = runtime.host_queue()  # push -> reduce, reduce -> drain
         self._error: BaseException | None = None
         self.on_all_reduce: Callable[[int], None] | None = None
         """Called on the reducer's thread as each state's reduction starts (tests, tracing)."""
-        self._thread = threading.Thread(target=self._run, name="megatrain-grad-reducer", daemon=True)
-        self._thread.start()
+        self._thread = runtime.start_thread(self._run, name="megatrain-grad-reducer")
 
     # -- autograd thread ----------------------------------------------------------------
 

@@ -12,8 +12,9 @@ the same pool bounds the chunks in flight (no staging buffers, no copy).
   was produced, so the copy reads finished values.
 - The worker blocks on the copy's ``done`` event (a host wait, but off the main thread)
   before touching the staging buffer, and returns the buffer to the pool afterwards.
-- The device gradient tensor travels with its chunk until the copy is done, so the
-  caching allocator cannot hand its memory to another kernel mid-copy.
+- The device gradient is marked used on the d2h stream (``runtime.used_on``:
+  ``record_stream``), so when backward drops it the caching allocator does not hand its
+  memory to another kernel before the copy has read it.
 - When the pool is empty ``push`` waits for the worker: back-pressure bounds pinned
   memory to ``num_staging`` buffers.
 """
@@ -21,7 +22,6 @@ the same pool bounds the chunks in flight (no staging buffers, no copy).
 from __future__ import annotations
 
 import queue
-import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -56,7 +56,6 @@ class _Chunk:
     """Where ``host`` lies, returned to the pool after the consume; ``None`` without staging."""
     final: bool
     done: Event
-    source: torch.Tensor | None
 
 
 class GradientSink:
@@ -78,13 +77,15 @@ class GradientSink:
         # Where the device computes on host memory (the CPU) a gradient is consumed where
         # autograd put it: the pool holds tokens instead of buffers, and bounds the same
         # number of chunks in flight.
-        self._pool: queue.Queue[torch.Tensor | None] = queue.Queue()
+        # Both queues order the threads that share the chunks (the race checker sees them):
+        # the worker reads a chunk after its push, a staging buffer is refilled after the
+        # worker has returned it, and drain() returns after every consume.
+        self._pool: queue.Queue[torch.Tensor | None] = runtime.host_queue()
         for _ in range(num_staging):
             self._pool.put(None if runtime.shares_host_memory else runtime.host_empty(staging_numel, dtype))
-        self._work: queue.Queue[_Chunk | None] = queue.Queue()
+        self._work: queue.Queue[_Chunk | None] = runtime.host_queue()
         self._error: BaseException | None = None
-        self._worker = threading.Thread(target=self._run, name="megatrain-grad-worker", daemon=True)
-        self._worker.start()
+        self._worker = runtime.start_thread(self._run, name="megatrain-grad-worker")
 
     def push(self, state_index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
         """Queue the flat device gradient ``grad`` of elements ``[offset, offset+numel)``."""
@@ -105,7 +106,9 @@ class GradientSink:
                         staging[: piece.numel()].copy_(piece, non_blocking=True)
                         host = staging[: piece.numel()]
                 done.record(self._runtime.d2h_stream)
-            self._work.put(_Chunk(state_index, offset + start, host, staging, final, done, piece))
+            if staging is not None:
+                self._runtime.used_on(piece, self._runtime.d2h_stream)  # backward may drop it first
+            self._work.put(_Chunk(state_index, offset + start, host, staging, final, done))
 
     def push_block(self, state_index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None:
         """Queue a block's gradients: ``(state offset, flat device gradient)`` per parameter
@@ -135,7 +138,6 @@ class GradientSink:
                 return
             try:
                 chunk.done.synchronize()  # the staging buffer is valid only after the copy
-                chunk.source = None  # device memory may be reused now (unless it is ``host``)
                 if self._error is None:
                     assert chunk.host is not None
                     with self._runtime.tracer.span(f"consume {chunk.state_index}", "optimizer worker",

@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper, BeforeChunk, adamw_update_
+from megatrain_ds.runtime.stream_check import declare_access
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,11 @@ class CpuAdamKernel:
 
     def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None,
-              inputs_persist: bool = True) -> None:
+              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
         """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (fp32) and ``shadow`` in place.
 
         ``grad`` (fp32 or bf16) is read only. ``step`` is the step count after incrementing.
-        ``inputs_persist`` concerns the device placement only (same signature).
         """
-        del inputs_persist  # CPU work is done when this returns
         n = param.numel()
         if n == 0:
             return
@@ -354,12 +352,10 @@ class DeepSpeedKernel(CpuAdamKernel):
 
     def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None,
-              inputs_persist: bool = True) -> None:
+              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
         """Same contract as :meth:`CpuAdamKernel.step_`: one call of the op for the range, or
         one per ``chunk_numel`` chunk when ``before_chunk`` must run in between (the journal's
         copies then leave the chunk in cache for the update)."""
-        del inputs_persist  # CPU work is done when this returns
         n = param.numel()
         if n == 0:
             return
@@ -375,6 +371,9 @@ class DeepSpeedKernel(CpuAdamKernel):
     def _fused(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                shadow: torch.Tensor | None, step: int, hyper: AdamHyper, grad_scale: float) -> None:
         beta1, beta2 = hyper.betas
+        # The C++ kernel reads and writes through raw pointers, unseen by aten: tell the race checker.
+        declare_access(reads=(grad,), writes=(param, exp_avg, exp_avg_sq, *(() if shadow is None else (shadow,))),
+                       what="DeepSpeed's CPU Adam kernel")
         self._op.adam_step(self._ids[hyper.decoupled], step, hyper.lr, beta1, beta2, hyper.eps, hyper.weight_decay,
                            param, grad, exp_avg, exp_avg_sq, shadow, grad_scale, self.block_numel)
 

@@ -20,9 +20,12 @@ fp32 -> bf16 where the GPU rounds; ``megatrain_triton/adamw.py``).
 - Write-backs go on ``runtime.d2h_stream`` (the gradients' stream: device-to-host
   bandwidth is shared either way) after waiting on the set's ``computed`` event; ``free``
   is recorded there.
-- The host waits only where host memory is handed over: ``step_`` returns after the
-  loads of its last chunk when the gradient is a staging buffer the sink will reuse
-  (``inputs_persist=False``), and :meth:`flush` waits for every write-back. The engine
+- The host waits only in :meth:`flush`, for every write-back. ``step_`` returns without
+  waiting even when ``grad`` is a staging buffer the gradient sink refills as soon as it
+  is back in its pool: the refill is a copy on the d2h stream, issued after this
+  ``step_`` made the d2h stream wait on each chunk's ``computed`` event, which follows
+  the chunk's loads on the optimizer stream (the race checker's mutation test found the
+  host wait that stood here redundant). The engine
   flushes before it reads or restores host state and before ``engine.step()`` returns, so
   the next forward's weight copies (on the h2d stream, which knows nothing of these
   events) always read the updated shadow.
@@ -36,6 +39,7 @@ import torch
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper, BeforeChunk
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
+from megatrain_ds.runtime.stream_check import declare_access
 
 CHUNK_ELEMENTS = 1 << 20
 """Elements per transfer: 4 MiB per fp32 tensor, long enough for full PCIe bandwidth."""
@@ -50,7 +54,6 @@ class _BufferSet:
     exp_avg_sq: torch.Tensor  # fp32 [CHUNK]
     shadow: torch.Tensor  # bf16 [CHUNK]
     grads: dict[torch.dtype, torch.Tensor]  # [CHUNK] per gradient dtype seen
-    loaded: Event
     computed: Event
     free: Event
 
@@ -76,7 +79,7 @@ class DeviceAdamW:
 
         self._sets = [
             _BufferSet(empty(torch.float32), empty(torch.float32), empty(torch.float32), empty(torch.bfloat16),
-                       {grad_dtype: empty(grad_dtype)}, runtime.event(), runtime.event(), runtime.event())
+                       {grad_dtype: empty(grad_dtype)}, runtime.event(), runtime.event())
             for _ in range(num_sets)
         ]
         self._next = 0
@@ -89,12 +92,10 @@ class DeviceAdamW:
 
     def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None,
-              inputs_persist: bool = True) -> None:
+              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
         """Queue the update of a host range (same contract as ``CpuAdamKernel.step_``);
         results land in host memory by :meth:`flush`."""
         runtime = self.runtime
-        last_loaded: Event | None = None
         for start in range(0, param.numel(), self.chunk_numel):
             end = min(start + self.chunk_numel, param.numel())
             n = end - start
@@ -111,7 +112,9 @@ class DeviceAdamW:
                 runtime.optimizer_stream.wait_event(buffers.free)  # see [Note: device optimizer ordering]
                 for device_tensor, host_tensor in zip((dev_p, dev_m, dev_v, dev_g), (*host, grad[start:end])):
                     device_tensor.copy_(host_tensor, non_blocking=True)
-                buffers.loaded.record(runtime.optimizer_stream)
+                # Triton launches (and its CPU interpreter) bypass aten: tell the race checker.
+                declare_access(reads=(dev_g,), writes=(dev_p, dev_m, dev_v, *((dev_s,) if shadow is not None else ())),
+                               what="the Triton AdamW kernel")
                 self._kernel(dev_p, dev_g, dev_m, dev_v, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
                              weight_decay=hyper.weight_decay, step=step, grad_scale=grad_scale,
                              decoupled=hyper.decoupled, shadow=dev_s if shadow is not None else None)
@@ -124,9 +127,6 @@ class DeviceAdamW:
                     shadow[start:end].copy_(dev_s, non_blocking=True)
                 buffers.free.record(runtime.d2h_stream)
             self._pending.append(buffers.free)
-            last_loaded = buffers.loaded
-        if not inputs_persist and last_loaded is not None:
-            last_loaded.synchronize()  # the caller may reuse ``grad`` (a staging buffer) now
 
     def flush(self) -> None:
         """Wait until every queued write-back has landed in host memory."""

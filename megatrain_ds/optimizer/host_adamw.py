@@ -25,8 +25,7 @@ class Placement(Protocol):
 
     def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None,
-              inputs_persist: bool = True) -> None: ...
+              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None: ...
 
 
 class HostAdamW:
@@ -66,15 +65,13 @@ class HostAdamW:
                          weight_decay=float(values["weight_decay"]), decoupled=self.decoupled)
 
     def update_range(self, state: HostFlatState, offset: int, grad: torch.Tensor, *,
-                     step: int, grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None,
-                     inputs_persist: bool = True) -> None:
+                     step: int, grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
         """Step elements ``[offset, offset + grad.numel())`` of ``state`` with ``grad``.
 
         Adam is elementwise, so any range may be stepped on its own as soon as its
         gradient is final. Frozen runs are skipped; the shadow is refreshed in the same
         pass. ``before_chunk(start, end)`` (state offsets) runs before those elements are
-        overwritten. ``inputs_persist``: ``grad`` stays valid after the call (a held
-        gradient, not a staging buffer), so a device placement need not wait for its copy.
+        overwritten.
         """
         placement = self.placement_of(state)
         for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
@@ -84,7 +81,6 @@ class HostAdamW:
                 state.master[lo:hi], grad[lo - offset : hi - offset], state.exp_avg[lo:hi],
                 state.exp_avg_sq[lo:hi], state.shadow[lo:hi] if state.shadow is not None else None,
                 step=step, hyper=self.hyper(run.group), grad_scale=grad_scale, before_chunk=journal,
-                inputs_persist=inputs_persist,
             )
 
     def flush(self) -> None:

@@ -205,7 +205,7 @@ class OptimizerStepper:
         if not self.holds_gradients:
             if math.isfinite(self._sum_squares):  # after a non-finite chunk, stop spoiling the state
                 with self._span(index, offset, grad.numel()):
-                    self.adamw.update_range(state, offset, grad, step=step, inputs_persist=False)
+                    self.adamw.update_range(state, offset, grad, step=step)
                 self._speculated += grad.numel()
             return
         if self._speculating is None:

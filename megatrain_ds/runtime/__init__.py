@@ -2,6 +2,8 @@
 
 - ``device_runtime``: the only module that talks to CUDA; hands out streams, events,
   pinned or page-aligned host buffers and device buffers (no-op streams on the CPU).
+- ``stream_check``: the race checker (``MEGATRAIN_STREAM_CHECK=1``): virtual streams and
+  host threads with vector clocks; an access no synchronisation orders raises.
 - ``trace``: Chrome/Perfetto traces of copies, compute and the optimizer worker.
 - ``host_heap``: how the CPU path keeps transient host memory from piling up.
 - ``node_shared_memory``: host memory mapped by every rank of a node.

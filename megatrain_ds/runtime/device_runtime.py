@@ -1,30 +1,38 @@
-"""Streams, events and host/device allocations: the only module that talks to CUDA.
+"""Streams, events, threads and host/device allocations: the only module that talks to CUDA.
 
-Everything else asks a :class:`DeviceRuntime` for streams, events and buffers. On a
-machine without CUDA the runtime hands out no-op streams and events and unpinned host
-memory, so the CPU runs exactly the scheduling code the GPU runs (see
-``[Note: one code path]`` below).
+Everything else asks a :class:`DeviceRuntime` for streams, events, buffers, host threads
+and the queues between them. On a machine without CUDA the runtime hands out no-op
+streams and events and unpinned host memory, so the CPU runs exactly the scheduling code
+the GPU runs (see ``[Note: one code path]`` below).
 
 [Note: one code path]
 The engine never branches on "is this a GPU". It records events, makes streams wait
 on them and issues ``copy_(..., non_blocking=True)`` everywhere. On the CPU those calls
 are no-ops or synchronous copies, which is still correct because CPU work is issued in
-program order; the ordering logic itself (which event guards which buffer) is what the
-CPU tests exercise.
+program order. That the *ordering* is right -- which event guards which buffer, which
+stream a freed tensor was used on -- is proved on the CPU by the race checker
+(``stream_check.py``): with ``MEGATRAIN_STREAM_CHECK=1`` the runtime hands out virtual
+streams and events, keeps "device" buffers apart from host buffers as a GPU would
+(``shares_host_memory`` is then false), and raises ``StreamRaceError`` on the first
+access that no declared synchronisation orders.
 """
 
 from __future__ import annotations
 
 import contextlib
 import platform
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 
+from megatrain_ds.runtime import stream_check
 from megatrain_ds.runtime.host_heap import keep_large_transients_mapped, return_free_memory
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.runtime.stream_check import StreamChecker
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 
 PAGE_BYTES = 4096
@@ -53,6 +61,12 @@ class NullStream:
 
     def wait_event(self, event: Event) -> None:
         del event
+
+    def wait_stream(self, stream: object) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
 
 
 class HostClockEvent:
@@ -124,6 +138,7 @@ class DeviceRuntime:
     optimizer_stream: object = field(default_factory=NullStream)
     comm_stream: object = field(default_factory=NullStream)
     tracer: NullTracer | Tracer = field(default=NULL_TRACER, repr=False)
+    checker: StreamChecker | None = field(default=None, repr=False)
     _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
     """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
 
@@ -140,6 +155,11 @@ class DeviceRuntime:
                 comm_stream=torch.cuda.Stream(device),
                 pin_memory=pin_memory,
             )
+        if stream_check.requested():
+            checker = StreamChecker()
+            return cls(device=device, h2d_stream=checker.stream("h2d"), d2h_stream=checker.stream("d2h"),
+                       optimizer_stream=checker.stream("optimizer"), comm_stream=checker.stream("comm"),
+                       pin_memory=False, checker=checker)
         # The step's transients will be host memory: keep the large ones out of glibc's heap.
         keep_large_transients_mapped()
         return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
@@ -151,15 +171,20 @@ class DeviceRuntime:
     @property
     def shares_host_memory(self) -> bool:
         """The device computes on host memory (the CPU): a host buffer needs no device copy
-        to be computed on, and a "device" buffer costs host memory."""
-        return self.device.type == "cpu"
+        to be computed on, and a "device" buffer costs host memory. Not under the race
+        checker, which keeps the two apart to judge the copies a GPU would make."""
+        return self.device.type == "cpu" and self.checker is None
 
     def compute_stream(self) -> object:
         """The stream the caller computes on (the current stream, as PyTorch sets it)."""
-        return torch.cuda.current_stream(self.device) if self.is_cuda else NullStream()
+        if self.is_cuda:
+            return torch.cuda.current_stream(self.device)
+        return self.checker.current_stream() if self.checker is not None else NullStream()
 
     def event(self) -> Event:
-        return torch.cuda.Event() if self.is_cuda else NullEvent()
+        if self.is_cuda:
+            return torch.cuda.Event()
+        return self.checker.event() if self.checker is not None else NullEvent()
 
     def clock_event(self) -> HostClockEvent | CudaClockEvent:
         """An event that also tells when the device reached it (for traces only: timing
@@ -191,8 +216,36 @@ class DeviceRuntime:
         if self.is_cuda:
             with torch.cuda.stream(stream):  # type: ignore[arg-type]
                 yield
+        elif self.checker is not None:
+            with self.checker.use_stream(stream):  # type: ignore[arg-type]
+                yield
         else:
             yield
+
+    # -- host threads and what they share (the race checker sees these handoffs) -----------
+
+    def observe(self) -> ContextManager[None]:
+        """Run the enclosed engine call with its tensor accesses checked (a no-op unless
+        the race checker is on; re-entrant)."""
+        return self.checker.observe() if self.checker is not None else contextlib.nullcontext()
+
+    def host_work(self) -> ContextManager[None]:
+        """The enclosed ops are host code on host buffers, run by the calling thread (the
+        optimizer's end of step): for the race checker, not work queued on a stream."""
+        return self.checker.host_work() if self.checker is not None else contextlib.nullcontext()
+
+    def start_thread(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start a daemon host thread running ``target`` (observed by the race checker)."""
+        if self.checker is not None:
+            return self.checker.start_thread(target, name)
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def host_queue(self) -> queue.Queue:
+        """A queue between host threads; under the race checker it carries their ordering
+        (``put`` before ``get``, every ``task_done`` before ``join``)."""
+        return self.checker.queue() if self.checker is not None else queue.Queue()
 
     def host_empty(self, numel: int, dtype: torch.dtype, shared: NodeSharedMemory | None = None) -> torch.Tensor:
         """A flat host tensor starting on a page boundary, pinned when CUDA is used.
@@ -222,6 +275,16 @@ class DeviceRuntime:
                     '"megatrain": {"pin_memory": false}'
                 )
             self._registered.append(tensor)
+        if self.checker is not None:
+            self.checker.tag_host(tensor)
+        return tensor
+
+    def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A short-lived host tensor for asynchronous copies, from PyTorch's pinned caching
+        allocator (which keeps a freed block until the copies that used it are done)."""
+        tensor = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory and self.is_cuda)
+        if self.checker is not None:
+            self.checker.tag_host(tensor)
         return tensor
 
     def release_host_memory(self) -> None:
@@ -244,10 +307,12 @@ class DeviceRuntime:
         return self.host_empty(numel, dtype).zero_()
 
     def used_on(self, tensor: torch.Tensor, stream: object) -> None:
-        """``tensor`` (from the compute stream) is also read on ``stream``: the caching
+        """``tensor`` (allocated on another stream) is also used on ``stream``: the caching
         allocator must not reuse its memory before that work is done (``record_stream``)."""
         if self.is_cuda:
             tensor.record_stream(stream)  # type: ignore[arg-type]
+        elif self.checker is not None:
+            self.checker.used_on(tensor, stream)  # type: ignore[arg-type]
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -256,6 +321,8 @@ class DeviceRuntime:
         """Wait for all queued device work (used only outside the hot path)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+        elif self.checker is not None:
+            self.checker.synchronize()
 
 
 def _cpu_name() -> str:

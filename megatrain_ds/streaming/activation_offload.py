@@ -10,13 +10,15 @@ checkpoints on the device (``offload_checkpoints: false``) when they fit.
 
 [Note: checkpoint ordering]
 - offload: the d2h stream waits for the compute that produced the tensor; the device
-  tensor is marked used by the d2h stream (``record_stream``) so the caching allocator
-  cannot reuse its memory before the copy has read it.
+  tensor is marked used by the d2h stream (``runtime.used_on``: ``record_stream``) so the
+  caching allocator cannot reuse its memory before the copy has read it.
 - prefetch: the h2d stream waits for the offload copy (``copied``), copies into a tensor
   allocated on the h2d stream, and records ``ready``; ``take`` makes the compute stream
-  wait on ``ready`` and marks the tensor used by the compute stream.
-- pinned host tensors come from PyTorch's caching host allocator, which itself keeps a
-  block alive until the copies that use it have completed.
+  wait on ``ready`` and marks the tensor used by the compute stream (it was allocated on
+  the h2d stream, which would otherwise reuse it as soon as backward drops it).
+- pinned host tensors come from PyTorch's caching host allocator
+  (``runtime.pinned_empty``), which itself keeps a block alive until the copies that use
+  it have completed.
 """
 
 from __future__ import annotations
@@ -53,14 +55,13 @@ class ActivationOffloader:
         runtime = self.runtime
         produced = runtime.event()
         produced.record(runtime.compute_stream())
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=runtime.pin_memory)
+        host = runtime.pinned_empty(tensor.shape, tensor.dtype)
         copied = runtime.event()
         with runtime.on(runtime.d2h_stream):
-            runtime.d2h_stream.wait_event(produced)
+            runtime.d2h_stream.wait_event(produced)  # read the finished activation
             host.copy_(tensor, non_blocking=True)
             copied.record(runtime.d2h_stream)
-        if runtime.is_cuda:
-            tensor.record_stream(runtime.d2h_stream)  # type: ignore[arg-type]
+        runtime.used_on(tensor, runtime.d2h_stream)  # forward drops it before the copy has run
         return HostCheckpoint(host, copied)
 
     def prefetch(self, checkpoint: HostCheckpoint) -> None:
@@ -70,7 +71,7 @@ class ActivationOffloader:
         runtime = self.runtime
         checkpoint.ready = runtime.event()
         with runtime.on(runtime.h2d_stream):
-            runtime.h2d_stream.wait_event(checkpoint.copied)
+            runtime.h2d_stream.wait_event(checkpoint.copied)  # the host copy is complete
             checkpoint.device = torch.empty(checkpoint.host.shape, dtype=checkpoint.host.dtype,
                                             device=runtime.device)
             checkpoint.device.copy_(checkpoint.host, non_blocking=True)
@@ -82,11 +83,10 @@ class ActivationOffloader:
         self.prefetch(checkpoint)
         runtime = self.runtime
         compute = runtime.compute_stream()
-        compute.wait_event(checkpoint.ready)  # type: ignore[arg-type]
+        compute.wait_event(checkpoint.ready)  # type: ignore[arg-type]  # the device copy has landed
         tensor = checkpoint.device
         assert tensor is not None
-        if runtime.is_cuda:
-            tensor.record_stream(compute)  # type: ignore[arg-type]
+        runtime.used_on(tensor, compute)  # allocated on the h2d stream, used and freed on this one
         self.device_bytes_in_flight -= checkpoint.nbytes
         checkpoint.device = None
         return tensor

@@ -49,7 +49,7 @@ class ResidentParams:
         self.state: HostFlatState = migrate_to_host(named_params, group_of, runtime, master_dtype,
                                                     compute_dtype, source=source, shared=shared)
         streamed = self.state.streamed
-        if runtime.device.type == "cpu":
+        if runtime.shares_host_memory:
             # The CPU is its own device: the streamed host buffer is the device copy.
             self.device_flat = streamed
         else:

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# One command that validates the engine on a GPU machine and keeps the evidence.
+#
+# Run from anywhere on a machine with CUDA (no network needed):
+#   bash scripts/gpu_validate.sh [--out DIR] [--skip STEP]... [--compare-args "ARGS"]
+#   bash scripts/gpu_validate.sh --dry-run     # the plan, on any machine
+#
+# Steps, in order (each one's log and result files go to DIR, default bench/results/gpu_<device>/):
+#   install       deepspeed and pydantic from .whl/ where missing (the GPU machines have no
+#                 index; fill .whl/ beforehand with ../shared/gpu/prepare_wheels.sh)
+#   gpu-tests     tests/test_gpu.py, tests/test_optimizer_gpu.py, tests/test_triton_adamw.py
+#                 (the Triton AdamW compiled for the device, checkpoint save/resume on CUDA)
+#   sanitizer     the CUDA parity and checkpoint cases again under PyTorch's CUDA sanitizer
+#                 (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
+#   data-parallel 2+ ranks on NCCL (skipped with one GPU)
+#   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
+#   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 offload and megatrain side by side
+#                 (--compare-args, default a 3.5B Llama that both fit in host memory)
+#   timeline      bench/timeline.py --record --device cuda: the traced step as a PNG
+# Every step runs even when an earlier one fails; a summary table ends the run and is
+# written to DIR/summary.json. Exit status: 0 when no step failed, 1 otherwise, 2 for
+# bad arguments or no CUDA device (without --dry-run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+STEPS=(install gpu-tests sanitizer data-parallel triton-adamw compare timeline)
+DEFAULT_COMPARE_ARGS="--hidden 4096 --intermediate 11008 --layers 16 --seq-len 1024 --micro-batch 4 --steps 3"
+
+usage() {
+    sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo "Options:"
+    echo "  --dry-run            print each step's command and the summary; run nothing"
+    echo "  --out DIR            where logs and results go (default bench/results/gpu_<device>)"
+    echo "  --skip STEP          leave a step out (repeatable): ${STEPS[*]}"
+    echo "  --compare-args ARGS  arguments for bench/compare.py (default: $DEFAULT_COMPARE_ARGS)"
+    echo "  -h, --help           this text"
+}
+
+fail_usage() { echo "gpu_validate.sh: $1 (see --help)" >&2; exit 2; }
+
+DRY_RUN=0
+OUT_DIR=""
+COMPARE_ARGS="$DEFAULT_COMPARE_ARGS"
+declare -A SKIPPED=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --dry-run) DRY_RUN=1 ;;
+        --out) [ $# -ge 2 ] || fail_usage "--out needs a directory"; OUT_DIR="$2"; shift ;;
+        --skip)
+            [ $# -ge 2 ] || fail_usage "--skip needs a step name"
+            [[ " ${STEPS[*]} " == *" $2 "* ]] || fail_usage "unknown step '$2'; steps: ${STEPS[*]}"
+            SKIPPED[$2]=1; shift ;;
+        --compare-args) [ $# -ge 2 ] || fail_usage "--compare-args needs a value"; COMPARE_ARGS="$2"; shift ;;
+        *) fail_usage "unknown argument '$1'" ;;
+    esac
+    shift
+done
+
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="$PWD:$PWD/triton_kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# The device name (file-name safe) and the GPU count, or "none" without CUDA.
+read -r DEVICE NUM_GPUS < <("$PYTHON" - <<'EOF' 2>/dev/null || echo "none 0"
+import re
+import torch
+if torch.cuda.is_available():
+    name = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_")
+    print(name.removeprefix("NVIDIA_") or "cuda", torch.cuda.device_count())
+else:
+    print("none", 0)
+EOF
+)
+if [ "$DEVICE" = "none" ] && [ "$DRY_RUN" = 0 ]; then
+    echo "gpu_validate.sh: no CUDA device here: run it on a GPU machine, or with --dry-run to see the plan" >&2
+    exit 2
+fi
+if [ -z "$OUT_DIR" ]; then
+    # A dry run leaves the repository as it was.
+    if [ "$DRY_RUN" = 1 ]; then OUT_DIR=$(mktemp -d); else OUT_DIR=bench/results/gpu_$DEVICE; fi
+fi
+mkdir -p "$OUT_DIR"
+
+NAMES=(); STATUSES=(); SECONDS_TAKEN=(); NOTES=()
+record() { NAMES+=("$1"); STATUSES+=("$2"); SECONDS_TAKEN+=("$3"); NOTES+=("$4"); }
+
+# step NAME NOTE -- COMMAND...: run one step (or plan it), its output in OUT_DIR/NAME.log.
+step() {
+    local name=$1 note=$2
+    shift 3
+    if [ -n "${SKIPPED[$name]:-}" ]; then
+        record "$name" skipped 0 "--skip"; return
+    fi
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "[dry-run] $name: $*"
+        record "$name" planned 0 "$note"; return
+    fi
+    echo "== $name: $*"
+    local started=$SECONDS
+    "$@" > >(tee "$OUT_DIR/$name.log") 2>&1
+    local status=$?
+    record "$name" "$([ $status = 0 ] && echo pass || echo "FAIL($status)")" $((SECONDS - started)) "$note"
+}
+
+install_wheels() {
+    if "$PYTHON" -c "import deepspeed" 2>/dev/null; then echo "deepspeed already importable"; return 0; fi
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "deepspeed is missing and .whl/ is empty: run ../shared/gpu/prepare_wheels.sh where pip works," \
+             "carry .whl/ here; the ZeRO-3 rows of compare will fail without it" >&2
+        return 1
+    fi
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
+
+step install "wheels from .whl/" -- install_wheels
+[ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+step gpu-tests "parity, overlap, memory flat in depth, device optimizer, Triton, checkpoints" -- \
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_optimizer_gpu.py tests/test_triton_adamw.py
+step sanitizer "TORCH_CUDA_SANITIZER=1 over the CUDA parity and checkpoint cases" -- \
+    env TORCH_CUDA_SANITIZER=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "parity or checkpoint"
+if [ "$NUM_GPUS" -gt 1 ]; then
+    step data-parallel "$NUM_GPUS ranks on NCCL vs one process" -- \
+        "$PYTHON" -m torch.distributed.run --nproc_per_node "$NUM_GPUS" tests/data_parallel_worker.py parity \
+        --out "$OUT_DIR/data_parallel"
+else
+    record data-parallel skipped 0 "one GPU (NCCL needs two)"
+fi
+step triton-adamw "bandwidth vs device copy and torch fused AdamW" -- \
+    "$PYTHON" bench/triton_adamw.py --output "$OUT_DIR/triton_adamw.json"
+# shellcheck disable=SC2086  # COMPARE_ARGS is a list of arguments
+step compare "torch / ZeRO-3 offload / megatrain: $COMPARE_ARGS" -- \
+    "$PYTHON" bench/compare.py $COMPARE_ARGS --out "$OUT_DIR/compare.json"
+step timeline "a traced step of configs/models/tiny_llama.json" -- \
+    "$PYTHON" bench/timeline.py "$OUT_DIR/timeline.json" --record --device cuda --seq-len 1024 --micro-batch 4
+
+echo
+printf '%-14s %-10s %8s  %s\n' step result seconds note
+failed=0
+for i in "${!NAMES[@]}"; do
+    printf '%-14s %-10s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${SECONDS_TAKEN[$i]}" "${NOTES[$i]}"
+    [[ "${STATUSES[$i]}" == FAIL* ]] && failed=1
+done
+"$PYTHON" - "$OUT_DIR/summary.json" "$DEVICE" "$DRY_RUN" "${#NAMES[@]}" \
+    "${NAMES[@]}" "${STATUSES[@]}" "${SECONDS_TAKEN[@]}" "${NOTES[@]}" <<'EOF'
+import json, sys
+path, device, dry_run, count = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
+columns = [sys.argv[5 + i * count: 5 + (i + 1) * count] for i in range(4)]
+steps = [{"step": n, "result": r, "seconds": int(s), "note": note} for n, r, s, note in zip(*columns)]
+with open(path, "w") as handle:
+    json.dump({"device": device, "dry_run": dry_run, "steps": steps}, handle, indent=1)
+    handle.write("\n")
+EOF
+echo "summary: $OUT_DIR/summary.json"
+exit $failed

@@ -1,0 +1,96 @@
+"""A short run of every synchronised path of the engine under the race checker.
+
+Run as a script (``tests/test_stream_ordering.py`` does, once per mutant of the package):
+it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
+
+- ``host``: the host optimizer, clipping (speculative updates and their validation),
+  gradient accumulation 2, activation checkpoints offloaded, then a checkpoint saved and
+  loaded back and one more step;
+- ``no-clipping``: the worker updating each block while backward runs;
+- ``device-optimizer``: ``"optimizer_device": "gpu"`` (state streamed through the device
+  on the optimizer stream, written back on the d2h stream), with clipping (updates from
+  the held gradients) and without (updates straight from the sink's staging buffers).
+
+Exit status: 0 when every step ran without a race, ``RACE_EXIT`` (printing the race)
+when the checker raised ``StreamRaceError``, anything else for other failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["MEGATRAIN_STREAM_CHECK"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the device optimizer's kernel on CPU tensors
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_models  # noqa: E402
+from side_by_side import ds_config  # noqa: E402
+from megatrain_ds import MegatrainEngine, parse_engine_config  # noqa: E402
+from megatrain_ds.runtime.stream_check import StreamRaceError  # noqa: E402
+
+RACE_EXIT = 3
+SCENARIOS = {
+    "host": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "offload_checkpoints": True}),
+    "no-clipping": dict(accumulation=1, clipping=0.0, megatrain={"optimizer_device": "cpu"}),
+    "device-optimizer": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "gpu"}),
+    "device-optimizer-no-clipping": dict(accumulation=1, clipping=0.0,
+                                         megatrain={"optimizer_device": "gpu", "num_staging_buffers": 2}),
+}
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, tiny_models.VOCAB, (2, 12), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def train(engine: MegatrainEngine, steps: int, first_seed: int) -> None:
+    for micro in range(steps * engine.gradient_accumulation_steps()):
+        loss = engine(**batch(first_seed + micro)).loss
+        engine.backward(loss)
+        engine.step()
+
+
+def run(name: str) -> None:
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(num_layers=3), parse_engine_config(ds_config(**SCENARIOS[name])),
+                             device=torch.device("cpu"))
+    try:
+        assert engine.runtime.checker is not None, "the race checker is not on"
+        train(engine, steps=2, first_seed=0)
+        if name == "host":
+            with tempfile.TemporaryDirectory() as directory:
+                engine.save_checkpoint(directory, tag="step2")
+                train(engine, steps=1, first_seed=100)
+                engine.load_checkpoint(directory, tag="step2")
+            train(engine, steps=1, first_seed=100)
+        print(f"{name}: {engine.runtime.checker.num_accesses} accesses checked, no race")
+    finally:
+        engine.destroy()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    args = parser.parse_args()
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {list(SCENARIOS)}")
+    torch.set_num_threads(1)
+    try:
+        for name in args.scenarios or SCENARIOS:
+            run(name)
+    except StreamRaceError as race:
+        print(race)
+        return RACE_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
