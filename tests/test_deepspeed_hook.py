@@ -60,7 +60,9 @@ PLUGIN_PROBE = textwrap.dedent(f"""
     for config in (minimal, {{**minimal, "engine": "deepspeed"}}, {{**minimal, "zero_optimization": {{"stage": 1}}}}):
         try:
             plugin = DeepSpeedPlugin(hf_ds_config=config)
-            print(json.dumps([plugin.zero_stage, plugin.hf_ds_config.config.get("zero_optimization")]))
+            config = plugin.hf_ds_config.config
+            print(json.dumps([plugin.zero_stage, config.get("zero_optimization"),
+                              config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")]))
         except ValueError as error:
             print(json.dumps(str(error)))
     assert "zero_optimization" not in minimal  # the caller's dict is left alone
@@ -75,10 +77,11 @@ def _plugin_probe(**env: str) -> list:
 
 
 def test_accelerate_reads_the_minimal_config_with_stage_0():
-    """Only a megatrain config without a ZeRO block gets one; the others are Accelerate's."""
+    """Only a megatrain config gets the keys it leaves out (stage 0, "auto" batch and
+    accumulation, which Accelerate would otherwise force to 1); the others are Accelerate's."""
     refused = "Please specify the ZeRO optimization config in the DeepSpeed config."
-    assert _plugin_probe() == [[0, {"stage": 0}], refused, [1, {"stage": 1}]]
-    assert _plugin_probe(MEGATRAIN_DISABLE_HOOK="1") == [refused, refused, [1, {"stage": 1}]]
+    assert _plugin_probe() == [[0, {"stage": 0}, "auto", "auto"], refused, [1, {"stage": 1}, "auto", "auto"]]
+    assert _plugin_probe(MEGATRAIN_DISABLE_HOOK="1") == [refused, refused, [1, {"stage": 1}, None, 1]]
 
 
 def test_the_hook_can_be_switched_off():
