@@ -17,11 +17,12 @@ imported, the watcher lets it execute normally and then hands it to
   (``from deepspeed import initialize``) are routed alike.
 - ``accelerate.utils.deepspeed``: its ``HfDeepSpeedConfig`` (which Accelerate's
   ``DeepSpeedPlugin`` and the HF Trainer read the JSON with, before ``deepspeed`` itself
-  is imported) supplies ``zero_optimization: {stage: 0}`` to a megatrain config that has
-  none, so the minimal config needs no ZeRO block.
+  is imported) completes a megatrain config with ``zero_optimization: {stage: 0}`` and
+  ``"auto"`` batch, accumulation and clipping keys where it leaves them out, so the
+  minimal config works unchanged ([Note: the minimal config] in that module).
 
-``MEGATRAIN_DISABLE_HOOK=1`` switches the routing off: at start-up nothing is installed,
-and an already wrapped ``initialize`` checks the variable at every call.
+``MEGATRAIN_DISABLE_HOOK=1`` switches both off: at start-up nothing is installed, and an
+already patched function checks the variable at every call.
 """
 
 from __future__ import annotations
