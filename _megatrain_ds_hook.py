@@ -6,16 +6,23 @@ in ``site-packages``; Python runs the ``.pth`` line at start-up::
     import _megatrain_ds_hook; _megatrain_ds_hook.install()
 
 ``install`` only registers an import watcher (this module imports nothing heavy: it runs
-in every Python process of the environment). When, and only when, ``deepspeed`` is
-imported, the watcher lets it execute normally and then imports
-:mod:`megatrain_ds.integration.deepspeed_hook`, which wraps ``deepspeed.initialize``: configs with
-``"engine": "megatrain"`` go to this engine, every other call to DeepSpeed unchanged.
-Because the wrapper replaces the module attribute before anyone can read it, callers
-that look ``deepspeed.initialize`` up at call time (Accelerate) or bind it once after
-importing (``from deepspeed import initialize``) are routed alike.
+in every Python process of the environment). When, and only when, a watched module is
+imported, the watcher lets it execute normally and then hands it to
+:func:`megatrain_ds.integration.deepspeed_hook.patch`:
 
-``MEGATRAIN_DISABLE_HOOK=1`` switches the routing off: at start-up nothing is installed,
-and an already wrapped ``initialize`` checks the variable at every call.
+- ``deepspeed``: ``deepspeed.initialize`` is wrapped; configs with ``"engine": "megatrain"``
+  go to this engine, every other call to DeepSpeed unchanged. Because the wrapper replaces
+  the module attribute before anyone can read it, callers that look
+  ``deepspeed.initialize`` up at call time (Accelerate) or bind it once after importing
+  (``from deepspeed import initialize``) are routed alike.
+- ``accelerate.utils.deepspeed``: its ``HfDeepSpeedConfig`` (which Accelerate's
+  ``DeepSpeedPlugin`` and the HF Trainer read the JSON with, before ``deepspeed`` itself
+  is imported) completes a megatrain config with ``zero_optimization: {stage: 0}`` and
+  ``"auto"`` batch, accumulation and clipping keys where it leaves them out, so the
+  minimal config works unchanged ([Note: the minimal config] in that module).
+
+``MEGATRAIN_DISABLE_HOOK=1`` switches both off: at start-up nothing is installed, and an
+already patched function checks the variable at every call.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
-WATCHED = "deepspeed"
+WATCHED = ("deepspeed", "accelerate.utils.deepspeed")  # = deepspeed_hook.PATCHES' keys
 
 
 def disabled() -> bool:
@@ -53,14 +60,18 @@ class _AfterImportLoader(importlib.abc.Loader):
 
 
 class DeepSpeedImportWatcher(importlib.abc.MetaPathFinder):
-    """Finds ``deepspeed`` with the finders after it, and wraps its loader.
+    """Finds the ``WATCHED`` modules with the finders after it, and wraps their loaders.
 
-    It stays registered until ``deepspeed`` really executes: libraries probe for it with
-    ``importlib.util.find_spec`` (Accelerate, transformers) without importing it.
+    It stays registered until all of them really execute: libraries probe for
+    ``deepspeed`` with ``importlib.util.find_spec`` (Accelerate, transformers) without
+    importing it.
     """
 
+    def __init__(self) -> None:
+        self.pending = set(WATCHED)
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != WATCHED:
+        if fullname not in self.pending:
             return None
         spec = None
         after_self = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
@@ -75,32 +86,34 @@ class DeepSpeedImportWatcher(importlib.abc.MetaPathFinder):
         return spec
 
     def _loaded(self, module: ModuleType) -> None:
-        if self in sys.meta_path:
+        self.pending.discard(module.__name__)
+        if not self.pending and self in sys.meta_path:
             sys.meta_path.remove(self)
-        try:
-            from megatrain_ds.integration import deepspeed_hook
-        except Exception as error:  # never break `import deepspeed` for a broken megatrain_ds
-            import warnings
-
-            warnings.warn(f"megatrain_ds: could not route deepspeed.initialize ({error!r})",
-                          RuntimeWarning, stacklevel=2)
-            return
-        deepspeed_hook.wrap(module)
+        _patch(module)
 
 
-def watch() -> None:
-    """Register the watcher once (idempotent); nothing happens until ``deepspeed`` is imported."""
-    if not any(isinstance(finder, DeepSpeedImportWatcher) for finder in sys.meta_path):
-        sys.meta_path.insert(0, DeepSpeedImportWatcher())
+def _patch(module: ModuleType) -> None:
+    try:
+        from megatrain_ds.integration import deepspeed_hook
+    except Exception as error:  # never break `import deepspeed` for a broken megatrain_ds
+        import warnings
+
+        warnings.warn(f"megatrain_ds: could not patch {module.__name__} ({error!r})",
+                      RuntimeWarning, stacklevel=3)
+        return
+    deepspeed_hook.patch(module)
 
 
 def install() -> None:
-    """The ``.pth`` entry point: watch for ``deepspeed`` unless the hook is disabled."""
-    if disabled():
+    """The ``.pth`` entry point (idempotent): patch the ``WATCHED`` modules already imported
+    (by an earlier ``.pth``, or before ``import megatrain_ds``), watch for the others;
+    nothing unless the hook is enabled."""
+    if disabled() or any(isinstance(finder, DeepSpeedImportWatcher) for finder in sys.meta_path):
         return
-    if WATCHED in sys.modules:  # imported by an earlier .pth: wrap it now
-        from megatrain_ds.integration import deepspeed_hook
-
-        deepspeed_hook.wrap(sys.modules[WATCHED])
-        return
-    watch()
+    watcher = DeepSpeedImportWatcher()
+    for name in WATCHED:
+        if name in sys.modules:
+            watcher.pending.discard(name)
+            _patch(sys.modules[name])
+    if watcher.pending:
+        sys.meta_path.insert(0, watcher)

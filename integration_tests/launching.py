@@ -51,7 +51,8 @@ class Run:
     output_dir: Path
     args: Sequence[str] = ()
     accelerate: bool = True
-    """Through ``accelerate launch --config_file configs/accelerate_megatrain.yaml``."""
+    """Through ``accelerate launch --config_file`` ``accelerate_config``."""
+    accelerate_config: Path = ACCELERATE_CONFIG
     env: dict[str, str] = field(default_factory=dict)
     num_processes: int = 1
     """Data-parallel ranks (``accelerate launch --num_processes``)."""
@@ -66,7 +67,7 @@ class Run:
         command = [sys.executable, str(self.script), *self.args, "--output-dir", str(self.output_dir)]
         if self.accelerate:
             command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(ACCELERATE_CONFIG), "--main_process_port", str(port),
+                       str(self.accelerate_config), "--main_process_port", str(port),
                        "--num_processes", str(self.num_processes), *command[1:]]
         # The Accelerate config names its DeepSpeed JSON relative to the repository root.
         with open(self.log_path, "w", encoding="utf-8") as log:

@@ -1,7 +1,7 @@
 """What the integration scripts share: a tiny byte-level Llama and the shipped corpus.
 
-Imported by ``accelerate_clm.py`` and ``hf_trainer_clm.py``, which run as scripts (their
-directory is on ``sys.path``).
+Imported by ``accelerate_clm.py``, ``hf_trainer_clm.py`` and ``trainer_clients.py``, which
+run as scripts (their directory is on ``sys.path``), and by the tests that check their output.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ def byte_blocks(text: str, count: int, start: int = 0) -> list[dict[str, torch.T
     return [{"input_ids": block, "labels": block.clone()} for block in blocks]
 
 
-def tiny_llama(output_dir: Path) -> transformers.LlamaForCausalLM:
-    """A fresh tiny Llama (seeded by the caller); its initial weights are saved to
-    ``output_dir/initial.safetensors`` so tests can check what training changed."""
-    config = transformers.LlamaConfig(
+def tiny_llama_config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
         attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(config)
+
+
+def tiny_llama(output_dir: Path) -> transformers.LlamaForCausalLM:
+    """A fresh tiny Llama (seeded by the caller); its initial weights are saved to
+    ``output_dir/initial.safetensors`` so tests can check what training changed."""
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
     safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                                 output_dir / "initial.safetensors")
     return model

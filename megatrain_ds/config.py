@@ -373,7 +373,9 @@ def _batch_sizes(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
     else:
         autos = [key for key in ("train_batch_size", "train_micro_batch_size_per_gpu") if config.get(key) == AUTO]
         raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
-                          + (f" ({', '.join(autos)} is {AUTO!r}: {_AUTO_HELP})" if autos else ""))
+                          + (f" ({', '.join(autos)} is {AUTO!r}: {_AUTO_HELP})" if autos else
+                             " (the HF Trainer and Accelerate fill both in when the config leaves them out; "
+                             "called directly, deepspeed.initialize needs train_micro_batch_size_per_gpu)"))
     if micro < 1 or accumulation < 1 or train != micro * accumulation * world_size:
         raise ConfigError(
             "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "

@@ -26,6 +26,7 @@ from megatrain_ds.streaming.activation_offload import ActivationOffloader
 from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
+from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.distributed.data_parallel import DataParallel
@@ -236,6 +237,7 @@ class MegatrainEngine(nn.Module):
         check_batch(self.module, self.runtime.device, args, kwargs)
         if not self._batch_checked and torch.is_grad_enabled() and self.module.training:
             self._batch_checked = True
+            log_layer_checkpointing(self.blocks.blocks, self.block_path)
             warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
                                       accumulation=self.gradient_accumulation_steps())
         self._tracing.before_forward(self.global_steps)

@@ -41,7 +41,8 @@ def test_inconsistent_batch_sizes_are_rejected_with_deepspeeds_message():
 
 
 def test_missing_batch_size_is_rejected():
-    with pytest.raises(ConfigError, match="train_batch_size or train_micro_batch_size_per_gpu"):
+    with pytest.raises(ConfigError, match="train_batch_size or train_micro_batch_size_per_gpu needs to be provided "
+                                          r"\(the HF Trainer and Accelerate fill both in"):
         parse_engine_config({"optimizer": BASE["optimizer"]})
 
 

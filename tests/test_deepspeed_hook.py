@@ -1,7 +1,9 @@
 """Zero-code activation: the package's ``.pth`` routes ``deepspeed.initialize`` in scripts
 that never import ``megatrain_ds``, in an editable install (this environment) and from a
-regular wheel, and ``MEGATRAIN_DISABLE_HOOK=1`` switches it off."""
+regular wheel, gives Accelerate's config reader a ZeRO block for the minimal config, and
+``MEGATRAIN_DISABLE_HOOK=1`` switches it off."""
 
+import json
 import os
 import site
 import shutil
@@ -47,6 +49,41 @@ def test_this_environment_routes_without_an_import():
     assert (routed, imported) == ("True", "True")
 
 
+MINIMAL = '{"engine": "megatrain", "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}'
+# What Accelerate's DeepSpeedPlugin (and through it the HF Trainer) does with a config,
+# before anything imports deepspeed.
+PLUGIN_PROBE = textwrap.dedent(f"""
+    import json, sys
+    from accelerate.utils import DeepSpeedPlugin
+    assert "deepspeed" not in sys.modules
+    minimal = json.loads({MINIMAL!r})
+    for config in (minimal, {{**minimal, "engine": "deepspeed"}}, {{**minimal, "zero_optimization": {{"stage": 1}}}}):
+        try:
+            plugin = DeepSpeedPlugin(hf_ds_config=config)
+            config = plugin.hf_ds_config.config
+            print(json.dumps([plugin.zero_stage, config.get("zero_optimization"),
+                              config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")]))
+        except ValueError as error:
+            print(json.dumps(str(error)))
+    assert "zero_optimization" not in minimal  # the caller's dict is left alone
+""")
+
+
+def _plugin_probe(**env: str) -> list:
+    result = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **env}, cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_accelerate_reads_the_minimal_config_with_stage_0():
+    """Only a megatrain config gets the keys it leaves out (stage 0, "auto" batch and
+    accumulation, which Accelerate would otherwise force to 1); the others are Accelerate's."""
+    refused = "Please specify the ZeRO optimization config in the DeepSpeed config."
+    assert _plugin_probe() == [[0, {"stage": 0}, "auto", "auto"], refused, [1, {"stage": 1}, "auto", "auto"]]
+    assert _plugin_probe(MEGATRAIN_DISABLE_HOOK="1") == [refused, refused, [1, {"stage": 1}, None, 1]]
+
+
 def test_the_hook_can_be_switched_off():
     routed, imported, _ = _probe(MEGATRAIN_DISABLE_HOOK="1")
     assert (routed, imported) == ("False", "False")  # deepspeed untouched, megatrain_ds not loaded
@@ -84,19 +121,30 @@ def test_both_wheel_kinds_ship_the_pth_at_their_root(tmp_path):
                 assert "'_megatrain_ds_hook':" in finder
 
 
+def _running_site_dirs() -> list[str]:
+    """Where the running interpreter finds its installed packages: a virtualenv's own
+    site-packages, and the base interpreter's where the virtualenv sees them."""
+    return [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages") and Path(path).is_dir()]
+
+
 def test_a_regular_wheel_install_routes(tmp_path):
-    """Install the wheel into a fresh virtual environment (this one's packages visible for
-    torch and deepspeed): its own .pth and hook module route deepspeed.initialize."""
+    """Install the wheel into a fresh virtual environment that sees this interpreter's
+    packages (torch, deepspeed) through a plain-path ``.pth``, whichever environment they
+    are installed in (a virtualenv's ``--system-site-packages`` would see the base
+    interpreter's instead); its own .pth and hook module route deepspeed.initialize.
+    A path line does not run the ``.pth`` files of those directories, so this checkout's
+    editable install and hook stay out."""
     wheel = _build(tmp_path)["wheel"]
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     venv_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (venv_site / "running_interpreter_packages.pth").write_text("\n".join(_running_site_dirs()) + "\n")
     # --target, never --prefix: with --prefix pip uninstalls the copy it finds on sys.path
     # (this environment's editable install) before installing.
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     "--target", str(venv_site), str(wheel)], check=True, timeout=300, capture_output=True)
-    routed, imported, hook_file = _probe(str(python))
+    # PYTHONPATH (a worktree's checkout) would come before the wheel's copy.
+    routed, imported, hook_file = _probe(str(python), PYTHONPATH="")
     assert (routed, imported) == ("True", "True")
     assert Path(hook_file).is_relative_to(venv)  # the wheel's copy, not this checkout's

@@ -3,6 +3,7 @@
 - ``block_discovery``: finds the repeated transformer blocks.
 - ``block_template``: one weightless module per distinct block structure, weights bound as views.
 - ``batch_checks``: clear errors for batches the model cannot take.
+- ``layer_checkpointing``: the model's own gradient checkpointing, switched off inside streamed blocks.
 
 May import: ``config``, ``runtime``, ``state``.
 """

@@ -58,7 +58,45 @@ def check_batch(model: nn.Module, device: torch.device, args: tuple, kwargs: Map
     length = tokens.shape[1]
     past = named.get("past_key_values")
     past_length = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
-    if past_length + length > limit:
+    if past_length + length <= limit:
+        return
+    # [Note: packed rows]
+    packed = packed_positions(named)
+    if packed is None:
         cached = f" after {past_length} cached" if past_length else ""
         raise ValueError(f"the batch has sequences of {length} tokens{cached}, more than the "
+                         f"{limit} positions the model has (config.max_position_embeddings / n_positions); "
+                         "if each row packs several sequences, pass position_ids restarting at 0 for each "
+                         "(or cu_seq_lens_q/cu_seq_lens_k)")
+    needed, source = packed
+    if needed > limit:
+        raise ValueError(f"the batch packs sequences needing {needed} positions ({source}), more than the "
                          f"{limit} positions the model has (config.max_position_embeddings / n_positions)")
+
+
+def packed_positions(named: Mapping[str, Any]) -> tuple[int, str] | None:
+    """The positions a packed (padding-free) batch needs and the argument that says so, or
+    ``None`` when the batch does not say how its rows are split.
+
+    [Note: packed rows]
+    Packing (TRL's ``packing=True``, its padding-free collator, Hugging Face's
+    ``DataCollatorWithFlattening``) concatenates several sequences in one row, so a row may
+    be longer than the model's position table while every sequence fits. The positions the
+    model indexes are then ``position_ids`` (restarting at 0 per sequence; the row length
+    means nothing), and the flash-attention varlen keywords ``cu_seq_lens_q``/``_k``
+    (cumulative sequence lengths) and ``max_length_q``/``_k`` say the same for attention.
+    ``position_ids`` wins when given: it is what indexes rotary and learned position
+    tables. Reading a device tensor's maximum synchronises the device once per forward; it
+    is only done for rows longer than the table, i.e. packed batches.
+    """
+    position_ids = named.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.numel():
+        return int(position_ids.max()) + 1, "the largest position_ids + 1"
+    lengths = [value for key in ("max_length_q", "max_length_k") if isinstance(value := named.get(key), int)]
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        value = named.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() > 1:
+            lengths.append(int(value.diff().max()))
+    if lengths:
+        return max(lengths), "the longest sequence of cu_seq_lens_q/cu_seq_lens_k/max_length_q/max_length_k"
+    return None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from megatrain_ds.model import layer_checkpointing
 from megatrain_ds.model.block_discovery import BlockDiscoveryError
 from megatrain_ds.state.flat_layout import FlatLayout
 
@@ -34,8 +35,10 @@ def _scalar_attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
     found = {}
     for path, module in block.named_modules():
         for attr, value in vars(module).items():
-            # ``training`` is set from the live block on every call (see ``run``).
-            if not attr.startswith("_") and attr != "training" and isinstance(value, _SCALAR_TYPES):
+            # ``training`` is set from the live block on every call (see ``run``); the
+            # checkpointing flag stays off ([Note: layer checkpointing]).
+            if (not attr.startswith("_") and attr not in ("training", layer_checkpointing.FLAG)
+                    and isinstance(value, _SCALAR_TYPES)):
                 found[(path, attr)] = value
     return found
 
@@ -56,6 +59,8 @@ class BlockTemplate:
             for p in block.parameters()
         }
         self.module = copy.deepcopy(block, memo)
+        # The engine checkpoints and recomputes blocks itself ([Note: layer checkpointing]).
+        layer_checkpointing.switch_off(self.module)
         for sub in self.module.modules():
             for name, buffer in sub._buffers.items():
                 if buffer is not None:

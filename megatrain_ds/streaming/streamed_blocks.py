@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatrain_ds.streaming.activation_offload import ActivationOffloader, HostCheckpoint
 from megatrain_ds.model.block_template import BlockTemplate
+from megatrain_ds.model.layer_checkpointing import ReentrantRerunNotice
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP
 from megatrain_ds.gradients.outbox import GradientOutbox
@@ -177,6 +178,7 @@ class StreamedBlocks:
         """Peak device bytes of checkpoints, kept or in flight back from the host."""
         self._head_backward_pending = False
         """The forward ended and no block's backward has started: the head's is under way."""
+        self._reentrant_rerun = ReentrantRerunNotice()
 
     # -- wiring ---------------------------------------------------------------------
 
@@ -254,6 +256,7 @@ class StreamedBlocks:
         if not torch.is_grad_enabled():
             leaves, spec = tree_flatten((args, kwargs))
             return self._run(index, training, leaves, spec)
+        self._reentrant_rerun.note_block_called_in_backward(index)  # [Note: layer checkpointing]
         # As under Hugging Face's own gradient checkpointing, a KV cache is not used when
         # training: the recompute would append to it twice, and it would hold every
         # block's keys and values for the whole step.

@@ -1,0 +1,176 @@
+"""The clients a user swaps in first, on this engine and on DeepSpeed's own, side by side.
+
+Each client of ``trainer_clients.py`` (gradient checkpointing, TRL's ``SFTTrainer`` with its
+defaults and with packing, PEFT LoRA, a minimal hand-written JSON, save and resume) runs
+twice in fresh processes: routed to this engine, and with ``MEGATRAIN_DISABLE_HOOK=1`` on
+DeepSpeed's ``DeepSpeedEngine`` (stage 0, fp32), the reference. The scripts never import
+``megatrain_ds``. Losses and evaluation losses must agree to 1e-5 relative, as in
+``test_accelerate.py`` (fp32 on both sides: room for summation order only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from launching import REPO_ROOT, Run, load_weights, run_side_by_side
+from tiny_clm import tiny_llama_config
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).with_name("trainer_clients.py")
+MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
+DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+
+
+def readme_minimal_config() -> dict:
+    """The first JSON block of the README's quick start: the config it tells users to write."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    quick_start = text[text.index("## Quick start"):]
+    return json.loads(quick_start.split("```json", 1)[1].split("```", 1)[0])
+
+
+MINIMAL = readme_minimal_config()
+# What the start-up hook gives the minimal config when Accelerate or the Trainer reads it
+# (README, docs/integration.md): DeepSpeed's own engine needs it spelled out.
+MINIMAL_SPELLED_OUT = {**MINIMAL, "zero_optimization": {"stage": 0}, "train_batch_size": "auto",
+                       "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                       "gradient_clipping": "auto"}
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory):
+    """``clients(name)``: the client's runs on both engines, run once (side by side) when first asked for."""
+    root = tmp_path_factory.mktemp("clients")
+    done: dict[str, dict[str, Run]] = {}
+
+    def runs(client: str) -> dict[str, Run]:
+        if client not in done:
+            config = {"megatrain": [], "deepspeed": []}
+            if client == "minimal":
+                for name, content in (("megatrain", MINIMAL), ("deepspeed", MINIMAL_SPELLED_OUT)):
+                    path = root / f"{name}_minimal.json"
+                    path.write_text(json.dumps(content), encoding="utf-8")
+                    config[name] = ["--deepspeed-config", str(path)]
+            done[client] = run_side_by_side([
+                Run("megatrain", SCRIPT, root / f"{client}_megatrain", accelerate=False,
+                    args=["--client", client, *config["megatrain"]]),
+                Run("deepspeed", SCRIPT, root / f"{client}_deepspeed", accelerate=False,
+                    args=["--client", client, *config["deepspeed"]], env={"MEGATRAIN_DISABLE_HOOK": "1"}),
+            ])
+        return done[client]
+
+    return runs
+
+
+def assert_same_training(runs: dict[str, Run], steps: int) -> dict:
+    """The engines are the ones asked for, and they trained alike; the megatrain result."""
+    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
+    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and DEEPSPEED_ENGINE in ours["engine_mro"]
+    assert reference["engine_mro"][0] == DEEPSPEED_ENGINE
+    assert ours["global_steps"] == reference["global_steps"] == steps
+    assert len(ours["losses"]) == len(reference["losses"]) == steps
+    assert all(math.isfinite(loss) for loss in ours["losses"])
+    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
+        assert a == pytest.approx(b, rel=1e-5), f"step {step + 1}"
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    return ours
+
+
+def test_trainer_with_gradient_checkpointing(clients) -> None:
+    result = assert_same_training(clients("checkpointing"), steps=6)
+    assert result["is_gradient_checkpointing"]  # HF's own checkpointing was asked for, and skipped in blocks
+    assert result["losses"][-1] < result["losses"][0] - 0.5
+
+
+def test_sft_trainer_with_its_defaults(clients) -> None:
+    result = assert_same_training(clients("sft"), steps=6)
+    assert result["gradient_checkpointing"]  # SFTConfig's default
+    assert "attention_mask" in result["first_batch"]  # padded, not packed
+    assert result["losses"][-1] < result["losses"][0] - 0.5
+
+
+def test_sft_trainer_with_packing(clients) -> None:
+    """Best-fit packing, padding-free: one row of several sequences, longer than the model's
+    32 positions, with ``position_ids`` restarting per sequence."""
+    result = assert_same_training(clients("sft_packing"), steps=6)
+    batch = result["first_batch"]
+    assert "attention_mask" not in batch and batch["position_ids"] == batch["input_ids"]
+    assert batch["input_ids"][0] == 1 and batch["input_ids"][1] > 32 >= batch["max_length_q"]
+    assert result["losses"][-1] < result["losses"][0] - 0.5
+
+
+def test_peft_lora_trains_and_reloads_only_the_adapter(clients) -> None:
+    import peft
+    import transformers
+
+    runs = clients("lora")
+    result = assert_same_training(runs, steps=6)
+    assert result["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
+    out = runs["megatrain"].output_dir
+    initial = load_weights(out / "initial.safetensors")
+    base_after = load_weights(out / "base_after.safetensors")
+    assert base_after.keys() == initial.keys()
+    for name in initial:  # frozen base weights: bit for bit
+        assert torch.equal(base_after[name], initial[name]), name
+    # save_model wrote the adapter (lora_B starts at zero: it moved), not a full model.
+    assert sorted(p.name for p in (out / "model").glob("*.safetensors")) == ["adapter_model.safetensors"]
+    adapter = load_weights(out / "model" / "adapter_model.safetensors")
+    assert any("lora_B" in name and bool(value.abs().max() > 0) for name, value in adapter.items())
+    # The base model plus the saved adapter, in plain PEFT, gives the Trainer's eval loss.
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    base.load_state_dict(initial)
+    model = peft.PeftModel.from_pretrained(base, out / "model").eval()
+    batches = torch.load(out / "eval_batches.pt")
+    with torch.no_grad():
+        reloaded = sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
+    assert reloaded == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+def test_minimal_json_under_the_trainer(clients) -> None:
+    """The README's ``{"engine": "megatrain", "optimizer": ...}``: no ZeRO block, no batch sizes."""
+    assert set(MINIMAL) == {"engine", "optimizer"}
+    result = assert_same_training(clients("minimal"), steps=6)
+    assert result["losses"][-1] < result["losses"][0] - 0.5
+
+
+def test_trainer_save_and_resume(clients) -> None:
+    """Six steps with a checkpoint every three; a fresh model and Trainer resumed from the
+    first checkpoint continue as the uninterrupted run and as DeepSpeed's resume."""
+    runs = clients("resume")
+    result = assert_same_training(runs, steps=6)
+    reference = runs["deepspeed"].result()
+    assert len(result["losses_after_resume"]) == 3
+    for a, b, c in zip(result["losses_after_resume"], reference["losses_after_resume"],
+                       result["uninterrupted_losses"][3:]):
+        assert a == pytest.approx(b, rel=1e-5) and a == pytest.approx(c, rel=1e-5)
+    # Resumed, not restarted: step 4's loss is not step 1's.
+    assert result["losses_after_resume"][0] < result["uninterrupted_losses"][0] - 0.1
+    assert {"latest", "global_step3", "trainer_state.json"} <= set(result["checkpoint_files"])
+
+
+def test_minimal_json_under_accelerate_launch(tmp_path) -> None:
+    """``{"engine": "megatrain"}`` named by an Accelerate config, the script's own optimizer
+    and scheduler: the same run as the shipped ``configs/ds_megatrain_accelerate.json`` on
+    DeepSpeed (its "auto" keys and stage 0 are what the hook supplies)."""
+    minimal = tmp_path / "minimal.json"
+    minimal.write_text(json.dumps({"engine": "megatrain"}), encoding="utf-8")
+    shipped = (REPO_ROOT / "configs" / "accelerate_megatrain.yaml").read_text(encoding="utf-8")
+    yaml = tmp_path / "accelerate_minimal.yaml"
+    yaml.write_text(shipped.replace("configs/ds_megatrain_accelerate.json", str(minimal)), encoding="utf-8")
+    assert str(minimal) in yaml.read_text(encoding="utf-8")
+    script = SCRIPT.with_name("accelerate_clm.py")
+    runs = run_side_by_side([
+        Run("megatrain", script, tmp_path / "megatrain", accelerate_config=yaml),
+        Run("deepspeed", script, tmp_path / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
+    ])
+    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
+    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
+    assert len(ours["losses"]) == len(reference["losses"]) == 24
+    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
+        assert a == pytest.approx(b, rel=1e-5), f"micro-batch {step}"
+    assert ours["learning_rates"] == reference["learning_rates"]
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)

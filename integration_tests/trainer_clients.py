@@ -1,0 +1,173 @@
+"""The clients a user swaps in first, each as a short HF Trainer script that never imports ``megatrain_ds``.
+
+``test_trainer_clients.py`` runs it in fresh processes, on this engine and on DeepSpeed's
+own (``MEGATRAIN_DISABLE_HOOK=1``, stage 0, fp32) as the reference::
+
+    python integration_tests/trainer_clients.py --client CLIENT --output-dir DIR [--deepspeed-config JSON]
+
+Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
+
+- ``checkpointing``: ``TrainingArguments(gradient_checkpointing=True)``;
+- ``sft``: TRL's ``SFTTrainer`` with its ``SFTConfig`` defaults (gradient checkpointing on),
+  variable-length examples padded per batch;
+- ``sft_packing``: the same with ``packing=True`` (best-fit packing into rows longer than
+  the model's 32 positions, TRL's padding-free collator: ``position_ids`` restart per
+  sequence);
+- ``lora``: a PEFT LoRA model; ``trainer.save_model`` writes the adapter;
+- ``minimal``: the Trainer with ``--deepspeed-config`` (a hand-written JSON), scheduler from
+  ``TrainingArguments``;
+- ``resume``: six steps saving a checkpoint every three, then a fresh model and Trainer
+  resumed from the first checkpoint (``resume_from_checkpoint``) for the last three.
+
+It writes, under ``--output-dir``: ``result.json`` (the engine's classes, logged losses,
+the evaluation loss, and what each client reports), ``initial.safetensors``,
+``eval_batches.pt``, and ``model/`` (``trainer.save_model``: the model, or the adapter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import transformers
+
+from tiny_clm import REPO_ROOT, SEQ_LEN, byte_blocks, corpus, tiny_llama
+
+LR = 3e-3
+HF_CONFIG = REPO_ROOT / "configs" / "ds_megatrain_hf.json"
+CLIENTS = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume")
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """One token per byte (ids 0-255, as ``tiny_clm.byte_blocks``): NUL pads, newline ends."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"<{i}>": i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<0>", eos_token="<10>")
+
+
+def sft_examples(count: int) -> list[dict[str, list[int]]]:
+    """``count`` consecutive byte spans of 12 to 32 tokens (pre-tokenized: TRL skips tokenizing)."""
+    data = corpus().encode("utf-8")
+    examples, start = [], 0
+    for i in range(count):
+        length = 12 + (i * 7) % (SEQ_LEN - 11)
+        examples.append({"input_ids": list(data[start:start + length])})
+        start += length
+    return examples
+
+
+def common_args(output_dir: Path, config: Path, **overrides: Any) -> dict[str, Any]:
+    return dict(output_dir=str(output_dir / "trainer"), deepspeed=str(config), per_device_train_batch_size=4,
+                per_device_eval_batch_size=8, gradient_accumulation_steps=2, learning_rate=LR, weight_decay=0.1,
+                adam_beta2=0.95, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                eval_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                num_train_epochs=1) | overrides
+
+
+def train_with_trainer(args: argparse.Namespace, model: torch.nn.Module, **overrides: Any
+                       ) -> tuple[transformers.Trainer, dict[str, Any]]:
+    text = corpus()
+    training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config, **overrides))
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=byte_blocks(text, 48),
+                                   eval_dataset=byte_blocks(text, 16, start=48))
+    trainer.train()
+    return trainer, {"eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def train_with_sft(args: argparse.Namespace, model: torch.nn.Module, packing: bool
+                   ) -> tuple[transformers.Trainer, dict[str, Any]]:
+    import datasets
+    import trl
+
+    # SFTConfig's own defaults (gradient checkpointing on, its scheduler, its bf16 on a GPU:
+    # on the CPU, where TrainingArguments refuses bf16 without use_cpu, fp32 as on both sides
+    # of the comparison); a learning rate that moves the weights, one process's batch.
+    sft_args = trl.SFTConfig(output_dir=str(args.output_dir / "trainer"), deepspeed=str(args.deepspeed_config),
+                             bf16=torch.cuda.is_available(),
+                             learning_rate=LR, per_device_train_batch_size=4, max_steps=6, logging_steps=1,
+                             report_to=[], seed=0, disable_tqdm=True, save_strategy="no", packing=packing,
+                             max_length=3 * SEQ_LEN if packing else SEQ_LEN)
+    examples = sft_examples(64)
+    trainer = trl.SFTTrainer(model=model, args=sft_args, processing_class=byte_tokenizer(),
+                             train_dataset=datasets.Dataset.from_list(examples[:48]),
+                             eval_dataset=datasets.Dataset.from_list(examples[48:]))
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    return trainer, {"eval_loss": trainer.evaluate()["eval_loss"], "bf16": sft_args.bf16,
+                     "gradient_checkpointing": sft_args.gradient_checkpointing,
+                     "first_batch": {k: list(v.shape) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+                                     if k in ("input_ids", "position_ids", "attention_mask", "max_length_q")}}
+
+
+def train_with_lora(args: argparse.Namespace, model: torch.nn.Module) -> tuple[transformers.Trainer, dict[str, Any]]:
+    import peft
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora)
+    trainer, extra = train_with_trainer(args, model)
+    base = {name.removeprefix("base_model.model.").replace(".base_layer", ""): value.detach().clone().contiguous()
+            for name, value in trainer.model.named_parameters() if not value.requires_grad}
+    safetensors.torch.save_file(base, args.output_dir / "base_after.safetensors")
+    return trainer, extra | {"trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
+
+
+def train_and_resume(args: argparse.Namespace, model: torch.nn.Module) -> tuple[transformers.Trainer, dict[str, Any]]:
+    overrides = dict(max_steps=6, save_strategy="steps", save_steps=3)
+    trainer, _ = train_with_trainer(args, model, **overrides)
+    uninterrupted = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    transformers.set_seed(0)
+    (args.output_dir / "fresh").mkdir()
+    fresh = tiny_llama(args.output_dir / "fresh")
+    training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config, **overrides))
+    resumed = transformers.Trainer(model=fresh, args=training_args, train_dataset=byte_blocks(corpus(), 48),
+                                   eval_dataset=byte_blocks(corpus(), 16, start=48))
+    resumed.train(resume_from_checkpoint=str(args.output_dir / "trainer" / "checkpoint-3"))
+    after_resume = [entry["loss"] for entry in resumed.state.log_history if "loss" in entry and entry["step"] > 3]
+    return resumed, {"eval_loss": resumed.evaluate()["eval_loss"], "uninterrupted_losses": uninterrupted,
+                     "losses_after_resume": after_resume,
+                     "checkpoint_files": sorted(p.name for p in (args.output_dir / "trainer" / "checkpoint-3").iterdir())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--client", choices=CLIENTS, required=True)
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--deepspeed-config", type=Path, default=HF_CONFIG)
+    args = parser.parse_args()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+
+    transformers.set_seed(0)
+    model = tiny_llama(args.output_dir)
+    eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
+    torch.save(eval_batches, args.output_dir / "eval_batches.pt")
+
+    if args.client in ("checkpointing", "minimal"):
+        trainer, extra = train_with_trainer(args, model, gradient_checkpointing=args.client == "checkpointing")
+        extra["is_gradient_checkpointing"] = model.is_gradient_checkpointing
+    elif args.client in ("sft", "sft_packing"):
+        trainer, extra = train_with_sft(args, model, packing=args.client == "sft_packing")
+    elif args.client == "lora":
+        trainer, extra = train_with_lora(args, model)
+    else:
+        trainer, extra = train_and_resume(args, model)
+    trainer.save_model(str(args.output_dir / "model"))
+
+    engine = trainer.model_wrapped
+    result = {
+        "engine_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(engine).__mro__],
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "global_steps": trainer.state.global_step,
+        **extra,
+    }
+    (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
