@@ -23,6 +23,7 @@ from torch import nn
 
 from megatrain_ds.checkpoint import save_load
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
+from megatrain_ds.streaming.activation_stash import ActivationStash
 from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
@@ -191,11 +192,19 @@ class MegatrainEngine(nn.Module):
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
         )
+        # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
+        # last ones are recomputed (their stash would have to cross the link twice while
+        # only the head computes between the passes).
+        recompute = options.recompute
+        self.stashed_blocks = {"full": 0, "none": len(blocks)}.get(recompute, 0) if isinstance(recompute, str) \
+            else max(len(blocks) - recompute, 0)
         self.blocks = StreamedBlocks(
             blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
             self.runtime, options.checkpoint_interval,
             ActivationOffloader(self.runtime) if options.offload_checkpoints else None,
             self.is_gradient_accumulation_boundary, STAGING_CHUNK_ELEMENTS,
+            stash=ActivationStash(self.runtime) if recompute != "full" else None,
+            stashes=lambda index: index < self.stashed_blocks,
         )
         self.blocks.install()
         self.resident.hook_gradients(

@@ -258,6 +258,48 @@ class DeviceRuntime:
             torch.cuda.synchronize(self.device)
 
 
+@dataclass
+class PooledHostBuffer:
+    """A page-locked host buffer of a :class:`PinnedPool`, and when it may be written again."""
+
+    tensor: torch.Tensor
+    """Flat ``uint8``; callers view it as the dtype they need."""
+    free: Event
+    """Recorded after the last copy that reads the buffer; a new writer's stream waits on it."""
+
+
+class PinnedPool:
+    """Reusable page-locked host buffers, by exact byte size.
+
+    Activations stashed between forward and backward (``streaming/activation_stash.py``)
+    have the same sizes every step, so after the first step every request is served from
+    a free list and no buffer is pinned again. Buffers come from
+    :meth:`DeviceRuntime.host_empty` (page-aligned, ``cudaHostRegister``): exact sizes, not
+    the power-of-two rounding of PyTorch's caching host allocator, which could double
+    the host memory of a stash that may be most of the machine's RAM.
+    """
+
+    def __init__(self, runtime: "DeviceRuntime") -> None:
+        self.runtime = runtime
+        self._free: dict[int, list[PooledHostBuffer]] = {}
+        self.nbytes = 0
+        """Host bytes the pool has allocated (in use or free)."""
+
+    def take(self, nbytes: int) -> PooledHostBuffer:
+        """A buffer of ``nbytes``; the stream that writes it must first wait on its ``free``."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        self.nbytes += nbytes
+        return PooledHostBuffer(self.runtime.host_empty(nbytes, torch.uint8), self.runtime.event())
+
+    def give(self, buffer: PooledHostBuffer, after: Event) -> None:
+        """Return ``buffer`` once the copy that reads it, recorded by ``after``, is done;
+        nothing waits here (the next writer's stream waits on ``after``)."""
+        buffer.free = after
+        self._free.setdefault(buffer.tensor.numel(), []).append(buffer)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
