@@ -37,12 +37,13 @@ from megatrain_ds.state.host_store import HostFlatState, migrate_to_host
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.planning.preflight import preflight
+from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, stashed_blocks_of
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
 from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
 from megatrain_ds.runtime.trace import TraceSchedule
-from megatrain_ds.planning.transfer_hiding import warn_if_transfers_exposed
+from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 logger = logging.getLogger(__name__)
@@ -193,11 +194,12 @@ class MegatrainEngine(nn.Module):
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
         )
         # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
-        # last ones are recomputed (their stash would have to cross the link twice while
-        # only the head computes between the passes).
+        # last ones are recomputed (planning/recompute_policy.py); "auto" decides at the
+        # first training forward and recomputes every block until then.
         recompute = options.recompute
-        self.stashed_blocks = {"full": 0, "none": len(blocks)}.get(recompute, 0) if isinstance(recompute, str) \
-            else max(len(blocks) - recompute, 0)
+        self.stashed_blocks = stashed_blocks_of(recompute, len(blocks)) or 0
+        self.recompute_choice: RecomputeChoice | None = None
+        """The policy's decision at the first training forward (stash bytes, predicted steps)."""
         self.blocks = StreamedBlocks(
             blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
             self.runtime, options.checkpoint_interval,
@@ -247,9 +249,21 @@ class MegatrainEngine(nn.Module):
             self._batch_checked = True
             warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
                                       accumulation=self.gradient_accumulation_steps())
+            self._choose_recompute(args, kwargs)
         self._tracing.before_forward(self.global_steps)
         self.blocks.begin_forward()
         return self.module(*args, **kwargs)
+
+    def _choose_recompute(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Decide ``"recompute": "auto"``, or check that the stash asked for fits, now that
+        the tokens per weight pass are known (planning/recompute_policy.py)."""
+        counted = tokens_per_pass(args, kwargs)
+        if self.config.options.recompute == "full" or counted is None:
+            return
+        numels = [state.layout.numel for state in self.states[: self._resident_index]]
+        self.recompute_choice = choose_recompute(self.runtime, self.config, self.module, numels,
+                                                 self.states[self._resident_index].layout.numel, counted[1])
+        self.stashed_blocks = self.recompute_choice.stashed_blocks
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

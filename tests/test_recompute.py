@@ -11,10 +11,13 @@ from torch import nn
 
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.planning import recompute_policy
+from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.streaming.activation_stash import ActivationStash
 from side_by_side import ds_config, train_side_by_side
 from test_parity import assert_parity
+from test_trace import _spans
 
 STEPS = 5
 
@@ -46,10 +49,11 @@ def test_no_recompute_matches_pytorch_on_every_family(family):
 
 @pytest.mark.parametrize("checkpoint_interval", [1, 2])
 @pytest.mark.parametrize("accumulation", [1, 2])
-@pytest.mark.parametrize("recompute, stashed", [("none", 4), (1, 3), (3, 1)])
+@pytest.mark.parametrize("recompute, stashed", [("none", 4), ("auto", 4), (1, 3), (3, 1)])
 def test_stash_and_recompute_mixed(recompute, stashed, accumulation, checkpoint_interval):
     """An integer N recomputes the last N blocks and stashes the others (GPT-2: dropout,
-    so a recomputed block's replayed masks and a stashed block's own must both agree)."""
+    so a recomputed block's replayed masks and a stashed block's own must both agree);
+    "auto" stashes every block of a tiny model (its stash is a few hundred kB)."""
     engine, reference, trace = _train("gpt2", recompute, accumulation, checkpoint_interval)
     try:
         _check(engine, reference, trace, accumulation, stashed)
@@ -103,3 +107,61 @@ def test_stash_keeps_activations_and_repoints_weight_views():
     _Linear()(x_ref, w_ref).sum().backward()
     assert torch.equal(x.grad, x_ref.grad) and torch.equal(weight.grad, w_ref.grad)
     assert stash.host_bytes == 0
+
+
+def _first_step(recompute, monkeypatch, host_left):
+    monkeypatch.setattr(recompute_policy, "available_memory", lambda device: AvailableMemory(host=host_left))
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"recompute": recompute})))
+    loss = engine(**tiny_models.make_batch(0)).loss
+    engine.backward(loss)
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("host_left, stashed", [(1 << 40, 4), (1 << 10, 0)])
+def test_auto_stashes_every_block_when_host_memory_is_ample_and_none_when_it_is_not(monkeypatch, host_left,
+                                                                                   stashed, caplog):
+    caplog.set_level("INFO", logger="megatrain_ds.planning.recompute_policy")
+    engine = _first_step("auto", monkeypatch, host_left)
+    try:
+        assert engine.stashed_blocks == stashed
+        assert sorted(engine.blocks.stash.block_bytes) == list(range(stashed))
+        assert engine.recompute_choice.predicted["auto"]["stashed_blocks"] == stashed
+        assert [r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage()] == [
+            next(r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage())]
+        assert f"{stashed} of 4 blocks stash" in caplog.text
+    finally:
+        engine.destroy()
+
+
+def test_a_stash_that_cannot_fit_fails_with_the_setting_that_would(monkeypatch):
+    # The planner's estimate for tiny Llama at 2 x 12 tokens, fp32: (8*32 + 2*16 + 4*48) * 24 * 4.
+    per_block = (8 * 32 + 2 * 16 + 4 * 48) * 24 * 4
+    with pytest.raises(InsufficientMemoryError, match=r'stashes 4 blocks.*stash at most 1 blocks \("recompute": 3\)'):
+        _first_step("none", monkeypatch, per_block + 1)
+
+
+def test_stash_traffic_has_its_own_trace_track(tmp_path):
+    """Each traced step shows every stashed block's stash (after its forward) and unstash
+    (before its backward) on the "stash" track, with the bytes the stash measured."""
+    path = tmp_path / "trace.json"
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(
+        megatrain={"recompute": 2, "trace": str(path), "trace_steps": 2})))
+    try:
+        for step in range(4):
+            engine.backward(engine(**tiny_models.make_batch(step)).loss)
+            engine.step()
+        measured = engine.blocks.stash.block_bytes
+    finally:
+        engine.destroy()
+    _, spans = _spans(path)
+    names = sorted(span["name"] for span in spans["stash"])
+    assert names == sorted(2 * [f"stash {b}" for b in (0, 1)] + 2 * [f"unstash {b}" for b in (0, 1)])
+    assert all(span["args"]["bytes"] == measured[span["args"]["block"]] for span in spans["stash"])
+    for step in {span["args"]["step"] for span in spans["stash"]}:
+        ends = {span["name"]: span["ts"] for span in spans["stash"] if span["args"]["step"] == step}
+        forwards = {span["name"]: span["ts"] for span in spans["compute"] if span["args"]["step"] == step}
+        # stash after the block's forward, unstash before its backward
+        assert ends["stash 1"] >= forwards["forward 1"] and ends["unstash 1"] <= forwards["backward 1"]

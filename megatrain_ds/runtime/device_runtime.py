@@ -252,6 +252,27 @@ class DeviceRuntime:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
+    def measure_copy_rates(self, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float] | None:
+        """Host-to-device and device-to-host bytes per second of a pinned copy (best of
+        ``repeats``, timed by the device); ``None`` where the device is the host (nothing
+        is copied there). Synchronizes: call it once, outside the hot path."""
+        if not self.is_cuda:
+            return None
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        rates = []
+        for target, source in ((device, host), (host, device)):
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first copy warms up
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                target.copy_(source, non_blocking=True)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+            rates.append(nbytes / best)
+        return rates[0], rates[1]
+
     def synchronize(self) -> None:
         """Wait for all queued device work (used only outside the hot path)."""
         if self.is_cuda:

@@ -53,10 +53,11 @@ MAX_BLOCKS_IN_FLIGHT = 2
 
 @dataclass
 class _Stashed:
-    """One tensor a stashed block's forward saved for its backward."""
+    """One storage whose tensors a stashed block's forward saved for its backward, as
+    flat bytes (every saved view of it is rebuilt from them: :class:`_SavedView`)."""
 
     tensor: torch.Tensor | None
-    """The device tensor until its copy is issued (``end_block``); ``None`` after."""
+    """The storage on the device, until its copy is issued (``end_block``); ``None`` after."""
     host: torch.Tensor | None = None
     buffer: PooledHostBuffer | None = None
     device: torch.Tensor | None = None
@@ -67,6 +68,18 @@ class _Stashed:
         source = self.host if self.host is not None else self.tensor
         assert source is not None
         return source.numel() * source.element_size()
+
+
+@dataclass(frozen=True)
+class _SavedView:
+    """A saved tensor: where it lies in a stashed storage."""
+
+    entry: _Stashed
+    dtype: torch.dtype
+    offset: int
+    """Elements of ``dtype`` from the start of the storage."""
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ class BlockStash:
         self._weights_offset = weights.storage_offset()
         self._weights_dtype = weights.dtype
         self._entries: list[_Stashed] = []
-        self._by_key: dict[tuple, _Stashed] = {}
+        self._by_storage: dict[int, _Stashed] = {}
         self._backward_weights: torch.Tensor | None = None
         self.nbytes = 0
         """Host bytes of the block's stash (each saved tensor counted once)."""
@@ -109,22 +122,22 @@ class BlockStash:
                 and tensor.untyped_storage().data_ptr() == self._weights_storage):
             return _WeightView(tensor.storage_offset() - self._weights_offset, tuple(tensor.shape),
                                tuple(tensor.stride()))
-        # One tensor saved by several ops (a norm's output read by q, k and v) moves once.
-        # The key is unique while the block runs: ``_Stashed`` holds the tensor alive.
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
-        entry = self._by_key.get(key)
+        # Tensors saved by several ops, or views of one another (a norm's output, and its
+        # flattened view that q, k and v read), share a storage: it moves once, whole. The
+        # address is unique while the block runs: ``_Stashed`` holds the storage alive.
+        storage = tensor.untyped_storage()
+        entry = self._by_storage.get(storage.data_ptr())
         if entry is None:
-            entry = _Stashed(tensor)
-            self._by_key[key] = entry
+            entry = _Stashed(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
+            self._by_storage[storage.data_ptr()] = entry
             self._entries.append(entry)
             self.nbytes += entry.nbytes
-        return entry
+        return _SavedView(entry, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
     def end_block(self) -> None:
         """The block's forward is queued: copy what it saved to the host (see the Note)."""
         runtime, in_place = self.owner.runtime, self.owner.in_place
-        self._by_key = {}
+        self._by_storage = {}
         produced = runtime.event()
         produced.record(runtime.compute_stream())
         self.copied = runtime.event()
@@ -139,7 +152,7 @@ class BlockStash:
                 else:
                     entry.buffer = self.owner.pool.take(entry.nbytes)
                     runtime.d2h_stream.wait_event(entry.buffer.free)  # its last reader is done
-                    entry.host = entry.buffer.tensor.view(tensor.dtype).view(tensor.shape)
+                    entry.host = entry.buffer.tensor
                     entry.host.copy_(tensor, non_blocking=True)
                     runtime.used_on(tensor, runtime.d2h_stream)
                 entry.tensor = None
@@ -162,7 +175,7 @@ class BlockStash:
                 if in_place:
                     entry.device = entry.host
                 else:
-                    entry.device = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=runtime.device)
+                    entry.device = torch.empty(entry.host.shape, dtype=torch.uint8, device=runtime.device)
                     entry.device.copy_(entry.host, non_blocking=True)
             self.ready.record(runtime.h2d_stream)
         for entry in self._entries:
@@ -186,10 +199,10 @@ class BlockStash:
         self.prefetch()
         runtime = self.owner.runtime
         runtime.compute_stream().wait_event(self.ready)  # type: ignore[arg-type]
-        tensor = packed.device
-        assert tensor is not None, "a stashed tensor is unpacked after its block's backward"
-        runtime.used_on(tensor, runtime.compute_stream())
-        return tensor
+        flat = packed.entry.device
+        assert flat is not None, "a stashed tensor is unpacked after its block's backward"
+        runtime.used_on(flat, runtime.compute_stream())
+        return flat.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
 
     def finish(self) -> None:
         """The block's backward is queued: drop the device copies and the weights."""
