@@ -13,7 +13,7 @@ import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.planning import recompute_policy
 from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.device_runtime import DeviceRuntime, PinnedPool
 from megatrain_ds.streaming.activation_stash import ActivationStash
 from side_by_side import ds_config, train_side_by_side
 from test_parity import assert_parity
@@ -84,12 +84,15 @@ class _Linear(nn.Module):
         return torch.nn.functional.linear(torch.tanh(x), weight)
 
 
-def test_stash_keeps_activations_and_repoints_weight_views():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_stash_keeps_activations_and_repoints_weight_views(in_place):
     """A saved view of the weight buffer is not stashed: backward gets a view of the weights
     acquired for it (here a different buffer, as a GPU's other slot would be), and the
-    gradients equal plain autograd's."""
+    gradients equal plain autograd's. ``in_place=False`` runs a GPU's path on the CPU:
+    copies into pooled host buffers and back into fresh "device" tensors."""
     runtime = DeviceRuntime.create(torch.device("cpu"))
     stash = ActivationStash(runtime)
+    stash.in_place = in_place
     x = torch.randn(5, 3, requires_grad=True)
     forward_weights, backward_weights = torch.randn(2 * 3 + 1), torch.empty(2 * 3 + 1)
     backward_weights.copy_(forward_weights)
@@ -107,6 +110,30 @@ def test_stash_keeps_activations_and_repoints_weight_views():
     _Linear()(x_ref, w_ref).sum().backward()
     assert torch.equal(x.grad, x_ref.grad) and torch.equal(weight.grad, w_ref.grad)
     assert stash.host_bytes == 0
+    assert stash.pool.nbytes == (0 if in_place else block.nbytes)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe"])
+def test_stash_through_copies_matches_pytorch(family, monkeypatch):
+    """The GPU's path on the CPU: every stashed storage is copied to a pooled host buffer
+    and back (``in_place`` off), views rebuilt from the copies; the pool is reused from
+    the second step on (its size stays that of one step's stash)."""
+    created = []
+    original = ActivationStash.__init__
+
+    def copying(self, runtime):
+        original(self, runtime)
+        self.in_place = False
+        created.append(self)
+
+    monkeypatch.setattr(ActivationStash, "__init__", copying)
+    engine, reference, trace = _train(family, "none", accumulation=2, checkpoint_interval=2)
+    try:
+        _check(engine, reference, trace, accumulation=2, stashed=4)
+        (stash,) = created
+        assert stash.pool.nbytes == sum(stash.block_bytes.values())
+    finally:
+        engine.destroy()
 
 
 def _first_step(recompute, monkeypatch, host_left):
@@ -165,3 +192,16 @@ def test_stash_traffic_has_its_own_trace_track(tmp_path):
         forwards = {span["name"]: span["ts"] for span in spans["compute"] if span["args"]["step"] == step}
         # stash after the block's forward, unstash before its backward
         assert ends["stash 1"] >= forwards["forward 1"] and ends["unstash 1"] <= forwards["backward 1"]
+
+
+def test_pinned_pool_reuses_buffers_best_fit_within_its_slack():
+    runtime = DeviceRuntime.create(torch.device("cpu"))
+    pool = PinnedPool(runtime)
+    first, small = pool.take(1000), pool.take(400)
+    done = runtime.event()
+    pool.give(first, done)
+    pool.give(small, done)
+    assert pool.take(900) is first and first.free is done  # 1000 <= 1.25 * 900
+    assert pool.take(700) is not small  # 400 is too small, and nothing else is free
+    assert pool.take(380) is small
+    assert pool.nbytes == 1000 + 400 + 700

@@ -15,6 +15,7 @@ CPU tests exercise.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import platform
 import time
@@ -28,6 +29,9 @@ from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 
 PAGE_BYTES = 4096
+
+POOL_SLACK = 1.25
+"""A :class:`PinnedPool` request may take a free buffer up to this factor larger."""
 
 
 class Event(Protocol):
@@ -290,27 +294,38 @@ class PooledHostBuffer:
 
 
 class PinnedPool:
-    """Reusable page-locked host buffers, by exact byte size.
+    """Reusable page-locked host buffers, served best-fit by byte size.
 
     Activations stashed between forward and backward (``streaming/activation_stash.py``)
     have the same sizes every step, so after the first step every request is served from
     a free list and no buffer is pinned again. Buffers come from
     :meth:`DeviceRuntime.host_empty` (page-aligned, ``cudaHostRegister``): exact sizes, not
     the power-of-two rounding of PyTorch's caching host allocator, which could double
-    the host memory of a stash that may be most of the machine's RAM.
+    the host memory of a stash that may be most of the machine's RAM. A request may take a
+    free buffer up to :data:`POOL_SLACK` larger, so sizes that vary a little from step to
+    step (tokens routed to an expert) reuse buffers instead of pinning new ones.
     """
 
     def __init__(self, runtime: "DeviceRuntime") -> None:
         self.runtime = runtime
         self._free: dict[int, list[PooledHostBuffer]] = {}
+        self._sizes: list[int] = []
+        """Sizes with free buffers, ascending."""
         self.nbytes = 0
         """Host bytes the pool has allocated (in use or free)."""
 
     def take(self, nbytes: int) -> PooledHostBuffer:
-        """A buffer of ``nbytes``; the stream that writes it must first wait on its ``free``."""
-        free = self._free.get(nbytes)
-        if free:
-            return free.pop()
+        """A buffer of at least ``nbytes`` (use its first ``nbytes``); the stream that writes
+        it must first wait on its ``free``."""
+        at = bisect.bisect_left(self._sizes, nbytes)
+        if at < len(self._sizes) and self._sizes[at] <= nbytes * POOL_SLACK:
+            size = self._sizes[at]
+            free = self._free[size]
+            buffer = free.pop()
+            if not free:
+                del self._free[size]
+                self._sizes.pop(at)
+            return buffer
         self.nbytes += nbytes
         return PooledHostBuffer(self.runtime.host_empty(nbytes, torch.uint8), self.runtime.event())
 
@@ -318,7 +333,10 @@ class PinnedPool:
         """Return ``buffer`` once the copy that reads it, recorded by ``after``, is done;
         nothing waits here (the next writer's stream waits on ``after``)."""
         buffer.free = after
-        self._free.setdefault(buffer.tensor.numel(), []).append(buffer)
+        size = buffer.tensor.numel()
+        if size not in self._free:
+            bisect.insort(self._sizes, size)
+        self._free.setdefault(size, []).append(buffer)
 
 
 def _cpu_name() -> str:

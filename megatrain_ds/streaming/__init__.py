@@ -2,6 +2,8 @@
 
 - ``weight_streamer``: blocks' weights host-to-device into a pool of device slots, ahead of use.
 - ``activation_offload``: activation checkpoints parked in host memory between the passes.
+- ``activation_stash``: a stashed block's saved activations in host memory between its
+  forward and its backward (``"recompute"``), so its backward need not recompute.
 - ``streamed_blocks``: each block's forward redirected to the engine; recompute and
   gradients in backward.
 - ``resident_params``: the non-block parameters (embeddings, final norm, lm_head), kept

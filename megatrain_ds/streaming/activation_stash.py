@@ -128,7 +128,9 @@ class BlockStash:
         storage = tensor.untyped_storage()
         entry = self._by_storage.get(storage.data_ptr())
         if entry is None:
-            entry = _Stashed(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
+            # The whole storage as flat bytes (a view: nothing is read or written here).
+            flat = tensor.as_strided((storage.nbytes() // tensor.element_size(),), (1,), 0).view(torch.uint8)
+            entry = _Stashed(flat)
             self._by_storage[storage.data_ptr()] = entry
             self._entries.append(entry)
             self.nbytes += entry.nbytes
@@ -152,7 +154,7 @@ class BlockStash:
                 else:
                     entry.buffer = self.owner.pool.take(entry.nbytes)
                     runtime.d2h_stream.wait_event(entry.buffer.free)  # its last reader is done
-                    entry.host = entry.buffer.tensor
+                    entry.host = entry.buffer.tensor[: entry.nbytes]
                     entry.host.copy_(tensor, non_blocking=True)
                     runtime.used_on(tensor, runtime.d2h_stream)
                 entry.tensor = None
@@ -175,7 +177,7 @@ class BlockStash:
                 if in_place:
                     entry.device = entry.host
                 else:
-                    entry.device = torch.empty(entry.host.shape, dtype=torch.uint8, device=runtime.device)
+                    entry.device = runtime.device_empty(entry.host.numel(), torch.uint8)
                     entry.device.copy_(entry.host, non_blocking=True)
             self.ready.record(runtime.h2d_stream)
         for entry in self._entries:
