@@ -115,6 +115,12 @@ class MegatrainOptions:
     the last N blocks are recomputed, the others stashed. "auto": the planner chooses N
     from the measured bandwidth, block compute time and the host memory left (logged once).
     See ``streaming/activation_stash.py``."""
+    fragment_bytes: int | None = None
+    """Copy each block's weights host-to-device in pieces of about this many bytes, each
+    with its own event, in the order the block's modules use them: a module starts as soon
+    as its pieces have arrived instead of waiting for the whole block (bytes per step are
+    unchanged). None: whole blocks. Nothing is copied on the CPU, where this has no effect.
+    See ``streaming/weight_fragments.py``."""
     num_buffers: int = 2
     """Device weight buffers for streaming (2 = double buffering)."""
     master_dtype: str = "fp32"
@@ -191,6 +197,10 @@ class MegatrainOptions:
             raise ConfigError('megatrain.recompute must be "full" (recompute every block), "none" (stash '
                               'every block\'s activations in host memory), "auto" (the planner chooses) or an '
                               f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}")
+        if self.fragment_bytes is not None and (not isinstance(self.fragment_bytes, int)
+                                                or isinstance(self.fragment_bytes, bool) or self.fragment_bytes < 4096):
+            raise ConfigError("megatrain.fragment_bytes must be a number of bytes >= 4096 (a piece of a block's "
+                              f"weights per copy), or null for whole blocks; got {self.fragment_bytes!r}")
         for name, minimum in (("checkpoint_interval", 1), ("num_buffers", 2), ("num_staging_buffers", 1),
                               ("max_consecutive_skips", 0)):
             value = getattr(self, name)

@@ -192,6 +192,8 @@ class MegatrainEngine(nn.Module):
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
+            fragment_elements=(options.fragment_bytes or 0) // compute.itemsize,
+            parts_of=lambda block: templates[block].parts_in_use(),
         )
         # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
         # last ones are recomputed (planning/recompute_policy.py); "auto" decides at the

@@ -276,10 +276,17 @@ class StreamedBlocks:
         # Given weights: the backward's recompute, unless the caller says otherwise.
         phase = phase or ("forward" if release else "recompute")
         with self.runtime.tracer.device_span(f"{phase} {index}", "compute", block=index, phase=phase):
-            outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs)
+            outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs,
+                                                before_part=self._part_waiter(index))
         if release:
             self.streamer.release(index)
         return outputs
+
+    def _part_waiter(self, index: int) -> Callable[[int], None] | None:
+        """With fragmented streaming, each part of the block waits for its own pieces."""
+        if not self.streamer.fragment_elements:
+            return None
+        return lambda part: self.streamer.wait_for_part(index, part)
 
     def _forward_block(self, index: int, args: tuple, kwargs: dict[str, Any]) -> Any:
         training = self.blocks[index].training
@@ -387,6 +394,7 @@ class StreamedBlocks:
         assert call.stash is not None
         self._leave_head_backward()
         call.stash.attach_weights(self.streamer.acquire(call.index))
+        self.streamer.wait_all(call.index)  # backward without a forward: the weights are used whole
         call.stash.prefetch()  # normally issued with the weights already (no-op then)
 
     def _recompute(self, segment: _Segment) -> None:
