@@ -205,3 +205,30 @@ def test_pinned_pool_reuses_buffers_best_fit_within_its_slack():
     assert pool.take(700) is not small  # 400 is too small, and nothing else is free
     assert pool.take(380) is small
     assert pool.nbytes == 1000 + 400 + 700
+
+
+def test_a_forward_without_backward_gives_its_stash_back(monkeypatch):
+    """A training forward whose backward never runs (evaluation with grad on, an error in
+    the loss) leaves nothing held: the next forward returns its pinned buffers to the pool,
+    which then serves the next stash without growing."""
+    created = []
+    original = ActivationStash.__init__
+
+    def copying(self, runtime):
+        original(self, runtime)
+        self.in_place = False
+        created.append(self)
+
+    monkeypatch.setattr(ActivationStash, "__init__", copying)
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"recompute": "none"})))
+    try:
+        engine(**tiny_models.make_batch(0))  # no backward
+        (stash,) = created
+        allocated = stash.pool.nbytes
+        assert allocated == sum(stash.block_bytes.values()) > 0
+        engine.backward(engine(**tiny_models.make_batch(0)).loss)
+        engine.step()
+        assert stash.pool.nbytes == allocated and stash.host_bytes == 0
+    finally:
+        engine.destroy()

@@ -187,6 +187,14 @@ class BlockStash:
             entry.host = None
         self.owner.host_bytes -= self.nbytes
 
+    def abandon(self) -> None:
+        """Never to be used: pooled buffers go back once their stash copy is done."""
+        for entry in self._entries:
+            if entry.buffer is not None and self.copied is not None:
+                self.owner.pool.give(entry.buffer, self.copied)
+            entry.buffer = entry.host = entry.device = None
+        self._entries = []
+
     def attach_weights(self, weights: torch.Tensor) -> None:
         """The block's weights as acquired for its backward: saved weight views point here."""
         self._backward_weights = weights
@@ -235,7 +243,10 @@ class ActivationStash:
         """Host bytes of each block's stash, as last measured."""
 
     def begin_pass(self) -> None:
-        """A model forward starts: forget the stashes of an abandoned pass."""
+        """A model forward starts: the stashes of a pass whose backward never ran (or not
+        to the end) are dropped, their pinned buffers back in the pool."""
+        for stash in self._by_block.values():
+            stash.abandon()
         self._by_block = {}
         self.host_bytes = 0
 
