@@ -113,11 +113,8 @@ def test_stash_keeps_activations_and_repoints_weight_views(in_place):
     assert stash.pool.nbytes == (0 if in_place else block.nbytes)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe"])
-def test_stash_through_copies_matches_pytorch(family, monkeypatch):
-    """The GPU's path on the CPU: every stashed storage is copied to a pooled host buffer
-    and back (``in_place`` off), views rebuilt from the copies; the pool is reused from
-    the second step on (its size stays that of one step's stash)."""
+def _copying_stashes(monkeypatch):
+    """Make every ``ActivationStash`` take the GPU's path (copies); returns those created."""
     created = []
     original = ActivationStash.__init__
 
@@ -127,6 +124,15 @@ def test_stash_through_copies_matches_pytorch(family, monkeypatch):
         created.append(self)
 
     monkeypatch.setattr(ActivationStash, "__init__", copying)
+    return created
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe"])
+def test_stash_through_copies_matches_pytorch(family, monkeypatch):
+    """The GPU's path on the CPU: every stashed storage is copied to a pooled host buffer
+    and back (``in_place`` off), views rebuilt from the copies; the pool is reused from
+    the second step on (its size stays that of one step's stash)."""
+    created = _copying_stashes(monkeypatch)
     engine, reference, trace = _train(family, "none", accumulation=2, checkpoint_interval=2)
     try:
         _check(engine, reference, trace, accumulation=2, stashed=4)
@@ -211,15 +217,7 @@ def test_a_forward_without_backward_gives_its_stash_back(monkeypatch):
     """A training forward whose backward never runs (evaluation with grad on, an error in
     the loss) leaves nothing held: the next forward returns its pinned buffers to the pool,
     which then serves the next stash without growing."""
-    created = []
-    original = ActivationStash.__init__
-
-    def copying(self, runtime):
-        original(self, runtime)
-        self.in_place = False
-        created.append(self)
-
-    monkeypatch.setattr(ActivationStash, "__init__", copying)
+    created = _copying_stashes(monkeypatch)
     torch.manual_seed(0)
     engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"recompute": "none"})))
     try:
