@@ -263,9 +263,13 @@ class MegatrainEngine(nn.Module):
         if self.config.options.recompute == "full" or counted is None:
             return
         numels = [state.layout.numel for state in self.states[: self._resident_index]]
-        self.recompute_choice = choose_recompute(self.runtime, self.config, self.module, numels,
-                                                 self.states[self._resident_index].layout.numel, counted[1])
-        self.stashed_blocks = self.recompute_choice.stashed_blocks
+        choice = choose_recompute(self.runtime, self.config, self.module, numels,
+                                  self.states[self._resident_index].layout.numel, counted[1])
+        self.recompute_choice, self.stashed_blocks = choice, choice.stashed_blocks
+        # The trace says what was chosen (its otherData), next to the stash track's spans.
+        self._tracing.metadata["recompute"] = {
+            "setting": self.config.options.recompute, "stashed_blocks": choice.stashed_blocks,
+            "planned_stash_bytes_per_block": choice.stash_bytes_per_block, "predicted": choice.predicted}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

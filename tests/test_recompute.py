@@ -189,7 +189,9 @@ def test_stash_traffic_has_its_own_trace_track(tmp_path):
         measured = engine.blocks.stash.block_bytes
     finally:
         engine.destroy()
-    _, spans = _spans(path)
+    document, spans = _spans(path)
+    assert document["otherData"]["recompute"]["setting"] == 2
+    assert document["otherData"]["recompute"]["stashed_blocks"] == 2
     names = sorted(span["name"] for span in spans["stash"])
     assert names == sorted(2 * [f"stash {b}" for b in (0, 1)] + 2 * [f"unstash {b}" for b in (0, 1)])
     assert all(span["args"]["bytes"] == measured[span["args"]["block"]] for span in spans["stash"])
