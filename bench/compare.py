@@ -44,8 +44,11 @@ import threading
 import time
 from pathlib import Path
 
-SYSTEMS = ("megatrain", "zero3_offload", "torch")
-RESULT_KEY = {"megatrain": "megatrain", "zero3_offload": "deepspeed_zero3_offload", "torch": "torch"}
+SYSTEMS = ("megatrain", "megatrain_no_recompute", "zero3_offload", "torch")
+RESULT_KEY = {"megatrain": "megatrain", "megatrain_no_recompute": "megatrain_recompute_none",
+              "zero3_offload": "deepspeed_zero3_offload", "torch": "torch"}
+ENGINE_SYSTEMS = ("megatrain", "megatrain_no_recompute")
+"""The engine with every block recomputed (its default), and with ``"recompute": "none"``."""
 
 
 def _rss_bytes() -> int:
@@ -61,10 +64,11 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
         "bf16": {"enabled": cuda},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
     }
-    if system == "megatrain":
+    if system in ENGINE_SYSTEMS:
         config["engine"] = "megatrain"
+        config["megatrain"] = {"recompute": "none"} if system == "megatrain_no_recompute" else {}
         if trace is not None:  # every step after the warm-up
-            config["megatrain"] = {"trace": str(trace), "trace_steps": max(1, args.steps - 1)}
+            config["megatrain"].update(trace=str(trace), trace_steps=max(1, args.steps - 1))
     else:
         config["zero_optimization"] = {
             "stage": 3,
@@ -106,7 +110,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     else:
         model = transformers.LlamaForCausalLM(config)
         params = sum(p.numel() for p in model.parameters())
-        if system == "megatrain":
+        if system in ENGINE_SYSTEMS:
             trace = Path(tempfile.mkdtemp()) / "trace.json"
             engine, *_ = deepspeed.initialize(model=model, config=_ds_config(system, args, cuda, trace))
         else:
@@ -172,13 +176,30 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     }
     result["bytes_per_param"] = result["peak_host_bytes"] / params
     result["device_idle_seconds"] = None
-    if system == "megatrain":
+    if system == "megatrain_no_recompute":
+        result.update(_stash_figures(engine, model, args))
+    if system in ENGINE_SYSTEMS:
         engine.destroy()  # writes the trace, should its last step not have
         idle = _device_idle_seconds(trace)
         shutil.rmtree(trace.parent, ignore_errors=True)
         if len(idle) == len(measured):  # the traced steps are the measured ones, in order
             result["device_idle_seconds"] = idle[measured.index(best)]
     return result
+
+
+def _stash_figures(engine, model, args: argparse.Namespace) -> dict:
+    """What the engine's stash held per block (each saved storage once), and the planner's
+    estimate of it for this model and batch."""
+    from megatrain_ds.cli import shape_of
+    from megatrain_ds.planning.planner import RunSettings, stash_bytes_per_block
+
+    measured = engine.blocks.stash.block_bytes
+    settings = RunSettings(seq_len=args.seq_len, micro_batch=args.micro_batch, bf16=engine.config.bf16)
+    predicted = stash_bytes_per_block(shape_of(model), settings)
+    per_block = sum(measured.values()) / len(measured)
+    return {"stashed_blocks": len(measured), "stash_bytes_per_block": per_block,
+            "predicted_stash_bytes_per_block": predicted, "stash_predicted_over_measured": predicted / per_block,
+            "stash_peak_host_bytes": engine.blocks.stash.peak_host_bytes}
 
 
 def _device_idle_seconds(trace: Path) -> list[float]:
@@ -336,6 +357,21 @@ def main() -> None:
               f"{r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} {r['optimizer_seconds']:6.2f} "
               f"{_seconds_or_dash(r.get('device_idle_seconds')):>6s} "
               f"{r['bytes_per_param']:12.2f} {r['peak_gpu_bytes'] / 2**30:8.2f}")
+    comparisons = {}
+    if "megatrain" in best and "megatrain_no_recompute" in best:
+        full, stash = best["megatrain"], best["megatrain_no_recompute"]
+        comparisons["recompute_none_over_full_step"] = stash["step_seconds"] / full["step_seconds"]
+        # The stash's cost in the process's own memory: the peak RSS difference per block.
+        comparisons["rss_bytes_per_stashed_block"] = ((stash["peak_host_bytes"] - full["peak_host_bytes"])
+                                                      / stash["stashed_blocks"])
+        comparisons["rss_per_block_over_planner"] = (comparisons["rss_bytes_per_stashed_block"]
+                                                     / stash["predicted_stash_bytes_per_block"])
+        print(f"recompute none / full step time: {comparisons['recompute_none_over_full_step']:.3f} "
+              f"({stash['step_seconds']:.2f} s vs {full['step_seconds']:.2f} s)")
+        print(f"stash per block: {stash['stash_bytes_per_block'] / 2**20:.1f} MiB held by the engine, "
+              f"{comparisons['rss_bytes_per_stashed_block'] / 2**20:.1f} MiB by peak RSS, planner "
+              f"{stash['predicted_stash_bytes_per_block'] / 2**20:.1f} MiB (planner / held: "
+              f"{stash['stash_predicted_over_measured']:.3f})")
     if "megatrain" in best:
         for other in ("zero3_offload", "torch"):
             if other in best:
@@ -359,6 +395,7 @@ def main() -> None:
                   "vocab": args.vocab, "params": params},
         "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gradient_clipping": args.clip},
         "results": {RESULT_KEY[s]: r for s, r in best.items()},
+        "comparisons": comparisons,
         "rounds": {RESULT_KEY[s]: [{k: r[k] for k in ("step_seconds", "all_step_seconds", "all_cpu_seconds",
                                                      "bytes_per_param", "predicted_step_seconds") if k in r}
                                    for r in runs]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
-from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan
+from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan, sizes_from_config
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -48,11 +48,9 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     block_ids = {id(p) for block in blocks for p in block.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
-    config = getattr(model, "config", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
     return ModelShape(num_blocks=len(blocks), block_params=max(block_sizes),
                       total_block_params=sum(block_sizes), resident_params=resident,
-                      hidden=int(hidden), vocab=int(getattr(config, "vocab_size")))
+                      **sizes_from_config(getattr(model, "config", None)))
 
 
 def load_meta_model(source: str) -> torch.nn.Module:
@@ -266,6 +264,10 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
         print(f"  {bound:18s} {seconds:8.3f} s/step")
     print(f"predicted step: {result.predicted_step_seconds:.3f} s, "
           f"{result.predicted_tokens_per_second:,.0f} tokens/s")
+    print("recompute (host memory for stashed activations vs. recomputing blocks in backward):")
+    for name, policy in result.recompute.items():
+        print(f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
+              f"stash  predicted step {policy['predicted_step_seconds']:.4g} s")
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
     print("recommended: " + json.dumps(result.recommended))
 

@@ -85,6 +85,10 @@ def _zero_optimization(block: Any) -> tuple[bool | None, list[str]]:
     return (any(pins) if pins else None), ignored
 
 
+RECOMPUTE_CHOICES = ("full", "none", "auto")
+"""The named values of ``megatrain.recompute``; an integer is the fourth form."""
+
+
 class ConfigError(ValueError):
     """A configuration value the engine cannot use; the message names the key."""
 
@@ -102,6 +106,21 @@ class MegatrainOptions:
     """Park activation checkpoints in host memory between forward and backward, so device
     memory does not grow with depth; costs 2*T*hidden bytes of host->device traffic per
     checkpoint. Set false when the checkpoints fit on the device."""
+    recompute: str | int = "full"
+    """What each block's backward starts from. "full" (default): every block is recomputed
+    from its activation checkpoint (8*P*T FLOPs per step instead of 6*P*T). "none": every
+    block *stashes* what autograd saves in its forward (its saved activations, not its
+    weights) in host memory -- copied device-to-host on a side stream on a GPU, kept where
+    it is on the CPU -- and backward runs from the stash without recomputing. An integer N:
+    the last N blocks are recomputed, the others stashed. "auto": the planner chooses N
+    from the measured bandwidth, block compute time and the host memory left (logged once).
+    See ``streaming/activation_stash.py``."""
+    fragment_bytes: int | None = None
+    """Copy each block's weights host-to-device in pieces of about this many bytes, each
+    with its own event, in the order the block's modules use them: a module starts as soon
+    as its pieces have arrived instead of waiting for the whole block (bytes per step are
+    unchanged). None: whole blocks. Nothing is copied on the CPU, where this has no effect.
+    See ``streaming/weight_fragments.py``."""
     num_buffers: int = 2
     """Device weight buffers for streaming (2 = double buffering)."""
     master_dtype: str = "fp32"
@@ -173,6 +192,15 @@ class MegatrainOptions:
                                                   or self.speculative_blocks < 0):
             raise ConfigError(f'megatrain.speculative_blocks must be "auto" or an integer >= 0, '
                               f"got {self.speculative_blocks!r}")
+        if self.recompute not in RECOMPUTE_CHOICES and (not isinstance(self.recompute, int)
+                                                        or isinstance(self.recompute, bool) or self.recompute < 0):
+            raise ConfigError('megatrain.recompute must be "full" (recompute every block), "none" (stash '
+                              'every block\'s activations in host memory), "auto" (the planner chooses) or an '
+                              f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}")
+        if self.fragment_bytes is not None and (not isinstance(self.fragment_bytes, int)
+                                                or isinstance(self.fragment_bytes, bool) or self.fragment_bytes < 4096):
+            raise ConfigError("megatrain.fragment_bytes must be a number of bytes >= 4096 (a piece of a block's "
+                              f"weights per copy), or null for whole blocks; got {self.fragment_bytes!r}")
         for name, minimum in (("checkpoint_interval", 1), ("num_buffers", 2), ("num_staging_buffers", 1),
                               ("max_consecutive_skips", 0)):
             value = getattr(self, name)

@@ -23,6 +23,7 @@ from torch import nn
 
 from megatrain_ds.checkpoint import save_load
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
+from megatrain_ds.streaming.activation_stash import ActivationStash
 from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
@@ -37,12 +38,13 @@ from megatrain_ds.state.host_store import HostFlatState, migrate_to_host
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.planning.preflight import preflight
+from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, stashed_blocks_of
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
 from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
 from megatrain_ds.runtime.trace import TraceSchedule
-from megatrain_ds.planning.transfer_hiding import warn_if_transfers_exposed
+from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 logger = logging.getLogger(__name__)
@@ -191,12 +193,23 @@ class MegatrainEngine(nn.Module):
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
+            fragment_elements=(options.fragment_bytes or 0) // compute.itemsize,
+            parts_of=lambda block: templates[block].parts_in_use(),
         )
+        # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
+        # last ones are recomputed (planning/recompute_policy.py); "auto" decides at the
+        # first training forward and recomputes every block until then.
+        recompute = options.recompute
+        self.stashed_blocks = stashed_blocks_of(recompute, len(blocks)) or 0
+        self.recompute_choice: RecomputeChoice | None = None
+        """The policy's decision at the first training forward (stash bytes, predicted steps)."""
         self.blocks = StreamedBlocks(
             blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
             self.runtime, options.checkpoint_interval,
             ActivationOffloader(self.runtime) if options.offload_checkpoints else None,
             self.is_gradient_accumulation_boundary, STAGING_CHUNK_ELEMENTS,
+            stash=ActivationStash(self.runtime) if recompute != "full" else None,
+            stashes=lambda index: index < self.stashed_blocks,
         )
         self.blocks.install()
         self.resident.hook_gradients(
@@ -240,10 +253,26 @@ class MegatrainEngine(nn.Module):
             log_layer_checkpointing(self.blocks.blocks, self.block_path)
             warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
                                       accumulation=self.gradient_accumulation_steps())
+            self._choose_recompute(args, kwargs)
         self._tracing.before_forward(self.global_steps)
         with self.runtime.observe():
             self.blocks.begin_forward()
             return self.module(*args, **kwargs)
+
+    def _choose_recompute(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Decide ``"recompute": "auto"``, or check that the stash asked for fits, now that
+        the tokens per weight pass are known (planning/recompute_policy.py)."""
+        counted = tokens_per_pass(args, kwargs)
+        if self.config.options.recompute == "full" or counted is None:
+            return
+        numels = [state.layout.numel for state in self.states[: self._resident_index]]
+        choice = choose_recompute(self.runtime, self.config, self.module, numels,
+                                  self.states[self._resident_index].layout.numel, counted[1])
+        self.recompute_choice, self.stashed_blocks = choice, choice.stashed_blocks
+        # The trace says what was chosen (its otherData), next to the stash track's spans.
+        self._tracing.metadata["recompute"] = {
+            "setting": self.config.options.recompute, "stashed_blocks": choice.stashed_blocks,
+            "planned_stash_bytes_per_block": choice.stash_bytes_per_block, "predicted": choice.predicted}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

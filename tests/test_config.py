@@ -55,6 +55,10 @@ def test_missing_batch_size_is_rejected():
         ({"master_dtype": "fp16"}, r'megatrain.master_dtype must be one of "fp32", "bf16"'),
         ({"offload_checkpoints": "yes"}, r"megatrain.offload_checkpoints must be true or false"),
         ({"block_path": 3}, r"megatrain.block_path must be a string"),
+        ({"recompute": "partial"}, r'megatrain.recompute must be "full" .* got \'partial\''),
+        ({"recompute": -1}, r"megatrain.recompute must be .*integer >= 0.* got -1"),
+        ({"recompute": True}, r"megatrain.recompute must be .* got True"),
+        ({"recompute": 1.5}, r"megatrain.recompute must be .* got 1.5"),
     ],
 )
 def test_bad_megatrain_options_name_the_key(megatrain, message):

@@ -13,7 +13,8 @@ from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds import cli
 from megatrain_ds.cli import parse_size, shape_of
 from megatrain_ds.planning.planner import (GPU_HARDWARE, LOSS_PASSES, Hardware, RunSettings, _fits, _with, gpu_bytes, host_bytes,
-                                  min_tokens_to_hide_transfer, plan, step_seconds)
+                                  choose_stashed_blocks, min_tokens_to_hide_transfer, plan, stash_bytes_per_block,
+                                  step_seconds)
 from side_by_side import ds_config
 
 
@@ -199,3 +200,60 @@ def test_cli_cpu_plan_reports_the_profile_and_peak(tmp_path):
     assert data["predicted_peak_host_bytes"] == data["host_bytes_total"] + data["gpu_bytes_total"]
     assert set(data["step_seconds_by_bound"]) == {"blocks", "head", "gradient_path", "checkpoints", "optimizer"}
     assert (tmp_path / "cpu_profile.json").exists()
+
+
+def test_stash_estimate_matches_the_engines_measured_stash():
+    """The planner's stash bytes per block against what the engine's stash holds (every
+    saved tensor's storage counted once) for a Llama with SDPA attention: within 10%."""
+    torch.manual_seed(0)
+    model = _mid_llama()
+    shape = shape_of(model)
+    engine = MegatrainEngine(model, parse_engine_config(ds_config(megatrain={"recompute": "none"})))
+    try:
+        batch = tiny_models.make_batch(0, length=24)
+        engine.backward(engine(**batch).loss)
+        engine.step()
+        measured = engine.blocks.stash.block_bytes
+        assert sorted(measured) == [0, 1, 2, 3] and len(set(measured.values())) == 1
+        estimate = stash_bytes_per_block(shape, RunSettings(seq_len=24, micro_batch=2, bf16=False))
+        assert estimate == pytest.approx(measured[0], rel=0.1)
+    finally:
+        engine.destroy()
+
+
+def _shape_8b():
+    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+    with torch.device("meta"):
+        return shape_of(transformers.LlamaForCausalLM(config))
+
+
+def test_auto_stashes_while_the_link_has_room_on_a_gpu():
+    """Compute-bound (16k tokens per pass on an H100): some blocks stash, as many as the
+    link carries without becoming the bound, and the predicted step beats both extremes.
+    Link-bound (512 tokens): stashing only adds traffic, so every block is recomputed."""
+    shape, h100 = _shape_8b(), GPU_HARDWARE["h100"]
+    long = RunSettings(seq_len=16384)
+    result = plan(shape, long, h100, host_memory_bytes=2048 << 30)
+    policies = result.recompute
+    assert 0 < policies["auto"]["stashed_blocks"] < shape.num_blocks
+    assert policies["auto"]["predicted_step_seconds"] < policies["full"]["predicted_step_seconds"]
+    assert policies["auto"]["predicted_step_seconds"] <= policies["none"]["predicted_step_seconds"]
+    stashed = _with(long, stashed_blocks=policies["auto"]["stashed_blocks"])
+    bounds = step_seconds(shape, stashed, h100)
+    assert bounds["compute"] >= bounds["host_to_device"] * 0.95
+    assert result.recommended["recompute"] == shape.num_blocks - policies["auto"]["stashed_blocks"]
+    assert choose_stashed_blocks(shape, RunSettings(seq_len=512), h100, 2048 << 30) == 0
+
+
+@pytest.mark.parametrize("host_left, expected", [(1 << 20, 0), (1 << 40, "all")])
+def test_auto_on_the_cpu_is_bound_by_host_memory(host_left, expected):
+    shape = _shape_8b()
+    cpu = Hardware("cpu", 1e12, 1e10, 1e10, 2e10, 0, shares_host_memory=True)
+    settings = RunSettings(seq_len=256, bf16=False)
+    stashed = choose_stashed_blocks(shape, settings, cpu, host_left)
+    assert stashed == (shape.num_blocks if expected == "all" else 0)
+    # In between: as many as fit in the fraction of the memory left after the transients.
+    per_block = stash_bytes_per_block(shape, settings)
+    room = sum(gpu_bytes(shape, settings, cpu).values()) + 5.5 * per_block
+    assert choose_stashed_blocks(shape, settings, cpu, int(room / 0.8)) == 5

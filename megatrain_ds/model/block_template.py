@@ -10,7 +10,7 @@ structure (``layer_idx``, a sliding-window flag) are set on the template before 
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -68,6 +68,16 @@ class BlockTemplate:
         self._reference_buffers = dict(block.named_buffers())
         self._reference_scalars = _scalar_attributes(block)
         self._varying: set[tuple[str, str]] = set()
+        self._part_modules = _part_modules(self.module)
+        self._before_part: Callable[[int], None] | None = None
+        self._fired: list[int] = []
+        """Parts whose hook fired in the current run, in the order they first did."""
+        self.part_order: list[int] = []
+        """Parts in the order the first run with ``before_part`` used them (then the others)."""
+        self._unhooked: set[int] | None = None
+        """Parts not called on the first run with ``before_part``; ``None`` before it."""
+        for index, module in enumerate(self._part_modules, start=1):
+            module.register_forward_pre_hook(lambda *_, index=index: self._enter_part(index))
 
     def admit(self, block: nn.Module, index: int) -> None:
         """Check that ``block`` can run on this template and note what differs."""
@@ -86,6 +96,35 @@ class BlockTemplate:
         own = _scalar_attributes(block)
         return {key: own[key] for key in self._varying}
 
+    def parts(self) -> list[list[str]] | None:
+        """Parameter names by *part*: 0, the block module's own; then each direct submodule's
+        (a container's items one by one), waited on when it is called
+        (``streaming/weight_fragments.py``). A submodule the first run with ``before_part``
+        did not call is part 0. ``None`` before that run: which are called is not known."""
+        if self._unhooked is None:
+            return None
+        own = [name for name, _ in self.module.named_parameters(recurse=False)]
+        parts: list[list[str]] = [own]
+        prefixes = {id(module): name for name, module in self.module.named_modules()}
+        for index, module in enumerate(self._part_modules, start=1):
+            names = [f"{prefixes[id(module)]}.{name}" for name, _ in module.named_parameters()]
+            if index in self._unhooked:
+                own.extend(names)
+                names = []
+            parts.append(names)
+        return parts
+
+    def parts_in_use(self) -> tuple[list[list[str]], list[int]] | None:
+        """:meth:`parts` and :attr:`part_order` together; ``None`` before the first run."""
+        parts = self.parts()
+        return None if parts is None else (parts, self.part_order)
+
+    def _enter_part(self, index: int) -> None:
+        if self._before_part is not None:
+            if index not in self._fired:
+                self._fired.append(index)
+            self._before_part(index)
+
     @staticmethod
     def bind(flat_weights: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
         """Views of ``flat_weights`` (1-D, ``layout.numel`` long), one per slot, in slot order."""
@@ -100,11 +139,35 @@ class BlockTemplate:
         training: bool,
         args: tuple,
         kwargs: dict[str, Any],
+        before_part: Callable[[int], None] | None = None,
     ) -> Any:
-        """Run a block whose parameters are ``params`` (from :meth:`bind`, slot order)."""
+        """Run a block whose parameters are ``params`` (from :meth:`bind`, slot order);
+        ``before_part(i)`` is called before part ``i`` of :meth:`parts` computes."""
         named = {slot.name: param for slot, param in zip(layout.slots, params)}
         for (path, attr), value in overrides.items():
             setattr(self.module.get_submodule(path), attr, value)
         if self.module.training != training:
             self.module.train(training)
-        return functional_call(self.module, named, args, kwargs, tie_weights=False)
+        if before_part is None:
+            return functional_call(self.module, named, args, kwargs, tie_weights=False)
+        self._before_part, self._fired = before_part, []
+        try:
+            before_part(0)
+            return functional_call(self.module, named, args, kwargs, tie_weights=False)
+        finally:
+            self._before_part = None
+            if self._unhooked is None:  # the first run: learn which parts are called, and when
+                self._unhooked = set(range(1, len(self._part_modules) + 1)) - set(self._fired)
+                self.part_order = [0, *self._fired, *sorted(self._unhooked)]
+
+
+def _part_modules(module: nn.Module) -> list[nn.Module]:
+    """The submodules whose forward pre-hooks mark a part: the direct children, with the
+    items of containers (never called themselves) in their place."""
+    found = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found.extend(_part_modules(child))
+        elif any(True for _ in child.parameters()):
+            found.append(child)
+    return found

@@ -3,6 +3,7 @@
 - ``planner``: host and device memory, the transfer-hiding batch, step time (``megatrain plan``).
 - ``preflight``: the memory a run needs, checked before the engine allocates anything.
 - ``transfer_hiding``: warns once when a micro-batch is too small to hide weight transfers.
+- ``recompute_policy``: which blocks stash their activations (``"recompute"``; ``"auto"``).
 
 May import: every room below it: ``config`` through ``checkpoint``.
 """

@@ -12,6 +12,14 @@ weight (2 in bf16, 4 in fp32):
 - host optimizer: ~30 bytes of host memory traffic per parameter (read p, g, m, v;
   write p, m, v, shadow), overlapped with backward on a GPU machine.
 
+With ``n`` blocks stashing their activations instead of recomputing
+(``"megatrain": {"recompute": ...}``, ``streaming/activation_stash.py``) the blocks'
+compute falls by ``2 * n * P_b * T`` FLOPs, and each stashed block's saved activations
+(:func:`stash_bytes_per_block`) cross device->host in forward and host->device in
+backward, and are held in host memory between the two (on the CPU: held, nothing moves).
+:func:`choose_stashed_blocks` is ``"auto"``: the ``n`` with the shortest predicted step
+whose stash fits the host memory left.
+
 Transfers hide behind compute once ``8 * P_b * T / F >= 2 * w * P_b / B``, i.e.
 ``T >= w * F / (4 * B)``, independent of model size.
 
@@ -58,6 +66,18 @@ ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 34
 # Host-memory traffic of one AdamW update, bytes per parameter (fp32 p, g, m, v read;
 # p, m, v written; bf16 shadow written).
 ADAM_HOST_BYTES_PER_PARAM = 30
+
+# Values per token that autograd saves inside one pre-norm block with a gated MLP and fused
+# attention (Llama, Mistral, Qwen with SDPA; counted by activation_stash on Hugging Face's
+# Llama): the block input, both norms' inputs and outputs and the attention output with its
+# o_proj input (8 * hidden), k and v (2 * kv_hidden), gate, up, act(gate) and their product
+# (4 * intermediate). Norm statistics, softmax log-sum-exp and rotary tables add under 1%;
+# eager attention adds its probabilities (heads * seq_len per token).
+STASH_HIDDEN_VALUES, STASH_KV_VALUES, STASH_INTERMEDIATE_VALUES = 8, 2, 4
+
+# Fraction of the host memory left that "auto" may fill with stashed activations: the rest
+# stays for the step's transients and the rest of the machine.
+STASH_HOST_FRACTION = 0.8
 
 # Passes over the fp32 logits outside the lm_head matmul: the loss's log-softmax written
 # and read, its gradient written, read and handed to the head (Hugging Face's loss).
@@ -113,10 +133,33 @@ class ModelShape:
     resident_params: int
     hidden: int
     vocab: int
+    intermediate: int = 0
+    """MLP width; 0: ``4 * hidden``."""
+    kv_hidden: int = 0
+    """Width of the keys (and of the values): ``kv_heads * head_dim``; 0: ``hidden``."""
 
     @property
     def params(self) -> int:
         return self.total_block_params + self.resident_params
+
+
+def sizes_from_config(config: Any) -> dict[str, int]:
+    """``hidden``, ``vocab``, ``intermediate`` and ``kv_hidden`` of a Hugging Face model
+    config (:class:`ModelShape`'s names; 0 where the config does not say)."""
+    def first(*names: str) -> int:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return 0
+
+    hidden = first("hidden_size", "n_embd")
+    heads = first("num_attention_heads", "n_head")
+    head_dim = first("head_dim") or (hidden // heads if heads else 0)
+    kv_heads = first("num_key_value_heads")
+    return {"hidden": hidden, "vocab": first("vocab_size"),
+            "intermediate": first("intermediate_size", "n_inner"),
+            "kv_hidden": kv_heads * head_dim if kv_heads and head_dim else 0}
 
 
 @dataclass(frozen=True)
@@ -132,6 +175,8 @@ class RunSettings:
     num_buffers: int = 2
     offload_checkpoints: bool = True
     num_staging_buffers: int = 4
+    stashed_blocks: int = 0
+    """Blocks that stash their activations in host memory instead of recomputing."""
 
     @property
     def tokens_per_pass(self) -> int:
@@ -167,6 +212,9 @@ class Plan:
     predicted_peak_host_bytes: int = 0
     """Host memory at the step's peak: the state, plus the compute-side buffers where the
     device is the host."""
+    recompute: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``"full"``, ``"none"`` and ``"auto"``: blocks stashed, host bytes of the stash and
+    the predicted step (:func:`recompute_policies`)."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -198,7 +246,23 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
                          * settings.weight_bytes)
     if settings.offload_checkpoints:
         result["checkpoints"] = _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+    if settings.stashed_blocks:
+        result["stash"] = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
     return result
+
+
+def stash_bytes_per_block(shape: ModelShape, settings: RunSettings) -> int:
+    """Host bytes one stashed block holds between its forward and backward (an estimate for
+    Llama-like blocks, see :data:`STASH_HIDDEN_VALUES`; the engine measures its own)."""
+    values = (STASH_HIDDEN_VALUES * shape.hidden + STASH_KV_VALUES * (shape.kv_hidden or shape.hidden)
+              + STASH_INTERMEDIATE_VALUES * (shape.intermediate or 4 * shape.hidden))
+    return values * settings.tokens_per_pass * settings.weight_bytes
+
+
+def _block_flops(shape: ModelShape, settings: RunSettings) -> int:
+    """FLOPs of the blocks per weight pass: forward, backward, and the recompute of the
+    blocks that do not stash."""
+    return (8 * shape.total_block_params - 2 * settings.stashed_blocks * shape.block_params) * settings.tokens_per_pass
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
@@ -231,7 +295,8 @@ def _checkpoint_bytes(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def _num_checkpoints(shape: ModelShape, settings: RunSettings) -> int:
-    return -(-shape.num_blocks // settings.checkpoint_interval)
+    """Segments of recomputed blocks (a stashed block keeps no checkpoint)."""
+    return -(-max(shape.num_blocks - settings.stashed_blocks, 0) // settings.checkpoint_interval)
 
 
 def _journal_bytes_per_element(settings: RunSettings) -> int:
@@ -267,12 +332,14 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
     w = settings.weight_bytes
     checkpoint_traffic = (_checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
                           if settings.offload_checkpoints else 0)
-    compute_flops = 8 * shape.total_block_params * tokens + 6 * shape.vocab * shape.hidden * tokens
+    compute_flops = _block_flops(shape, settings) + 6 * shape.vocab * shape.hidden * tokens
+    stash_traffic = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
     return {
         "compute": passes * compute_flops / hardware.flops,
-        "host_to_device": passes * (2 * w * shape.total_block_params + checkpoint_traffic)
+        "host_to_device": passes * (2 * w * shape.total_block_params + checkpoint_traffic + stash_traffic)
         / hardware.h2d_bytes_per_s,
-        "device_to_host": passes * (w * shape.params + checkpoint_traffic) / hardware.d2h_bytes_per_s,
+        "device_to_host": passes * (w * shape.params + checkpoint_traffic + stash_traffic)
+        / hardware.d2h_bytes_per_s,
         "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
     }
 
@@ -291,7 +358,7 @@ def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware
                    if settings.offload_checkpoints else 0)
     head_flops = 6 * shape.vocab * shape.hidden * tokens
     return {
-        "blocks": passes * 8 * shape.total_block_params * tokens / (hardware.flops * hardware.block_efficiency),
+        "blocks": passes * _block_flops(shape, settings) / (hardware.flops * hardware.block_efficiency),
         "head": passes * (head_flops / (hardware.head_flops or hardware.flops)
                           + LOSS_PASSES * tokens * shape.vocab * 4 / bandwidth),
         "gradient_path": (gradient_bytes + journal_bytes) / bandwidth,
@@ -308,11 +375,55 @@ def _predicted_step(by_bound: dict[str, float], shape: ModelShape, hardware: Har
     return max(by_bound.values()) + tail
 
 
+def predicted_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
+    return _predicted_step(step_seconds(shape, settings, hardware), shape, hardware)
+
+
+def choose_stashed_blocks(shape: ModelShape, settings: RunSettings, hardware: Hardware,
+                          host_memory_left: int) -> int:
+    """``"recompute": "auto"``: how many blocks stash their activations.
+
+    The number with the shortest predicted step (fewest blocks among equals: a stash that
+    gains nothing only costs memory) among those whose stash fits in
+    :data:`STASH_HOST_FRACTION` of ``host_memory_left`` (the host memory not taken by the
+    run's persistent state; where the device is the host, less the step's transients).
+    On a GPU the step stops improving once the stash traffic saturates the link; on the
+    CPU nothing moves and the stash is limited by memory alone.
+    """
+    budget = STASH_HOST_FRACTION * host_memory_left
+    if hardware.shares_host_memory:
+        budget -= sum(gpu_bytes(shape, settings, hardware).values())
+    per_block = stash_bytes_per_block(shape, settings)
+    most = min(shape.num_blocks, int(budget // per_block) if per_block > 0 and budget > 0 else 0)
+    best, best_seconds = 0, float("inf")
+    for stashed in range(most + 1):
+        seconds = predicted_step_seconds(shape, _with(settings, stashed_blocks=stashed), hardware)
+        if seconds < best_seconds * (1 - 1e-9):
+            best, best_seconds = stashed, seconds
+    return best
+
+
+def recompute_policies(shape: ModelShape, settings: RunSettings, hardware: Hardware,
+                       host_memory_left: int) -> dict[str, dict[str, float]]:
+    """``full``, ``none`` and ``auto`` side by side: blocks stashed, stash bytes, step seconds."""
+    choices = {"full": 0, "none": shape.num_blocks,
+               "auto": choose_stashed_blocks(shape, settings, hardware, host_memory_left)}
+    result = {}
+    for name, stashed in choices.items():
+        with_stash = _with(settings, stashed_blocks=stashed)
+        result[name] = {"stashed_blocks": stashed,
+                        "stash_bytes": stashed * stash_bytes_per_block(shape, with_stash),
+                        "predicted_step_seconds": predicted_step_seconds(shape, with_stash, hardware)}
+    return result
+
+
 def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
          host_memory_bytes: int) -> Plan:
     """Memory, speed and recommendations for ``settings`` on ``hardware``."""
     by_bound = step_seconds(shape, settings, hardware)
     step = _predicted_step(by_bound, shape, hardware)
+    state_bytes = sum(host_bytes(shape, _with(settings, stashed_blocks=0)).values())
+    policies = recompute_policies(shape, settings, hardware, host_memory_bytes - state_bytes)
     hide = min_tokens_to_hide_transfer(hardware, settings.bf16)
     max_micro = _max_micro_batch(shape, settings, hardware, host_memory_bytes)
     wanted_micro = max(1, -(-hide // settings.seq_len))
@@ -324,6 +435,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         > 0.25 * hardware.device_memory_bytes,
         "checkpoint_interval": 1,
         "num_buffers": 2,
+        "recompute": _recompute_value(policies["auto"]["stashed_blocks"], shape.num_blocks),
         "optimizer_device": "gpu" if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s
         and not hardware.shares_host_memory else "cpu",
     }
@@ -338,7 +450,13 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         max_micro_batch=max_micro,
         recommended=recommended,
         predicted_peak_host_bytes=sum(host.values()) + (sum(device.values()) if hardware.shares_host_memory else 0),
+        recompute=policies,
     )
+
+
+def _recompute_value(stashed: int, num_blocks: int) -> str | int:
+    """The ``"recompute"`` setting that stashes ``stashed`` of ``num_blocks`` blocks."""
+    return "full" if stashed == 0 else "none" if stashed == num_blocks else num_blocks - stashed
 
 
 def _fits(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> bool:

@@ -19,6 +19,7 @@ access that no declared synchronisation orders.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import platform
 import queue
@@ -36,6 +37,9 @@ from megatrain_ds.runtime.stream_check import StreamChecker
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 
 PAGE_BYTES = 4096
+
+POOL_SLACK = 1.25
+"""A :class:`PinnedPool` request may take a free buffer up to this factor larger."""
 
 
 class Event(Protocol):
@@ -317,12 +321,89 @@ class DeviceRuntime:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
+    def measure_copy_rates(self, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float] | None:
+        """Host-to-device and device-to-host bytes per second of a pinned copy (best of
+        ``repeats``, timed by the device); ``None`` where the device is the host (nothing
+        is copied there). Synchronizes: call it once, outside the hot path."""
+        if not self.is_cuda:
+            return None
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        rates = []
+        for target, source in ((device, host), (host, device)):
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first copy warms up
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                target.copy_(source, non_blocking=True)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+            rates.append(nbytes / best)
+        return rates[0], rates[1]
+
     def synchronize(self) -> None:
         """Wait for all queued device work (used only outside the hot path)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
         elif self.checker is not None:
             self.checker.synchronize()
+
+
+@dataclass
+class PooledHostBuffer:
+    """A page-locked host buffer of a :class:`PinnedPool`, and when it may be written again."""
+
+    tensor: torch.Tensor
+    """Flat ``uint8``; callers view it as the dtype they need."""
+    free: Event
+    """Recorded after the last copy that reads the buffer; a new writer's stream waits on it."""
+
+
+class PinnedPool:
+    """Reusable page-locked host buffers, served best-fit by byte size.
+
+    Activations stashed between forward and backward (``streaming/activation_stash.py``)
+    have the same sizes every step, so after the first step every request is served from
+    a free list and no buffer is pinned again. Buffers come from
+    :meth:`DeviceRuntime.host_empty` (page-aligned, ``cudaHostRegister``): exact sizes, not
+    the power-of-two rounding of PyTorch's caching host allocator, which could double
+    the host memory of a stash that may be most of the machine's RAM. A request may take a
+    free buffer up to :data:`POOL_SLACK` larger, so sizes that vary a little from step to
+    step (tokens routed to an expert) reuse buffers instead of pinning new ones.
+    """
+
+    def __init__(self, runtime: "DeviceRuntime") -> None:
+        self.runtime = runtime
+        self._free: dict[int, list[PooledHostBuffer]] = {}
+        self._sizes: list[int] = []
+        """Sizes with free buffers, ascending."""
+        self.nbytes = 0
+        """Host bytes the pool has allocated (in use or free)."""
+
+    def take(self, nbytes: int) -> PooledHostBuffer:
+        """A buffer of at least ``nbytes`` (use its first ``nbytes``); the stream that writes
+        it must first wait on its ``free``."""
+        at = bisect.bisect_left(self._sizes, nbytes)
+        if at < len(self._sizes) and self._sizes[at] <= nbytes * POOL_SLACK:
+            size = self._sizes[at]
+            free = self._free[size]
+            buffer = free.pop()
+            if not free:
+                del self._free[size]
+                self._sizes.pop(at)
+            return buffer
+        self.nbytes += nbytes
+        return PooledHostBuffer(self.runtime.host_empty(nbytes, torch.uint8), self.runtime.event())
+
+    def give(self, buffer: PooledHostBuffer, after: Event) -> None:
+        """Return ``buffer`` once the copy that reads it, recorded by ``after``, is done;
+        nothing waits here (the next writer's stream waits on ``after``)."""
+        buffer.free = after
+        size = buffer.tensor.numel()
+        if size not in self._free:
+            bisect.insort(self._sizes, size)
+        self._free.setdefault(size, []).append(buffer)
 
 
 def _cpu_name() -> str:

@@ -9,6 +9,10 @@ and chrome://tracing open; ``bench/timeline.py`` draws one step of it. Tracks (:
 - ``compute``: each block's forward, recompute and backward (compute stream);
 - ``h2d``: each block's weight copy (host-to-device stream);
 - ``d2h``: gradient copies (device-to-host stream);
+- ``stash``: stashed blocks' activations going to the host after their forward
+  (``stash i``, d2h stream) and coming back before their backward (``unstash i``, h2d
+  stream), with their ``bytes`` (``streaming/activation_stash.py``; on the CPU nothing
+  is copied and the spans are the bookkeeping alone);
 - ``comm``: data-parallel collectives;
 - ``optimizer worker``: the gradient worker consuming each chunk (accumulate, norm,
   speculative AdamW), each AdamW range, and the step finish (main thread, worker drained).
@@ -55,7 +59,7 @@ from typing import Any, ContextManager, Iterator, Protocol
 
 logger = logging.getLogger(__name__)
 
-TRACKS = ("step", "compute", "h2d", "d2h", "comm", "optimizer worker")
+TRACKS = ("step", "compute", "h2d", "d2h", "stash", "comm", "optimizer worker")
 """Known tracks, in display order; a span may name any other track (shown after these)."""
 
 DEFAULT_TRACE_STEPS = 3

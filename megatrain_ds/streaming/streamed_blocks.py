@@ -12,8 +12,13 @@ The model's own ``forward`` runs unchanged; each block's ``forward`` is redirect
   parameters (pushed, parameter by parameter, to the :class:`GradientSink`) and its
   inputs, and frees its graph and device buffer at once.
 
+A *stashed* block (``"megatrain": {"recompute": ...}``, ``streaming/activation_stash.py``)
+is its own segment with no checkpoint: its forward builds the block-local graph at once,
+what autograd saves goes to the host stash, and its backward re-acquires the weights and
+runs from that graph without recomputing.
+
 With ``checkpoint_interval`` 1 each block's weights cross host->device exactly twice per
-step: once in forward, once in backward.
+step: once in forward, once in backward (stashed or recomputed alike).
 
 Between the step's phases -- blocks forward, head forward and backward, blocks backward,
 embedding backward -- the runtime may hand cached transient memory back
@@ -31,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatrain_ds.streaming.activation_offload import ActivationOffloader, HostCheckpoint
+from megatrain_ds.streaming.activation_stash import ActivationStash, BlockStash
 from megatrain_ds.model.block_template import BlockTemplate
 from megatrain_ds.model.layer_checkpointing import ReentrantRerunNotice
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
@@ -87,6 +93,8 @@ class _BlockCall:
     requires_grad: dict[int, bool]
     replay: _ReplayState
     training: bool
+    stash: BlockStash | None = None
+    """Set for a stashed block: its forward built the graph backward runs from."""
     # Set by the recompute, cleared by the block's backward:
     param_views: list[torch.Tensor] = field(default_factory=list)
     input_leaves: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -98,6 +106,8 @@ class _Segment:
     calls: list[_BlockCall] = field(default_factory=list)
     recomputed: bool = False
     checkpoint_bytes: int = 0
+    stashed: bool = False
+    """One stashed block: nothing to recompute, no checkpoint."""
 
 
 class _StreamedBlockFn(torch.autograd.Function):
@@ -112,16 +122,22 @@ class _StreamedBlockFn(torch.autograd.Function):
         leaves = list(call.leaves)
         for position, tensor in zip(call.tensor_positions, tensors):
             leaves[position] = tensor
-        outputs = runner._run(call.index, call.training, leaves, call.spec)
+        if segment.stashed:
+            outputs = runner._run_stashed(call, leaves)
+        else:
+            outputs = runner._run(call.index, call.training, leaves, call.spec)
         out_leaves, out_spec = tree_flatten(outputs)
         ctx.out_spec = out_spec
         runner._pending_structure = (out_leaves, out_spec)
-        return tuple(leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor))
+        # detach: a stashed block's outputs carry its block-local graph, which stays inside.
+        return tuple(leaf.detach() for leaf in out_leaves if isinstance(leaf, torch.Tensor))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         runner: StreamedBlocks = ctx.runner
-        if not ctx.segment.recomputed:
+        if ctx.call.stash is not None:
+            runner._reattach(ctx.call)
+        elif not ctx.segment.recomputed:
             runner._recompute(ctx.segment)
         input_grads = runner._backward_call(ctx.segment, ctx.call, grad_outputs)
         return (None, None, None, None, *input_grads)
@@ -148,13 +164,18 @@ class StreamedBlocks:
         is_final_micro_batch: whether gradients produced now finish the accumulation window.
         gradient_bucket_elements: a block's gradients go to ``sink`` in buckets of at least
             this many elements, as backward finishes them (:class:`GradientOutbox`).
+        stash: holds stashed blocks' saved activations on the host; ``None``: every block
+            is recomputed.
+        stashes: whether block ``i`` is stashed (asked at each forward; needs ``stash``).
     """
 
     def __init__(self, blocks: nn.ModuleList, templates: Sequence[BlockTemplate],
                  states: Sequence[HostFlatState], streamer: WeightStreamer, sink: GradientPort,
                  runtime: DeviceRuntime, checkpoint_interval: int,
                  offloader: ActivationOffloader | None,
-                 is_final_micro_batch: Callable[[], bool], gradient_bucket_elements: int) -> None:
+                 is_final_micro_batch: Callable[[], bool], gradient_bucket_elements: int,
+                 stash: ActivationStash | None = None,
+                 stashes: Callable[[int], bool] = lambda index: False) -> None:
         self.blocks = blocks
         self.templates = templates
         self.states = states
@@ -163,7 +184,10 @@ class StreamedBlocks:
         self.runtime = runtime
         self.checkpoint_interval = checkpoint_interval
         self.offloader = offloader
+        self.stash = stash
+        self.stashes = stashes
         self._prefetch_with: dict[int, list[HostCheckpoint]] = {}
+        self._in_backward = False
         streamer.on_issue = self._send_checkpoints_along
         self._is_final_micro_batch = is_final_micro_batch
         self.gradient_bucket_elements = gradient_bucket_elements
@@ -203,6 +227,9 @@ class StreamedBlocks:
         """A model forward starts: plan blocks 0..L-1 and forget any unfinished pass."""
         self._segments, self._last = [], None
         self._prefetch_with = {}
+        self._in_backward = False
+        if self.stash is not None:
+            self.stash.begin_pass()
         self.live_checkpoint_bytes = 0
         self.streamer.begin(range(len(self.blocks)))
 
@@ -219,11 +246,15 @@ class StreamedBlocks:
             for segment in self._segments
         }
         self._segments, self._last = [], None
+        self._in_backward = True
         if plan:
             self.streamer.begin(plan)
 
     def _send_checkpoints_along(self, block: int) -> None:
-        """A segment's checkpoint travels back with the weights of its first block."""
+        """A segment's checkpoint, or a stashed block's activations, travel back with the
+        weights of its first block."""
+        if self.stash is not None and self._in_backward:
+            self.stash.prefetch(block)
         if self.offloader is None:
             return
         for checkpoint in self._prefetch_with.pop(block, []):
@@ -237,19 +268,27 @@ class StreamedBlocks:
     # -- forward ------------------------------------------------------------------------
 
     def _run(self, index: int, training: bool, leaves: list[Any], spec: Any,
-             params: list[torch.Tensor] | None = None) -> Any:
+             params: list[torch.Tensor] | None = None, phase: str | None = None) -> Any:
         """Run block ``index``; without ``params`` its weights are acquired and released here."""
         args, kwargs = tree_unflatten(leaves, spec)
         layout = self.states[index].layout
         release = params is None
         if params is None:
             params = BlockTemplate.bind(self.streamer.acquire(index), layout)
-        phase = "forward" if release else "recompute"  # given weights: the backward's recompute
+        # Given weights: the backward's recompute, unless the caller says otherwise.
+        phase = phase or ("forward" if release else "recompute")
         with self.runtime.tracer.device_span(f"{phase} {index}", "compute", block=index, phase=phase):
-            outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs)
+            outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs,
+                                                before_part=self._part_waiter(index))
         if release:
             self.streamer.release(index)
         return outputs
+
+    def _part_waiter(self, index: int) -> Callable[[int], None] | None:
+        """With fragmented streaming, each part of the block waits for its own pieces."""
+        if not self.streamer.fragment_elements:
+            return None
+        return lambda part: self.streamer.wait_for_part(index, part)
 
     def _forward_block(self, index: int, args: tuple, kwargs: dict[str, Any]) -> Any:
         training = self.blocks[index].training
@@ -265,14 +304,17 @@ class StreamedBlocks:
         leaves, spec = tree_flatten((args, kwargs))
         leaves = [None if _is_kv_cache(leaf) else leaf for leaf in leaves]
 
+        stashed = self.stash is not None and self.stashes(index)
         continues = (
             self._last is not None
             and self._last[0] == index - 1
             and index % self.checkpoint_interval != 0
             and self._segments
+            and not stashed
+            and not self._segments[-1].stashed
         )
         if not continues:
-            self._segments.append(_Segment())
+            self._segments.append(_Segment(stashed=stashed))
         segment = self._segments[-1]
         previous = self._last[1] if continues and self._last else ()
         tensor_positions = [p for p, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -282,7 +324,8 @@ class StreamedBlocks:
                 if leaves[position] is output:
                     from_previous[position] = k
         kept = [None if p in from_previous else leaf for p, leaf in enumerate(leaves)]
-        checkpointed = [] if continues else [p for p in tensor_positions if leaves[p].requires_grad]
+        # A stashed block keeps no checkpoint: its graph holds what its backward needs.
+        checkpointed = [] if continues or stashed else [p for p in tensor_positions if leaves[p].requires_grad]
         if self.offloader is not None:
             for position in checkpointed:
                 kept[position] = self.offloader.offload(leaves[position])
@@ -312,34 +355,65 @@ class StreamedBlocks:
 
     # -- backward ------------------------------------------------------------------------
 
-    def _recompute(self, segment: _Segment) -> None:
-        """Re-run the segment with grad, one detached graph per block (see module doc)."""
-        previous: list[torch.Tensor] = []
+    def _make_graph_leaves(self, call: _BlockCall, leaves: list[Any], weights: torch.Tensor) -> list[Any]:
+        """Detached leaves for a block-local graph: the inputs that carry gradient (into
+        ``call.input_leaves``) and one leaf per parameter (into ``call.param_views``)."""
+        leaves = list(leaves)
+        call.input_leaves = {}
+        for position in call.tensor_positions:
+            leaf = leaves[position].detach()
+            if call.requires_grad[position] and leaf.is_floating_point():
+                leaf.requires_grad_(True)
+                call.input_leaves[position] = leaf
+            leaves[position] = leaf
+        # One leaf per parameter (sharing the buffer): each gets its gradient from its
+        # own AccumulateGrad node, so it can leave as soon as it is complete.
+        layout = self.states[call.index].layout
+        call.param_views = [view.detach().requires_grad_(slot.group != FROZEN_GROUP)
+                            for slot, view in zip(layout.slots, BlockTemplate.bind(weights, layout))]
+        return leaves
+
+    def _run_stashed(self, call: _BlockCall, leaves: list[Any]) -> Any:
+        """Forward of a stashed block: its graph is built now and what it saves is stashed."""
+        assert self.stash is not None
+        weights = self.streamer.acquire(call.index)
+        leaves = self._make_graph_leaves(call, leaves, weights)
+        with self.stash.block(call.index, weights) as stash, torch.enable_grad():
+            outputs = self._run(call.index, call.training, leaves, call.spec, params=call.param_views,
+                                phase="forward")
+        self.streamer.release(call.index)  # the forward's kernels are queued; backward re-acquires
+        call.stash = stash
+        call.outputs = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
+        call.leaves = []  # nothing to recompute from
+        return outputs
+
+    def _leave_head_backward(self) -> None:
         if self._head_backward_pending:  # phase boundary: the head's backward is done
             self._head_backward_pending = False
             self.runtime.return_transient_memory()
+
+    def _reattach(self, call: _BlockCall) -> None:
+        """A stashed block's backward is next: its weights again, and its stash on the way."""
+        assert call.stash is not None
+        self._leave_head_backward()
+        call.stash.attach_weights(self.streamer.acquire(call.index))
+        self.streamer.wait_all(call.index)  # backward without a forward: the weights are used whole
+        call.stash.prefetch()  # normally issued with the weights already (no-op then)
+
+    def _recompute(self, segment: _Segment) -> None:
+        """Re-run the segment with grad, one detached graph per block (see module doc)."""
+        previous: list[torch.Tensor] = []
+        self._leave_head_backward()
         for call in segment.calls:
             weights = self.streamer.acquire(call.index)
             leaves = list(call.leaves)
-            call.input_leaves = {}
             for position in call.tensor_positions:
                 if position in call.from_previous:
-                    source = previous[call.from_previous[position]]
+                    leaves[position] = previous[call.from_previous[position]]
                 elif isinstance(leaves[position], HostCheckpoint):
                     assert self.offloader is not None
-                    source = self.offloader.take(leaves[position])
-                else:
-                    source = leaves[position]
-                leaf = source.detach()
-                if call.requires_grad[position] and leaf.is_floating_point():
-                    leaf.requires_grad_(True)
-                    call.input_leaves[position] = leaf
-                leaves[position] = leaf
-            # One leaf per parameter (sharing the buffer): each gets its gradient from its
-            # own AccumulateGrad node, so it can leave as soon as it is complete.
-            layout = self.states[call.index].layout
-            call.param_views = [view.detach().requires_grad_(slot.group != FROZEN_GROUP)
-                                for slot, view in zip(layout.slots, BlockTemplate.bind(weights, layout))]
+                    leaves[position] = self.offloader.take(leaves[position])
+            leaves = self._make_graph_leaves(call, leaves, weights)
             with call.replay.replay(self.runtime), torch.enable_grad():
                 outputs = self._run(call.index, call.training, leaves, call.spec, params=call.param_views)
             call.outputs = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
@@ -373,6 +447,9 @@ class StreamedBlocks:
         outbox.flush()
         # Every kernel that reads this block's weights is queued: the slot may be refilled.
         self.streamer.release(call.index)
+        if call.stash is not None:
+            call.stash.finish()
+            call.stash = None
         by_position = {position: leaf.grad for position, leaf in call.input_leaves.items()}
         call.param_views, call.input_leaves, call.outputs, call.leaves = [], {}, [], []
         del segment

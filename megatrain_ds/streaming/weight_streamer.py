@@ -14,6 +14,13 @@ Each device buffer (a *slot*) carries two events:
   never clobbers weights a queued kernel still reads.
 No host-side synchronisation happens here.
 
+With fragments (``"fragment_bytes"``, ``streaming/weight_fragments.py``) the copy into a
+slot is issued piece by piece, each piece recording its own event after ``free`` was
+waited on once; ``ready`` is still recorded after the last piece. ``acquire`` then makes
+the compute stream wait on nothing: each part of the block waits on its own pieces
+(``wait_for_part``) just before it computes, and a use of the whole block (a stashed
+block's backward) waits on ``ready`` (``wait_all``).
+
 [Note: the host as the device]
 When the device computes on host memory (``runtime.shares_host_memory``: the CPU), a
 "copy to the device" would only duplicate the block in the same RAM: two slots of the
@@ -36,6 +43,7 @@ import torch
 
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.streaming.weight_fragments import FragmentPlan, plan_fragments
 
 
 @dataclass
@@ -43,6 +51,12 @@ class _Slot:
     buffer: torch.Tensor
     ready: Event
     free: Event
+    plan: FragmentPlan | None = None
+    """How the slot's block was copied; ``None``: in one piece, guarded by ``ready``."""
+    fragments: list[Event] = field(default_factory=list)
+    """``ready`` of each piece of ``plan``."""
+    waited: set[int] = field(default_factory=set)
+    """Pieces the compute stream already waits on since ``acquire``."""
 
 
 @dataclass
@@ -62,6 +76,13 @@ class WeightStreamer:
     """Called after a block's copy is issued, to send companions (checkpoints) along."""
     transfers: Counter = field(default_factory=Counter)
     """Host-to-device copies issued, per block (for tests and traces)."""
+    bytes_copied: int = 0
+    """Bytes of weights sent host-to-device (in place on the CPU: the bytes a GPU would copy)."""
+    fragment_elements: int = 0
+    """Copy blocks in pieces of this many elements (``streaming/weight_fragments.py``); 0: whole."""
+    parts_of: Callable[[int], tuple[list[list[str]], list[int]] | None] | None = None
+    """A block's parameter names by part and the order it uses them (``BlockTemplate``),
+    for fragment plans; ``None`` until known."""
 
     def __post_init__(self) -> None:
         dtype = self.states[0].streamed.dtype
@@ -76,6 +97,7 @@ class WeightStreamer:
         self._plan: deque[int] = deque()
         self._in_flight: deque[tuple[int, _Slot]] = deque()
         self._held: dict[int, _Slot] = {}
+        self._plans: dict[int, FragmentPlan] = {}
 
     @property
     def device_bytes(self) -> int:
@@ -120,10 +142,40 @@ class WeightStreamer:
                 )
         _, slot = self._in_flight.popleft()
         # The device waits for the copy (see [Note: buffer ordering]); the host goes on.
-        self.runtime.compute_stream().wait_event(slot.ready)
+        # A fragmented copy is waited on part by part instead (wait_for_part).
+        slot.waited = set()
+        if slot.plan is None:
+            self.runtime.compute_stream().wait_event(slot.ready)
         self._held[block] = slot
         self._top_up()
         return slot.buffer[: self.states[block].layout.numel]
+
+    def wait_for_part(self, block: int, part: int) -> None:
+        """Part ``part`` of held ``block`` computes next: the compute stream waits for the
+        pieces holding its parameters (nothing to do for a block copied whole)."""
+        slot = self._held[block]
+        if slot.plan is None:
+            return
+        for index in slot.plan.part_fragments[part]:
+            if index not in slot.waited:
+                self.runtime.compute_stream().wait_event(slot.fragments[index])
+                slot.waited.add(index)
+
+    def wait_all(self, block: int) -> None:
+        """Held ``block``'s weights are used whole next (not part by part)."""
+        slot = self._held[block]
+        if slot.plan is not None:
+            self.runtime.compute_stream().wait_event(slot.ready)
+
+    def _fragment_plan(self, block: int) -> FragmentPlan | None:
+        if not self.fragment_elements or self._in_place or self.parts_of is None:
+            return None
+        if block not in self._plans:
+            parts = self.parts_of(block)
+            if parts is None:  # the template has not run yet: which parts it calls is not known
+                return None
+            self._plans[block] = plan_fragments(self.states[block].layout, parts[0], self.fragment_elements, parts[1])
+        return self._plans[block]
 
     def release(self, block: int) -> None:
         """The engine has queued its last use of ``block``'s weights; reuse the slot."""
@@ -140,13 +192,26 @@ class WeightStreamer:
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
                 self.runtime.h2d_stream.wait_event(slot.free)
+                slot.plan = self._fragment_plan(block)
                 with self.runtime.tracer.device_span(f"weights {block}", "h2d", self.runtime.h2d_stream, block=block):
                     if self._in_place:
                         slot.buffer = source  # nothing to copy: the device reads the host buffer
-                    else:
+                    elif slot.plan is None:
                         slot.buffer[: source.numel()].copy_(source, non_blocking=True)
+                    else:
+                        self._copy_fragments(slot, source)
                 slot.ready.record(self.runtime.h2d_stream)
             self.transfers[block] += 1
+            self.bytes_copied += source.numel() * source.element_size()
             self._in_flight.append((block, slot))
             if self.on_issue is not None:
                 self.on_issue(block)
+
+    def _copy_fragments(self, slot: _Slot, source: torch.Tensor) -> None:
+        """Issue ``source`` into ``slot`` piece by piece (on the h2d stream, after ``free``)."""
+        assert slot.plan is not None
+        while len(slot.fragments) < len(slot.plan.ranges):
+            slot.fragments.append(self.runtime.event())
+        for (start, end), ready in zip(slot.plan.ranges, slot.fragments):
+            slot.buffer[start:end].copy_(source[start:end], non_blocking=True)
+            ready.record(self.runtime.h2d_stream)  # this piece's compute may start
