@@ -54,7 +54,8 @@ def relative_weight_error(engine: MegatrainEngine, reference: torch.nn.Module) -
 
 
 def train_side_by_side(make_model: Callable[[], torch.nn.Module], config: dict[str, Any],
-                       steps: int = 5) -> tuple[MegatrainEngine, torch.nn.Module, Trace]:
+                       steps: int = 5, make_batch: Callable[[int], dict[str, Any]] = tiny_models.make_batch,
+                       ) -> tuple[MegatrainEngine, torch.nn.Module, Trace]:
     torch.manual_seed(0)
     model = make_model()
     reference = copy.deepcopy(model)
@@ -68,7 +69,7 @@ def train_side_by_side(make_model: Callable[[], torch.nn.Module], config: dict[s
     for step in range(steps):
         for micro in range(accumulation):
             seed = step * accumulation + micro
-            batch = tiny_models.make_batch(seed)
+            batch = make_batch(seed)
             torch.manual_seed(1000 + seed)  # same dropout masks for both
             loss = engine(**batch).loss
             engine.backward(loss)
