@@ -28,6 +28,7 @@ import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan
+from megatrain_ds.planning.long_context import ffn_width
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -52,7 +53,8 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
     return ModelShape(num_blocks=len(blocks), block_params=max(block_sizes),
                       total_block_params=sum(block_sizes), resident_params=resident,
-                      hidden=int(hidden), vocab=int(getattr(config, "vocab_size")))
+                      hidden=int(hidden), vocab=int(getattr(config, "vocab_size")),
+                      ffn=max(ffn_width(block) for block in blocks))
 
 
 def load_meta_model(source: str) -> torch.nn.Module:
@@ -267,6 +269,8 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     print(f"predicted step: {result.predicted_step_seconds:.3f} s, "
           f"{result.predicted_tokens_per_second:,.0f} tokens/s")
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
+    print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
+    print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
     print("recommended: " + json.dumps(result.recommended))
 
 

@@ -194,3 +194,42 @@ def test_model_that_transforms_its_logits_is_refused_when_asked_for():
 def test_bad_tile_sizes_are_config_errors(key, value):
     with pytest.raises(ConfigError, match=key):
         parse_engine_config(ds_config(megatrain={key: value}))
+
+
+def _bench_shape(**changes):
+    """The 117M Llama of bench/long_context.py, as ``megatrain plan`` reads it."""
+    from megatrain_ds.cli import shape_of
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=8)
+    with torch.device("meta"):
+        return shape_of(transformers.LlamaForCausalLM(config))
+
+
+def test_planner_max_sequence_length_is_where_the_step_stops_fitting():
+    from megatrain_ds.planning.planner import Hardware, RunSettings, _fits, _with, max_sequence_length, plan
+    shape = _bench_shape()
+    assert shape.ffn == 2816
+    memory = 24 << 30
+    cpu = Hardware("cpu", 1e11, 1e10, 1e10, 1e10, memory, shares_host_memory=True)
+    settings = RunSettings(seq_len=16384, bf16=False)
+    longest = max_sequence_length(shape, settings, cpu, memory)
+    assert _fits(shape, _with(settings, seq_len=longest), cpu, memory)
+    assert not _fits(shape, _with(settings, seq_len=longest + 1), cpu, memory)
+    whole = _with(settings, chunked_loss=False, tiled_mlp=False)
+    # Without the chunked loss each token costs its logits (3 x 4 x 32000 bytes) and more.
+    on, off = plan(shape, settings, cpu, memory), plan(shape, whole, cpu, memory)
+    assert off.bytes_per_token > 3 * 4 * 32000 > 2 * on.bytes_per_token
+    assert on.max_seq_len == longest > 3 * off.max_seq_len
+    # The memory the plan counts grows by bytes_per_token per token (it is linear in T).
+    grown = plan(shape, _with(settings, seq_len=2 * 16384), cpu, memory)
+    assert grown.predicted_peak_host_bytes - on.predicted_peak_host_bytes == pytest.approx(
+        16384 * on.bytes_per_token, rel=1e-3)
+
+
+def test_cli_prints_the_max_sequence_length(capsys):
+    from megatrain_ds import cli
+    cli.main(["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h100", "--seq-len", "4096"])
+    out = capsys.readouterr().out
+    assert "max sequence length:" in out and "memory per token of sequence:" in out
+    longest = int(out.split("max sequence length:")[1].split("tokens")[0].replace(",", ""))
+    assert longest > 4096
