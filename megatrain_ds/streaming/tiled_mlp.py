@@ -7,8 +7,10 @@ tensors of a block at long context -- in forward while they are computed, and in
 recompute, where autograd keeps them for backward.
 
 :func:`tile_token_wise` redirects the ``forward`` of a template's MLP submodule (an
-instance attribute, as the engine redirects blocks) so that a sequence longer than
-``tile_tokens`` is computed a tile at a time:
+instance attribute, as the engine redirects blocks) so that a batch of more than
+``tile_tokens`` tokens is computed a tile at a time; tiles are runs of rows of the batch's
+``B*T x hidden`` view (contiguous, possibly spanning two sequences: tokens are
+independent here), each given to the module as a ``1 x rows x hidden`` batch:
 
 - without gradients (the streamed forward): tile by tile into one output tensor;
 - with gradients (the recompute in backward): inside :class:`_TiledFn`, which keeps only
