@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
+from megatrain_ds.planning.long_context import ffn_width
 from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan, sizes_from_config
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
@@ -50,7 +51,9 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
     resident = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
     return ModelShape(num_blocks=len(blocks), block_params=max(block_sizes),
                       total_block_params=sum(block_sizes), resident_params=resident,
-                      **sizes_from_config(getattr(model, "config", None)))
+                      **{**sizes_from_config(getattr(model, "config", None)),
+                         # the blocks' own MLP width (one expert's, for stacked experts)
+                         "intermediate": max(ffn_width(block) for block in blocks)})
 
 
 def load_meta_model(source: str) -> torch.nn.Module:
@@ -269,6 +272,8 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
         print(f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
               f"stash  predicted step {policy['predicted_step_seconds']:.4g} s")
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
+    print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
+    print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
     print("recommended: " + json.dumps(result.recommended))
 
 

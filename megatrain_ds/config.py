@@ -121,6 +121,21 @@ class MegatrainOptions:
     as its pieces have arrived instead of waiting for the whole block (bytes per step are
     unchanged). None: whole blocks. Nothing is copied on the CPU, where this has no effect.
     See ``streaming/weight_fragments.py``."""
+    loss_chunk_tokens: int | str = "auto"
+    """A Hugging Face causal LM's labelled training loss is computed this many tokens at a
+    time from the final hidden states (logits, loss and the lm_head/hidden gradients of one
+    chunk at once, ``model/causal_lm_loss.py``), never ``tokens x vocab`` logits whole; the
+    output then has the loss and no logits. 0 lets the model compute its logits and loss
+    itself. "auto": chosen by ``planning/long_context.py`` from the vocabulary and the
+    device memory, and 0 for models that transform their logits after the projection
+    (Gemma 2's softcapping) or whose loss is not ``ForCausalLMLoss``."""
+    mlp_tile_tokens: int | str = "auto"
+    """Inside streamed blocks the MLP (the ``mlp``/``feed_forward`` submodule: token-wise)
+    runs over sequence tiles of this many tokens, in forward and in the recompute, and its
+    backward recomputes one tile at a time, so its ``tokens x FFN`` intermediate never
+    exists whole (``streaming/tiled_mlp.py``); costs one more MLP forward per block in
+    backward when a sequence is longer than a tile. 0 runs the MLP whole. "auto": chosen by
+    ``planning/long_context.py`` from the FFN width and the device memory."""
     num_buffers: int = 2
     """Device weight buffers for streaming (2 = double buffering)."""
     master_dtype: str = "fp32"
@@ -201,6 +216,11 @@ class MegatrainOptions:
                                                 or isinstance(self.fragment_bytes, bool) or self.fragment_bytes < 4096):
             raise ConfigError("megatrain.fragment_bytes must be a number of bytes >= 4096 (a piece of a block's "
                               f"weights per copy), or null for whole blocks; got {self.fragment_bytes!r}")
+        for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
+            value = getattr(self, name)
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f'megatrain.{name} must be "auto", 0 (off) or a number of tokens >= 1, '
+                                  f"got {value!r}")
         for name, minimum in (("checkpoint_interval", 1), ("num_buffers", 2), ("num_staging_buffers", 1),
                               ("max_consecutive_skips", 0)):
             value = getattr(self, name)

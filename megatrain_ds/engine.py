@@ -37,8 +37,11 @@ from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.state.host_store import HostFlatState, migrate_to_host
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.placement import build_host_adamw
-from megatrain_ds.planning.preflight import preflight
+from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
+from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
+from megatrain_ds.planning.preflight import available_memory, preflight
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, stashed_blocks_of
+from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
@@ -217,10 +220,40 @@ class MegatrainEngine(nn.Module):
                                                 self.is_gradient_accumulation_boundary()),
             (m for m in model.modules() if id(m) not in block_modules), STAGING_CHUNK_ELEMENTS,
         )
+        self._build_long_context(model, list(templates_by_key.values()))
         # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
         model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
         logger.info("megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
                     len(blocks), path, self.num_templates, len(resident), self.runtime.device)
+
+    def _build_long_context(self, model: nn.Module, templates: list[BlockTemplate]) -> None:
+        """The chunked loss and the blocks' tiled MLPs (planning/long_context.py)."""
+        options = self.config.options
+        available = available_memory(self.runtime.device)
+        free = available.device if available.device is not None else available.host
+        width = self.config.compute_dtype.itemsize
+        self.mlp_tile_tokens = 0
+        if options.mlp_tile_tokens != 0:
+            for template in templates:
+                ffn = ffn_width(template.module)
+                tokens = (options.mlp_tile_tokens if options.mlp_tile_tokens != "auto"
+                          else choose_mlp_tile_tokens(ffn, width, free) if ffn else 0)
+                if tokens and tile_token_wise(template.module, tokens):
+                    self.mlp_tile_tokens = tokens
+        self.causal_loss: ChunkedCausalLMLoss | None = None
+        if options.loss_chunk_tokens == 0:
+            return
+        if options.loss_chunk_tokens == "auto":
+            reason = unsupported_reason(model)
+            if reason is not None:
+                logger.info("megatrain: the loss is computed by the model, not in chunks: %s", reason)
+                return
+        head = model.get_output_embeddings()
+        tokens = (options.loss_chunk_tokens if options.loss_chunk_tokens != "auto"
+                  else choose_loss_chunk_tokens(head.weight.shape[0], width, free))
+        redirected = self.resident.row_chunked(head)
+        self.causal_loss = ChunkedCausalLMLoss(
+            model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None)
 
     def _share_initial_weights(self, dp: DataParallel) -> None:
         """Every node starts from the first node's weights (as DDP starts from rank 0's);
@@ -257,6 +290,8 @@ class MegatrainEngine(nn.Module):
         self._tracing.before_forward(self.global_steps)
         with self.runtime.observe():
             self.blocks.begin_forward()
+            if self.causal_loss is not None and self.causal_loss.applies(kwargs):
+                return self.causal_loss(self.module, args, kwargs)  # model/causal_lm_loss.py
             return self.module(*args, **kwargs)
 
     def _choose_recompute(self, args: tuple, kwargs: dict[str, Any]) -> None:

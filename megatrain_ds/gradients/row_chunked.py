@@ -119,6 +119,7 @@ class RowChunkedModule:
     def __init__(self, module: nn.Module, offset: int, push: PushFn, rows_per_chunk: int) -> None:
         self.module = module
         self.chunked = False
+        self.offset, self.push, self.rows_per_chunk = offset, push, rows_per_chunk
         embedding = isinstance(module, nn.Embedding)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +137,21 @@ class RowChunkedModule:
             return out if module.bias is None else out + module.bias.to(out.dtype)
 
         module.forward = forward
+
+    def weight_grad_push(self) -> Callable[[torch.Tensor], None] | None:
+        """For a forward that computes the weight's gradient itself, whole (the chunked loss,
+        model/chunked_loss.py): a function that sends it on in row chunks, as this module's
+        backward would; ``None`` where the weight takes the plain path (see the class doc)."""
+        weight = self.module.weight
+        self.chunked = weight.requires_grad and not _has_tensor_hooks(weight)
+        return self._push_whole if self.chunked else None
+
+    def _push_whole(self, grad: torch.Tensor) -> None:
+        rows, width = grad.shape
+        dtype = self.module.weight.dtype
+        for start in range(0, rows, self.rows_per_chunk):
+            end = min(start + self.rows_per_chunk, rows)
+            self.push(self.offset + start * width, grad[start:end].to(dtype).reshape(-1))
 
     def restore(self) -> None:
         """Give the module its own ``forward`` back."""

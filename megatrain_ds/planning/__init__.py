@@ -2,6 +2,7 @@
 
 - ``planner``: host and device memory, the transfer-hiding batch, step time (``megatrain plan``).
 - ``preflight``: the memory a run needs, checked before the engine allocates anything.
+- ``long_context``: loss-chunk and MLP-tile sizes ("auto"), memory per token.
 - ``transfer_hiding``: warns once when a micro-batch is too small to hide weight transfers.
 - ``recompute_policy``: which blocks stash their activations (``"recompute"``; ``"auto"``).
 

@@ -55,13 +55,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+from megatrain_ds.planning.long_context import (choose_loss_chunk_tokens, choose_mlp_tile_tokens,
+                                                loss_chunk_bytes_per_token, mlp_tile_bytes_per_token)
 
 GIB = 1 << 30
 
 # Per token per block, bytes of activations a block's recompute holds for backward in
 # 16-bit (Korthikanti et al., "Reducing Activation Recomputation", with flash/SDPA
-# attention): 34 * hidden. Scaled by bytes per value / 2 for fp32 compute.
+# attention): 34 * hidden, of which 19 * hidden are the MLP's (a 4 * hidden FFN) and 15
+# the rest. With the MLP's width known (``ModelShape.intermediate``) its intermediates are counted
+# apart, over one tile when it is tiled (planning/long_context.py). Scaled by bytes per
+# value / 2 for fp32 compute.
 ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 34
+NON_MLP_ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 15
 
 # Host-memory traffic of one AdamW update, bytes per parameter (fp32 p, g, m, v read;
 # p, m, v written; bf16 shadow written).
@@ -134,7 +140,8 @@ class ModelShape:
     hidden: int
     vocab: int
     intermediate: int = 0
-    """MLP width; 0: ``4 * hidden``."""
+    """Width of a block's MLP intermediate (one expert's, for stacked experts); 0: unknown
+    (the stash counts ``4 * hidden``, activations the ``34 * hidden`` rule)."""
     kv_hidden: int = 0
     """Width of the keys (and of the values): ``kv_heads * head_dim``; 0: ``hidden``."""
 
@@ -177,6 +184,10 @@ class RunSettings:
     num_staging_buffers: int = 4
     stashed_blocks: int = 0
     """Blocks that stash their activations in host memory instead of recomputing."""
+    chunked_loss: bool = True
+    """The loss in chunks (``loss_chunk_tokens``, "auto"), no ``tokens x vocab`` logits."""
+    tiled_mlp: bool = True
+    """The MLP in sequence tiles (``mlp_tile_tokens``, "auto")."""
 
     @property
     def tokens_per_pass(self) -> int:
@@ -215,6 +226,11 @@ class Plan:
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
     """``"full"``, ``"none"`` and ``"auto"``: blocks stashed, host bytes of the stash and
     the predicted step (:func:`recompute_policies`)."""
+    bytes_per_token: int = 0
+    """How much more memory each further token of sequence takes (device memory, or host
+    memory where the device is the host)."""
+    max_seq_len: int = 0
+    """The longest sequence (at this micro-batch) that fits; 0 when none does."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -273,7 +289,7 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
     in_place = hardware is not None and hardware.shares_host_memory
     slots = settings.num_buffers + settings.checkpoint_interval - 1
     checkpoints_on_device = slots if settings.offload_checkpoints else _num_checkpoints(shape, settings)
-    return {
+    result = {
         "weight_buffers": 0 if in_place else slots * shape.block_params * w,
         "resident_params": 0 if in_place else shape.resident_params * w,
         # Upper bounds: a tied embedding's gradient is built whole (untied ones leave in
@@ -282,12 +298,33 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
         "resident_grads": min(shape.resident_params, shape.vocab * shape.hidden) * w,
         "block_grads": shape.block_params * w,
         "checkpoints": checkpoints_on_device * _checkpoint_bytes(shape, settings),
-        "block_activations": settings.checkpoint_interval * tokens * shape.hidden
-        * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN * w // 2,
+    }
+    return {**result, **_activation_bytes(shape, settings, hardware)}
+
+
+def _activation_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None) -> dict[str, int]:
+    """One block's recompute and the head, by what they hold (see planning/long_context.py)."""
+    w, tokens, k = settings.weight_bytes, settings.tokens_per_pass, settings.checkpoint_interval
+    # "auto" tile sizes follow the device's memory (the engine asks for what is free at start-up).
+    free = hardware.device_memory_bytes if hardware is not None else 80 * GIB
+    result = {}
+    if shape.intermediate:
+        result["block_activations"] = k * tokens * shape.hidden * NON_MLP_ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN * w // 2
+        tile = choose_mlp_tile_tokens(shape.intermediate, w, free) if settings.tiled_mlp else tokens
+        result["mlp_intermediates"] = k * min(tokens, tile) * mlp_tile_bytes_per_token(shape.intermediate, w)
+    else:
+        result["block_activations"] = k * tokens * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN * w // 2
+    if settings.chunked_loss:
+        chunk = choose_loss_chunk_tokens(shape.vocab, w, free)
+        # A chunk's logits and their fp32 copies, the hidden states' gradient and the
+        # output projection's fp32 weight-gradient accumulator (model/chunked_loss.py).
+        result["logits"] = (min(tokens, chunk) * loss_chunk_bytes_per_token(shape.vocab, w)
+                            + tokens * shape.hidden * w + shape.vocab * shape.hidden * 4)
+    else:
         # Hugging Face upcasts logits to fp32 for the loss: compute-dtype logits, their
         # fp32 copy and its gradient.
-        "logits": tokens * shape.vocab * (w + 4 + 4),
-    }
+        result["logits"] = tokens * shape.vocab * (w + 4 + 4)
+    return result
 
 
 def _checkpoint_bytes(shape: ModelShape, settings: RunSettings) -> int:
@@ -439,7 +476,11 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         "optimizer_device": "gpu" if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s
         and not hardware.shares_host_memory else "cpu",
     }
+    per_token = _total_bytes(shape, _with(settings, seq_len=2 * settings.seq_len), hardware) - _total_bytes(
+        shape, settings, hardware)
     return Plan(
+        bytes_per_token=per_token // settings.tokens_per_pass,
+        max_seq_len=max_sequence_length(shape, settings, hardware, host_memory_bytes),
         params=shape.params,
         host_bytes=host,
         gpu_bytes=device,
@@ -457,6 +498,16 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
 def _recompute_value(stashed: int, num_blocks: int) -> str | int:
     """The ``"recompute"`` setting that stashes ``stashed`` of ``num_blocks`` blocks."""
     return "full" if stashed == 0 else "none" if stashed == num_blocks else num_blocks - stashed
+def _total_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> int:
+    """What bounds the sequence: device memory, or everything where the device is the host."""
+    device = sum(gpu_bytes(shape, settings, hardware).values())
+    return device + sum(host_bytes(shape, settings).values()) if hardware.shares_host_memory else device
+
+
+def max_sequence_length(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> int:
+    """The longest sequence (at ``settings.micro_batch``) whose step fits (0: none does)."""
+    return _largest(lambda length: _fits(shape, _with(settings, seq_len=length), hardware, host_memory_bytes),
+                    limit=1 << 30)
 
 
 def _fits(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> bool:
@@ -472,11 +523,15 @@ def _max_micro_batch(shape: ModelShape, settings: RunSettings, hardware: Hardwar
     """Largest micro-batch that fits (0 when not even one sequence does)."""
     def fits(micro: int) -> bool:
         return _fits(shape, _with(settings, micro_batch=micro), hardware, host_memory_bytes)
+    return _largest(fits, limit=1 << 20)
 
+
+def _largest(fits, limit: int) -> int:
+    """The largest ``n >= 1`` with ``fits(n)`` (fits is monotone), 0 when ``fits(1)`` fails."""
     if not fits(1):
         return 0
     low, high = 1, 2
-    while fits(high) and high < 1 << 20:
+    while fits(high) and high < limit:
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2

@@ -7,6 +7,7 @@
   forward and its backward (``"recompute"``), so its backward need not recompute.
 - ``streamed_blocks``: each block's forward redirected to the engine; recompute and
   gradients in backward.
+- ``tiled_mlp``: a block's token-wise MLP over sequence tiles, recomputed tile by tile.
 - ``resident_params``: the non-block parameters (embeddings, final norm, lm_head), kept
   on the device and refreshed after every step.
 

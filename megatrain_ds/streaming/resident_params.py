@@ -91,6 +91,10 @@ class ResidentParams:
                 hook = _make_gradient_hook(push, slot.offset, slot.name, chunked.get(id(param)))
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
+    def row_chunked(self, module: nn.Module) -> RowChunkedModule | None:
+        """The row-chunked redirect of ``module``'s weight gradient, if it has one."""
+        return next((r for r in self._redirected if r.module is module), None)
+
     def unhook_gradients(self) -> None:
         """Give the redirected modules their own ``forward`` back and remove the hooks."""
         for redirected in self._redirected:
