@@ -256,7 +256,8 @@ class ActivationStash:
         buffer it computes from (its saved views are re-pointed, not stashed)."""
         while len(self._outstanding) >= MAX_BLOCKS_IN_FLIGHT:
             # Backpressure (see [Note: stash ordering]): the host waits for the oldest copy.
-            self._outstanding.popleft().synchronize()
+            oldest = self._outstanding.popleft()
+            oldest.synchronize()
         stash = BlockStash(self, index, weights)
         with stash.saving():
             yield stash
