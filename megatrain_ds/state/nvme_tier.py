@@ -222,6 +222,8 @@ class NvmeTier:
         """Yields ``moments(state)``: ``{"exp_avg": t, "exp_avg_sq": t}`` mapped from the
         state's swap file (writes go to the file), or None for a state not on the tier.
         Drop the tensors when done with a shard; the files are fsynced on exit."""
+        with self._lock:
+            upcoming = list(self._schedule)
         self.flush()
         touched: set[int] = set()
 
@@ -243,6 +245,9 @@ class NvmeTier:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+            with self._lock:  # read ahead again what was expected before
+                self._schedule = deque(upcoming)
+                self._prefetch()
 
     def close(self) -> None:
         """Stop the I/O threads, free the window, remove the swap directory."""
