@@ -164,13 +164,16 @@ class NvmeTier:
             self._schedule = deque(self._index[id(s)] for s in states if id(s) in self._index)
             self._prefetch()
 
-    def acquire(self, state: HostFlatState) -> None:
+    def acquire(self, state: HostFlatState, write: bool = True) -> None:
+        """Bind ``state``'s moments to their slot (reading them first if needed); with
+        ``write`` (every optimizer use) the block is written back when it leaves."""
         index = self._index.get(id(state))
         if index is None:
             return  # not a tier state (the resident parameters)
         with self._lock:
             self._raise_failure()
             if index == self._current:
+                self._where[index].dirty |= write
                 return
             while self._schedule and index in self._schedule:
                 if self._schedule.popleft() == index:
@@ -191,7 +194,7 @@ class NvmeTier:
                     futures.wait([slot.pending])
             self._raise_failure()
             slot.pending = None
-            slot.dirty = True  # every acquire is for an update (or a journal restore)
+            slot.dirty |= write
             self._bind(index, slot)
 
     def flush(self) -> None:

@@ -6,11 +6,12 @@ it needs from an engine is a blocking ``read``/``write`` of one aligned host buf
 file offset that releases the GIL for the whole transfer, and aligned host buffers:
 
 - :class:`AioEngine`: DeepSpeed's async I/O op (``AsyncIOBuilder().load().aio_handle``,
-  libaio, O_DIRECT), one handle per calling thread (a handle's ``wait`` waits for all of
-  its requests, so threads must not share one). Its ``sync_pread``/``sync_pwrite`` split a
-  request over ``thread_count`` threads of ``block_size`` pieces, ``queue_depth`` deep,
-  with the GIL released. Buffers come from the handle's page-locked allocator, which the
-  op uses without a bounce copy; where the runtime pins host memory for CUDA its own
+  libaio, O_DIRECT). Its ``sync_pread``/``sync_pwrite`` split a request over
+  ``thread_count`` threads of ``block_size`` pieces, ``queue_depth`` deep, with the GIL
+  released. Buffers come from the handle's page-locked allocator, which the op uses
+  without a bounce copy -- but only on the handle that allocated them, so there is one
+  handle, and requests from several threads take turns on it (one disk: the op's own
+  queue is where the parallelism is). Where the runtime pins host memory for CUDA its own
   pinned buffers are used instead (the op accepts CUDA-pinned memory too).
 - :class:`ThreadedDirectEngine`: the fallback where the op cannot be built (no libaio,
   no compiler): ``os.preadv``/``os.pwritev`` (which release the GIL) on an O_DIRECT file
@@ -85,40 +86,38 @@ class AioEngine:
                                "(libaio missing: apt-get install libaio-dev)")
         self._module = builder.load(verbose=False)
         _warn_about_write_endurance_here()
-        self._local = threading.local()
-        self._allocator = self._handle()  # owns the page-locked buffers; freed in close()
+        s = self.settings
+        self._handle = self._module.aio_handle(s.block_size, s.queue_depth, s.single_submit, s.overlap_events,
+                                               s.thread_count)
+        # A handle's wait() waits for all of its requests: one request at a time on it.
+        self._turn = threading.Lock()
         self._locked: list[torch.Tensor] = []
-        self.alignment = DIRECT_ALIGNMENT * self.settings.thread_count
-
-    def _handle(self):  # -> async_io.aio_handle
-        handle = getattr(self._local, "handle", None)
-        if handle is None:
-            s = self.settings
-            handle = self._module.aio_handle(s.block_size, s.queue_depth, s.single_submit, s.overlap_events,
-                                             s.thread_count)
-            self._local.handle = handle
-        return handle
+        self.alignment = DIRECT_ALIGNMENT * s.thread_count
 
     def read(self, buffer: torch.Tensor, path: str, offset: int) -> None:
-        if self._handle().sync_pread(buffer, path, offset) < 0:
+        with self._turn:  # waiting here releases the GIL, as the transfer does
+            failed = self._handle.sync_pread(buffer, path, offset) < 0
+        if failed:
             raise SwapIOError(errno.EIO, f"reading {buffer.nbytes} bytes at offset {offset} failed "
                                          "(DeepSpeed async_io)", path)
 
     def write(self, buffer: torch.Tensor, path: str, offset: int) -> None:
-        if self._handle().sync_pwrite(buffer, path, offset) < 0:
+        with self._turn:
+            failed = self._handle.sync_pwrite(buffer, path, offset) < 0
+        if failed:
             raise SwapIOError(errno.EIO, f"writing {buffer.nbytes} bytes at offset {offset} failed "
                                          "(DeepSpeed async_io)", path)
 
     def buffer(self, numel: int) -> torch.Tensor:
         if self.runtime.pin_memory:
             return self.runtime.host_empty(numel, torch.float32)  # CUDA-pinned: the op takes it as is
-        tensor = self._allocator.new_cpu_locked_tensor(numel, torch.empty(0, dtype=torch.float32))
+        tensor = self._handle.new_cpu_locked_tensor(numel, torch.empty(0, dtype=torch.float32))
         self._locked.append(tensor)
         return tensor
 
     def close(self) -> None:
         for tensor in self._locked:
-            self._allocator.free_cpu_locked_tensor(tensor)
+            self._handle.free_cpu_locked_tensor(tensor)
         self._locked.clear()
 
 
@@ -158,10 +157,11 @@ class ThreadedDirectEngine:
         view = memoryview(buffer.view(torch.uint8).numpy())
         fd = open_direct(path, write)
         try:
-            piece = self.settings.block_size
+            # thread_count aligned pieces (at least block_size), one syscall each, all at once:
+            # large transfers, and the drive's queue filled from threads.
+            share = aligned_bytes(-(-len(view) // self.settings.thread_count), DIRECT_ALIGNMENT)
+            piece = max(self.settings.block_size, share)
             starts = range(0, len(view), piece)
-            # One piece per call keeps every syscall a large aligned transfer; the pool runs
-            # thread_count of them at once (the drive's queue, from threads).
             done = list(self._pool.map(lambda start: _transfer_piece(fd, view[start : start + piece],
                                                                      offset + start, write), starts))
             if sum(done) != len(view):
