@@ -8,11 +8,14 @@ a ``config.json`` (with ``model_type``), so its blocks are found exactly as the 
 finds them. ``--gpu cpu`` plans a run whose device is this machine's CPU: it measures
 the model's own matmul shapes, one real block, memory copies and the engine's AdamW here
 first, and caches the figures (:func:`cpu_profile`; ``--recalibrate`` measures again).
+``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
+sequential O_DIRECT bandwidth there is measured once and cached the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -28,6 +31,7 @@ import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan
+from megatrain_ds.state.swap_io import cached_disk_bandwidth
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -266,6 +270,13 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
         print(f"  {bound:18s} {seconds:8.3f} s/step")
     print(f"predicted step: {result.predicted_step_seconds:.3f} s, "
           f"{result.predicted_tokens_per_second:,.0f} tokens/s")
+    if settings.nvme:
+        print(f"NVMe tier: {_format_bytes(result.disk_bytes)} of swap files, read and written once per optimizer "
+              f"step; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "
+              f"{hardware.disk_write_bytes_per_s / 1e9:.2f} GB/s write")
+        if result.recommended.get("bottleneck") == "disk":
+            print(f"the disk is the bottleneck: {result.recommended['gradient_accumulation_steps']} micro-batches "
+                  "per optimizer step would spread its traffic enough to hide it")
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
     print("recommended: " + json.dumps(result.recommended))
 
@@ -288,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-path", default=None)
     p.add_argument("--recalibrate", action="store_true",
                    help="with --gpu cpu: measure this machine again instead of using the cached profile")
+    p.add_argument("--nvme", metavar="PATH", default=None,
+                   help="the blocks' Adam m and v on the NVMe tier, swap files under PATH (its disk is measured)")
+    p.add_argument("--nvme-window-blocks", type=int, default=4)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -297,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         accumulation=args.gradient_accumulation_steps, bf16=not (args.fp32 or args.gpu == "cpu"),
         clipping=not args.no_clipping, checkpoint_interval=args.checkpoint_interval,
         offload_checkpoints=not args.keep_checkpoints_on_device,
+        nvme=args.nvme is not None, nvme_window_blocks=args.nvme_window_blocks,
     )
     model = load_meta_model(args.model)
     shape = shape_of(model, args.block_path)
@@ -305,6 +320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
     else:
         hardware = GPU_HARDWARE[args.gpu]
+    if args.nvme is not None:
+        from megatrain_ds.optimizer.placement import cache_path
+
+        disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
+        hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
     result = plan(shape, settings, hardware, host_memory)
     if args.json:
         data = result.to_json()

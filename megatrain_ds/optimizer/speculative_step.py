@@ -285,6 +285,7 @@ class OptimizerStepper:
                          outcome.value, norm, restored)
         self.speculate_next = outcome is StepOutcome.APPLIED and scale == 1.0
         self._begin_step()
+        self.adamw.residency.step_done()
         self.plan_access()
         return report
 

@@ -44,6 +44,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 FP32 = 4
 IO_THREADS = 2
 """One read ahead and one write behind can be in flight at once."""
+DISK_WAIT_SHARE = 0.2
+"""Warn once the training threads wait for the disk longer than this share of a step."""
 
 
 class Residency(Protocol):
@@ -74,6 +77,9 @@ class Residency(Protocol):
     def expect(self, states: Sequence[HostFlatState]) -> None:
         """The order of the next accesses (a hint: prefetch follows it)."""
 
+    def step_done(self) -> None:
+        """An optimizer step has finished (the tier checks whether the disk kept up)."""
+
 
 class RamResidency:
     """Everything in host memory: nothing to do."""
@@ -83,6 +89,9 @@ class RamResidency:
 
     def expect(self, states: Sequence[HostFlatState]) -> None:
         del states
+
+    def step_done(self) -> None:
+        pass
 
 
 RAM_ONLY = RamResidency()
@@ -141,6 +150,10 @@ class NvmeTier:
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-nvme")
         self.bytes_read = 0
         self.bytes_written = 0
+        self.wait_seconds = 0.0
+        """Time the training threads spent waiting for swap reads (and writes) so far."""
+        self._step_mark: tuple[float, float, int] | None = None  # (time, wait_seconds, bytes moved)
+        self._warned = False
         logger.info("megatrain: NVMe tier: Adam m and v of %d blocks (%.2f GiB) in %s, %d-block window "
                     "(%.2f GiB of host memory), I/O engine %s", len(self.states), self.directory.nbytes / 2**30,
                     self.directory.path, window, self.window_bytes / 2**30, self.io.name)
@@ -190,12 +203,32 @@ class NvmeTier:
                 self._load(slot, index)
             self._prefetch()
             if slot.pending is not None and not slot.pending.done():
+                began = time.perf_counter()
                 with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index):
                     futures.wait([slot.pending])
+                self.wait_seconds += time.perf_counter() - began
             self._raise_failure()
             slot.pending = None
             slot.dirty |= write
             self._bind(index, slot)
+
+    def step_done(self) -> None:
+        """Warn (once) when the disk does not keep up: from the second step on, if the
+        training threads waited for it longer than :data:`DISK_WAIT_SHARE` of the step."""
+        now, moved = time.perf_counter(), self.bytes_read + self.bytes_written
+        if self._step_mark is not None and not self._warned:
+            began, waited_before, moved_before = self._step_mark
+            step, waited = now - began, self.wait_seconds - waited_before
+            if waited > DISK_WAIT_SHARE * step:
+                self._warned = True
+                logger.warning(
+                    "megatrain: the NVMe tier's disk traffic does not hide: the step waited %.2f s of %.2f s "
+                    "for swap reads (%.2f GB moved at %.2f GB/s, %s). The disk is the bottleneck: raise "
+                    "gradient_accumulation_steps (the optimizer state moves once per optimizer step, so "
+                    "more micro-batches per step amortise it), put nvme_path on a faster disk (or several), "
+                    "or keep the optimizer state in host memory if it fits", waited, step,
+                    (moved - moved_before) / 1e9, (moved - moved_before) / 1e9 / step, self.io.name)
+        self._step_mark = (now, self.wait_seconds, moved)
 
     def flush(self) -> None:
         """Write every changed block back and empty the window (before the swap files are

@@ -24,13 +24,16 @@ logged when it does not) and the log names the engine that runs.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -257,3 +260,25 @@ def measure_disk_bandwidth(directory: str, nbytes: int = 1 << 30, piece: int = 1
     finally:
         os.unlink(path)
     return DiskBandwidth(read=nbytes / timings[1], write=nbytes / timings[0])
+
+
+def cached_disk_bandwidth(directory: str, cache: Path, recalibrate: bool = False) -> DiskBandwidth:
+    """:func:`measure_disk_bandwidth` of ``directory``'s filesystem, measured once per
+    machine and filesystem and kept in ``cache`` (JSON; ``recalibrate`` measures again)."""
+    os.makedirs(directory, exist_ok=True)
+    key = f"{socket.gethostname()}|dev {os.stat(directory).st_dev}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if recalibrate or key not in known:
+        measured = measure_disk_bandwidth(directory)
+        known[key] = {"read": measured.read, "write": measured.write, "measured_in": directory}
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            temp = cache.with_suffix(f".{os.getpid()}.tmp")
+            temp.write_text(json.dumps(known, indent=2) + "\n")
+            temp.replace(cache)  # atomic: concurrent runs never read half a file
+        except OSError:
+            pass  # measured again next time
+    return DiskBandwidth(read=known[key]["read"], write=known[key]["write"])
