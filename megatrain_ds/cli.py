@@ -31,6 +31,7 @@ import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan
+from megatrain_ds.runtime.measurement_cache import cached_measurement
 from megatrain_ds.state.swap_io import cached_disk_bandwidth
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
@@ -145,20 +146,8 @@ def cpu_profile(config: Any, block_path: str, settings: RunSettings, recalibrate
     key = "|".join([socket.gethostname(), platform.processor() or platform.machine(), str(os.cpu_count()),
                     str(torch.get_num_threads()), torch.__version__, str(dtype), f"{seq_len}x{tokens // seq_len}",
                     json.dumps(_shape_signature(config), sort_keys=True)])
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if recalibrate or key not in cached:
-        cached[key] = _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temp = path.with_suffix(f".{os.getpid()}.tmp")
-            temp.write_text(json.dumps(cached, indent=2) + "\n")
-            temp.replace(path)  # atomic: concurrent runs never read half a file
-        except OSError:
-            pass  # a profile that cannot be cached is measured again next time
-    figures = cached[key]
+    figures = cached_measurement(
+        path, key, lambda: _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds), recalibrate)
     return Hardware("cpu", figures["flops"], figures["copy_bytes_per_s"], figures["copy_bytes_per_s"],
                     2 * figures["copy_bytes_per_s"], physical_memory(), shares_host_memory=True,
                     block_efficiency=figures["block_efficiency"], adam_bytes_per_s=figures["adam_bytes_per_s"],

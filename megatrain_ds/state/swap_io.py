@@ -24,7 +24,6 @@ logged when it does not) and the log names the engine that runs.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import socket
@@ -40,6 +39,7 @@ import torch
 
 from megatrain_ds.config import AioSettings
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES, DeviceRuntime
+from megatrain_ds.runtime.measurement_cache import cached_measurement
 
 logger = logging.getLogger(__name__)
 
@@ -267,18 +267,9 @@ def cached_disk_bandwidth(directory: str, cache: Path, recalibrate: bool = False
     machine and filesystem and kept in ``cache`` (JSON; ``recalibrate`` measures again)."""
     os.makedirs(directory, exist_ok=True)
     key = f"{socket.gethostname()}|dev {os.stat(directory).st_dev}"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if recalibrate or key not in known:
+    def measure() -> dict:
         measured = measure_disk_bandwidth(directory)
-        known[key] = {"read": measured.read, "write": measured.write, "measured_in": directory}
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            temp = cache.with_suffix(f".{os.getpid()}.tmp")
-            temp.write_text(json.dumps(known, indent=2) + "\n")
-            temp.replace(cache)  # atomic: concurrent runs never read half a file
-        except OSError:
-            pass  # measured again next time
-    return DiskBandwidth(read=known[key]["read"], write=known[key]["write"])
+        return {"read": measured.read, "write": measured.write, "measured_in": directory}
+
+    figures = cached_measurement(cache, key, measure, recalibrate)
+    return DiskBandwidth(read=figures["read"], write=figures["write"])
