@@ -77,10 +77,11 @@ def test_parity_and_bit_identical_to_ram_only(tmp_path, case):
             assert tiered.last_step_report.restored > 0 or tiered.last_step_report.speculated == 0
         if speculative != "auto":
             assert tiered.last_step_report.speculated > 0, "the speculative path was not taken"
-        # Four blocks through a two-block window: every step reads and writes (nearly) every block.
+        # Four blocks through a two-block window: every step reads and writes at least the
+        # two blocks the window cannot keep from the step before.
         block_file = tiered.nvme_tier.directory.nbytes // 4
-        assert tiered.nvme_tier.bytes_read >= (5 * 4 - 2) * block_file
-        assert tiered.nvme_tier.bytes_written >= (5 * 4 - 2) * block_file
+        assert tiered.nvme_tier.bytes_read >= 5 * (4 - 2) * block_file
+        assert tiered.nvme_tier.bytes_written >= 5 * (4 - 2) * block_file
         host = tiered.host_bytes()
         assert host["exp_avg"] == ram.host_bytes()["exp_avg"] - sum(
             4 * s.layout.numel for s in ram.states[:-1])  # only the resident state's moments in RAM
