@@ -127,3 +127,40 @@ def test_a_missed_fetch_fails_loudly(tmp_path):
             torch.zeros(state.layout.numel).copy_(state.exp_avg)
     finally:
         engine.destroy()
+
+
+def test_bf16_compute_is_bit_identical_to_ram_only(tmp_path):
+    """bf16 compute: the journal also keeps the shadow; the tier still only moves bytes."""
+    config = dict(accumulation=2, clipping=1.0, bf16=True)
+    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**config), steps=3)
+    tiered, _, trace = train_side_by_side(tiny_models.llama, ds_config(**config, megatrain=nvme_options(tmp_path)),
+                                          steps=3)
+    try:
+        assert trace.engine_losses == ram_trace.engine_losses
+        assert_bit_identical(tiered, ram)
+    finally:
+        ram.destroy()
+        tiered.destroy()
+
+
+def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch, caplog):
+    from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+    from megatrain_ds.optimizer.facade import build_optimizer
+    from megatrain_ds.planning import preflight
+
+    config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
+    probe = tiny_models.llama()
+    optimizer = build_optimizer(probe, None, config.optimizer, None)
+    ram_only = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=False)
+    with_tier = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=True)
+    assert with_tier.host_total < ram_only.host_total
+    for available, expected in ((ram_only.host_total + (1 << 20), False), (ram_only.host_total - 1, True)):
+        monkeypatch.setattr(preflight, "available_memory",
+                            lambda device, room=available: preflight.AvailableMemory(host=room))
+        with caplog.at_level(logging.INFO, logger="megatrain_ds"):
+            engine = MegatrainEngine(tiny_models.llama(), config)
+        try:
+            assert (engine.nvme_tier is not None) is expected
+            assert any('nvme_offload "auto"' in r.getMessage() for r in caplog.records)
+        finally:
+            engine.destroy()
