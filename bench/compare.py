@@ -69,6 +69,15 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
         config["megatrain"] = {"recompute": "none"} if system == "megatrain_no_recompute" else {}
         if trace is not None:  # every step after the warm-up
             config["megatrain"].update(trace=str(trace), trace_steps=max(1, args.steps - 1))
+        if args.nvme_path:  # a ZeRO-Infinity JSON: the optimizer state on NVMe (the engine's NVMe tier)
+            config["zero_optimization"] = {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": cuda,
+                                      "buffer_count": 4},
+                "offload_param": {"device": "cpu", "pin_memory": cuda},
+            }
+            config["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                             "single_submit": False, "overlap_events": True}
     else:
         config["zero_optimization"] = {
             "stage": 3,
@@ -179,11 +188,18 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     if system == "megatrain_no_recompute":
         result.update(_stash_figures(engine, model, args))
     if system in ENGINE_SYSTEMS:
+        tier = engine.nvme_tier
+        if tier is not None:
+            result["nvme"] = {"engine": tier.engine_name, "swap_bytes": tier.directory.nbytes,
+                              "window_bytes": tier.window_bytes, "bytes_read": tier.bytes_read,
+                              "bytes_written": tier.bytes_written}
         engine.destroy()  # writes the trace, should its last step not have
         idle = _device_idle_seconds(trace)
+        splits = _step_splits(trace)
         shutil.rmtree(trace.parent, ignore_errors=True)
         if len(idle) == len(measured):  # the traced steps are the measured ones, in order
             result["device_idle_seconds"] = idle[measured.index(best)]
+            result["trace_split"] = splits[measured.index(best)]
     return result
 
 
@@ -215,6 +231,27 @@ def _device_idle_seconds(trace: Path) -> list[float]:
         length = sum(s["end_ms"] - s["start_ms"] for s in mine if s["track"] == "step")
         idle.append((length - busy_ms([s for s in mine if s["track"] == "compute"])) / 1e3)
     return idle
+
+
+def _step_splits(trace: Path) -> list[dict[str, float]]:
+    """Per traced step: seconds of compute (union of the compute track), of the training
+    threads waiting for the NVMe tier ("nvme wait"), of AdamW ranges ("optimizer worker"
+    spans named adamw), and of swap reads and writes (their I/O threads)."""
+    from timeline import busy_ms, load_spans, steps_in
+
+    if not trace.exists():
+        return []
+    spans, _ = load_spans(trace)
+    splits = []
+    for step in steps_in(spans):
+        mine = [s for s in spans if s["args"].get("step") == step]
+        def total(track: str, prefix: str = "") -> float:
+            return sum(s["end_ms"] - s["start_ms"] for s in mine
+                       if s["track"] == track and s.get("name", "").startswith(prefix)) / 1e3
+        splits.append({"step": total("step"), "compute": busy_ms([s for s in mine if s["track"] == "compute"]) / 1e3,
+                       "disk_wait": total("nvme wait"), "optimizer": total("optimizer worker", "adamw"),
+                       "disk_read": total("nvme read"), "disk_write": total("nvme write")})
+    return splits
 
 
 def _seconds_or_dash(value: float | None) -> str:
@@ -324,6 +361,8 @@ def main() -> None:
     parser.add_argument("--min-free", type=float, default=0.5,
                         help="GiB of MemAvailable under which a run is killed (the machine may be shared)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/compare_<device>_<params>.json)")
+    parser.add_argument("--nvme-path", default=None,
+                        help="the engine's optimizer state on NVMe here (a ZeRO-Infinity offload_optimizer block)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

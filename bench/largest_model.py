@@ -21,8 +21,16 @@ the interpreter and libraries too) stays within the budget: ``MemTotal`` less
    extrapolation, and for the engine by the planner; the engine's own preflight check,
    which counts only persistent state, is reported beside it).
 
+4. With ``--nvme-path``: the NVMe tier. A model whose host-memory-only state does not
+   fit this machine (``--nvme-shape``, default Llama hidden 2048, FFN 5632, 37 blocks:
+   2.03B parameters, fp32, clipping, 2 x 128 tokens) is trained for two steps with a
+   plain ZeRO-Infinity JSON (``offload_optimizer.device: "nvme"``, ``nvme_path``, an
+   ``"aio"`` block) plus ``"engine": "megatrain"``; the engine's preflight verdict without
+   the tier is reported beside it, and the peak RSS against ``--nvme-rss-limit``.
+
     python bench/largest_model.py                  # all three systems, ~10 minutes
     python bench/largest_model.py --systems megatrain --json /tmp/largest.json
+    python bench/largest_model.py --systems --nvme-path /work/nvme_swap --json bench/results/largest_model_nvme_cpu.json
 """
 
 from __future__ import annotations
@@ -50,34 +58,37 @@ def meminfo(key: str) -> int:
     raise KeyError(key)
 
 
-def meta_llama(layers: int):  # -> transformers.LlamaForCausalLM
+def meta_llama(layers: int, model: dict = MODEL):  # -> transformers.LlamaForCausalLM
     """The benchmark's model at depth ``layers``, on the meta device (shapes only)."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=MODEL["vocab"], hidden_size=MODEL["hidden"],
-                                      intermediate_size=MODEL["intermediate"], num_hidden_layers=layers,
-                                      num_attention_heads=MODEL["hidden"] // 128,
-                                      num_key_value_heads=MODEL["hidden"] // 128)
+    config = transformers.LlamaConfig(vocab_size=model["vocab"], hidden_size=model["hidden"],
+                                      intermediate_size=model["intermediate"], num_hidden_layers=layers,
+                                      num_attention_heads=model["hidden"] // 128,
+                                      num_key_value_heads=model["hidden"] // 128)
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config)
 
 
-def params_of(layers: int) -> int:
-    h, i, v = MODEL["hidden"], MODEL["intermediate"], MODEL["vocab"]
+def params_of(layers: int, model: dict = MODEL) -> int:
+    h, i, v = model["hidden"], model["intermediate"], model["vocab"]
     return layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
 
 
-def run(system: str, layers: int, min_free: int, steps: int = 2) -> dict:
+def run(system: str, layers: int, min_free: int, steps: int = 2, model: dict = MODEL,
+        nvme_path: str | None = None) -> dict:
     """compare.py's child for ``system`` at depth ``layers``, under a MemAvailable watchdog."""
     command = [sys.executable, str(HERE / "compare.py"), "--child", system, "--layers", str(layers),
-               "--hidden", str(MODEL["hidden"]), "--intermediate", str(MODEL["intermediate"]),
-               "--vocab", str(MODEL["vocab"]), "--seq-len", str(MODEL["seq_len"]),
-               "--micro-batch", str(MODEL["micro_batch"]), "--clip", str(MODEL["clip"]), "--steps", str(steps)]
+               "--hidden", str(model["hidden"]), "--intermediate", str(model["intermediate"]),
+               "--vocab", str(model["vocab"]), "--seq-len", str(model["seq_len"]),
+               "--micro-batch", str(model["micro_batch"]), "--clip", str(model["clip"]), "--steps", str(steps)]
+    if nvme_path:
+        command += ["--nvme-path", nvme_path]
     started = time.perf_counter()
     completed, lowest = run_guarded(command, min_free)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    outcome = {"system": system, "layers": layers, "params": params_of(layers), "exit": completed.returncode,
+    outcome = {"system": system, "layers": layers, "params": params_of(layers, model), "exit": completed.returncode,
                "seconds": time.perf_counter() - started, "lowest_mem_available": lowest}
     if "killed: MemAvailable fell under" in completed.stderr:
         outcome["killed_by_watchdog"] = True
@@ -88,6 +99,9 @@ def run(system: str, layers: int, min_free: int, steps: int = 2) -> dict:
     outcome.update(peak_rss=result["baseline_rss_bytes"] + result["peak_host_bytes"],
                    baseline_rss=result["baseline_rss_bytes"], bytes_per_param=result["bytes_per_param"],
                    step_seconds=result["all_step_seconds"], losses=result["losses"])
+    for key in ("nvme", "trace_split", "init_seconds"):
+        if key in result:
+            outcome[key] = result[key]
     return outcome
 
 
@@ -122,7 +136,7 @@ def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
     return baseline + result.predicted_peak_host_bytes, result.to_json()
 
 
-def preflight_verdict(layers: int, budget: int) -> str:
+def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL) -> str:
     """The engine's own preflight check (persistent state only) for depth ``layers``."""
     import torch
 
@@ -131,7 +145,7 @@ def preflight_verdict(layers: int, budget: int) -> str:
     from megatrain_ds.optimizer.facade import build_optimizer
     from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError, preflight
 
-    model = meta_llama(layers)
+    model = meta_llama(layers, model_shape)
     engine_config = parse_engine_config({"train_micro_batch_size_per_gpu": MODEL["micro_batch"],
                                          "gradient_clipping": MODEL["clip"], "bf16": {"enabled": False},
                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
@@ -142,6 +156,28 @@ def preflight_verdict(layers: int, budget: int) -> str:
     except InsufficientMemoryError:
         return "does not fit"
     return f"fits (persistent state {need.host_total / GIB:.2f} GiB)"
+
+
+def nvme_run(args: argparse.Namespace, budget: int, min_free: int) -> dict:
+    """Step 4 of the module docstring."""
+    hidden, ffn, layers = args.nvme_shape
+    shape = {**MODEL, "hidden": hidden, "intermediate": ffn}
+    params = params_of(layers, shape)
+    entry: dict = {"model": {**shape, "layers": layers, "params": params},
+                   "rss_limit_bytes": int(args.nvme_rss_limit * GIB),
+                   "preflight_without_tier": preflight_verdict(layers, budget, shape)}
+    print(f"nvme tier: {params / 1e9:.3f}B params; without the tier, preflight: "
+          f"{entry['preflight_without_tier']}", flush=True)
+    outcome = run("megatrain", layers, min_free, model=shape, nvme_path=args.nvme_path)
+    entry["run"] = outcome
+    if "peak_rss" in outcome:
+        entry["within_rss_limit"] = outcome["peak_rss"] <= entry["rss_limit_bytes"]
+        print(f"nvme tier: trained {params / 1e9:.3f}B params, peak RSS {outcome['peak_rss'] / GIB:.2f} GiB "
+              f"(limit {args.nvme_rss_limit} GiB), steps {[round(x, 1) for x in outcome['step_seconds']]} s, "
+              f"losses {outcome['losses']}", flush=True)
+    else:
+        print(f"nvme tier: failed: {outcome.get('error', '')[-500:]}", flush=True)
+    return entry
 
 
 def wait_for_memory(needed: int, timeout: float) -> bool:
@@ -155,7 +191,10 @@ def wait_for_memory(needed: int, timeout: float) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--nvme-path", default=None, help="also train the NVMe tier's model (step 4) with swap files here")
+    parser.add_argument("--nvme-shape", type=int, nargs=3, default=[2048, 5632, 37], metavar=("HIDDEN", "FFN", "LAYERS"))
+    parser.add_argument("--nvme-rss-limit", type=float, default=20.0, help="GiB; the NVMe run's peak RSS target")
     parser.add_argument("--reserve", type=float, default=2.0, help="GiB of MemTotal left to the rest of the machine")
     parser.add_argument("--calibration-layers", type=int, nargs=2, default=[2, 8])
     parser.add_argument("--margin", type=float, default=0.5,
@@ -234,6 +273,9 @@ def main() -> None:
             found -= 1
         entry["verified_within_budget"] = bool(entry.get("verification", {}).get("fits_budget"))
         report["systems"][system] = entry
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.nvme_path:
+        report["nvme_tier"] = nvme_run(args, budget, min_free)
         Path(args.json).write_text(json.dumps(report, indent=2))
     summary = {s: e.get("largest_params") for s, e in report["systems"].items()}
     report["summary_largest_params"] = summary

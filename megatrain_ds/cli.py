@@ -8,11 +8,14 @@ a ``config.json`` (with ``model_type``), so its blocks are found exactly as the 
 finds them. ``--gpu cpu`` plans a run whose device is this machine's CPU: it measures
 the model's own matmul shapes, one real block, memory copies and the engine's AdamW here
 first, and caches the figures (:func:`cpu_profile`; ``--recalibrate`` measures again).
+``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
+sequential O_DIRECT bandwidth there is measured once and cached the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -29,6 +32,8 @@ import torch
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning.long_context import ffn_width
 from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan, sizes_from_config
+from megatrain_ds.runtime.measurement_cache import cached_measurement
+from megatrain_ds.state.swap_io import cached_disk_bandwidth
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -142,20 +147,8 @@ def cpu_profile(config: Any, block_path: str, settings: RunSettings, recalibrate
     key = "|".join([socket.gethostname(), platform.processor() or platform.machine(), str(os.cpu_count()),
                     str(torch.get_num_threads()), torch.__version__, str(dtype), f"{seq_len}x{tokens // seq_len}",
                     json.dumps(_shape_signature(config), sort_keys=True)])
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if recalibrate or key not in cached:
-        cached[key] = _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temp = path.with_suffix(f".{os.getpid()}.tmp")
-            temp.write_text(json.dumps(cached, indent=2) + "\n")
-            temp.replace(path)  # atomic: concurrent runs never read half a file
-        except OSError:
-            pass  # a profile that cannot be cached is measured again next time
-    figures = cached[key]
+    figures = cached_measurement(
+        path, key, lambda: _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds), recalibrate)
     return Hardware("cpu", figures["flops"], figures["copy_bytes_per_s"], figures["copy_bytes_per_s"],
                     2 * figures["copy_bytes_per_s"], physical_memory(), shares_host_memory=True,
                     block_efficiency=figures["block_efficiency"], adam_bytes_per_s=figures["adam_bytes_per_s"],
@@ -271,6 +264,13 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     for name, policy in result.recompute.items():
         print(f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
               f"stash  predicted step {policy['predicted_step_seconds']:.4g} s")
+    if settings.nvme:
+        print(f"NVMe tier: {_format_bytes(result.disk_bytes)} of swap files, read and written once per optimizer "
+              f"step; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "
+              f"{hardware.disk_write_bytes_per_s / 1e9:.2f} GB/s write")
+        if result.recommended.get("bottleneck") == "disk":
+            print(f"the disk is the bottleneck: {result.recommended['gradient_accumulation_steps']} micro-batches "
+                  "per optimizer step would spread its traffic enough to hide it")
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
     print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
     print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
@@ -295,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-path", default=None)
     p.add_argument("--recalibrate", action="store_true",
                    help="with --gpu cpu: measure this machine again instead of using the cached profile")
+    p.add_argument("--nvme", metavar="PATH", default=None,
+                   help="the blocks' Adam m and v on the NVMe tier, swap files under PATH (its disk is measured)")
+    p.add_argument("--nvme-window-blocks", type=int, default=4)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -304,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         accumulation=args.gradient_accumulation_steps, bf16=not (args.fp32 or args.gpu == "cpu"),
         clipping=not args.no_clipping, checkpoint_interval=args.checkpoint_interval,
         offload_checkpoints=not args.keep_checkpoints_on_device,
+        nvme=args.nvme is not None, nvme_window_blocks=args.nvme_window_blocks,
     )
     model = load_meta_model(args.model)
     shape = shape_of(model, args.block_path)
@@ -312,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
     else:
         hardware = GPU_HARDWARE[args.gpu]
+    if args.nvme is not None:
+        from megatrain_ds.optimizer.placement import cache_path
+
+        disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
+        hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
     result = plan(shape, settings, hardware, host_memory)
     if args.json:
         data = result.to_json()

@@ -29,6 +29,8 @@ _KNOWN_TOP_LEVEL = {
     # Accelerate and the HF Trainer add these to every config they prepare; they concern
     # which client optimizers DeepSpeed lets through (this engine checks the class itself).
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    # ZeRO-Infinity's async I/O settings, read for the NVMe tier (AioSettings).
+    "aio",
 }
 _OPTIMIZER_TYPES = ("adamw", "adam")
 
@@ -40,26 +42,41 @@ _AUTO_HELP = ('"auto" values are filled in by the HF Trainer (from TrainingArgum
 # DeepSpeed's defaults for keys it reads (deepspeed/runtime/constants.py, DeepSpeed 0.19).
 GRADIENT_CLIPPING_DEFAULT = 1.0
 
-# A "zero_optimization" block copied from a ZeRO-3 offload config: this engine's host-resident
-# layout replaces every ZeRO stage, so only these keys mean something here; the others are
-# listed in the one warning about ignored keys.
-_ZERO_UNDERSTOOD = {"stage", "stage3_gather_16bit_weights_on_model_save"}
-_ZERO_OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
-_OFFLOAD_HOST_DEVICES = ("cpu", "none", None)  # host memory is where this engine keeps both
-
-
 def _reject_auto(block: Mapping[str, Any], prefix: str) -> None:
     for key, value in block.items():
         if value == AUTO:
             raise ConfigError(f"{prefix}.{key} is {AUTO!r}: {_AUTO_HELP}")
 
 
-def _zero_optimization(block: Any) -> tuple[bool | None, list[str]]:
-    """``(pin_memory or None, ignored dotted keys)`` of a ``zero_optimization`` block.
+# A "zero_optimization" block copied from a ZeRO-3 offload config: this engine's host-resident
+# layout replaces every ZeRO stage, so only these keys mean something here; the others are
+# listed in the one warning about ignored keys.
+_ZERO_UNDERSTOOD = {"stage", "stage3_gather_16bit_weights_on_model_save"}
+_ZERO_OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
+_OFFLOAD_HOST_DEVICES = ("cpu", "none", None)  # host memory is where this engine keeps both
+_NVME = "nvme"
+
+
+@dataclass(frozen=True)
+class _ZeroOffload:
+    """What a ``zero_optimization`` block says that this engine reads."""
+
+    pin_memory: bool | None = None
+    nvme: dict[str, Any] = field(default_factory=dict)
+    """``megatrain`` options implied by ``offload_*.device: "nvme"`` (the NVMe tier)."""
+    ignored: tuple[str, ...] = ()
+
+
+def _zero_optimization(block: Any) -> _ZeroOffload:
+    """Read a ``zero_optimization`` block.
 
     ``offload_param.pin_memory``/``offload_optimizer.pin_memory`` set ``megatrain.pin_memory``
     (unless the ``megatrain`` block sets it; pinned if either says so); offload devices
-    ``cpu``/``none`` agree with the engine; any ``stage`` 0-3 is accepted.
+    ``cpu``/``none`` agree with the engine; any ``stage`` 0-3 is accepted. ZeRO-Infinity's
+    ``offload_optimizer.device: "nvme"`` puts the optimizer state on the NVMe tier
+    (``nvme_offload: "optimizer"``, its ``nvme_path`` and ``buffer_count``);
+    ``offload_param.device: "nvme"`` does too, and is warned about: this engine keeps the
+    streamed weights in host memory.
     """
     if not isinstance(block, Mapping):
         raise ConfigError(f'"zero_optimization" must be a JSON object, got {block!r}')
@@ -68,21 +85,88 @@ def _zero_optimization(block: Any) -> tuple[bool | None, list[str]]:
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     pins: list[bool] = []
     ignored: list[str] = []
+    nvme: dict[str, Any] = {}
     for key, value in block.items():
         if key in _ZERO_UNDERSTOOD:
             continue
         if key not in _ZERO_OFFLOAD_BLOCKS or not isinstance(value, Mapping):
             ignored.append(f"zero_optimization.{key}")
             continue
+        on_nvme = value.get("device") == _NVME
+        if on_nvme and key == "offload_param":
+            logger.warning('megatrain: zero_optimization.offload_param.device is "nvme": this engine puts '
+                           "the optimizer state (Adam m and v) on NVMe and keeps the streamed weights in "
+                           "host memory")
         for sub, sub_value in value.items():
             name = f"zero_optimization.{key}.{sub}"
             if sub == "pin_memory":
                 if not isinstance(sub_value, bool):
                     raise ConfigError(f"{name} must be true or false, got {sub_value!r}")
                 pins.append(sub_value)
-            elif not (sub == "device" and sub_value in _OFFLOAD_HOST_DEVICES):
+            elif sub == "device" and (sub_value in _OFFLOAD_HOST_DEVICES or sub_value == _NVME):
+                continue
+            elif on_nvme and sub == "nvme_path":
+                nvme.setdefault("nvme_path", sub_value)  # offload_optimizer's, when both say one
+            elif on_nvme and sub == "buffer_count" and key == "offload_optimizer":
+                nvme["nvme_window_blocks"] = sub_value
+            else:
                 ignored.append(name)
-    return (any(pins) if pins else None), ignored
+        if on_nvme:
+            nvme["nvme_offload"] = "optimizer"
+    if nvme.get("nvme_offload") and "nvme_path" not in nvme:
+        raise ConfigError('zero_optimization.offload_optimizer.device is "nvme" but no nvme_path is given: '
+                          'add "nvme_path": "/local_nvme/..." (a directory on a local disk)')
+    return _ZeroOffload(pin_memory=(any(pins) if pins else None), nvme=nvme, ignored=tuple(ignored))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioSettings:
+    """How swap files are read and written (``"megatrain": {"nvme_aio": {...}}``, or
+    DeepSpeed's top-level ``"aio"`` block, whose keys these are). See ``state/swap_io.py``."""
+
+    engine: str = "auto"
+    """"aio" (DeepSpeed's async I/O op, needs libaio), "threads" (O_DIRECT reads and writes
+    on a thread pool), or "auto" (the op when it builds, else the threads)."""
+    block_size: int = 1 << 20
+    """Bytes per I/O piece."""
+    queue_depth: int = 8
+    """Requests in flight per thread (the op only)."""
+    thread_count: int = 1
+    """Threads per request (DeepSpeed's ``intra_op_parallelism``/``thread_count``)."""
+    single_submit: bool = False
+    """Submit requests one by one (the op only)."""
+    overlap_events: bool = True
+    """Overlap submission and completion (the op only)."""
+
+    @classmethod
+    def from_dict(cls, block: Any, name: str) -> "AioSettings":
+        if isinstance(block, AioSettings):
+            return block
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"{name} must be a JSON object, got {block!r}")
+        values = dict(block)
+        if "intra_op_parallelism" in values:  # DeepSpeed's newer name
+            values.setdefault("thread_count", values.pop("intra_op_parallelism"))
+        values.pop("use_gds", None)  # GPUDirect storage: not used (the state goes to host memory)
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise ConfigError(f"unknown key(s) in {name}: {', '.join(unknown)}; valid keys: "
+                              f"{', '.join(sorted(valid | {'intra_op_parallelism'}))}")
+        settings = cls(**values)
+        if settings.engine not in ("auto", "aio", "threads"):
+            raise ConfigError(f'{name}.engine must be one of "auto", "aio", "threads"; got {settings.engine!r}')
+        for key in ("block_size", "queue_depth", "thread_count"):
+            value = getattr(settings, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}.{key} must be an integer >= 1, got {value!r}")
+        if settings.block_size % 4096:
+            raise ConfigError(f"{name}.block_size must be a multiple of 4096 bytes (O_DIRECT), "
+                              f"got {settings.block_size}")
+        for key in ("single_submit", "overlap_events"):
+            if not isinstance(getattr(settings, key), bool):
+                raise ConfigError(f"{name}.{key} must be true or false, got {getattr(settings, key)!r}")
+        return settings
 
 
 RECOMPUTE_CHOICES = ("full", "none", "auto")
@@ -186,6 +270,21 @@ class MegatrainOptions:
     collective_timeout_s: float = 600.0
     """Data parallel: the longest any collective waits for the other ranks. A rank that
     died breaks the connections at once; one that hangs is reported after this long."""
+    nvme_offload: str = "none"
+    """The NVMe tier: "optimizer" keeps every block's Adam m and v (8 bytes/param) in swap
+    files under ``nvme_path``, read ahead of each block's update and written back behind
+    it through a window of ``nvme_window_blocks`` blocks in host memory; "auto" does so
+    only when the run would not fit in host memory otherwise; "none" keeps everything in
+    host memory. ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` sets "optimizer".
+    See ``state/nvme_tier.py``."""
+    nvme_path: str | None = None
+    """Directory (on a local disk) for the NVMe tier's swap files; each run makes and locks
+    its own sub-directory and removes it at ``engine.destroy()``."""
+    nvme_window_blocks: int = 4
+    """Blocks of optimizer state the NVMe tier holds in host memory at once (read-ahead
+    and write-behind together, at least 2; ZeRO-Infinity's ``buffer_count``)."""
+    nvme_aio: AioSettings = field(default_factory=AioSettings)
+    """How swap files are read and written (:class:`AioSettings`; DeepSpeed's ``"aio"``)."""
 
     def __post_init__(self) -> None:
         if self.block_path is not None and not isinstance(self.block_path, str):
@@ -235,6 +334,16 @@ class MegatrainOptions:
         for name in ("pin_memory", "offload_checkpoints", "preflight"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
+        self.nvme_aio = AioSettings.from_dict(self.nvme_aio, "megatrain.nvme_aio")
+        if self.nvme_offload not in ("none", "optimizer", "auto"):
+            raise ConfigError(f'megatrain.nvme_offload must be one of "none", "optimizer", "auto"; '
+                              f"got {self.nvme_offload!r}")
+        if self.nvme_offload != "none" and not (isinstance(self.nvme_path, (str, os.PathLike)) and str(self.nvme_path)):
+            raise ConfigError(f'megatrain.nvme_offload is {self.nvme_offload!r} but megatrain.nvme_path is '
+                              f"{self.nvme_path!r}: give a directory on a local disk for the swap files")
+        if (not isinstance(self.nvme_window_blocks, int) or isinstance(self.nvme_window_blocks, bool)
+                or self.nvme_window_blocks < 2):
+            raise ConfigError(f"megatrain.nvme_window_blocks must be an integer >= 2, got {self.nvme_window_blocks!r}")
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any]) -> "MegatrainOptions":
@@ -478,10 +587,15 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
     if not isinstance(wall_clock_breakdown, bool):
         raise ConfigError(f"wall_clock_breakdown must be true or false, got {wall_clock_breakdown!r}")
     options = config.get("megatrain", {})
-    zero_pin, zero_ignored = _zero_optimization(config.get("zero_optimization", {}))
-    if zero_pin is not None and isinstance(options, Mapping):
-        options = {"pin_memory": zero_pin, **options}  # the megatrain block has the last word
-    ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL)) + tuple(zero_ignored)
+    zero = _zero_optimization(config.get("zero_optimization", {}))
+    if isinstance(options, Mapping):  # the megatrain block has the last word
+        implied: dict[str, Any] = dict(zero.nvme)
+        if zero.pin_memory is not None:
+            implied["pin_memory"] = zero.pin_memory
+        if config.get("aio") is not None:
+            implied["nvme_aio"] = AioSettings.from_dict(config["aio"], "aio")
+        options = {**implied, **options}
+    ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL)) + zero.ignored
     if ignored:
         logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s",
                        ", ".join(ignored))

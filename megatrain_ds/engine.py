@@ -28,7 +28,7 @@ from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
-from megatrain_ds.config import EngineConfig
+from megatrain_ds.config import ConfigError, EngineConfig
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
@@ -39,8 +39,9 @@ from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, g
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
-from megatrain_ds.planning.preflight import available_memory, preflight
+from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, stashed_blocks_of
+from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
 from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
@@ -115,8 +116,13 @@ class MegatrainEngine(nn.Module):
     # -- construction --------------------------------------------------------------------
 
     def _build(self, model: nn.Module) -> None:
+        # The NVMe tier ("auto": only when host memory is short) holds the blocks' Adam moments.
+        nvme = wants_nvme_tier(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
+        if nvme and self.data_parallel is not None:
+            raise ConfigError("megatrain.nvme_offload (offload_optimizer.device \"nvme\") is not supported with "
+                              "data parallel yet: train on one rank, or keep the optimizer state in host memory")
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
-            preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
+            preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, nvme=nvme)
         _reject_unsupported_outputs(model)
         options = self.config.options
         path, blocks = find_blocks(model, options.block_path)
@@ -146,6 +152,7 @@ class MegatrainEngine(nn.Module):
             self.states.append(migrate_to_host(
                 list(block.named_parameters()), group_of, self.runtime, master, compute,
                 source=source.scoped(f"{path}.{index}.") if source is not None else None, shared=shared,
+                moments_on_host=not nvme,
             ))
         self.num_templates = len(templates_by_key)
 
@@ -187,6 +194,12 @@ class MegatrainEngine(nn.Module):
                                                       options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM),
             holds_gradients=self.config.holds_gradients,
             sum_over_ranks=dp.node_sum if dp is not None else None, runtime=self.runtime)
+        self.nvme_tier: NvmeTier | None = None
+        if nvme:  # state/nvme_tier.py: [Note: the NVMe window]
+            self.nvme_tier = open_nvme_tier(self.states[: self._resident_index], self.runtime, options,
+                                            settle=self.adamw.flush)
+            self.adamw.residency = self.nvme_tier
+            self.stepper.plan_access()
         self.optimizer.attach(self._finish_optimizer_step)
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
         sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
@@ -377,6 +390,8 @@ class MegatrainEngine(nn.Module):
                 totals[kind] = totals.get(kind, 0) + nbytes
         if self.stepper.journal.nbytes:
             totals["journal"] = self.stepper.journal.nbytes
+        if self.nvme_tier is not None:
+            totals["nvme_window"] = self.nvme_tier.window_bytes
         return totals
 
     def destroy(self) -> None:
@@ -388,6 +403,8 @@ class MegatrainEngine(nn.Module):
         self.sink.close()
         self.blocks.uninstall()
         self.resident.unhook_gradients()
+        if self.nvme_tier is not None:
+            self.nvme_tier.close()  # the swap files are working state: removed with the run
         self.runtime.release_host_memory()
 
     # -- optimizer ---------------------------------------------------------------------------

@@ -162,11 +162,54 @@ def test_offload_pin_memory_sets_the_engines(zero, megatrain, expected):
     assert config.options.pin_memory is expected
 
 
-def test_nvme_offload_is_reported_as_ignored():
+ZERO_INFINITY = {
+    "stage": 3,
+    "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+                          "fast_init": False},
+    "offload_param": {"device": "nvme", "nvme_path": "/other_nvme", "pin_memory": True, "buffer_count": 5,
+                      "buffer_size": 1e8, "max_in_cpu": 1e9},
+}
+AIO = {"block_size": 262144, "queue_depth": 32, "thread_count": 2, "single_submit": False,
+       "overlap_events": True}
+
+
+def test_zero_infinity_config_turns_the_nvme_tier_on(caplog):
+    """offload_optimizer.device "nvme": the optimizer state on the NVMe tier, in its
+    nvme_path, buffer_count blocks in the window, the "aio" block's settings; offload_param
+    "nvme" is warned about (the weights stay in host memory); the rest is listed as ignored."""
+    with caplog.at_level(logging.WARNING, logger="megatrain_ds.config"):
+        config = parse_engine_config({**BASE, "zero_optimization": ZERO_INFINITY, "aio": AIO})
+    options = config.options
+    assert (options.nvme_offload, options.nvme_path, options.nvme_window_blocks) == ("optimizer", "/local_nvme", 5)
+    assert (options.nvme_aio.block_size, options.nvme_aio.queue_depth, options.nvme_aio.thread_count,
+            options.nvme_aio.single_submit, options.nvme_aio.overlap_events) == (262144, 32, 2, False, True)
+    assert config.ignored_keys == tuple(f"zero_optimization.{key}" for key in (
+        "offload_optimizer.fast_init", "offload_param.buffer_count", "offload_param.buffer_size",
+        "offload_param.max_in_cpu"))
+    assert any("offload_param.device is \"nvme\"" in r.getMessage() for r in caplog.records)
+
+
+def test_offload_param_alone_on_nvme_uses_its_path():
     config = parse_engine_config({**BASE, "zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})
-    assert config.ignored_keys == ("zero_optimization.offload_param.device",
-                                   "zero_optimization.offload_param.nvme_path")
+    assert (config.options.nvme_offload, config.options.nvme_path) == ("optimizer", "/nvme")
+
+
+def test_the_megatrain_block_overrides_zero_infinity():
+    config = parse_engine_config({**BASE, "zero_optimization": ZERO_INFINITY,
+                                  "megatrain": {"nvme_offload": "none", "nvme_window_blocks": 3}})
+    assert (config.options.nvme_offload, config.options.nvme_window_blocks) == ("none", 3)
+
+
+@pytest.mark.parametrize("zero, aio, message", [
+    ({"offload_optimizer": {"device": "nvme"}}, None, "no nvme_path"),
+    (ZERO_INFINITY, {"block_size": 1000}, "multiple of 4096"),
+    (ZERO_INFINITY, {"queue_depth": 0}, "aio.queue_depth"),
+    (ZERO_INFINITY, {"use_odirect": True}, "unknown key"),
+])
+def test_bad_nvme_settings_are_named(zero, aio, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_engine_config({**BASE, "zero_optimization": zero, **({"aio": aio} if aio else {})})
 
 
 def test_config_reads_like_deepspeeds_engine_config_dict():

@@ -30,6 +30,7 @@ the file named, leaving the engine partly loaded (load another checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -40,7 +41,7 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
@@ -58,6 +59,7 @@ from megatrain_ds.gradients.sink import GradientPort
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, ParamSlot
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.nvme_tier import NvmeTier
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
@@ -92,6 +94,8 @@ class CheckpointedEngine(Protocol):
     resident: ResidentParams
     states: list[HostFlatState]
     """One flat state per block, in block order, then the resident parameters' state."""
+    nvme_tier: NvmeTier | None
+    """Holds the blocks' Adam moments when the NVMe tier is on."""
     block_path: str
     global_steps: int
     micro_steps: int
@@ -113,6 +117,37 @@ class _Entry:
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
+
+
+class _StateTensors:
+    """A state's flat buffer of a kind; Adam moments the NVMe tier holds come mapped from
+    their swap files (``NvmeTier.file_views``), kept until :meth:`release`."""
+
+    def __init__(self, moments: Callable[[HostFlatState], dict[str, torch.Tensor] | None] | None) -> None:
+        self._moments = moments
+        self._mapped: dict[int, dict[str, torch.Tensor] | None] = {}
+
+    def __call__(self, state: HostFlatState, kind: str) -> torch.Tensor:
+        if kind in _MOMENTS and self._moments is not None:
+            if id(state) not in self._mapped:
+                self._mapped[id(state)] = self._moments(state)
+            mapped = self._mapped[id(state)]
+            if mapped is not None:
+                return mapped[kind]
+        return getattr(state, kind)
+
+    def release(self) -> None:
+        self._mapped.clear()
+
+
+@contextlib.contextmanager
+def _state_tensors(engine: CheckpointedEngine) -> Iterator[_StateTensors]:
+    """Checkpoints read and write the moments from whichever tier holds them."""
+    if engine.nvme_tier is None:
+        yield _StateTensors(None)
+        return
+    with engine.nvme_tier.file_views() as moments:
+        yield _StateTensors(moments)
 
 
 def _entries_by_state(engine: CheckpointedEngine) -> list[list[_Entry]]:
@@ -228,14 +263,17 @@ def _write_tag_dir(engine: CheckpointedEngine, temp: Path, client_state: Mapping
     files.update(_write_model_config(engine, temp))
 
     mid_window = _inside_accumulation_window(engine)
-    for number, members in enumerate(shards, start=1):
-        tensors = []
-        for e in (e for i in members for e in groups[i] if e.trained):
-            tensors += [(f"{e.name}.{kind}", e.view(getattr(e.state, kind))) for kind in _MOMENTS]
-            if mid_window and e.state.grad is not None:
-                tensors.append((f"{e.name}.grad", e.view(e.state.grad)))
-        name = f"optimizer-{number:05d}-of-{count:05d}.safetensors"
-        files[name] = write_safetensors(temp / name, tensors, {"format": "megatrain-optimizer"})
+    with _state_tensors(engine) as flat_of:
+        for number, members in enumerate(shards, start=1):
+            tensors = []
+            for e in (e for i in members for e in groups[i] if e.trained):
+                tensors += [(f"{e.name}.{kind}", e.view(flat_of(e.state, kind))) for kind in _MOMENTS]
+                if mid_window and e.state.grad is not None:
+                    tensors.append((f"{e.name}.grad", e.view(e.state.grad)))
+            name = f"optimizer-{number:05d}-of-{count:05d}.safetensors"
+            files[name] = write_safetensors(temp / name, tensors, {"format": "megatrain-optimizer"})
+            del tensors
+            flat_of.release()  # one shard's moments mapped at a time
 
     buffer = io.BytesIO()
     torch.save(_trainer_state(engine, client_state, mid_window), buffer)
@@ -344,7 +382,7 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
     model_files = _open_shards(path, manifest, "model-")
     required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
     model_targets = _match_weights(engine, path, model_files, entries, required, load_module_strict)
-    optimizer_targets: dict[str, dict[str, torch.Tensor]] = {}
+    optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
     if with_optimizer:
         _check_optimizer_groups(engine, trainer_state)
         optimizer_files = _open_shards(path, manifest, "optimizer-")
@@ -362,9 +400,12 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
             for state in engine.states:
                 if state.grad is not None:
                     state.grad.zero_()  # overwritten below when saved inside an accumulation window
-            for file in optimizer_files.values():
-                file.read_into(optimizer_targets.get(file.path, {}),
-                               checked_digest(path, manifest, Path(file.path).name))
+            with _state_tensors(engine) as flat_of:
+                for file in optimizer_files.values():
+                    wanted = optimizer_targets.get(file.path, {})
+                    file.read_into({name: entry.view(flat_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
+                                   checked_digest(path, manifest, Path(file.path).name))
+                    flat_of.release()  # one file's moments mapped at a time
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
     engine.resident.refresh_device()
@@ -465,9 +506,10 @@ def _check_optimizer_groups(engine: CheckpointedEngine, trainer_state: Mapping[s
 
 def _match_optimizer(engine: CheckpointedEngine, path: Path, files: Mapping[str, SafetensorsFile],
                      entries: list[_Entry], trainer_state: Mapping[str, Any],
-                     strict: bool) -> dict[str, dict[str, torch.Tensor]]:
+                     strict: bool) -> dict[str, dict[str, tuple[_Entry, str]]]:
+    """``file path -> {tensor name -> (entry, kind)}`` of the optimizer state to read."""
     found = _index_records(files)
-    targets: dict[str, dict[str, torch.Tensor]] = {}
+    targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
     kinds = list(_MOMENTS) + (["grad"] if trainer_state["mid_window_gradients"] else [])
     for entry in (e for e in entries if e.trained):
         for kind in kinds:
@@ -485,7 +527,7 @@ def _match_optimizer(engine: CheckpointedEngine, path: Path, files: Mapping[str,
                 continue
             file, record = found[name]
             _check_shape(name, file, record, entry, path)
-            targets.setdefault(file.path, {})[name] = entry.view(flat)
+            targets.setdefault(file.path, {})[name] = (entry, kind)
     return targets
 
 

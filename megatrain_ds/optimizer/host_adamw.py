@@ -15,6 +15,7 @@ from megatrain_ds.optimizer.adamw_math import AdamHyper, BeforeChunk
 from megatrain_ds.optimizer.cpu_adam import CpuAdamKernel, TorchKernel
 from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
 
 
 class Placement(Protocol):
@@ -38,6 +39,10 @@ class HostAdamW:
         decoupled: AdamW (True) or Adam with L2 regularisation (False).
         cpu: the CPU kernel, the placement of every state not given another by :meth:`place`
             (default: the op-by-op torch reference).
+
+    Attributes:
+        residency: asked for a state's moments before each range update (the NVMe tier,
+            ``state/nvme_tier.py``; by default everything is in host memory).
     """
 
     def __init__(self, param_groups: Sequence[dict[str, Any]], decoupled: bool = True,
@@ -47,6 +52,7 @@ class HostAdamW:
         self.cpu: CpuAdamKernel = cpu if cpu is not None else TorchKernel()
         self._reference = TorchKernel()
         self._placements: dict[int, Placement] = {}
+        self.residency: Residency = RAM_ONLY
 
     def place(self, state: HostFlatState, placement: Placement) -> None:
         """Run ``state``'s updates on ``placement`` from now on."""
@@ -74,6 +80,7 @@ class HostAdamW:
         overwritten.
         """
         placement = self.placement_of(state)
+        self.residency.acquire(state)  # the moments may be on the NVMe tier
         for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
             lo, hi = run.start, run.end
             journal = None if before_chunk is None else _shifted(before_chunk, lo)

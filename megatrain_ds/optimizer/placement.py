@@ -23,7 +23,6 @@ The decision and its numbers are logged (``megatrain_ds.optimizer.placement``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -39,6 +38,7 @@ import torch
 from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.optimizer.cpu_adam import CpuAdamKernel, make_cpu_kernel
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.measurement_cache import cache_dir, cached_measurement
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.state.host_store import HostFlatState
 
@@ -139,9 +139,7 @@ def measure(runtime: DeviceRuntime, kernel: CpuAdamKernel, n: int = CALIBRATION_
 
 
 def cache_path() -> Path:
-    root = os.environ.get("MEGATRAIN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
-                                                          "megatrain_ds")
-    return Path(root) / "calibration.json"
+    return cache_dir() / "calibration.json"
 
 
 def _machine_key(runtime: DeviceRuntime, kernel: CpuAdamKernel) -> str:
@@ -152,24 +150,9 @@ def _machine_key(runtime: DeviceRuntime, kernel: CpuAdamKernel) -> str:
 
 def calibrate(runtime: DeviceRuntime, kernel: CpuAdamKernel, path: Path | None = None) -> Calibration:
     """The cached calibration of this machine, measured (and cached) the first time."""
-    path = path or cache_path()
-    key = _machine_key(runtime, kernel)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return Calibration(**cached[key])
-    calibration = measure(runtime, kernel)
-    cached[key] = asdict(calibration)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_suffix(f".{os.getpid()}.tmp")
-        temp.write_text(json.dumps(cached, indent=2) + "\n")
-        temp.replace(path)  # atomic: concurrent runs never read half a file
-    except OSError as error:
-        logger.warning("megatrain: could not cache the optimizer calibration at %s: %s", path, error)
-    return calibration
+    figures = cached_measurement(path or cache_path(), _machine_key(runtime, kernel),
+                                 lambda: asdict(measure(runtime, kernel)))
+    return Calibration(**figures)
 
 
 # -- building the engine's optimizer ------------------------------------------------------

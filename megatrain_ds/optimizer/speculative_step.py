@@ -62,6 +62,7 @@ from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
 from megatrain_ds.runtime.trace import NULL_TRACER
 
 if TYPE_CHECKING:
@@ -125,6 +126,11 @@ class Journal:
     def __contains__(self, index: int) -> bool:
         return index in self._slots
 
+    @property
+    def indices(self) -> list[int]:
+        """The journal blocks, in the order backward finishes them."""
+        return list(self._slots)
+
     def __bool__(self) -> bool:
         return bool(self._slots)
 
@@ -143,10 +149,14 @@ class Journal:
         slot = self._slots.get(index)
         return list(slot.ranges) if slot is not None else []
 
-    def restore(self) -> int:
-        """Copy every saved range back (bit for bit); returns the elements restored."""
+    def restore(self, residency: Residency = RAM_ONLY) -> int:
+        """Copy every saved range back (bit for bit); returns the elements restored.
+        ``residency`` brings each state's moments in first (the NVMe tier)."""
         restored = 0
+        residency.expect([self.states[index] for index, slot in self._slots.items() if slot.ranges])
         for index, slot in self._slots.items():
+            if slot.ranges:
+                residency.acquire(self.states[index])
             for start, end in slot.ranges:
                 for kind, saved in slot.tensors.items():
                     getattr(self.states[index], kind)[start:end].copy_(saved[start:end])
@@ -244,19 +254,23 @@ class OptimizerStepper:
         if not self.holds_gradients:
             outcome = StepOutcome.APPLIED if finite else StepOutcome.PARTIAL
         elif not finite:
-            restored = self.journal.restore()
+            restored = self.journal.restore(self.adamw.residency)
             outcome = StepOutcome.SKIPPED
         elif scale != 1.0 or self._hyperparameters_changed():
-            restored = self.journal.restore()
+            restored = self.journal.restore(self.adamw.residency)
+            self.adamw.residency.expect(self.states)
             for index, state in enumerate(self.states):
                 assert state.grad is not None
                 with self._span(index, 0, state.grad.numel(), scale=scale):
                     self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
             outcome = StepOutcome.CLIPPED if scale != 1.0 else StepOutcome.APPLIED
         else:
-            for index, state in enumerate(self.states):
+            pending = [(index, state, _unstepped(state, self.journal.ranges(index)))
+                       for index, state in enumerate(self.states)]
+            self.adamw.residency.expect([state for _, state, ranges in pending if ranges])
+            for index, state, ranges in pending:
                 assert state.grad is not None
-                for start, end in _unstepped(state, self.journal.ranges(index)):
+                for start, end in ranges:
                     with self._span(index, start, end - start):
                         self.adamw.update_range(state, start, state.grad[start:end], step=step)
             outcome = StepOutcome.APPLIED
@@ -271,7 +285,21 @@ class OptimizerStepper:
                          outcome.value, norm, restored)
         self.speculate_next = outcome is StepOutcome.APPLIED and scale == 1.0
         self._begin_step()
+        self.adamw.residency.step_done()
+        self.plan_access()
         return report
+
+    def plan_access(self) -> None:
+        """Tell the residency (the NVMe tier) the order the next step will touch the states
+        in, so it reads them ahead from now on, during the forward: without held gradients
+        backward's order; else the journal blocks (backward's order) when the step will
+        speculate, then what ``finish`` walks (block order)."""
+        if not self.holds_gradients:
+            order = list(self.states[::-1])
+        else:
+            first = self.journal.indices if (self.speculate_next and self.journal) else []
+            order = [self.states[i] for i in first] + [s for i, s in enumerate(self.states) if i not in first]
+        self.adamw.residency.expect(order)
 
     def _hyperparameters_changed(self) -> bool:
         return any(self.adamw.hyper(group) != read for group, read in self._hyper_read.items())

@@ -47,6 +47,14 @@ the bf16 shadow of an fp32 master, else 0):
 
 Peak host memory there is the persistent state plus the compute-side buffers
 (:func:`gpu_bytes`), which live in host RAM too.
+
+With the NVMe tier (``RunSettings.nvme``, ``state/nvme_tier.py``) the blocks' Adam m and v
+(8 bytes per block parameter) live on disk and a window of ``nvme_window_blocks`` blocks
+of them in host memory; every optimizer step reads and writes them once (``disk``:
+``8 * P_b / read + 8 * P_b / write`` at the disk's measured sequential bandwidth), however
+many micro-batches it accumulates. The disk works beside the cores and the copy engines
+and the optimizer overlaps it block by block, so on a GPU machine it is one more bound
+of the max; on the CPU the optimizer's part of the sum becomes ``max(optimizer, disk)``.
 """
 
 from __future__ import annotations
@@ -89,6 +97,9 @@ STASH_HOST_FRACTION = 0.8
 # and read, its gradient written, read and handed to the head (Hugging Face's loss).
 LOSS_PASSES = 6
 
+# The disk is named the bottleneck when its time is more than this share of the step.
+DISK_BOUND_SHARE = 0.5
+
 # Fraction of device memory the plan may use (allocator fragmentation, CUDA context).
 DEVICE_MEMORY_HEADROOM = 0.9
 
@@ -117,6 +128,9 @@ class Hardware:
     head_flops: float = 0.0
     """Matmul throughput at the lm_head's shape, FLOP/s (measured on the CPU, where a small
     hidden size makes block matmuls much slower than the head's); 0: ``flops``."""
+    disk_read_bytes_per_s: float = 0.0
+    """Sequential O_DIRECT read bandwidth of the NVMe tier's disk (``megatrain plan --nvme``)."""
+    disk_write_bytes_per_s: float = 0.0
 
 
 # Achievable (not peak) figures: ~80% of dense bf16 peak, measured PCIe Gen5 x16 copy
@@ -188,6 +202,10 @@ class RunSettings:
     """The loss in chunks (``loss_chunk_tokens``, "auto"), no ``tokens x vocab`` logits."""
     tiled_mlp: bool = True
     """The MLP in sequence tiles (``mlp_tile_tokens``, "auto")."""
+    nvme: bool = False
+    """The blocks' Adam m and v on the NVMe tier."""
+    nvme_window_blocks: int = 4
+    """Blocks of the tier's Adam m and v in host memory at once (the read-ahead window)."""
 
     @property
     def tokens_per_pass(self) -> int:
@@ -231,6 +249,8 @@ class Plan:
     memory where the device is the host)."""
     max_seq_len: int = 0
     """The longest sequence (at this micro-batch) that fits; 0 when none does."""
+    disk_bytes: int = 0
+    """The NVMe tier's swap files."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -251,6 +271,9 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     """Host memory of the run, by kind (the engine's persistent state plus staging)."""
     params = shape.params
     result = {"master": 4 * params, "adam_m_v": 8 * params}
+    if settings.nvme:
+        result["adam_m_v"] = 8 * shape.resident_params
+        result["nvme_window"] = min(settings.nvme_window_blocks, shape.num_blocks) * 8 * shape.block_params
     if settings.bf16:
         result["bf16_shadow"] = 2 * params
     if settings.holds_gradients:
@@ -279,6 +302,19 @@ def _block_flops(shape: ModelShape, settings: RunSettings) -> int:
     """FLOPs of the blocks per weight pass: forward, backward, and the recompute of the
     blocks that do not stash."""
     return (8 * shape.total_block_params - 2 * settings.stashed_blocks * shape.block_params) * settings.tokens_per_pass
+def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
+    """Bytes of the NVMe tier's swap files (m and v of every block); 0 without the tier."""
+    return 8 * shape.total_block_params if settings.nvme else 0
+
+
+def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
+    """Seconds per optimizer step the disk needs to read and write every block's m and v."""
+    swap = disk_bytes(shape, settings)
+    if not swap:
+        return 0.0
+    if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
+        raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
+    return swap / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
@@ -371,7 +407,7 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
                           if settings.offload_checkpoints else 0)
     compute_flops = _block_flops(shape, settings) + 6 * shape.vocab * shape.hidden * tokens
     stash_traffic = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
-    return {
+    bounds = {
         "compute": passes * compute_flops / hardware.flops,
         "host_to_device": passes * (2 * w * shape.total_block_params + checkpoint_traffic + stash_traffic)
         / hardware.h2d_bytes_per_s,
@@ -379,6 +415,9 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
         / hardware.d2h_bytes_per_s,
         "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
     }
+    if settings.nvme:
+        bounds["disk"] = _disk_seconds(shape, settings, hardware)
+    return bounds
 
 
 def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
@@ -401,12 +440,15 @@ def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware
         "gradient_path": (gradient_bytes + journal_bytes) / bandwidth,
         "checkpoints": passes * checkpoints / bandwidth,
         "optimizer": (24 + g + shadow) * params / adam_rate,
+        **({"disk": _disk_seconds(shape, settings, hardware)} if settings.nvme else {}),
     }
 
 
 def _predicted_step(by_bound: dict[str, float], shape: ModelShape, hardware: Hardware) -> float:
     if hardware.shares_host_memory:
-        return sum(by_bound.values())  # one set of cores does everything in turn
+        # One set of cores does everything in turn; the disk works beside the optimizer.
+        cores = {bound: t for bound, t in by_bound.items() if bound not in ("optimizer", "disk")}
+        return sum(cores.values()) + max(by_bound["optimizer"], by_bound.get("disk", 0.0))
     # Streams and the optimizer worker overlap; the last block's update cannot hide.
     tail = by_bound["optimizer"] / shape.num_blocks
     return max(by_bound.values()) + tail
@@ -466,6 +508,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
     wanted_micro = max(1, -(-hide // settings.seq_len))
     host = host_bytes(shape, settings)
     device = gpu_bytes(shape, settings, hardware)
+    disk = by_bound.get("disk", 0.0)
     recommended: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": min(max(wanted_micro, 1), max(max_micro, 1)),
         "offload_checkpoints": _num_checkpoints(shape, settings) * _checkpoint_bytes(shape, settings)
@@ -478,6 +521,9 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
     }
     per_token = _total_bytes(shape, _with(settings, seq_len=2 * settings.seq_len), hardware) - _total_bytes(
         shape, settings, hardware)
+    if disk > DISK_BOUND_SHARE * step:
+        recommended["bottleneck"] = "disk"
+        recommended["gradient_accumulation_steps"] = _accumulation_hiding_disk(shape, settings, hardware)
     return Plan(
         bytes_per_token=per_token // settings.tokens_per_pass,
         max_seq_len=max_sequence_length(shape, settings, hardware, host_memory_bytes),
@@ -492,12 +538,15 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         recommended=recommended,
         predicted_peak_host_bytes=sum(host.values()) + (sum(device.values()) if hardware.shares_host_memory else 0),
         recompute=policies,
+        disk_bytes=disk_bytes(shape, settings),
     )
 
 
 def _recompute_value(stashed: int, num_blocks: int) -> str | int:
     """The ``"recompute"`` setting that stashes ``stashed`` of ``num_blocks`` blocks."""
     return "full" if stashed == 0 else "none" if stashed == num_blocks else num_blocks - stashed
+
+
 def _total_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> int:
     """What bounds the sequence: device memory, or everything where the device is the host."""
     device = sum(gpu_bytes(shape, settings, hardware).values())
@@ -508,6 +557,20 @@ def max_sequence_length(shape: ModelShape, settings: RunSettings, hardware: Hard
     """The longest sequence (at ``settings.micro_batch``) whose step fits (0: none does)."""
     return _largest(lambda length: _fits(shape, _with(settings, seq_len=length), hardware, host_memory_bytes),
                     limit=1 << 30)
+
+
+def _accumulation_hiding_disk(shape: ModelShape, settings: RunSettings, hardware: Hardware,
+                              limit: int = 256) -> int:
+    """The fewest micro-batches per optimizer step for which the disk's share of the step
+    falls to :data:`DISK_BOUND_SHARE`: the optimizer state moves once per optimizer step,
+    so accumulating spreads it over more weight passes."""
+    accumulation = settings.accumulation
+    while accumulation < limit:
+        by_bound = step_seconds(shape, _with(settings, accumulation=accumulation), hardware)
+        if by_bound["disk"] <= DISK_BOUND_SHARE * _predicted_step(by_bound, shape, hardware):
+            break
+        accumulation *= 2
+    return accumulation
 
 
 def _fits(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> bool:

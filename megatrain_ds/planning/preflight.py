@@ -40,6 +40,9 @@ from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import build_flat_layout
+from megatrain_ds.state.nvme_tier import swap_file_bytes
+from megatrain_ds.state.swap_directory import check_free_space
+from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
 from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 
@@ -62,6 +65,8 @@ class MemoryNeed:
     """Bytes of the model's current host weights that migration frees."""
     pinned: int = 0
     """Host bytes page-locked (CUDA with ``pin_memory``)."""
+    disk: int = 0
+    """Bytes of swap files under ``nvme_path`` (the NVMe tier)."""
 
     @property
     def host_total(self) -> int:
@@ -127,6 +132,14 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
     numels = [*shapes.block_numels, shapes.resident_numel]
     host = {"master": sum(_host_buffer(n, master) for n in numels),
             "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels)}
+    disk = 0
+    if options.nvme_offload == "optimizer":
+        # The blocks' m and v in swap files, a window of them in host memory (state/nvme_tier.py).
+        alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
+        files = [swap_file_bytes(n, alignment) for n in shapes.block_numels]
+        disk = sum(files)
+        host["adam_m_v"] = 2 * _host_buffer(shapes.resident_numel, 4)
+        host["nvme_window"] = min(options.nvme_window_blocks, len(files)) * max(files)
     if config.compute_dtype != config.master_dtype:
         host["shadow"] = sum(_host_buffer(n, compute) for n in numels)
     if config.holds_gradients:
@@ -152,7 +165,7 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
         # (streaming/weight_streamer.py: [Note: the host as the device]), so no weight buffer is allocated.
         host["weight_buffers"] = 0
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
-    return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned)
+    return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
 
 
 def available_memory(device: torch.device) -> AvailableMemory:
@@ -213,6 +226,10 @@ _ALTERNATIVES: list[tuple[str, Callable[[EngineConfig], EngineConfig | None]]] =
      if c.gradient_clipping > 0 and c.gradient_accumulation_steps == 1 else None),
     ('"bf16": {"enabled": true} (bf16 compute: half-size streamed weights and gradients)',
      lambda c: dataclasses.replace(c, bf16=True) if not c.bf16 else None),
+    ('"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/local_nvme/..."} (Adam m and v in swap '
+     "files on a local disk: 8 bytes/param less host memory)",
+     lambda c: _options(c, nvme_offload="optimizer", nvme_path=c.options.nvme_path or "/")
+     if c.options.nvme_offload != "optimizer" else None),
     ('"megatrain": {"master_dtype": "bf16"} (rounds small updates away: a last resort)',
      lambda c: _options(c, master_dtype="bf16") if c.options.master_dtype != "bf16" else None),
 ]
@@ -298,10 +315,43 @@ def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
 
 def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
               device: torch.device, staging_chunk: int,
-              available: AvailableMemory | None = None) -> MemoryNeed:
-    """Check that the run fits before anything is allocated; returns the estimate."""
+              available: AvailableMemory | None = None, nvme: bool | None = None) -> MemoryNeed:
+    """Check that the run fits before anything is allocated; returns the estimate.
+
+    ``nvme``: whether the NVMe tier is used (default: ``nvme_offload`` resolved by
+    :func:`wants_nvme_tier`); its swap files must fit in the free space under ``nvme_path``
+    (``DiskSpaceError`` naming the path and the bytes).
+    """
     shapes = _shapes(model, config, optimizer)
     have = available if available is not None else available_memory(device)
     if have.device is not None and shapes.device_freed:
         have = dataclasses.replace(have, device=have.device + shapes.device_freed)
-    return check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk), config, have)
+    if nvme is None:
+        nvme = _wants_nvme(shapes, config, device, staging_chunk, have)
+    config = _options(config, nvme_offload="optimizer" if nvme else "none")
+    need = check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk), config, have)
+    if need.disk:
+        check_free_space(config.options.nvme_path or "", need.disk)
+    return need
+
+
+def wants_nvme_tier(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
+                    device: torch.device, staging_chunk: int, available: AvailableMemory | None = None) -> bool:
+    """``nvme_offload`` resolved: "optimizer" yes, "none" no, "auto" when the run's host
+    state would not fit in the available host memory without the tier."""
+    if config.options.nvme_offload != "auto":
+        return config.options.nvme_offload == "optimizer"
+    return _wants_nvme(_shapes(model, config, optimizer), config, device, staging_chunk,
+                       available if available is not None else available_memory(device))
+
+
+def _wants_nvme(shapes: _Shapes, config: EngineConfig, device: torch.device, staging_chunk: int,
+                have: AvailableMemory) -> bool:
+    if config.options.nvme_offload != "auto":
+        return config.options.nvme_offload == "optimizer"
+    ram_only = estimate_from_shapes(shapes, _options(config, nvme_offload="none"), device.type, staging_chunk)
+    wanted = ram_only.host_total > have.host
+    logger.info('megatrain: nvme_offload "auto": the optimizer state goes %s (host state without the tier: '
+                "%s, available %s)", "to NVMe" if wanted else "in host memory",
+                format_bytes(ram_only.host_total), format_bytes(have.host))
+    return wanted

@@ -7,6 +7,7 @@
 - ``trace``: Chrome/Perfetto traces of copies, compute and the optimizer worker.
 - ``host_heap``: how the CPU path keeps transient host memory from piling up.
 - ``node_shared_memory``: host memory mapped by every rank of a node.
+- ``measurement_cache``: figures of this machine measured once and kept in a JSON file.
 
 May import: ``megatrain_ds.config`` only (nothing else of the package).
 """

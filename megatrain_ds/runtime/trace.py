@@ -15,7 +15,10 @@ and chrome://tracing open; ``bench/timeline.py`` draws one step of it. Tracks (:
   is copied and the spans are the bookkeeping alone);
 - ``comm``: data-parallel collectives;
 - ``optimizer worker``: the gradient worker consuming each chunk (accumulate, norm,
-  speculative AdamW), each AdamW range, and the step finish (main thread, worker drained).
+  speculative AdamW), each AdamW range, and the step finish (main thread, worker drained);
+- ``nvme read``, ``nvme write``: the NVMe tier's swap transfers on its I/O threads (a
+  block's m and v, with the bytes and the I/O engine); ``nvme wait``: a training thread
+  waiting for one (``state/nvme_tier.py``).
 
 Every span's args carry the ``step`` it belongs to, so a step's device work that runs on
 after the host has moved on is still found.
@@ -59,7 +62,7 @@ from typing import Any, ContextManager, Iterator, Protocol
 
 logger = logging.getLogger(__name__)
 
-TRACKS = ("step", "compute", "h2d", "d2h", "stash", "comm", "optimizer worker")
+TRACKS = ("step", "compute", "h2d", "d2h", "stash", "comm", "optimizer worker", "nvme read", "nvme write", "nvme wait")
 """Known tracks, in display order; a span may name any other track (shown after these)."""
 
 DEFAULT_TRACE_STEPS = 3

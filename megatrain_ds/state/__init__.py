@@ -1,8 +1,13 @@
-"""Host-resident training state: where every parameter lives and the buffers that hold it.
+"""Training state: where every parameter lives and the buffers that hold it.
 
 - ``flat_layout``: where each parameter of a block lies in the block's one flat buffer.
 - ``host_store``: the flat fp32 master, Adam moments, compute shadow and gradient
   accumulator of one block (or of the resident parameters).
+- ``nvme_tier``: the NVMe tier: blocks' Adam moments in swap files, moved through a
+  bounded window in host memory, read ahead and written behind.
+- ``swap_io``: O_DIRECT reads and writes of swap files (DeepSpeed's async I/O op, or a
+  thread pool) and the disk's own bandwidth.
+- ``swap_directory``: one locked directory of preallocated swap files per run.
 
 May import: ``config``, ``runtime``.
 """

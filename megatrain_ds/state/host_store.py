@@ -56,7 +56,8 @@ class HostFlatState:
         """Host bytes held, by kind (for memory accounting and tests)."""
         tensors = {"master": self.master, "shadow": self.shadow, "exp_avg": self.exp_avg,
                    "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
-        return {kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None}
+        return {kind: t.numel() * t.element_size() for kind, t in tensors.items()
+                if t is not None and not t.is_meta}  # meta: a moment on the NVMe tier
 
     def window(self, start: int, end: int) -> "HostFlatState":
         """Views of elements ``[start, end)`` of every buffer, with the matching layout
@@ -71,6 +72,12 @@ class HostFlatState:
         """Round the updated master into the streamed shadow (no-op without a shadow)."""
         if self.shadow is not None:
             self.shadow[start:end].copy_(self.master[start:end])
+
+
+def absent_moment(numel: int) -> torch.Tensor:
+    """The placeholder of an Adam moment kept elsewhere (``state/nvme_tier.py``): right dtype
+    and size, no storage, so any use that skipped fetching it fails instead of reading garbage."""
+    return torch.empty(numel, dtype=torch.float32, device="meta")
 
 
 class TensorSource(Protocol):
@@ -89,6 +96,7 @@ def migrate_to_host(
     compute_dtype: torch.dtype,
     source: TensorSource | None = None,
     shared: NodeSharedMemory | None = None,
+    moments_on_host: bool = True,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 
@@ -105,6 +113,9 @@ def migrate_to_host(
     node's writer copies values in; the other ranks just re-point their parameters (their
     own values are dropped, as DDP drops them for rank 0's) and must not read the state
     before :meth:`NodeSharedMemory.written`.
+
+    With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_moment`):
+    the NVMe tier holds them.
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     by_name = dict(named_params)
@@ -138,7 +149,9 @@ def migrate_to_host(
         layout=layout,
         master=master,
         shadow=shadow,
-        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared),
-        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared),
+        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared) if moments_on_host
+        else absent_moment(layout.numel),
+        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared) if moments_on_host
+        else absent_moment(layout.numel),
         params=params,
     )

@@ -1,0 +1,413 @@
+"""The NVMe tier: each block's Adam m and v in a swap file, moved through a small RAM window.
+
+With ``"megatrain": {"nvme_offload": "optimizer"}`` (or ZeRO-Infinity's
+``offload_optimizer.device: "nvme"``) a block's moments live in
+``<swap dir>/blockNNNNN.swap`` (``state/swap_directory.py``): m, then v, each padded to
+the I/O engine's alignment, so one block moves in one request (``state/swap_io.py``).
+The block's :class:`HostFlatState` holds meta-device placeholders for ``exp_avg`` and
+``exp_avg_sq`` while the moments are on disk, so a read that skipped :meth:`NvmeTier.acquire`
+fails loudly instead of reading stale memory. The master, shadow and gradients stay in
+host memory (the streamed weights are read every forward and backward).
+
+[Note: the NVMe window]
+Every optimizer access to a block's moments goes through ``acquire(state)`` (``HostAdamW``
+calls it before each range, the journal before restoring). The window is
+``nvme_window_blocks`` slots, each one buffer big enough for the largest block's m and v.
+
+- Correctness never depends on prediction: ``acquire`` of a block not in the window takes
+  a slot (writing back the block it held, if changed) and reads the block, waiting for it.
+- Prediction only hides the disk: :meth:`NvmeTier.expect` is told the order of the next
+  accesses (the speculative blocks in backward order while backward runs, then the
+  order ``finish`` walks the blocks), and after each ``acquire`` the tier starts reading
+  the next ``window - 1`` expected blocks into free slots on its I/O threads, several
+  blocks deep.
+- Write-behind: when ``acquire`` moves on from a block that is not expected again, that
+  block's write starts at once on an I/O thread; its slot is reused only once the write
+  has finished (a slot's write and the next read into it are one task, in that order).
+- Only the block being accessed is bound to its state; a block being written is unbound
+  first, so nothing can change a buffer while it is on its way to disk.
+- Device placements (``optimizer_device: "gpu"``) update the host moments asynchronously:
+  ``settle`` (``HostAdamW.flush``) runs before any slot is written back.
+- An I/O failure (a full disk, a device error) is remembered and raised by the next
+  ``acquire``/:meth:`flush` on the training thread, as :class:`~megatrain_ds.state.swap_io.SwapIOError`
+  naming the file and the bytes; the slot keeps the data it failed to write.
+
+Checkpoints read and write the moments through :meth:`NvmeTier.file_views`: the window is
+written back and emptied, and the swap files are mapped (``torch.from_file``), one shard's
+worth at a time, so a checkpoint streams from the tier that holds each tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from megatrain_ds.config import MegatrainOptions
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.state.host_store import HostFlatState, absent_moment
+from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
+from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, open_swap_io
+
+logger = logging.getLogger(__name__)
+
+FP32 = 4
+IO_THREADS = 2
+"""One read ahead and one write behind can be in flight at once."""
+DISK_WAIT_SHARE = 0.2
+"""Warn once the training threads wait for the disk longer than this share of a step."""
+
+
+class Residency(Protocol):
+    """Where the optimizer asks for a state's moments before touching them."""
+
+    def acquire(self, state: HostFlatState) -> None:
+        """Make ``state.exp_avg``/``exp_avg_sq`` real host tensors until the next acquire."""
+
+    def expect(self, states: Sequence[HostFlatState]) -> None:
+        """The order of the next accesses (a hint: prefetch follows it)."""
+
+    def step_done(self) -> None:
+        """An optimizer step has finished (the tier checks whether the disk kept up)."""
+
+
+class RamResidency:
+    """Everything in host memory: nothing to do."""
+
+    def acquire(self, state: HostFlatState) -> None:
+        del state
+
+    def expect(self, states: Sequence[HostFlatState]) -> None:
+        del states
+
+    def step_done(self) -> None:
+        pass
+
+
+RAM_ONLY = RamResidency()
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    """Flat fp32: m at ``[0, pad)``, v at ``[pad, 2 * pad)`` of the block it holds."""
+    index: int | None = None
+    pending: Future | None = None
+    dirty: bool = False
+
+
+def swap_file_bytes(numel: int, alignment: int) -> int:
+    """Bytes of one block's swap file: m and v, each padded to ``alignment``."""
+    return 2 * aligned_bytes(numel * FP32, alignment)
+
+
+class NvmeTier:
+    """The NVMe tier of ``states`` (the blocks); see the module docstring and [Note: the NVMe window].
+
+    Args:
+        states: the block states whose moments move to disk (built with
+            ``moments_on_host=False``: placeholders, no host memory).
+        runtime: host buffers (pinned with CUDA) and the tracer.
+        options: ``nvme_path``, ``nvme_window_blocks``, ``nvme_aio``.
+        settle: waits for asynchronous updates of host moments (the device placement).
+    """
+
+    def __init__(self, states: Sequence[HostFlatState], runtime: DeviceRuntime, options: MegatrainOptions,
+                 settle: Callable[[], None] | None = None) -> None:
+        self.states = list(states)
+        self.runtime = runtime
+        self.settle = settle or (lambda: None)
+        self.io: SwapIO = open_swap_io(options.nvme_aio, runtime)
+        self._pad = [aligned_bytes(s.layout.numel * FP32, self.io.alignment) // FP32 for s in self.states]
+        names = [f"block{index:05d}.swap" for index in range(len(self.states))]
+        try:
+            self.directory = SwapDirectory(options.nvme_path or "", {
+                name: 2 * pad * FP32 for name, pad in zip(names, self._pad)})
+        except BaseException:
+            self.io.close()
+            raise
+        self._paths = [self.directory.files[name] for name in names]
+        self._index = {id(state): index for index, state in enumerate(self.states)}
+        window = min(options.nvme_window_blocks, max(len(self.states), 1))
+        largest = 2 * max(self._pad, default=0)
+        self._slots = [_Slot(self.io.buffer(largest)) for _ in range(window)]
+        self._where: dict[int, _Slot] = {}
+        self._schedule: deque[int] = deque()
+        self._current: int | None = None
+        self._failure: BaseException | None = None
+        self._lock = threading.RLock()
+        self._count_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-nvme")
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.wait_seconds = 0.0
+        """Time the training threads spent waiting for swap reads (and writes) so far."""
+        self._step_mark: tuple[float, float, int] | None = None  # (time, wait_seconds, bytes moved)
+        self._warned = False
+        logger.info("megatrain: NVMe tier: Adam m and v of %d blocks (%.2f GiB) in %s, %d-block window "
+                    "(%.2f GiB of host memory), I/O engine %s", len(self.states), self.directory.nbytes / 2**30,
+                    self.directory.path, window, self.window_bytes / 2**30, self.io.name)
+
+    # -- the window --------------------------------------------------------------------------
+
+    @property
+    def window_bytes(self) -> int:
+        """Host memory of the window's slots."""
+        return sum(slot.buffer.numel() * FP32 for slot in self._slots)
+
+    @property
+    def engine_name(self) -> str:
+        return self.io.name
+
+    def holds(self, state: HostFlatState) -> bool:
+        return id(state) in self._index
+
+    def expect(self, states: Sequence[HostFlatState]) -> None:
+        with self._lock:
+            self._schedule = deque(self._index[id(s)] for s in states if id(s) in self._index)
+            self._prefetch()
+
+    def acquire(self, state: HostFlatState, write: bool = True) -> None:
+        """Bind ``state``'s moments to their slot (reading them first if needed); with
+        ``write`` (every optimizer use) the block is written back when it leaves."""
+        index = self._index.get(id(state))
+        if index is None:
+            return  # not a tier state (the resident parameters)
+        with self._lock:
+            self._raise_failure()
+            if index == self._current:
+                self._where[index].dirty |= write
+                return
+            while self._schedule and index in self._schedule:
+                if self._schedule.popleft() == index:
+                    break
+            previous, self._current = self._current, index
+            if previous is not None:
+                self._unbind(previous)
+                if previous not in self._schedule:
+                    self._write_behind(previous)
+            slot = self._where.get(index)
+            if slot is None:
+                slot = self._victim(protect={index}, demand=True)
+                assert slot is not None
+                self._load(slot, index)
+            self._prefetch()
+            if slot.pending is not None and not slot.pending.done():
+                began = time.perf_counter()
+                with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index):
+                    futures.wait([slot.pending])
+                self.wait_seconds += time.perf_counter() - began
+            self._raise_failure()
+            slot.pending = None
+            slot.dirty |= write
+            self._bind(index, slot)
+
+    def step_done(self) -> None:
+        """Warn (once) when the disk does not keep up: from the second step on, if the
+        training threads waited for it longer than :data:`DISK_WAIT_SHARE` of the step."""
+        now, moved = time.perf_counter(), self.bytes_read + self.bytes_written
+        if self._step_mark is not None and not self._warned:
+            began, waited_before, moved_before = self._step_mark
+            step, waited = now - began, self.wait_seconds - waited_before
+            if waited > DISK_WAIT_SHARE * step:
+                self._warned = True
+                logger.warning(
+                    "megatrain: the NVMe tier's disk traffic does not hide: the step waited %.2f s of %.2f s "
+                    "for swap reads (%.2f GB moved at %.2f GB/s, %s). The disk is the bottleneck: raise "
+                    "gradient_accumulation_steps (the optimizer state moves once per optimizer step, so "
+                    "more micro-batches per step amortise it), put nvme_path on a faster disk (or several), "
+                    "or keep the optimizer state in host memory if it fits", waited, step,
+                    (moved - moved_before) / 1e9, (moved - moved_before) / 1e9 / step, self.io.name)
+        self._step_mark = (now, self.wait_seconds, moved)
+
+    def flush(self) -> None:
+        """Write every changed block back and empty the window (before the swap files are
+        read or written directly, and at the end of a run's use)."""
+        with self._lock:
+            if self._current is not None:
+                self._unbind(self._current)
+                self._current = None
+            self._schedule.clear()
+            if any(slot.dirty for slot in self._slots):
+                self.settle()
+            for slot in self._slots:
+                if slot.dirty and slot.index is not None:
+                    slot.dirty = False
+                    self._submit(slot, write=slot.index, read=None)
+            futures.wait([slot.pending for slot in self._slots if slot.pending is not None])
+            self._raise_failure()
+            for slot in self._slots:
+                slot.pending = None
+            for slot in self._slots:
+                if slot.index is not None:
+                    self._where.pop(slot.index, None)
+                slot.index = None
+
+    @contextlib.contextmanager
+    def file_views(self) -> Iterator[Callable[[HostFlatState], dict[str, torch.Tensor] | None]]:
+        """Yields ``moments(state)``: ``{"exp_avg": t, "exp_avg_sq": t}`` mapped from the
+        state's swap file (writes go to the file), or None for a state not on the tier.
+        Drop the tensors when done with a shard; the files are fsynced on exit."""
+        with self._lock:
+            upcoming = list(self._schedule)
+        self.flush()
+        touched: set[int] = set()
+
+        def moments(state: HostFlatState) -> dict[str, torch.Tensor] | None:
+            index = self._index.get(id(state))
+            if index is None:
+                return None
+            touched.add(index)
+            pad, numel = self._pad[index], state.layout.numel
+            mapped = torch.from_file(self._paths[index], shared=True, size=2 * pad, dtype=torch.float32)
+            return {"exp_avg": mapped[:numel], "exp_avg_sq": mapped[pad : pad + numel]}
+
+        try:
+            yield moments
+        finally:
+            for index in touched:  # a mapping's writes reach the disk before O_DIRECT reads it
+                fd = os.open(self._paths[index], os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            with self._lock:  # read ahead again what was expected before
+                self._schedule = deque(upcoming)
+                self._prefetch()
+
+    def close(self) -> None:
+        """Stop the I/O threads, free the window, remove the swap directory."""
+        with self._lock:
+            futures.wait([slot.pending for slot in self._slots if slot.pending is not None])
+            for index in list(self._where):
+                self._unbind(index)
+            self._pool.shutdown(wait=True)
+            self.io.close()
+            self.directory.close()
+
+    # -- internals (under the lock) --------------------------------------------------------------
+
+    def _bind(self, index: int, slot: _Slot) -> None:
+        state, pad = self.states[index], self._pad[index]
+        state.exp_avg = slot.buffer[: state.layout.numel]
+        state.exp_avg_sq = slot.buffer[pad : pad + state.layout.numel]
+
+    def _unbind(self, index: int) -> None:
+        state = self.states[index]
+        state.exp_avg = absent_moment(state.layout.numel)
+        state.exp_avg_sq = absent_moment(state.layout.numel)
+
+    def _victim(self, protect: set[int], demand: bool) -> _Slot | None:
+        """A slot to load into: an empty one, else the one whose block is needed last
+        (not at all first); for a prefetch only an idle slot whose block is not protected."""
+        upcoming = list(self._schedule)
+        def rank(slot: _Slot) -> tuple[int, int, int]:
+            if slot.index is None:
+                return (0, 0, 0)
+            later = upcoming.index(slot.index) if slot.index in upcoming else len(upcoming)
+            return (1, -later, int(slot.dirty))
+        candidates = [slot for slot in self._slots if slot.index not in protect and slot.index != self._current]
+        if not demand:
+            candidates = [slot for slot in candidates if slot.pending is None or slot.pending.done()]
+        return min(candidates, key=rank, default=None)
+
+    def _load(self, slot: _Slot, index: int) -> None:
+        old = slot.index
+        if old is not None:
+            self._where.pop(old, None)
+        write = old if (old is not None and slot.dirty) else None
+        if write is not None:
+            self.settle()
+        slot.index, slot.dirty = index, False
+        self._where[index] = slot
+        self._submit(slot, write=write, read=index)
+
+    def _write_behind(self, index: int) -> None:
+        slot = self._where.get(index)
+        if slot is None or not slot.dirty:
+            return
+        self.settle()
+        slot.dirty = False
+        self._submit(slot, write=index, read=None)
+
+    def _prefetch(self) -> None:
+        ahead = list(self._schedule)[: len(self._slots) - 1]
+        protect = set(ahead) | ({self._current} if self._current is not None else set())
+        for index in ahead:
+            if index in self._where:
+                continue
+            slot = self._victim(protect, demand=False)
+            if slot is None:
+                return
+            self._load(slot, index)
+
+    def _submit(self, slot: _Slot, write: int | None, read: int | None) -> None:
+        buffer = slot.buffer
+        previous = slot.pending
+
+        def task() -> None:
+            if previous is not None:  # the slot's earlier transfer first (it started before this one)
+                previous.result()
+            if write is not None:
+                self._transfer(buffer, write, writing=True, slot=slot)
+            if read is not None:
+                self._transfer(buffer, read, writing=False, slot=slot)
+
+        slot.pending = self._pool.submit(task)
+
+    def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot) -> None:
+        nbytes = 2 * self._pad[index] * FP32
+        part = buffer[: 2 * self._pad[index]]
+        track = "nvme write" if writing else "nvme read"
+        try:
+            with self.runtime.tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name):
+                (self.io.write if writing else self.io.read)(part, self._paths[index], 0)
+        except BaseException as error:
+            # No lock here: the training thread may hold it while waiting for this task.
+            if writing:
+                slot.dirty = True  # the data is still only here
+            self._failure = self._failure or _explained(error, self._paths[index], nbytes, writing)
+            raise
+        with self._count_lock:
+            if writing:
+                self.bytes_written += nbytes
+            else:
+                self.bytes_read += nbytes
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+
+def _explained(error: BaseException, path: str, nbytes: int, writing: bool) -> BaseException:
+    """The error the training thread raises for a failed swap transfer."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskSpaceError(error.errno, f"the disk is full: writing {nbytes} bytes of optimizer state "
+                                           "failed. The step is incomplete; the last checkpoint is intact: "
+                                           "free space there and resume from it", path)
+    if isinstance(error, OSError):
+        return SwapIOError(error.errno or errno.EIO, f"{'writing' if writing else 'reading'} {nbytes} bytes "
+                                                     f"of optimizer state failed: {error.strerror or error}", path)
+    return error
+
+
+def open_nvme_tier(states: Sequence[HostFlatState], runtime: DeviceRuntime, options: MegatrainOptions,
+                   settle: Callable[[], None] | None = None) -> NvmeTier:
+    """The tier for ``states``; a clear error when the swap directory cannot be made."""
+    try:
+        return NvmeTier(states, runtime, options, settle)
+    except (DiskSpaceError, SwapIOError):
+        raise
+    except OSError as error:
+        raise SwapIOError(error.errno or errno.EIO, f"cannot set up the NVMe tier's swap files: {error}",
+                          str(options.nvme_path)) from error

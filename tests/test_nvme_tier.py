@@ -1,0 +1,166 @@
+"""The NVMe tier: Adam m and v in swap files, read ahead and written behind a small window.
+
+Parity: the engine with the tier trains as plain PyTorch does (the tolerances of
+``tests/test_parity.py``), and bit for bit as the engine without it (same losses, weights
+and moments, ``torch.equal``): the tier only moves bytes, the arithmetic is the same.
+Each configuration exercises a different path of the optimizer step: clipping 1.0 (the
+speculation is refuted and the journal restored into swapped states), a high clipping
+threshold with speculative blocks (the speculation holds), no clipping (blocks stepped
+as their gradients arrive), accumulation 2 (fp32 held gradients). A 2-block window over
+4-5 blocks forces evictions and write-behind every step.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+
+import tiny_models
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.state.nvme_tier import NvmeTier
+from side_by_side import ds_config, relative_weight_error, train_side_by_side
+from test_parity import assert_parity
+
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
+
+
+def nvme_options(path, engine: str = "auto", window: int = 2, **more) -> dict:
+    return {"nvme_offload": "optimizer", "nvme_path": str(path), "nvme_window_blocks": window,
+            "nvme_aio": {"engine": engine}, **more}
+
+
+def moments_of(engine: MegatrainEngine) -> list[dict[str, torch.Tensor]]:
+    """Every state's m and v, copied out of whichever tier holds them."""
+    tier = engine.nvme_tier
+    if tier is None:
+        return [{k: getattr(s, k).clone() for k in ("exp_avg", "exp_avg_sq")} for s in engine.states]
+    with tier.file_views() as moments:
+        return [{k: t.clone() for k, t in (moments(s) or {k: getattr(s, k) for k in ("exp_avg", "exp_avg_sq")}).items()}
+                for s in engine.states]
+
+
+def assert_bit_identical(a: MegatrainEngine, b: MegatrainEngine) -> None:
+    ours, theirs = a.module.state_dict(), b.module.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    for index, (x, y) in enumerate(zip(moments_of(a), moments_of(b))):
+        for kind in x:
+            assert torch.equal(x[kind], y[kind]), (index, kind)
+            assert x[kind].abs().sum() > 0, "the moments were never written"
+
+
+CASES = {
+    "clip-refuted-ga1": dict(accumulation=1, clipping=1.0),
+    "clip-refuted-ga2": dict(accumulation=2, clipping=1.0),
+    "speculation-holds-ga1": dict(accumulation=1, clipping=1e3, speculative_blocks=3),
+    "speculation-holds-ga2": dict(accumulation=2, clipping=1e3, speculative_blocks=2),
+    "no-clipping": dict(accumulation=1, clipping=0.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_and_bit_identical_to_ram_only(tmp_path, case):
+    spec = dict(CASES[case])
+    speculative = spec.pop("speculative_blocks", "auto")
+    ram_config = ds_config(**spec, megatrain={"speculative_blocks": speculative})
+    tier_config = ds_config(**spec, megatrain={"speculative_blocks": speculative, **nvme_options(tmp_path)})
+    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ram_config)
+    tiered, reference, trace = train_side_by_side(tiny_models.llama, tier_config)
+    try:
+        assert isinstance(tiered.nvme_tier, NvmeTier)
+        assert_parity(tiered, reference, trace)
+        assert trace.engine_losses == ram_trace.engine_losses
+        assert_bit_identical(tiered, ram)
+        if spec["clipping"] == 1.0:
+            assert tiered.last_step_report.restored > 0 or tiered.last_step_report.speculated == 0
+        if speculative != "auto":
+            assert tiered.last_step_report.speculated > 0, "the speculative path was not taken"
+        # Four blocks through a two-block window: every step reads and writes at least the
+        # two blocks the window cannot keep from the step before.
+        block_file = tiered.nvme_tier.directory.nbytes // 4
+        assert tiered.nvme_tier.bytes_read >= 5 * (4 - 2) * block_file
+        assert tiered.nvme_tier.bytes_written >= 5 * (4 - 2) * block_file
+        host = tiered.host_bytes()
+        assert host["exp_avg"] == ram.host_bytes()["exp_avg"] - sum(
+            4 * s.layout.numel for s in ram.states[:-1])  # only the resident state's moments in RAM
+        assert host["nvme_window"] == tiered.nvme_tier.window_bytes
+    finally:
+        ram.destroy()
+        tiered.destroy()
+
+
+@pytest.mark.parametrize("io_engine", ["aio", "threads"])
+def test_both_io_engines_give_the_same_run(tmp_path, io_engine, caplog):
+    """DeepSpeed's async I/O op and the O_DIRECT thread fallback: same results, and the log
+    names the engine that ran."""
+    config = ds_config(accumulation=2, clipping=1.0,
+                       megatrain=nvme_options(tmp_path, engine=io_engine, window=3))
+    with caplog.at_level(logging.INFO, logger="megatrain_ds"):
+        engine, reference, trace = train_side_by_side(lambda: tiny_models.qwen2(num_layers=5), config, steps=3)
+    try:
+        expected = {"aio": "deepspeed-aio", "threads": "threads-odirect"}[io_engine]
+        assert engine.nvme_tier.engine_name == expected
+        assert any(f"I/O engine {expected}" in record.getMessage() for record in caplog.records)
+        assert_parity(engine, reference, trace)
+    finally:
+        engine.destroy()
+
+
+def test_swap_directory_is_removed_by_destroy(tmp_path):
+    config = ds_config(megatrain=nvme_options(tmp_path))
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
+    directory = engine.nvme_tier.directory.path
+    assert directory.parent == tmp_path and len(list(directory.glob("block*.swap"))) == 4
+    engine.destroy()
+    assert not directory.exists()
+
+
+def test_a_missed_fetch_fails_loudly(tmp_path):
+    """A moment on disk is a meta placeholder, never stale host memory."""
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain=nvme_options(tmp_path))))
+    try:
+        state = engine.states[1]
+        assert state.exp_avg.is_meta and state.exp_avg.numel() == state.layout.numel
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            torch.zeros(state.layout.numel).copy_(state.exp_avg)
+    finally:
+        engine.destroy()
+
+
+def test_bf16_compute_is_bit_identical_to_ram_only(tmp_path):
+    """bf16 compute: the journal also keeps the shadow; the tier still only moves bytes."""
+    config = dict(accumulation=2, clipping=1.0, bf16=True)
+    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**config), steps=3)
+    tiered, _, trace = train_side_by_side(tiny_models.llama, ds_config(**config, megatrain=nvme_options(tmp_path)),
+                                          steps=3)
+    try:
+        assert trace.engine_losses == ram_trace.engine_losses
+        assert_bit_identical(tiered, ram)
+    finally:
+        ram.destroy()
+        tiered.destroy()
+
+
+def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch, caplog):
+    from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+    from megatrain_ds.optimizer.facade import build_optimizer
+    from megatrain_ds.planning import preflight
+
+    config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
+    probe = tiny_models.llama()
+    optimizer = build_optimizer(probe, None, config.optimizer, None)
+    ram_only = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=False)
+    with_tier = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=True)
+    assert with_tier.host_total < ram_only.host_total
+    for available, expected in ((ram_only.host_total + (1 << 20), False), (ram_only.host_total - 1, True)):
+        monkeypatch.setattr(preflight, "available_memory",
+                            lambda device, room=available: preflight.AvailableMemory(host=room))
+        with caplog.at_level(logging.INFO, logger="megatrain_ds"):
+            engine = MegatrainEngine(tiny_models.llama(), config)
+        try:
+            assert (engine.nvme_tier is not None) is expected
+            assert any('nvme_offload "auto"' in r.getMessage() for r in caplog.records)
+        finally:
+            engine.destroy()
