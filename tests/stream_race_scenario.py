@@ -12,6 +12,7 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
   the held gradients) and without (updates straight from the sink's staging buffers);
 - ``stash``: ``"recompute": 1``, the first two blocks' saved activations stashed on the
   host (copied device-to-host after their forward, brought back for their backward);
+- ``wide``: two blocks per checkpoint segment, three weight buffers, stashed blocks;
 - ``fragments``: ``"fragment_bytes"``, each block's weights copied in pieces, each module
   of a recomputed block waiting for its own, a stashed block's backward for all of them.
 
@@ -48,6 +49,8 @@ SCENARIOS = {
     # Checkpoints kept on the device: their offload would order h2d after d2h for the stash.
     "stash": dict(accumulation=2, clipping=1.0,
                   megatrain={"optimizer_device": "cpu", "recompute": 1, "offload_checkpoints": False}),
+    "wide": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "checkpoint_interval": 2,
+                                                          "num_buffers": 3, "recompute": 1}),
     "fragments": dict(accumulation=1, clipping=1.0,
                       megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}),
 }

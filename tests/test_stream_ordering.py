@@ -41,39 +41,20 @@ NOT_ENGINE = ("runtime/",)
 """The runtime implements these calls (and its tracing only times things with them)."""
 
 EXPECTED_SURVIVORS: dict[str, str] = {
-    "streaming/activation_offload.py:take:runtime.used_on": (
-        "Not needed by today's schedule, so nothing can catch its removal: the checkpoint "
-        "brought back is allocated on the h2d stream, and before backward drops it the h2d "
-        "stream has already waited (the weight streamer's slot-free events) for the compute "
-        "stream's last use, so reusing its memory on the h2d stream is ordered either way. "
-        "Kept because that ordering is a side effect of the weight streamer's schedule, not "
-        "of this module: record_stream states the lifetime where the tensor crosses streams, "
-        "so a change to the streamer cannot turn into a use-after-free on a GPU."),
-    "streaming/activation_stash.py:_unpack:runtime.used_on": (
-        "The same as activation_offload.py's take: a stash brought back is allocated on the "
-        "h2d stream, which has waited for the compute stream's last use of it (the weight "
-        "streamer's slot-free events) before anything it allocates later can reuse the memory."),
-    "streaming/activation_stash.py:end_block:runtime.d2h_stream.wait_event": (
-        "The wait for a pooled host buffer's free event (the h2d copy that last read it). A "
-        "buffer is only taken again in a later forward, whose block waited on the compute "
-        "stream for its weights' upload, queued on the h2d stream after every earlier unstash "
-        "copy; the d2h stream then waits for that compute. Kept so the pool is safe by itself."),
     "streaming/activation_stash.py:block:oldest.synchronize": (
         "Backpressure, not ordering: the host waits for the oldest outstanding stash copy so "
         "that device memory held for copies stays bounded when the link is slower than "
         "compute. No access depends on it, so there is no race to catch."),
-    "streaming/weight_streamer.py:wait_all:self.runtime.compute_stream().wait_event": (
-        "A stashed block's backward with fragmented weights: its stash's ready event is "
-        "recorded on the h2d stream after the block's weight fragments, and the compute stream "
-        "waits on it before the first saved activation is unpacked, so it has waited for the "
-        "weights too. Kept for a block whose backward reads weights before any stashed "
-        "activation (or stashes none)."),
 }
 """``"file.py:function:call"`` -> why removing that call is not caught.
 
-A call found redundant is deleted instead (``device_adamw.py``'s host wait for the loads of
-a staging buffer: the sink refills staging on the d2h stream, which had already waited
-for those loads)."""
+A call found redundant is deleted instead, and the Note of its module says what orders
+the work without it: ``device_adamw.py``'s host wait for the loads of a staging buffer
+(the sink refills staging on the d2h stream, which had already waited for those loads);
+the ``record_stream`` of checkpoints and of stashed activations brought back to the
+device (``activation_offload.py``, ``activation_stash.py``); the stash pool's wait for a
+buffer's last reader, and a stashed block's wait for its whole fragmented weights
+(``activation_stash.py``: [Note: stash ordering])."""
 
 MIN_CAUGHT = 0.8
 
