@@ -14,7 +14,10 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
   host (copied device-to-host after their forward, brought back for their backward);
 - ``wide``: two blocks per checkpoint segment, three weight buffers, stashed blocks;
 - ``fragments``: ``"fragment_bytes"``, each block's weights copied in pieces, each module
-  of a recomputed block waiting for its own, a stashed block's backward for all of them.
+  of a recomputed block waiting for its own, a stashed block's backward for all of them;
+- ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
+  read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
+  checkpoint saved from and loaded into the swap files and one more step.
 
 Exit status: 0 when every step ran without a race, ``RACE_EXIT`` (printing the race)
 when the checker raised ``StreamRaceError``, anything else for other failures.
@@ -53,7 +56,11 @@ SCENARIOS = {
                                                           "num_buffers": 3, "recompute": 1}),
     "fragments": dict(accumulation=1, clipping=1.0,
                       megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}),
+    # nvme_path: a temporary directory, set by run().
+    "nvme": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "nvme_offload": "optimizer",
+                                                          "nvme_window_blocks": 2}),
 }
+WITH_CHECKPOINT = ("host", "nvme")
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
@@ -70,21 +77,25 @@ def train(engine: MegatrainEngine, steps: int, first_seed: int) -> None:
 
 
 def run(name: str) -> None:
-    torch.manual_seed(0)
-    engine = MegatrainEngine(tiny_models.llama(num_layers=3), parse_engine_config(ds_config(**SCENARIOS[name])),
-                             device=torch.device("cpu"))
-    try:
-        assert engine.runtime.checker is not None, "the race checker is not on"
-        train(engine, steps=2, first_seed=0)
-        if name == "host":
-            with tempfile.TemporaryDirectory() as directory:
-                engine.save_checkpoint(directory, tag="step2")
+    with tempfile.TemporaryDirectory() as swap:
+        spec = SCENARIOS[name]
+        if "nvme_offload" in spec["megatrain"]:
+            spec = {**spec, "megatrain": {**spec["megatrain"], "nvme_path": swap}}
+        torch.manual_seed(0)
+        engine = MegatrainEngine(tiny_models.llama(num_layers=3), parse_engine_config(ds_config(**spec)),
+                                 device=torch.device("cpu"))
+        try:
+            assert engine.runtime.checker is not None, "the race checker is not on"
+            train(engine, steps=2, first_seed=0)
+            if name in WITH_CHECKPOINT:
+                with tempfile.TemporaryDirectory() as directory:
+                    engine.save_checkpoint(directory, tag="step2")
+                    train(engine, steps=1, first_seed=100)
+                    engine.load_checkpoint(directory, tag="step2")
                 train(engine, steps=1, first_seed=100)
-                engine.load_checkpoint(directory, tag="step2")
-            train(engine, steps=1, first_seed=100)
-        print(f"{name}: {engine.runtime.checker.num_accesses} accesses checked, no race")
-    finally:
-        engine.destroy()
+            print(f"{name}: {engine.runtime.checker.num_accesses} accesses checked, no race")
+        finally:
+            engine.destroy()
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ import tiny_models
 from side_by_side import ds_config
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.stream_check import CheckedStream
-from stream_race_scenario import RACE_EXIT
+from stream_race_scenario import RACE_EXIT, SCENARIOS
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatrain_ds"
@@ -35,7 +35,8 @@ SCENARIO = Path(__file__).resolve().parent / "stream_race_scenario.py"
 DATA_PARALLEL_WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
 
 SYNC_CALLS = {"wait_event", "wait_stream", "record_stream", "used_on", "synchronize"}
-"""The calls that order work across streams and threads (``used_on`` is ``record_stream``)."""
+"""The calls that order work across streams and threads (``used_on`` is ``record_stream``;
+``synchronize`` is also the NVMe tier's wait for a transfer of its I/O threads)."""
 
 NOT_ENGINE = ("runtime/",)
 """The runtime implements these calls (and its tracing only times things with them)."""
@@ -130,6 +131,10 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
     else:
         device_optimizer = site is not None and site.path.name == "device_adamw.py"
         scenarios = ["device-optimizer", "device-optimizer-no-clipping"] if device_optimizer else []
+        if site is not None and site.path.parts[0] == "state":
+            scenarios = ["nvme"]  # the NVMe tier's handoffs: only its own I/O threads use them
+        elif site is not None and not scenarios:
+            scenarios = [name for name in SCENARIOS if name != "nvme"]  # the tier does not touch streams
         command = [sys.executable, str(SCENARIO), *scenarios]
     return subprocess.run(command, env=_env(root), cwd=root, capture_output=True, text=True, timeout=600)
 
@@ -161,10 +166,11 @@ def test_the_engine_runs_on_checked_streams_and_the_checker_sees_its_work(stream
 @pytest.mark.slow
 def test_the_suites_pass_under_the_checker(tmp_path):
     """The parity suite (every family, GA 1/2, K 1/2, offload on/off), the optimizer
-    placements and speculative steps, stashed activations and fragmented weights,
-    checkpoints and 2-rank data parallel, with the checker on."""
+    placements and speculative steps, stashed activations and fragmented weights, the
+    NVMe tier and its checkpoints, checkpoints and 2-rank data parallel, with the checker on."""
     suites = ["tests/test_parity.py", "tests/test_optimizer_placement.py", "tests/test_speculative_step.py",
-              "tests/test_recompute.py", "tests/test_fragments.py",
+              "tests/test_recompute.py", "tests/test_fragments.py", "tests/test_nvme_tier.py",
+              "tests/test_nvme_checkpoint.py",
               "tests/test_checkpoint.py", "tests/test_nonfinite_steps.py",
               "tests/test_data_parallel.py::test_two_ranks_match_one_process_with_both_batches",
               "tests/test_data_parallel.py::test_checkpoint_saved_by_two_ranks_resumes_bit_identically"]
@@ -182,7 +188,7 @@ def test_the_sites_are_found():
     sites = sync_sites()
     files = {site.path.as_posix() for site in sites}
     assert {"streaming/weight_streamer.py", "streaming/activation_offload.py", "gradients/sink.py",
-            "optimizer/device_adamw.py", "distributed/gradient_reducer.py"} <= files, files
+            "optimizer/device_adamw.py", "distributed/gradient_reducer.py", "state/nvme_tier.py"} <= files, files
     assert len(sites) >= 12
     assert set(EXPECTED_SURVIVORS) <= {site.key for site in sites}, "a listed survivor no longer exists"
 

@@ -28,6 +28,12 @@ calls it before each range, the journal before restoring). The window is
   first, so nothing can change a buffer while it is on its way to disk.
 - Device placements (``optimizer_device: "gpu"``) update the host moments asynchronously:
   ``settle`` (``HostAdamW.flush``) runs before any slot is written back.
+- The transfers run on observed host threads (``runtime.start_thread``) fed by a
+  ``runtime.host_queue``, and each finished transfer is a handoff (:class:`_Transfer`):
+  whoever touches a slot's buffer next -- the optimizer after ``acquire``, the slot's
+  next transfer, a checkpoint after ``flush`` -- first calls its ``synchronize``, even
+  when it is already done, so the race checker (``MEGATRAIN_STREAM_CHECK=1``) sees every
+  access in order; the engines' raw-pointer I/O is declared to it (``declare_access``).
 - An I/O failure (a full disk, a device error) is remembered and raised by the next
   ``acquire``/:meth:`flush` on the training thread, as :class:`~megatrain_ds.state.swap_io.SwapIOError`
   naming the file and the bytes; the slot keeps the data it failed to write.
@@ -46,8 +52,6 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -55,6 +59,7 @@ import torch
 
 from megatrain_ds.config import MegatrainOptions
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState, absent_moment
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
 from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, open_swap_io
@@ -97,12 +102,42 @@ class RamResidency:
 RAM_ONLY = RamResidency()
 
 
+class _Transfer:
+    """One slot's queued I/O task, finished once. Its completion is a handoff the race
+    checker sees (``runtime.host_queue``): whoever synchronises with it is ordered after
+    the I/O thread's accesses to the slot's buffer."""
+
+    def __init__(self, runtime: DeviceRuntime, work: Callable[[], None]) -> None:
+        self.work = work
+        self.error: BaseException | None = None
+        self._finished = threading.Event()
+        self._outcome = runtime.host_queue()
+
+    def run(self) -> None:
+        """On an I/O thread: do the work, then hand its outcome over."""
+        try:
+            self.work()
+        except BaseException as error:  # the tier raises it on the training thread (NvmeTier._failure)
+            self.error = error
+        self._outcome.put(None)
+        self._finished.set()
+
+    def done(self) -> bool:
+        """Whether the work has finished (no ordering: :meth:`synchronize` before touching its buffer)."""
+        return self._finished.is_set()
+
+    def synchronize(self) -> None:
+        """Block until the work has finished. Each caller takes the outcome and puts it
+        back, so every one of them is ordered after the I/O thread."""
+        self._outcome.put(self._outcome.get())
+
+
 @dataclass
 class _Slot:
     buffer: torch.Tensor
     """Flat fp32: m at ``[0, pad)``, v at ``[pad, 2 * pad)`` of the block it holds."""
     index: int | None = None
-    pending: Future | None = None
+    pending: _Transfer | None = None
     dirty: bool = False
 
 
@@ -147,7 +182,10 @@ class NvmeTier:
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-nvme")
+        # Observed host threads fed by a host queue: the race checker sees the handoffs
+        # (the submitting thread's accesses before the transfer, the transfer before its waiter).
+        self._tasks = runtime.host_queue()
+        self._threads = [runtime.start_thread(self._serve, f"megatrain-nvme-{n}") for n in range(IO_THREADS)]
         self.bytes_read = 0
         self.bytes_written = 0
         self.wait_seconds = 0.0
@@ -202,10 +240,12 @@ class NvmeTier:
                 assert slot is not None
                 self._load(slot, index)
             self._prefetch()
-            if slot.pending is not None and not slot.pending.done():
-                began = time.perf_counter()
-                with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index):
-                    futures.wait([slot.pending])
+            if slot.pending is not None:
+                began, waiting = time.perf_counter(), not slot.pending.done()
+                with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index) \
+                        if waiting else contextlib.nullcontext():
+                    # Also when done: the handoff orders this thread's use of the buffer after the read.
+                    slot.pending.synchronize()
                 self.wait_seconds += time.perf_counter() - began
             self._raise_failure()
             slot.pending = None
@@ -244,7 +284,10 @@ class NvmeTier:
                 if slot.dirty and slot.index is not None:
                     slot.dirty = False
                     self._submit(slot, write=slot.index, read=None)
-            futures.wait([slot.pending for slot in self._slots if slot.pending is not None])
+            for slot in self._slots:
+                if slot.pending is not None:
+                    # The next transfer into this slot, or a mapping of its file, comes after this one.
+                    slot.pending.synchronize()
             self._raise_failure()
             for slot in self._slots:
                 slot.pending = None
@@ -288,10 +331,12 @@ class NvmeTier:
     def close(self) -> None:
         """Stop the I/O threads, free the window, remove the swap directory."""
         with self._lock:
-            futures.wait([slot.pending for slot in self._slots if slot.pending is not None])
             for index in list(self._where):
                 self._unbind(index)
-            self._pool.shutdown(wait=True)
+            for _ in self._threads:  # after every queued transfer (one queue, first in first out)
+                self._tasks.put(None)
+            for thread in self._threads:
+                thread.join()
             self.io.close()
             self.directory.close()
 
@@ -351,19 +396,27 @@ class NvmeTier:
                 return
             self._load(slot, index)
 
+    def _serve(self) -> None:
+        """An I/O thread: run queued transfers until :meth:`close` sends ``None``."""
+        while (transfer := self._tasks.get()) is not None:
+            transfer.run()
+
     def _submit(self, slot: _Slot, write: int | None, read: int | None) -> None:
         buffer = slot.buffer
         previous = slot.pending
 
         def task() -> None:
             if previous is not None:  # the slot's earlier transfer first (it started before this one)
-                previous.result()
+                previous.synchronize()
+                if previous.error is not None:
+                    raise previous.error  # its data never reached the disk or the buffer: stop here
             if write is not None:
                 self._transfer(buffer, write, writing=True, slot=slot)
             if read is not None:
                 self._transfer(buffer, read, writing=False, slot=slot)
 
-        slot.pending = self._pool.submit(task)
+        slot.pending = _Transfer(self.runtime, task)
+        self._tasks.put(slot.pending)
 
     def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot) -> None:
         nbytes = 2 * self._pad[index] * FP32
@@ -371,6 +424,10 @@ class NvmeTier:
         track = "nvme write" if writing else "nvme read"
         try:
             with self.runtime.tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name):
+                # The engine moves the bytes by raw pointer (libaio or preadv): no aten op the
+                # race checker could see, so the access is declared.
+                declare_access(reads=(part,) if writing else (), writes=() if writing else (part,),
+                               what=f"{track} of {self._paths[index]}")
                 (self.io.write if writing else self.io.read)(part, self._paths[index], 0)
         except BaseException as error:
             # No lock here: the training thread may hold it while waiting for this task.
