@@ -1,7 +1,7 @@
 """A short run of every synchronised path of the engine under the race checker.
 
 Run as a script (``tests/test_stream_ordering.py`` does, once per mutant of the package):
-it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
+it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama through
 
 - ``host``: the host optimizer, clipping (speculative updates and their validation),
   gradient accumulation 2, activation checkpoints offloaded, then a checkpoint saved and
@@ -13,6 +13,9 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
 - ``stash``: ``"recompute": 1``, the first two blocks' saved activations stashed on the
   host (copied device-to-host after their forward, brought back for their backward);
 - ``wide``: two blocks per checkpoint segment, three weight buffers, stashed blocks;
+- ``user-checkpointing`` (and ``-stash``, with stashed blocks): a model that wraps each
+  block in ``torch.utils.checkpoint`` (a no-op inside streamed blocks that changes when
+  backward drops what it read);
 - ``fragments``: ``"fragment_bytes"``, each block's weights copied in pieces, each module
   of a recomputed block waiting for its own, a stashed block's backward for all of them;
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
@@ -30,11 +33,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
-os.environ["MEGATRAIN_STREAM_CHECK"] = "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the device optimizer's kernel on CPU tensors
 
 import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
@@ -54,6 +58,11 @@ SCENARIOS = {
                   megatrain={"optimizer_device": "cpu", "recompute": 1, "offload_checkpoints": False}),
     "wide": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "checkpoint_interval": 2,
                                                           "num_buffers": 3, "recompute": 1}),
+    # The model wraps its blocks in torch.utils.checkpoint itself (a no-op inside streamed
+    # blocks): the engine's backward then drops brought-back tensors earlier in its schedule.
+    "user-checkpointing": dict(accumulation=1, clipping=1.0,
+                               megatrain={"optimizer_device": "cpu", "offload_checkpoints": True}),
+    "user-checkpointing-stash": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "recompute": 1}),
     "fragments": dict(accumulation=1, clipping=1.0,
                       megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}),
     # nvme_path: a temporary directory, set by run().
@@ -61,6 +70,24 @@ SCENARIOS = {
                                                           "nvme_window_blocks": 2}),
 }
 WITH_CHECKPOINT = ("host", "nvme")
+
+
+class UserCheckpointed(torch.nn.Module):
+    """Three residual MLP blocks, each called through ``torch.utils.checkpoint``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(tiny_models.VOCAB, 16)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)) for _ in range(3))
+        self.head = torch.nn.Linear(16, tiny_models.VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + checkpoint(layer, hidden, use_reentrant=False)
+        logits = self.head(hidden)
+        return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
@@ -82,8 +109,8 @@ def run(name: str) -> None:
         if "nvme_offload" in spec["megatrain"]:
             spec = {**spec, "megatrain": {**spec["megatrain"], "nvme_path": swap}}
         torch.manual_seed(0)
-        engine = MegatrainEngine(tiny_models.llama(num_layers=3), parse_engine_config(ds_config(**spec)),
-                                 device=torch.device("cpu"))
+        model = UserCheckpointed() if name.startswith("user-checkpointing") else tiny_models.llama(num_layers=3)
+        engine = MegatrainEngine(model, parse_engine_config(ds_config(**spec)), device=torch.device("cpu"))
         try:
             assert engine.runtime.checker is not None, "the race checker is not on"
             train(engine, steps=2, first_seed=0)
@@ -106,6 +133,9 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {list(SCENARIOS)}")
     torch.set_num_threads(1)
+    # Set here, not at import: tests import RACE_EXIT, and the rest of their session must
+    # not run under the checker. Runtimes read it when they are created.
+    os.environ["MEGATRAIN_STREAM_CHECK"] = "1"
     try:
         for name in args.scenarios or SCENARIOS:
             run(name)
