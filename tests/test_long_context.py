@@ -196,6 +196,34 @@ def test_outputs_keep_logits_without_labels_or_in_eval():
         engine.destroy()
 
 
+def test_a_forward_replaced_by_another_library_gets_its_labels():
+    """TRL's SFTTrainer puts a fused-LM-head forward on the model instance; it computes its
+    own loss from the labels, so the engine hands them over instead of chunking."""
+    torch.manual_seed(0)
+    model = tiny_models.llama()
+    reference = tiny_models.llama()
+    reference.load_state_dict(model.state_dict())
+    seen = []
+    original = model.forward
+
+    def client_forward(*args, **kwargs):
+        seen.append(kwargs.get("labels"))
+        return original(*args, **kwargs)
+
+    model.forward = client_forward
+    engine = MegatrainEngine(model, parse_engine_config(ds_config(megatrain={"loss_chunk_tokens": CHUNK})))
+    try:
+        assert engine.causal_loss is not None
+        batch = tiny_models.make_batch(0)
+        engine.train()
+        output = engine(**batch)
+        assert seen and seen[-1] is batch["labels"]
+        assert output.logits is not None
+        assert math.isclose(output.loss.item(), reference(**batch).loss.item(), rel_tol=1e-6)
+    finally:
+        engine.destroy()
+
+
 def test_model_that_transforms_its_logits_is_refused_when_asked_for():
     """Gemma 2 softcaps its logits after lm_head: "auto" leaves its loss to the model, an
     explicit chunk size is an error naming the setting."""

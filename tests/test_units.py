@@ -66,12 +66,30 @@ def test_streamer_prefetches_along_the_plan_and_recovers_off_plan():
         streamer.release(block)
     streamer.begin([3, 2, 1, 0])
     assert torch.all(streamer.acquire(3) == 3)
-    assert torch.all(streamer.acquire(1) == 1)  # off plan: copied on demand ...
+    assert torch.all(streamer.acquire(1) == 1)  # block 2 skipped: the in-flight copy is dropped ...
     streamer.release(3)
     streamer.release(1)
-    # ... dropping the in-flight block 2, and the plan continues ascending: 2, 3.
-    assert dict(streamer.transfers) == {0: 1, 1: 2, 2: 3, 3: 3}
-    assert torch.all(streamer.acquire(2) == 2)
+    # ... and the plan goes on from block 1 as it was: 0.
+    assert dict(streamer.transfers) == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert torch.all(streamer.acquire(2) == 2)  # a block the plan passed: copied first, then the plan (0)
+    assert dict(streamer.transfers) == {0: 3, 1: 2, 2: 3, 3: 2}
+
+
+def test_streamer_without_a_plan_follows_the_direction_blocks_come_in():
+    """A pass the engine could not plan (a reentrant checkpoint re-running blocks inside
+    backward): after a lower block follows a higher one, prefetch goes down, never back up
+    to blocks the optimizer may be updating."""
+    streamer = WeightStreamer(CPU, _states([10, 10, 10, 10]), num_slots=2)
+    streamer.begin([])
+    streamer.acquire(3)
+    streamer.release(3)
+    assert dict(streamer.transfers) == {3: 1}  # nothing after block 3 ascending
+    streamer.acquire(2)
+    streamer.release(2)
+    assert dict(streamer.transfers) == {3: 1, 2: 1, 1: 1, 0: 1}  # 2 on demand, then 1 and 0 ahead
+    streamer.acquire(1)
+    streamer.acquire(1)  # the same block again (a re-run): the direction holds
+    assert dict(streamer.transfers) == {3: 1, 2: 1, 1: 2, 0: 1}
 
 
 def test_streamer_reports_exhausted_buffers():

@@ -20,7 +20,8 @@ step. :class:`ChunkedCausalLMLoss` runs such a call without them:
 
 The output has the loss and no logits (``logits`` is ``None``); everything else the model
 returned is kept. Calls without labels, without gradients or in eval mode (where the HF
-Trainer wants logits for its metrics) run the model unchanged.
+Trainer wants logits for its metrics), and calls of a forward another library replaced on
+the instance (TRL's fused LM head), run the model unchanged.
 """
 
 from __future__ import annotations
@@ -83,10 +84,22 @@ class ChunkedCausalLMLoss:
         self.head: nn.Linear = model.get_output_embeddings()
         self.chunk_tokens = chunk_tokens
         self._push_weight_grad = push_weight_grad
+        self._logged_patched_forward = False
 
     def applies(self, kwargs: Mapping[str, Any]) -> bool:
-        """Whether this call is a labelled training call (the only kind chunked)."""
-        return kwargs.get("labels") is not None and torch.is_grad_enabled() and self.model.training
+        """Whether this call is a labelled training call (the only kind chunked) of the
+        model's own forward. A forward another library put on the instance (TRL's fused LM
+        head, which computes its loss in tiles itself) gets its labels and runs unchanged."""
+        if kwargs.get("labels") is None or not torch.is_grad_enabled() or not self.model.training:
+            return False
+        if "forward" in vars(self.model):
+            if not self._logged_patched_forward:
+                self._logged_patched_forward = True
+                logger.info("megatrain: the model's forward was replaced by another library (%s); its labelled "
+                            "calls run it unchanged, without the chunked loss",
+                            getattr(vars(self.model)["forward"], "__qualname__", "unknown"))
+            return False
+        return True
 
     def __call__(self, run: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """``run(*args, **kwargs)`` (the model's call) with the loss computed here."""
