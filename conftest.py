@@ -7,6 +7,7 @@ interpreter. All must be set before deepspeed or triton is first imported.
 """
 
 import os
+import socket
 import sys
 
 import torch
@@ -17,10 +18,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tri
 
 _HAS_CUDA = torch.cuda.is_available()
 
+
+def _free_port() -> str:
+    """A port nobody listens on now: test sessions running side by side (CI and a
+    developer's) must not both bind DeepSpeed's single-process rendezvous to one port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 for key, value in {
     "DS_ACCELERATOR": "cuda" if _HAS_CUDA else "cpu",
     "MASTER_ADDR": "127.0.0.1",
-    "MASTER_PORT": "29531",
+    "MASTER_PORT": _free_port(),
     "RANK": "0",
     "WORLD_SIZE": "1",
     "LOCAL_RANK": "0",

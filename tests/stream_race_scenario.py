@@ -9,7 +9,12 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
 - ``no-clipping``: the worker updating each block while backward runs;
 - ``device-optimizer``: ``"optimizer_device": "gpu"`` (state streamed through the device
   on the optimizer stream, written back on the d2h stream), with clipping (updates from
-  the held gradients) and without (updates straight from the sink's staging buffers).
+  the held gradients) and without (updates straight from the sink's staging buffers);
+- ``stash``: ``"recompute": 1``, the first two blocks' saved activations stashed on the
+  host (copied device-to-host after their forward, brought back for their backward);
+- ``wide``: two blocks per checkpoint segment, three weight buffers, stashed blocks;
+- ``fragments``: ``"fragment_bytes"``, each block's weights copied in pieces, each module
+  of a recomputed block waiting for its own, a stashed block's backward for all of them.
 
 Exit status: 0 when every step ran without a race, ``RACE_EXIT`` (printing the race)
 when the checker raised ``StreamRaceError``, anything else for other failures.
@@ -41,6 +46,13 @@ SCENARIOS = {
     "device-optimizer": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "gpu"}),
     "device-optimizer-no-clipping": dict(accumulation=1, clipping=0.0,
                                          megatrain={"optimizer_device": "gpu", "num_staging_buffers": 2}),
+    # Checkpoints kept on the device: their offload would order h2d after d2h for the stash.
+    "stash": dict(accumulation=2, clipping=1.0,
+                  megatrain={"optimizer_device": "cpu", "recompute": 1, "offload_checkpoints": False}),
+    "wide": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "checkpoint_interval": 2,
+                                                          "num_buffers": 3, "recompute": 1}),
+    "fragments": dict(accumulation=1, clipping=1.0,
+                      megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}),
 }
 
 

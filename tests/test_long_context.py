@@ -49,6 +49,20 @@ def test_parity_chunked_loss_and_tiled_mlp(family, accumulation):
         engine.destroy()
 
 
+@pytest.mark.parametrize("recompute", ["none", 1])
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_parity_tiled_in_stashed_blocks(family, recompute):
+    """Stashed blocks (``"recompute"``) keep their forward's graph: the tiled MLP's saved
+    tiles are stashed with it instead of being recomputed."""
+    config = ds_config(accumulation=2, megatrain={**_features(family), "recompute": recompute})
+    engine, reference, trace = train_side_by_side(tiny_models.FAMILIES[family], config)
+    try:
+        assert engine.stashed_blocks > 0 and engine.mlp_tile_tokens == TILE
+        assert_parity(engine, reference, trace)
+    finally:
+        engine.destroy()
+
+
 def _packed_batch(seed: int) -> dict:
     """Two rows, each packing sequences whose position_ids restart at 0 and whose first
     label is -100; the HF Trainer's num_items_in_batch (here: over both micro-batches)."""

@@ -41,20 +41,20 @@ NOT_ENGINE = ("runtime/",)
 """The runtime implements these calls (and its tracing only times things with them)."""
 
 EXPECTED_SURVIVORS: dict[str, str] = {
-    "streaming/activation_offload.py:take:runtime.used_on": (
-        "Not needed by today's schedule, so nothing can catch its removal: the checkpoint "
-        "brought back is allocated on the h2d stream, and before backward drops it the h2d "
-        "stream has already waited (the weight streamer's slot-free events) for the compute "
-        "stream's last use, so reusing its memory on the h2d stream is ordered either way. "
-        "Kept because that ordering is a side effect of the weight streamer's schedule, not "
-        "of this module: record_stream states the lifetime where the tensor crosses streams, "
-        "so a change to the streamer cannot turn into a use-after-free on a GPU."),
+    "streaming/activation_stash.py:block:oldest.synchronize": (
+        "Backpressure, not ordering: the host waits for the oldest outstanding stash copy so "
+        "that device memory held for copies stays bounded when the link is slower than "
+        "compute. No access depends on it, so there is no race to catch."),
 }
 """``"file.py:function:call"`` -> why removing that call is not caught.
 
-A call found redundant is deleted instead (``device_adamw.py``'s host wait for the loads of
-a staging buffer: the sink refills staging on the d2h stream, which had already waited
-for those loads)."""
+A call found redundant is deleted instead, and the Note of its module says what orders
+the work without it: ``device_adamw.py``'s host wait for the loads of a staging buffer
+(the sink refills staging on the d2h stream, which had already waited for those loads);
+the ``record_stream`` of checkpoints and of stashed activations brought back to the
+device (``activation_offload.py``, ``activation_stash.py``); the stash pool's wait for a
+buffer's last reader, and a stashed block's wait for its whole fragmented weights
+(``activation_stash.py``: [Note: stash ordering])."""
 
 MIN_CAUGHT = 0.8
 
@@ -161,8 +161,10 @@ def test_the_engine_runs_on_checked_streams_and_the_checker_sees_its_work(stream
 @pytest.mark.slow
 def test_the_suites_pass_under_the_checker(tmp_path):
     """The parity suite (every family, GA 1/2, K 1/2, offload on/off), the optimizer
-    placements and speculative steps, checkpoints and 2-rank data parallel, with the checker on."""
+    placements and speculative steps, stashed activations and fragmented weights,
+    checkpoints and 2-rank data parallel, with the checker on."""
     suites = ["tests/test_parity.py", "tests/test_optimizer_placement.py", "tests/test_speculative_step.py",
+              "tests/test_recompute.py", "tests/test_fragments.py",
               "tests/test_checkpoint.py", "tests/test_nonfinite_steps.py",
               "tests/test_data_parallel.py::test_two_ranks_match_one_process_with_both_batches",
               "tests/test_data_parallel.py::test_checkpoint_saved_by_two_ranks_resumes_bit_identically"]
@@ -197,7 +199,11 @@ def test_removing_any_one_synchronisation_is_caught(tmp_path):
 
     def judge(index_site: tuple[int, SyncSite]) -> tuple[SyncSite, bool, str]:
         index, site = index_site
-        result = run_under_checker(site, mutant_package(site, tmp_path / f"mutant{index}"))
+        try:
+            result = run_under_checker(site, mutant_package(site, tmp_path / f"mutant{index}"))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"mutant {site} hung: removing the call must leave a race, not a deadlock "
+                        "(keep other work out of a synchronisation statement)")
         if not _caught(result) and result.returncode != 0:
             pytest.fail(f"mutant {site} failed without a race:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
         return site, _caught(result), result.stdout[-400:]

@@ -350,16 +350,6 @@ class DeviceRuntime:
             self.checker.synchronize()
 
 
-@dataclass
-class PooledHostBuffer:
-    """A page-locked host buffer of a :class:`PinnedPool`, and when it may be written again."""
-
-    tensor: torch.Tensor
-    """Flat ``uint8``; callers view it as the dtype they need."""
-    free: Event
-    """Recorded after the last copy that reads the buffer; a new writer's stream waits on it."""
-
-
 class PinnedPool:
     """Reusable page-locked host buffers, served best-fit by byte size.
 
@@ -375,15 +365,14 @@ class PinnedPool:
 
     def __init__(self, runtime: "DeviceRuntime") -> None:
         self.runtime = runtime
-        self._free: dict[int, list[PooledHostBuffer]] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}
         self._sizes: list[int] = []
         """Sizes with free buffers, ascending."""
         self.nbytes = 0
         """Host bytes the pool has allocated (in use or free)."""
 
-    def take(self, nbytes: int) -> PooledHostBuffer:
-        """A buffer of at least ``nbytes`` (use its first ``nbytes``); the stream that writes
-        it must first wait on its ``free``."""
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` buffer of at least ``nbytes`` (use its first ``nbytes``)."""
         at = bisect.bisect_left(self._sizes, nbytes)
         if at < len(self._sizes) and self._sizes[at] <= nbytes * POOL_SLACK:
             size = self._sizes[at]
@@ -394,13 +383,11 @@ class PinnedPool:
                 self._sizes.pop(at)
             return buffer
         self.nbytes += nbytes
-        return PooledHostBuffer(self.runtime.host_empty(nbytes, torch.uint8), self.runtime.event())
+        return self.runtime.host_empty(nbytes, torch.uint8)
 
-    def give(self, buffer: PooledHostBuffer, after: Event) -> None:
-        """Return ``buffer`` once the copy that reads it, recorded by ``after``, is done;
-        nothing waits here (the next writer's stream waits on ``after``)."""
-        buffer.free = after
-        size = buffer.tensor.numel()
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return ``buffer`` (taken from this pool) for reuse."""
+        size = buffer.numel()
         if size not in self._free:
             bisect.insort(self._sizes, size)
         self._free.setdefault(size, []).append(buffer)

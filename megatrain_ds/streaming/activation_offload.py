@@ -14,8 +14,11 @@ checkpoints on the device (``offload_checkpoints: false``) when they fit.
   caching allocator cannot reuse its memory before the copy has read it.
 - prefetch: the h2d stream waits for the offload copy (``copied``), copies into a tensor
   allocated on the h2d stream, and records ``ready``; ``take`` makes the compute stream
-  wait on ``ready`` and marks the tensor used by the compute stream (it was allocated on
-  the h2d stream, which would otherwise reuse it as soon as backward drops it).
+  wait on ``ready``. It needs no ``record_stream`` for the compute stream's use: by the
+  time backward drops the tensor, the h2d stream that allocated it (and would reuse its
+  memory) has already waited for that compute -- the weight streamer's slot-free events,
+  waited on before the next blocks' weights are issued. The race checker judges that free
+  (``tests/test_stream_ordering.py``), so a schedule that breaks it shows up as a race.
 - pinned host tensors come from PyTorch's caching host allocator
   (``runtime.pinned_empty``), which itself keeps a block alive until the copies that use
   it have completed.
@@ -85,8 +88,7 @@ class ActivationOffloader:
         compute = runtime.compute_stream()
         compute.wait_event(checkpoint.ready)  # type: ignore[arg-type]  # the device copy has landed
         tensor = checkpoint.device
-        assert tensor is not None
-        runtime.used_on(tensor, compute)  # allocated on the h2d stream, used and freed on this one
+        assert tensor is not None  # freed on the compute stream's use, ordered (see the Note)
         self.device_bytes_in_flight -= checkpoint.nbytes
         checkpoint.device = None
         return tensor

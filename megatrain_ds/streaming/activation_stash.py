@@ -23,17 +23,27 @@ bookkeeping, events and trace spans run with nothing to copy.
 
 [Note: stash ordering]
 - stash (``end_block``): the d2h stream waits for the compute that produced the block's
-  saved tensors (one event recorded after the block's forward), and for each pooled
-  buffer's ``free`` event (the h2d copy that last read it); ``runtime.used_on`` keeps the
-  device tensors' memory from being reused before the copies have read them. ``copied``
-  is recorded after the block's last copy.
+  saved tensors (one event recorded after the block's forward); ``runtime.used_on`` keeps
+  the device tensors' memory from being reused before the copies have read them.
+  ``copied`` is recorded after the block's last copy. A pooled buffer is written with no
+  wait for the h2d copy that last read it: buffers go back to the pool when their stash
+  is brought back in backward and are taken again only in a later forward, whose d2h
+  copies wait (through ``produced``) for compute that waited for this forward's weights,
+  uploaded on the h2d stream after every earlier unstash copy.
 - at most :data:`MAX_BLOCKS_IN_FLIGHT` blocks' copies are outstanding: the host waits for
   the oldest (``copied.synchronize()``) before stashing another, so device memory held by
   tensors waiting for their copy stays bounded when the link is slower than compute.
 - bring back (``prefetch``): the h2d stream waits on ``copied``, copies into tensors
-  allocated on the h2d stream and records ``ready``; the pooled buffers go back to the pool
-  with ``ready`` as their ``free`` event. ``unpack`` makes the compute stream wait on
-  ``ready`` and marks the tensor used by the compute stream.
+  allocated on the h2d stream and records ``ready``; the pooled buffers go back to the
+  pool. ``unpack`` makes the compute stream wait on ``ready``. No ``record_stream`` there:
+  when backward drops the tensor, the h2d stream that allocated it has already waited
+  (the weight streamer's slot-free events) for the compute that read it.
+- ``ready`` is recorded after the block's weights on the h2d stream (the stash is brought
+  back when they are issued, ``streamed_blocks.py``), so the compute stream's wait for it
+  before a saved activation is unpacked covers the weights too: a stashed block's
+  backward needs no wait of its own for fragmented weights.
+The race checker judges each of these orders (``tests/test_stream_ordering.py``: a
+change to the schedule that breaks one shows up as a race at the free or the write).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event, PinnedPool, PooledHostBuffer
+from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event, PinnedPool
 
 MAX_BLOCKS_IN_FLIGHT = 2
 """Blocks whose device->host stash copies may be outstanding at once (see the Note)."""
@@ -59,7 +69,7 @@ class _Stashed:
     tensor: torch.Tensor | None
     """The storage on the device, until its copy is issued (``end_block``); ``None`` after."""
     host: torch.Tensor | None = None
-    buffer: PooledHostBuffer | None = None
+    buffer: torch.Tensor | None = None
     device: torch.Tensor | None = None
     """Back on the device (after ``prefetch``), until the block's backward is done."""
 
@@ -152,9 +162,9 @@ class BlockStash:
                 if in_place:  # the device is the host: the tensor already is host memory
                     entry.host = tensor
                 else:
+                    # Its last reader (an unstash copy) is ordered before: see the Note.
                     entry.buffer = self.owner.pool.take(entry.nbytes)
-                    runtime.d2h_stream.wait_event(entry.buffer.free)  # its last reader is done
-                    entry.host = entry.buffer.tensor[: entry.nbytes]
+                    entry.host = entry.buffer[: entry.nbytes]
                     entry.host.copy_(tensor, non_blocking=True)
                     runtime.used_on(tensor, runtime.d2h_stream)
                 entry.tensor = None
@@ -181,8 +191,8 @@ class BlockStash:
                     entry.device.copy_(entry.host, non_blocking=True)
             self.ready.record(runtime.h2d_stream)
         for entry in self._entries:
-            if entry.buffer is not None:  # reusable once the copy above has read it
-                self.owner.pool.give(entry.buffer, self.ready)
+            if entry.buffer is not None:  # the copy above reads it first (see the Note)
+                self.owner.pool.give(entry.buffer)
                 entry.buffer = None
             entry.host = None
         self.owner.host_bytes -= self.nbytes
@@ -190,8 +200,8 @@ class BlockStash:
     def abandon(self) -> None:
         """Never to be used: pooled buffers go back once their stash copy is done."""
         for entry in self._entries:
-            if entry.buffer is not None and self.copied is not None:
-                self.owner.pool.give(entry.buffer, self.copied)
+            if entry.buffer is not None:  # the next writer is the d2h stream that wrote it
+                self.owner.pool.give(entry.buffer)
             entry.buffer = entry.host = entry.device = None
         self._entries = []
 
@@ -211,7 +221,7 @@ class BlockStash:
         runtime.compute_stream().wait_event(self.ready)  # type: ignore[arg-type]
         flat = packed.entry.device
         assert flat is not None, "a stashed tensor is unpacked after its block's backward"
-        runtime.used_on(flat, runtime.compute_stream())
+        # No record_stream for the compute stream's use: see the Note.
         return flat.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
 
     def finish(self) -> None:
@@ -256,7 +266,8 @@ class ActivationStash:
         buffer it computes from (its saved views are re-pointed, not stashed)."""
         while len(self._outstanding) >= MAX_BLOCKS_IN_FLIGHT:
             # Backpressure (see [Note: stash ordering]): the host waits for the oldest copy.
-            self._outstanding.popleft().synchronize()
+            oldest = self._outstanding.popleft()
+            oldest.synchronize()
         stash = BlockStash(self, index, weights)
         with stash.saving():
             yield stash

@@ -397,8 +397,9 @@ class StreamedBlocks:
         assert call.stash is not None
         self._leave_head_backward()
         call.stash.attach_weights(self.streamer.acquire(call.index))
-        self.streamer.wait_all(call.index)  # backward without a forward: the weights are used whole
-        call.stash.prefetch()  # normally issued with the weights already (no-op then)
+        # Issued after the weights (normally with them already: a no-op then); waiting for
+        # it orders the backward after fragmented weights too ([Note: stash ordering]).
+        call.stash.prefetch()
 
     def _recompute(self, segment: _Segment) -> None:
         """Re-run the segment with grad, one detached graph per block (see module doc)."""

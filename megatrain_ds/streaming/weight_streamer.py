@@ -18,8 +18,9 @@ With fragments (``"fragment_bytes"``, ``streaming/weight_fragments.py``) the cop
 slot is issued piece by piece, each piece recording its own event after ``free`` was
 waited on once; ``ready`` is still recorded after the last piece. ``acquire`` then makes
 the compute stream wait on nothing: each part of the block waits on its own pieces
-(``wait_for_part``) just before it computes, and a use of the whole block (a stashed
-block's backward) waits on ``ready`` (``wait_all``).
+(``wait_for_part``) just before it computes. A stashed block's backward, which uses the
+block whole, waits for its stash instead, brought back on the h2d stream after the
+weights (``streaming/activation_stash.py``: [Note: stash ordering]).
 
 [Note: the host as the device]
 When the device computes on host memory (``runtime.shares_host_memory``: the CPU), a
@@ -160,12 +161,6 @@ class WeightStreamer:
             if index not in slot.waited:
                 self.runtime.compute_stream().wait_event(slot.fragments[index])
                 slot.waited.add(index)
-
-    def wait_all(self, block: int) -> None:
-        """Held ``block``'s weights are used whole next (not part by part)."""
-        slot = self._held[block]
-        if slot.plan is not None:
-            self.runtime.compute_stream().wait_event(slot.ready)
 
     def _fragment_plan(self, block: int) -> FragmentPlan | None:
         if not self.fragment_elements or self._in_place or self.parts_of is None:
