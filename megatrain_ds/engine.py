@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -337,7 +336,7 @@ class MegatrainEngine(nn.Module):
             self.fragment_choice = choose_fragments((shape, settings, hardware))
             # No block has a fragment plan yet: plans are made from the next copy on.
             self.streamer.fragment_elements = self.fragment_choice.fragment_bytes // self.config.compute_dtype.itemsize
-            self._tracing.metadata["fragments"] = {"setting": "auto", **asdict(self.fragment_choice)}
+            self._tracing.metadata["fragments"] = {"setting": "auto", **dataclasses.asdict(self.fragment_choice)}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

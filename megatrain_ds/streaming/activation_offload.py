@@ -14,11 +14,14 @@ checkpoints on the device (``offload_checkpoints: false``) when they fit.
   caching allocator cannot reuse its memory before the copy has read it.
 - prefetch: the h2d stream waits for the offload copy (``copied``), copies into a tensor
   allocated on the h2d stream, and records ``ready``; ``take`` makes the compute stream
-  wait on ``ready``. It needs no ``record_stream`` for the compute stream's use: by the
-  time backward drops the tensor, the h2d stream that allocated it (and would reuse its
-  memory) has already waited for that compute -- the weight streamer's slot-free events,
-  waited on before the next blocks' weights are issued. The race checker judges that free
-  (``tests/test_stream_ordering.py``), so a schedule that breaks it shows up as a race.
+  wait on ``ready`` and marks the tensor used by the compute stream (``record_stream``).
+  The weight streamer's slot-free events usually order the h2d stream after that compute
+  before it allocates again, but not always: after the last block of the backward plan
+  has been issued no slot is waited on any more, and a checkpoint that was not sent along
+  with its weights is prefetched on demand by ``take`` -- an h2d allocation that follows
+  no wait for the compute still reading the previous checkpoint. Without the mark the
+  caching allocator may hand that memory to it (the race checker caught it on
+  ``tests/test_block_discovery.py``'s three-block model when the heap layout reused it).
 - pinned host tensors come from PyTorch's caching host allocator
   (``runtime.pinned_empty``), which itself keeps a block alive until the copies that use
   it have completed.
@@ -88,7 +91,8 @@ class ActivationOffloader:
         compute = runtime.compute_stream()
         compute.wait_event(checkpoint.ready)  # type: ignore[arg-type]  # the device copy has landed
         tensor = checkpoint.device
-        assert tensor is not None  # freed on the compute stream's use, ordered (see the Note)
+        assert tensor is not None
+        runtime.used_on(tensor, compute)  # allocated on the h2d stream, used and freed on this one
         self.device_bytes_in_flight -= checkpoint.nbytes
         checkpoint.device = None
         return tensor
