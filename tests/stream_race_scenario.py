@@ -1,7 +1,7 @@
 """A short run of every synchronised path of the engine under the race checker.
 
 Run as a script (``tests/test_stream_ordering.py`` does, once per mutant of the package):
-it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
+it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama through
 
 - ``host``: the host optimizer, clipping (speculative updates and their validation),
   gradient accumulation 2, activation checkpoints offloaded, then a checkpoint saved and
@@ -13,6 +13,9 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` and trains a tiny Llama through
 - ``stash``: ``"recompute": 1``, the first two blocks' saved activations stashed on the
   host (copied device-to-host after their forward, brought back for their backward);
 - ``wide``: two blocks per checkpoint segment, three weight buffers, stashed blocks;
+- ``user-checkpointing`` (and ``-stash``, with stashed blocks): a model that wraps each
+  block in ``torch.utils.checkpoint`` (a no-op inside streamed blocks that changes when
+  backward drops what it read);
 - ``fragments``: ``"fragment_bytes"``, each block's weights copied in pieces, each module
   of a recomputed block waiting for its own, a stashed block's backward for all of them.
 
@@ -27,11 +30,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
-os.environ["MEGATRAIN_STREAM_CHECK"] = "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the device optimizer's kernel on CPU tensors
 
 import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
@@ -51,9 +55,32 @@ SCENARIOS = {
                   megatrain={"optimizer_device": "cpu", "recompute": 1, "offload_checkpoints": False}),
     "wide": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "checkpoint_interval": 2,
                                                           "num_buffers": 3, "recompute": 1}),
+    # The model wraps its blocks in torch.utils.checkpoint itself (a no-op inside streamed
+    # blocks): the engine's backward then drops brought-back tensors earlier in its schedule.
+    "user-checkpointing": dict(accumulation=1, clipping=1.0,
+                               megatrain={"optimizer_device": "cpu", "offload_checkpoints": True}),
+    "user-checkpointing-stash": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "recompute": 1}),
     "fragments": dict(accumulation=1, clipping=1.0,
                       megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}),
 }
+
+
+class UserCheckpointed(torch.nn.Module):
+    """Three residual MLP blocks, each called through ``torch.utils.checkpoint``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(tiny_models.VOCAB, 16)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)) for _ in range(3))
+        self.head = torch.nn.Linear(16, tiny_models.VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + checkpoint(layer, hidden, use_reentrant=False)
+        logits = self.head(hidden)
+        return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
@@ -71,8 +98,8 @@ def train(engine: MegatrainEngine, steps: int, first_seed: int) -> None:
 
 def run(name: str) -> None:
     torch.manual_seed(0)
-    engine = MegatrainEngine(tiny_models.llama(num_layers=3), parse_engine_config(ds_config(**SCENARIOS[name])),
-                             device=torch.device("cpu"))
+    model = UserCheckpointed() if name.startswith("user-checkpointing") else tiny_models.llama(num_layers=3)
+    engine = MegatrainEngine(model, parse_engine_config(ds_config(**SCENARIOS[name])), device=torch.device("cpu"))
     try:
         assert engine.runtime.checker is not None, "the race checker is not on"
         train(engine, steps=2, first_seed=0)
@@ -95,6 +122,9 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {list(SCENARIOS)}")
     torch.set_num_threads(1)
+    # Set here, not at import: tests import RACE_EXIT, and the rest of their session must
+    # not run under the checker. Runtimes read it when they are created.
+    os.environ["MEGATRAIN_STREAM_CHECK"] = "1"
     try:
         for name in args.scenarios or SCENARIOS:
             run(name)

@@ -51,10 +51,8 @@ EXPECTED_SURVIVORS: dict[str, str] = {
 A call found redundant is deleted instead, and the Note of its module says what orders
 the work without it: ``device_adamw.py``'s host wait for the loads of a staging buffer
 (the sink refills staging on the d2h stream, which had already waited for those loads);
-the ``record_stream`` of checkpoints and of stashed activations brought back to the
-device (``activation_offload.py``, ``activation_stash.py``); the stash pool's wait for a
-buffer's last reader, and a stashed block's wait for its whole fragmented weights
-(``activation_stash.py``: [Note: stash ordering])."""
+the stash pool's wait for a buffer's last reader, and a stashed block's wait for its
+whole fragmented weights (``activation_stash.py``: [Note: stash ordering])."""
 
 MIN_CAUGHT = 0.8
 
@@ -161,10 +159,11 @@ def test_the_engine_runs_on_checked_streams_and_the_checker_sees_its_work(stream
 @pytest.mark.slow
 def test_the_suites_pass_under_the_checker(tmp_path):
     """The parity suite (every family, GA 1/2, K 1/2, offload on/off), the optimizer
-    placements and speculative steps, stashed activations and fragmented weights,
-    checkpoints and 2-rank data parallel, with the checker on."""
+    placements and speculative steps, stashed activations and fragmented weights, models
+    that checkpoint their own layers, checkpoints and 2-rank data parallel, with the
+    checker on."""
     suites = ["tests/test_parity.py", "tests/test_optimizer_placement.py", "tests/test_speculative_step.py",
-              "tests/test_recompute.py", "tests/test_fragments.py",
+              "tests/test_recompute.py", "tests/test_fragments.py", "tests/test_layer_checkpointing.py",
               "tests/test_checkpoint.py", "tests/test_nonfinite_steps.py",
               "tests/test_data_parallel.py::test_two_ranks_match_one_process_with_both_batches",
               "tests/test_data_parallel.py::test_checkpoint_saved_by_two_ranks_resumes_bit_identically"]

@@ -14,14 +14,10 @@ checkpoints on the device (``offload_checkpoints: false``) when they fit.
   caching allocator cannot reuse its memory before the copy has read it.
 - prefetch: the h2d stream waits for the offload copy (``copied``), copies into a tensor
   allocated on the h2d stream, and records ``ready``; ``take`` makes the compute stream
-  wait on ``ready`` and marks the tensor used by the compute stream (``record_stream``).
-  The weight streamer's slot-free events usually order the h2d stream after that compute
-  before it allocates again, but not always: after the last block of the backward plan
-  has been issued no slot is waited on any more, and a checkpoint that was not sent along
-  with its weights is prefetched on demand by ``take`` -- an h2d allocation that follows
-  no wait for the compute still reading the previous checkpoint. Without the mark the
-  caching allocator may hand that memory to it (the race checker caught it on
-  ``tests/test_block_discovery.py``'s three-block model when the heap layout reused it).
+  wait on ``ready`` and marks the tensor used by the compute stream (it was allocated on
+  the h2d stream, which would otherwise reuse it as soon as backward drops it: a model
+  that checkpoints its own layers drops it before the h2d stream has waited for that
+  compute).
 - pinned host tensors come from PyTorch's caching host allocator
   (``runtime.pinned_empty``), which itself keeps a block alive until the copies that use
   it have completed.

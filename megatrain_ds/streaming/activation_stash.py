@@ -35,9 +35,9 @@ bookkeeping, events and trace spans run with nothing to copy.
   tensors waiting for their copy stays bounded when the link is slower than compute.
 - bring back (``prefetch``): the h2d stream waits on ``copied``, copies into tensors
   allocated on the h2d stream and records ``ready``; the pooled buffers go back to the
-  pool. ``unpack`` makes the compute stream wait on ``ready``. No ``record_stream`` there:
-  when backward drops the tensor, the h2d stream that allocated it has already waited
-  (the weight streamer's slot-free events) for the compute that read it.
+  pool. ``unpack`` makes the compute stream wait on ``ready`` and marks the tensor used by
+  the compute stream (allocated on the h2d stream, it is dropped by backward, whose
+  compute the h2d stream need not have waited for yet).
 - ``ready`` is recorded after the block's weights on the h2d stream (the stash is brought
   back when they are issued, ``streamed_blocks.py``), so the compute stream's wait for it
   before a saved activation is unpacked covers the weights too: a stashed block's
@@ -221,7 +221,7 @@ class BlockStash:
         runtime.compute_stream().wait_event(self.ready)  # type: ignore[arg-type]
         flat = packed.entry.device
         assert flat is not None, "a stashed tensor is unpacked after its block's backward"
-        # No record_stream for the compute stream's use: see the Note.
+        runtime.used_on(flat, runtime.compute_stream())  # allocated on h2d, freed after this use
         return flat.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
 
     def finish(self) -> None:

@@ -99,6 +99,9 @@ class WeightStreamer:
         self._in_flight: deque[tuple[int, _Slot]] = deque()
         self._held: dict[int, _Slot] = {}
         self._plans: dict[int, FragmentPlan] = {}
+        self._last_acquired: int | None = None
+        self._descending = False
+        """Blocks have been coming in descending order in this pass (backward)."""
 
     @property
     def device_bytes(self) -> int:
@@ -115,6 +118,7 @@ class WeightStreamer:
         """
         for block in list(self._held):
             self.release(block)
+        self._last_acquired, self._descending = None, False
         self._replan(plan)
 
     def _replan(self, plan: Iterable[int]) -> None:
@@ -132,11 +136,29 @@ class WeightStreamer:
     def acquire(self, block: int) -> torch.Tensor:
         """The device weights of ``block``, ready for kernels queued on the compute stream.
 
-        A block asked for out of plan (a model that skips or reorders blocks) is copied
-        now and the plan continues from it in ascending order.
+        A block asked for out of plan is copied now, and the plan goes on from it: a
+        block the plan holds further on (the model skipped some) continues the plan from
+        there; one it does not hold (a block run again: a reentrant ``torch.utils.checkpoint``
+        re-running its forward inside backward) comes first, then the plan as it was, so no
+        block is copied ahead that the plan had already passed -- the optimizer may be
+        updating its host state by then. With nothing planned (a pass the engine could not
+        plan: forward without grad re-run by a reentrant checkpoint), the blocks after it
+        in the direction blocks have been coming follow: ascending, or descending once a
+        lower block followed a higher one (backward), never back to blocks already passed.
         """
+        if self._last_acquired is not None and block != self._last_acquired:
+            self._descending = block < self._last_acquired
+        self._last_acquired = block
         if not (self._in_flight and self._in_flight[0][0] == block):
-            self._replan([block, *range(block + 1, len(self.states))])
+            upcoming = [planned for planned, _ in self._in_flight] + list(self._plan)
+            if block in upcoming:
+                self._replan(upcoming[upcoming.index(block):])
+            elif upcoming:
+                self._replan([block, *upcoming])
+            elif self._descending:
+                self._replan(range(block, -1, -1))
+            else:
+                self._replan(range(block, len(self.states)))
             if not self._in_flight:
                 raise RuntimeError(
                     f"no free device buffer for block {block}: all {self.num_slots} are held"
