@@ -264,6 +264,17 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     for name, policy in result.recompute.items():
         print(f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
               f"stash  predicted step {policy['predicted_step_seconds']:.4g} s")
+    fragments = result.fragments
+    chosen = int(fragments["chosen"]["fragment_bytes"])
+    best = int(fragments["fragments"]["fragment_bytes"])
+    print(f"fragmented weight streaming (\"fragment_bytes\": \"auto\" chooses "
+          f"{f'{chosen:,} bytes' if chosen else 'whole blocks'}):")
+    print(f"  whole blocks      predicted step {fragments['whole']['predicted_step_seconds']:.4g} s"
+          + (f"  (of which {result.weight_fill_seconds:.3g} s waiting for the weight pipeline's ends)"
+             if not hardware.shares_host_memory else "  (nothing is copied: the device is the host)"))
+    print(f"  {f'{best:,} bytes' if best else 'fragments':17s} predicted step "
+          f"{fragments['fragments']['predicted_step_seconds']:.4g} s"
+          + ("" if best or hardware.shares_host_memory else "  (a block is too small to cut)"))
     if settings.nvme:
         print(f"NVMe tier: {_format_bytes(result.disk_bytes)} of swap files, read and written once per optimizer "
               f"step; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "

@@ -199,12 +199,16 @@ class MegatrainOptions:
     the last N blocks are recomputed, the others stashed. "auto": the planner chooses N
     from the measured bandwidth, block compute time and the host memory left (logged once).
     See ``streaming/activation_stash.py``."""
-    fragment_bytes: int | None = None
-    """Copy each block's weights host-to-device in pieces of about this many bytes, each
-    with its own event, in the order the block's modules use them: a module starts as soon
-    as its pieces have arrived instead of waiting for the whole block (bytes per step are
-    unchanged). None: whole blocks. Nothing is copied on the CPU, where this has no effect.
-    See ``streaming/weight_fragments.py``."""
+    fragment_bytes: int | str | None = "auto"
+    """Copy each block's weights host-to-device in pieces of about this many bytes (>= 4096),
+    each with its own event, in the order the block's modules use them: a module starts as
+    soon as its pieces have arrived instead of waiting for the whole block (bytes per step
+    are unchanged; the device buffers stay sized by whole blocks). None or 0: whole blocks.
+    "auto" (default): the planner decides at the first training forward, on where it
+    predicts a step at least 2% shorter (its model: the wait for the first and last
+    blocks' weights of each pass, against the cost of more copies; see
+    ``planning/fragment_policy.py``), off otherwise and always off on the CPU, where
+    nothing is copied. See ``streaming/weight_fragments.py``."""
     loss_chunk_tokens: int | str = "auto"
     """A Hugging Face causal LM's labelled training loss is computed this many tokens at a
     time from the final hidden states (logits, loss and the lm_head/hidden gradients of one
@@ -311,10 +315,12 @@ class MegatrainOptions:
             raise ConfigError('megatrain.recompute must be "full" (recompute every block), "none" (stash '
                               'every block\'s activations in host memory), "auto" (the planner chooses) or an '
                               f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}")
-        if self.fragment_bytes is not None and (not isinstance(self.fragment_bytes, int)
-                                                or isinstance(self.fragment_bytes, bool) or self.fragment_bytes < 4096):
-            raise ConfigError("megatrain.fragment_bytes must be a number of bytes >= 4096 (a piece of a block's "
-                              f"weights per copy), or null for whole blocks; got {self.fragment_bytes!r}")
+        if self.fragment_bytes not in ("auto", None, 0) and (
+                not isinstance(self.fragment_bytes, int) or isinstance(self.fragment_bytes, bool)
+                or self.fragment_bytes < 4096):
+            raise ConfigError('megatrain.fragment_bytes must be "auto" (the planner decides), a number of bytes '
+                              ">= 4096 (a piece of a block's weights per copy), or null or 0 for whole blocks; "
+                              f"got {self.fragment_bytes!r}")
         for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
             value = getattr(self, name)
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):

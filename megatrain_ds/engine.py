@@ -14,6 +14,7 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Iterable
@@ -40,7 +41,8 @@ from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
-from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, stashed_blocks_of
+from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
+from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
 from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
 from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.resident_params import ResidentParams
@@ -209,7 +211,9 @@ class MegatrainEngine(nn.Module):
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
-            fragment_elements=(options.fragment_bytes or 0) // compute.itemsize,
+            # "auto" crosses whole blocks until the first training forward decides.
+            fragment_elements=(options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
+            // compute.itemsize,
             parts_of=lambda block: templates[block].parts_in_use(),
         )
         # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
@@ -219,6 +223,8 @@ class MegatrainEngine(nn.Module):
         self.stashed_blocks = stashed_blocks_of(recompute, len(blocks)) or 0
         self.recompute_choice: RecomputeChoice | None = None
         """The policy's decision at the first training forward (stash bytes, predicted steps)."""
+        self.fragment_choice: FragmentChoice | None = None
+        """``"fragment_bytes": "auto"``'s decision at the first training forward."""
         self.blocks = StreamedBlocks(
             blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
             self.runtime, options.checkpoint_interval,
@@ -299,7 +305,7 @@ class MegatrainEngine(nn.Module):
             log_layer_checkpointing(self.blocks.blocks, self.block_path)
             warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
                                       accumulation=self.gradient_accumulation_steps())
-            self._choose_recompute(args, kwargs)
+            self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
         with self.runtime.observe():
             self.blocks.begin_forward()
@@ -307,20 +313,30 @@ class MegatrainEngine(nn.Module):
                 return self.causal_loss(self.module, args, kwargs)  # model/causal_lm_loss.py
             return self.module(*args, **kwargs)
 
-    def _choose_recompute(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Decide ``"recompute": "auto"``, or check that the stash asked for fits, now that
-        the tokens per weight pass are known (planning/recompute_policy.py)."""
+    def _plan_first_forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Decide ``"recompute": "auto"`` (or check that the stash asked for fits) and
+        ``"fragment_bytes": "auto"``, now that the tokens per weight pass are known
+        (planning/recompute_policy.py, planning/fragment_policy.py)."""
         counted = tokens_per_pass(args, kwargs)
-        if self.config.options.recompute == "full" or counted is None:
+        options = self.config.options
+        if counted is None or (options.recompute == "full" and options.fragment_bytes != "auto"):
             return
         numels = [state.layout.numel for state in self.states[: self._resident_index]]
-        choice = choose_recompute(self.runtime, self.config, self.module, numels,
-                                  self.states[self._resident_index].layout.numel, counted[1])
-        self.recompute_choice, self.stashed_blocks = choice, choice.stashed_blocks
-        # The trace says what was chosen (its otherData), next to the stash track's spans.
-        self._tracing.metadata["recompute"] = {
-            "setting": self.config.options.recompute, "stashed_blocks": choice.stashed_blocks,
-            "planned_stash_bytes_per_block": choice.stash_bytes_per_block, "predicted": choice.predicted}
+        shape, settings, hardware = planned_run(self.runtime, self.config, self.module, numels,
+                                                self.states[self._resident_index].layout.numel, counted[1])
+        if options.recompute != "full":
+            choice = choose_recompute(self.runtime, self.config, (shape, settings, hardware))
+            self.recompute_choice, self.stashed_blocks = choice, choice.stashed_blocks
+            # The trace says what was chosen (its otherData), next to the stash track's spans.
+            self._tracing.metadata["recompute"] = {
+                "setting": options.recompute, "stashed_blocks": choice.stashed_blocks,
+                "planned_stash_bytes_per_block": choice.stash_bytes_per_block, "predicted": choice.predicted}
+        if options.fragment_bytes == "auto":
+            settings = dataclasses.replace(settings, stashed_blocks=self.stashed_blocks)
+            self.fragment_choice = choose_fragments((shape, settings, hardware))
+            # No block has a fragment plan yet: plans are made from the next copy on.
+            self.streamer.fragment_elements = self.fragment_choice.fragment_bytes // self.config.compute_dtype.itemsize
+            self._tracing.metadata["fragments"] = {"setting": "auto", **dataclasses.asdict(self.fragment_choice)}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

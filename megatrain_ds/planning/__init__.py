@@ -5,6 +5,7 @@
 - ``long_context``: loss-chunk and MLP-tile sizes ("auto"), memory per token.
 - ``transfer_hiding``: warns once when a micro-batch is too small to hide weight transfers.
 - ``recompute_policy``: which blocks stash their activations (``"recompute"``; ``"auto"``).
+- ``fragment_policy``: whether blocks' weights cross in fragments (``"fragment_bytes": "auto"``).
 
 May import: every room below it: ``config`` through ``checkpoint``.
 """

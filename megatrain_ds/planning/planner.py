@@ -20,6 +20,22 @@ backward, and are held in host memory between the two (on the CPU: held, nothing
 :func:`choose_stashed_blocks` is ``"auto"``: the ``n`` with the shortest predicted step
 whose stash fits the host memory left.
 
+[Note: the weight pipeline]
+The bounds above assume the copies and the compute overlap perfectly. They cannot at the
+ends of a weight pass: a two-stage pipeline of ``n`` pieces, each crossing in ``a`` and
+computing in ``b`` seconds, takes ``a + (n - 1) * max(a, b) + b``, which is
+``n * max(a, b) + min(a, b)``: one piece's copy is exposed before the first computes (the
+fill; compute-bound), or one piece's compute after the last has crossed (the drain;
+link-bound). With whole blocks a piece is a block: forward waits for block 0's whole
+weights, and backward for the last block's, less the head's forward and backward that
+run while it crosses (``streaming/streamed_blocks.py`` plans backward after the last
+block's forward). With ``"fragment_bytes"`` (``streaming/weight_fragments.py``) a piece is
+a fragment, so the exposed part of each pass shrinks to about one fragment's copy or
+compute, while every further copy adds :data:`FRAGMENT_COPY_OVERHEAD_S` to the link.
+:func:`weight_fill_seconds` is ``min(a, b)`` per pass, added to the predicted step;
+:func:`choose_fragment_bytes` is ``"auto"``. The device's weight buffers stay sized by
+whole blocks either way (a block computes on views of its whole flat buffer).
+
 Transfers hide behind compute once ``8 * P_b * T / F >= 2 * w * P_b / B``, i.e.
 ``T >= w * F / (4 * B)``, independent of model size.
 
@@ -93,12 +109,30 @@ STASH_HIDDEN_VALUES, STASH_KV_VALUES, STASH_INTERMEDIATE_VALUES = 8, 2, 4
 # stays for the step's transients and the rest of the machine.
 STASH_HOST_FRACTION = 0.8
 
+# "recompute": "auto" takes the fewest stashed blocks whose predicted step is within this
+# fraction of the shortest.
+STASH_GAIN_TOLERANCE = 1e-3
+
 # Passes over the fp32 logits outside the lm_head matmul: the loss's log-softmax written
 # and read, its gradient written, read and handed to the head (Hugging Face's loss).
 LOSS_PASSES = 6
 
 # The disk is named the bottleneck when its time is more than this share of the step.
 DISK_BOUND_SHARE = 0.5
+
+# Time one more host-to-device copy costs the link: the gap between back-to-back
+# cudaMemcpyAsync calls on one stream and the event recorded after each (a few
+# microseconds; an assumption, not measured here).
+FRAGMENT_COPY_OVERHEAD_S = 10e-6
+
+# "fragment_bytes": "auto" turns fragments on only when the planner predicts a step this
+# much shorter: below it, the model's error (the overhead above, the fill's overlap with
+# the embedding and the optimizer's tail) is larger than the gain.
+FRAGMENT_GAIN_MARGIN = 0.02
+
+# The smallest fragment "auto" considers (and "fragment_bytes" accepts); "auto" tries
+# powers of two from here to below a block's bytes.
+MIN_FRAGMENT_BYTES = 4096
 
 # Fraction of device memory the plan may use (allocator fragmentation, CUDA context).
 DEVICE_MEMORY_HEADROOM = 0.9
@@ -206,6 +240,8 @@ class RunSettings:
     """The blocks' Adam m and v on the NVMe tier."""
     nvme_window_blocks: int = 4
     """Blocks of the tier's Adam m and v in host memory at once (the read-ahead window)."""
+    fragment_bytes: int = 0
+    """Blocks' weights cross host-to-device in pieces of this many bytes; 0: whole blocks."""
 
     @property
     def tokens_per_pass(self) -> int:
@@ -251,6 +287,11 @@ class Plan:
     """The longest sequence (at this micro-batch) that fits; 0 when none does."""
     disk_bytes: int = 0
     """The NVMe tier's swap files."""
+    weight_fill_seconds: float = 0.0
+    """Of the predicted step, the weight pipeline's exposed ends ([Note: the weight pipeline])."""
+    fragments: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``"whole"`` and ``"fragments"`` (the best fragment size): bytes per piece and the
+    predicted step; ``"chosen"``: what ``"fragment_bytes": "auto"`` picks (:func:`fragment_policies`)."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -302,6 +343,8 @@ def _block_flops(shape: ModelShape, settings: RunSettings) -> int:
     """FLOPs of the blocks per weight pass: forward, backward, and the recompute of the
     blocks that do not stash."""
     return (8 * shape.total_block_params - 2 * settings.stashed_blocks * shape.block_params) * settings.tokens_per_pass
+
+
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
     """Bytes of the NVMe tier's swap files (m and v of every block); 0 without the tier."""
     return 8 * shape.total_block_params if settings.nvme else 0
@@ -415,9 +458,36 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
         / hardware.d2h_bytes_per_s,
         "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
     }
+    if settings.fragment_bytes:
+        # Every copy past a block's first costs the link its overhead, twice per weight pass.
+        extra = shape.num_blocks * (_pieces_per_block(shape, settings) - 1)
+        bounds["host_to_device"] += passes * 2 * extra * FRAGMENT_COPY_OVERHEAD_S
     if settings.nvme:
         bounds["disk"] = _disk_seconds(shape, settings, hardware)
     return bounds
+
+
+def _pieces_per_block(shape: ModelShape, settings: RunSettings) -> int:
+    block = settings.weight_bytes * shape.block_params
+    return -(-block // settings.fragment_bytes) if settings.fragment_bytes else 1
+
+
+def weight_fill_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
+    """Seconds per optimizer step the weight pipeline's ends leave exposed beyond the bounds
+    of :func:`step_seconds` ([Note: the weight pipeline]); 0 where the device is the host."""
+    if hardware.shares_host_memory or not shape.num_blocks:
+        return 0.0
+    tokens, block = settings.tokens_per_pass, settings.weight_bytes * shape.block_params
+    share = 1 / _pieces_per_block(shape, settings)  # of a block's bytes and compute, per piece
+    copy = block * share / hardware.h2d_bytes_per_s + FRAGMENT_COPY_OVERHEAD_S
+    forward = 2 * shape.block_params * tokens / hardware.flops
+    # Backward starts at the last block: its backward (4 P T) and its recompute, unless
+    # every block stashes (the last blocks are the recomputed ones, recompute_policy.py).
+    recomputed = settings.stashed_blocks < shape.num_blocks
+    backward = (6 if recomputed else 4) * shape.block_params * tokens / hardware.flops
+    head = 6 * shape.vocab * shape.hidden * tokens / (hardware.head_flops or hardware.flops)
+    per_pass = min(copy, forward * share) + min(max(copy - head, 0.0), backward * share)
+    return settings.accumulation * per_pass
 
 
 def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
@@ -455,15 +525,49 @@ def _predicted_step(by_bound: dict[str, float], shape: ModelShape, hardware: Har
 
 
 def predicted_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    return _predicted_step(step_seconds(shape, settings, hardware), shape, hardware)
+    return (_predicted_step(step_seconds(shape, settings, hardware), shape, hardware)
+            + weight_fill_seconds(shape, settings, hardware))
+
+
+def choose_fragment_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> int:
+    """``"fragment_bytes": "auto"``: the fragment size with the shortest predicted step,
+    or 0 (whole blocks) unless it beats whole blocks by :data:`FRAGMENT_GAIN_MARGIN`.
+    Always 0 where the device is the host: nothing is copied there."""
+    if hardware.shares_host_memory:
+        return 0
+    whole = predicted_step_seconds(shape, _with(settings, fragment_bytes=0), hardware)
+    size, seconds = _best_fragment(shape, settings, hardware)
+    return size if seconds < whole * (1 - FRAGMENT_GAIN_MARGIN) else 0
+
+
+def _best_fragment(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> tuple[int, float]:
+    """The power-of-two fragment size below a block's bytes with the shortest predicted
+    step, and that step; ``(0, whole blocks' step)`` when a block is too small to cut."""
+    block = settings.weight_bytes * shape.block_params
+    sizes = [MIN_FRAGMENT_BYTES << k for k in range(64) if MIN_FRAGMENT_BYTES << k < block]
+    steps = [(size, predicted_step_seconds(shape, _with(settings, fragment_bytes=size), hardware))
+             for size in sizes]
+    return min(steps, key=lambda step: step[1], default=(0, predicted_step_seconds(
+        shape, _with(settings, fragment_bytes=0), hardware)))
+
+
+def fragment_policies(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, dict[str, float]]:
+    """Whole blocks and the best fragment size side by side, and what ``"auto"`` chooses."""
+    whole = predicted_step_seconds(shape, _with(settings, fragment_bytes=0), hardware)
+    size, seconds = _best_fragment(shape, settings, hardware)
+    chosen = choose_fragment_bytes(shape, settings, hardware)
+    return {"whole": {"fragment_bytes": 0, "predicted_step_seconds": whole},
+            "fragments": {"fragment_bytes": size, "predicted_step_seconds": seconds},
+            "chosen": {"fragment_bytes": chosen,
+                       "predicted_step_seconds": seconds if chosen else whole}}
 
 
 def choose_stashed_blocks(shape: ModelShape, settings: RunSettings, hardware: Hardware,
                           host_memory_left: int) -> int:
     """``"recompute": "auto"``: how many blocks stash their activations.
 
-    The number with the shortest predicted step (fewest blocks among equals: a stash that
-    gains nothing only costs memory) among those whose stash fits in
+    The number with the shortest predicted step (fewest blocks among equals, within
+    :data:`STASH_GAIN_TOLERANCE`: a stash that gains nothing only costs memory) among those whose stash fits in
     :data:`STASH_HOST_FRACTION` of ``host_memory_left`` (the host memory not taken by the
     run's persistent state; where the device is the host, less the step's transients).
     On a GPU the step stops improving once the stash traffic saturates the link; on the
@@ -474,12 +578,13 @@ def choose_stashed_blocks(shape: ModelShape, settings: RunSettings, hardware: Ha
         budget -= sum(gpu_bytes(shape, settings, hardware).values())
     per_block = stash_bytes_per_block(shape, settings)
     most = min(shape.num_blocks, int(budget // per_block) if per_block > 0 and budget > 0 else 0)
-    best, best_seconds = 0, float("inf")
-    for stashed in range(most + 1):
-        seconds = predicted_step_seconds(shape, _with(settings, stashed_blocks=stashed), hardware)
-        if seconds < best_seconds * (1 - 1e-9):
-            best, best_seconds = stashed, seconds
-    return best
+    steps = [predicted_step_seconds(shape, _with(settings, stashed_blocks=stashed), hardware)
+             for stashed in range(most + 1)]
+    # Within STASH_GAIN_TOLERANCE of the shortest counts as equal: a stash that gains less
+    # than that (e.g. only a shorter last backward block at the weight pipeline's end,
+    # [Note: the weight pipeline]) is not worth its memory.
+    return next(stashed for stashed, seconds in enumerate(steps)
+                if seconds <= min(steps) * (1 + STASH_GAIN_TOLERANCE))
 
 
 def recompute_policies(shape: ModelShape, settings: RunSettings, hardware: Hardware,
@@ -500,7 +605,9 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
          host_memory_bytes: int) -> Plan:
     """Memory, speed and recommendations for ``settings`` on ``hardware``."""
     by_bound = step_seconds(shape, settings, hardware)
-    step = _predicted_step(by_bound, shape, hardware)
+    fill = weight_fill_seconds(shape, settings, hardware)
+    step = _predicted_step(by_bound, shape, hardware) + fill
+    fragments = fragment_policies(shape, settings, hardware)
     state_bytes = sum(host_bytes(shape, _with(settings, stashed_blocks=0)).values())
     policies = recompute_policies(shape, settings, hardware, host_memory_bytes - state_bytes)
     hide = min_tokens_to_hide_transfer(hardware, settings.bf16)
@@ -516,6 +623,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         "checkpoint_interval": 1,
         "num_buffers": 2,
         "recompute": _recompute_value(policies["auto"]["stashed_blocks"], shape.num_blocks),
+        "fragment_bytes": int(fragments["chosen"]["fragment_bytes"]) or None,
         "optimizer_device": "gpu" if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s
         and not hardware.shares_host_memory else "cpu",
     }
@@ -539,6 +647,8 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         predicted_peak_host_bytes=sum(host.values()) + (sum(device.values()) if hardware.shares_host_memory else 0),
         recompute=policies,
         disk_bytes=disk_bytes(shape, settings),
+        weight_fill_seconds=fill,
+        fragments=fragments,
     )
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain_ds.config import EngineConfig
-from megatrain_ds.planning.planner import (ModelShape, RunSettings, recompute_policies, sizes_from_config,
-                                           stash_bytes_per_block)
+from megatrain_ds.planning.planner import (Hardware, ModelShape, RunSettings, recompute_policies,
+                                           sizes_from_config, stash_bytes_per_block)
 from megatrain_ds.planning.preflight import InsufficientMemoryError, available_memory
 from megatrain_ds.planning.transfer_hiding import hardware_of
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
@@ -63,11 +63,10 @@ class RecomputeChoice:
     """:func:`~megatrain_ds.planning.planner.recompute_policies` for this run."""
 
 
-def choose_recompute(runtime: DeviceRuntime, config: EngineConfig, model: Any, block_numels: list[int],
-                     resident_numel: int, tokens: int, host_memory_left: int | None = None) -> RecomputeChoice:
-    """Decide (``"auto"``) or check (``"none"``, an integer) how many blocks stash, for a
-    weight pass of ``tokens`` tokens; ``host_memory_left`` defaults to what the machine has
-    free now. Raises :class:`InsufficientMemoryError` when a stash asked for cannot fit."""
+def planned_run(runtime: DeviceRuntime, config: EngineConfig, model: Any, block_numels: list[int],
+                resident_numel: int, tokens: int) -> tuple[ModelShape, RunSettings, Hardware]:
+    """The planner's view of this run at ``tokens`` tokens per weight pass: the model's
+    shape, the settings, and this device with its host<->device copy rates measured."""
     options = config.options
     sizes = sizes_from_config(getattr(model, "config", None))
     shape = ModelShape(num_blocks=len(block_numels), block_params=max(block_numels),
@@ -75,11 +74,24 @@ def choose_recompute(runtime: DeviceRuntime, config: EngineConfig, model: Any, b
     settings = RunSettings(seq_len=tokens, micro_batch=1, accumulation=config.gradient_accumulation_steps,
                            bf16=config.bf16, clipping=config.gradient_clipping > 0,
                            checkpoint_interval=options.checkpoint_interval, num_buffers=options.num_buffers,
-                           offload_checkpoints=options.offload_checkpoints)
+                           offload_checkpoints=options.offload_checkpoints,
+                           fragment_bytes=options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
     hardware, _ = hardware_of(runtime)
     rates = runtime.measure_copy_rates()
     if rates is not None:
         hardware = dataclasses.replace(hardware, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1])
+    return shape, settings, hardware
+
+
+def choose_recompute(runtime: DeviceRuntime, config: EngineConfig, run: tuple[ModelShape, RunSettings, Hardware],
+                     host_memory_left: int | None = None) -> RecomputeChoice:
+    """Decide (``"auto"``) or check (``"none"``, an integer) how many blocks stash, for the
+    weight pass :func:`planned_run` describes; ``host_memory_left`` defaults to what the
+    machine has free now. Raises :class:`InsufficientMemoryError` when a stash asked for
+    cannot fit."""
+    options = config.options
+    shape, settings, hardware = run
+    tokens = settings.tokens_per_pass
     if host_memory_left is None:
         host_memory_left = available_memory(runtime.device).host
     per_block = stash_bytes_per_block(shape, settings) if shape.hidden else 0

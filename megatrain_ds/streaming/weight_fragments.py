@@ -14,7 +14,10 @@ part ``i`` is the ``i``-th direct submodule's (the items of a ``ModuleList``/``M
 each count as one), waited on by a forward pre-hook when that submodule is called. A
 submodule whose hook did not fire on the template's first run (its parameters were used
 without calling it) is moved into part 0 for every later run, and the first run waits for
-the whole block. Bytes per step are unchanged: the same buffer crosses, in pieces.
+the whole block. Bytes per step are unchanged: the same buffer crosses, in pieces, into
+a slot still sized for the whole block (the block's modules compute on views of it).
+Whether to cut blocks at all is ``"fragment_bytes": "auto"``'s question
+(``planning/fragment_policy.py``).
 """
 
 from __future__ import annotations
