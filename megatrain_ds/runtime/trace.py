@@ -120,6 +120,7 @@ class NullTracer:
     """Tracing off: every method does nothing."""
 
     enabled = False
+    step: int | None = None
 
     def span(self, name: str, track: str, **args: Any) -> ContextManager[None]:
         return _NO_SPAN
@@ -158,7 +159,9 @@ class Tracer:
         return self._anchor.host_ns
 
     def _args(self, args: dict[str, Any]) -> dict[str, Any]:
-        return args if self.step is None else {**args, "step": self.step}
+        # A span that names its step (work queued during a step, run by a thread after the
+        # step has ended) keeps it.
+        return args if self.step is None or "step" in args else {**args, "step": self.step}
 
     @contextlib.contextmanager
     def span(self, name: str, track: str, **args: Any) -> Iterator[None]:

@@ -60,6 +60,7 @@ import torch
 from megatrain_ds.config import MegatrainOptions
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.stream_check import declare_access
+from megatrain_ds.runtime.trace import NullTracer, Tracer
 from megatrain_ds.state.host_store import HostFlatState, absent_moment
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
 from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, open_swap_io
@@ -404,6 +405,10 @@ class NvmeTier:
     def _submit(self, slot: _Slot, write: int | None, read: int | None) -> None:
         buffer = slot.buffer
         previous = slot.pending
+        # The transfer belongs to the step that queues it, traced or not, even if an I/O
+        # thread runs it after that step has ended (a write behind the last block).
+        tracer = self.runtime.tracer
+        step = {"step": tracer.step} if tracer.step is not None else {}
 
         def task() -> None:
             if previous is not None:  # the slot's earlier transfer first (it started before this one)
@@ -411,19 +416,20 @@ class NvmeTier:
                 if previous.error is not None:
                     raise previous.error  # its data never reached the disk or the buffer: stop here
             if write is not None:
-                self._transfer(buffer, write, writing=True, slot=slot)
+                self._transfer(buffer, write, writing=True, slot=slot, tracer=tracer, step=step)
             if read is not None:
-                self._transfer(buffer, read, writing=False, slot=slot)
+                self._transfer(buffer, read, writing=False, slot=slot, tracer=tracer, step=step)
 
         slot.pending = _Transfer(self.runtime, task)
         self._tasks.put(slot.pending)
 
-    def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot) -> None:
+    def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot, tracer: NullTracer | Tracer,
+                  step: dict[str, int]) -> None:
         nbytes = 2 * self._pad[index] * FP32
         part = buffer[: 2 * self._pad[index]]
         track = "nvme write" if writing else "nvme read"
         try:
-            with self.runtime.tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name):
+            with tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name, **step):
                 # The engine moves the bytes by raw pointer (libaio or preadv): no aten op the
                 # race checker could see, so the access is declared.
                 declare_access(reads=(part,) if writing else (), writes=() if writing else (part,),
