@@ -9,8 +9,8 @@ under ``bench/results/``.
     python bench/compare.py --hidden 512 --layers 4 --systems megatrain torch --steps 3
 
 Counted FLOPs are 6*P*T (the recompute's extra 2*P*T for blocks is reported separately).
-On a CPU-only machine everything is fp32; with CUDA the engine and ZeRO-3 compute in bf16
-and plain PyTorch uses bf16 autocast.
+On a CPU-only machine everything is fp32 (``--bf16``: the engine and ZeRO-3 compute in bf16
+there too); with CUDA the engine and ZeRO-3 compute in bf16 and plain PyTorch uses bf16 autocast.
 
 The engine's step is also split by its own trace (``"megatrain": {"trace": ...}``, all
 steps after the warm-up; ``megatrain_ds/runtime/trace.py``): ``device_idle_seconds`` is the step
@@ -61,7 +61,7 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
-        "bf16": {"enabled": cuda},
+        "bf16": {"enabled": cuda or args.bf16},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
     }
     if system in ENGINE_SYSTEMS:
@@ -73,7 +73,7 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
             config["zero_optimization"] = {
                 "stage": 3,
                 "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": cuda,
-                                      "buffer_count": 4},
+                                      "buffer_count": args.nvme_buffer_count},
                 "offload_param": {"device": "cpu", "pin_memory": cuda},
             }
             config["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
@@ -361,6 +361,9 @@ def main() -> None:
     parser.add_argument("--min-free", type=float, default=0.5,
                         help="GiB of MemAvailable under which a run is killed (the machine may be shared)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/compare_<device>_<params>.json)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute on the CPU too (always on with CUDA)")
+    parser.add_argument("--nvme-buffer-count", type=int, default=4,
+                        help="offload_optimizer.buffer_count: blocks in the NVMe tier's host window")
     parser.add_argument("--nvme-path", default=None,
                         help="the engine's optimizer state on NVMe here (a ZeRO-Infinity offload_optimizer block)")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -26,11 +26,15 @@ the interpreter and libraries too) stays within the budget: ``MemTotal`` less
    2.03B parameters, fp32, clipping, 2 x 128 tokens) is trained for two steps with a
    plain ZeRO-Infinity JSON (``offload_optimizer.device: "nvme"``, ``nvme_path``, an
    ``"aio"`` block) plus ``"engine": "megatrain"``; the engine's preflight verdict without
-   the tier is reported beside it, and the peak RSS against ``--nvme-rss-limit``.
+   the tier is reported beside it, and the peak RSS against ``--nvme-rss-limit``. With
+   ``--nvme-bf16`` it computes in bf16 and the tier holds the fp32 masters as well as m
+   and v (12 of the 16 bytes per parameter): the 4.14B model of the second command below.
 
     python bench/largest_model.py                  # all three systems, ~10 minutes
     python bench/largest_model.py --systems megatrain --json /tmp/largest.json
     python bench/largest_model.py --systems --nvme-path /work/nvme_swap --json bench/results/largest_model_nvme_cpu.json
+    python bench/largest_model.py --systems --nvme-path /work/nvme_swap --nvme-bf16 --nvme-shape 2048 5632 78 \
+        --nvme-buffer-count 2 --json bench/results/largest_model_nvme_bf16_cpu.json
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import json
 import os
 import sys
 import time
+from typing import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -77,7 +82,7 @@ def params_of(layers: int, model: dict = MODEL) -> int:
 
 
 def run(system: str, layers: int, min_free: int, steps: int = 2, model: dict = MODEL,
-        nvme_path: str | None = None) -> dict:
+        nvme_path: str | None = None, extra: Sequence[str] = ()) -> dict:
     """compare.py's child for ``system`` at depth ``layers``, under a MemAvailable watchdog."""
     command = [sys.executable, str(HERE / "compare.py"), "--child", system, "--layers", str(layers),
                "--hidden", str(model["hidden"]), "--intermediate", str(model["intermediate"]),
@@ -85,6 +90,7 @@ def run(system: str, layers: int, min_free: int, steps: int = 2, model: dict = M
                "--micro-batch", str(model["micro_batch"]), "--clip", str(model["clip"]), "--steps", str(steps)]
     if nvme_path:
         command += ["--nvme-path", nvme_path]
+    command += list(extra)
     started = time.perf_counter()
     completed, lowest = run_guarded(command, min_free)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -136,7 +142,7 @@ def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
     return baseline + result.predicted_peak_host_bytes, result.to_json()
 
 
-def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL) -> str:
+def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL, bf16: bool = False) -> str:
     """The engine's own preflight check (persistent state only) for depth ``layers``."""
     import torch
 
@@ -147,7 +153,7 @@ def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL) -> st
 
     model = meta_llama(layers, model_shape)
     engine_config = parse_engine_config({"train_micro_batch_size_per_gpu": MODEL["micro_batch"],
-                                         "gradient_clipping": MODEL["clip"], "bf16": {"enabled": False},
+                                         "gradient_clipping": MODEL["clip"], "bf16": {"enabled": bf16},
                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
     optimizer = build_optimizer(model, None, engine_config.optimizer, None)
     try:
@@ -165,10 +171,12 @@ def nvme_run(args: argparse.Namespace, budget: int, min_free: int) -> dict:
     params = params_of(layers, shape)
     entry: dict = {"model": {**shape, "layers": layers, "params": params},
                    "rss_limit_bytes": int(args.nvme_rss_limit * GIB),
-                   "preflight_without_tier": preflight_verdict(layers, budget, shape)}
+                   "preflight_without_tier": preflight_verdict(layers, budget, shape, args.nvme_bf16)}
     print(f"nvme tier: {params / 1e9:.3f}B params; without the tier, preflight: "
           f"{entry['preflight_without_tier']}", flush=True)
-    outcome = run("megatrain", layers, min_free, model=shape, nvme_path=args.nvme_path)
+    extra = ["--nvme-buffer-count", str(args.nvme_buffer_count)] + (["--bf16"] if args.nvme_bf16 else [])
+    entry["model"].update(bf16=args.nvme_bf16, buffer_count=args.nvme_buffer_count)
+    outcome = run("megatrain", layers, min_free, model=shape, nvme_path=args.nvme_path, extra=extra)
     entry["run"] = outcome
     if "peak_rss" in outcome:
         entry["within_rss_limit"] = outcome["peak_rss"] <= entry["rss_limit_bytes"]
@@ -194,6 +202,10 @@ def main() -> None:
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--nvme-path", default=None, help="also train the NVMe tier's model (step 4) with swap files here")
     parser.add_argument("--nvme-shape", type=int, nargs=3, default=[2048, 5632, 37], metavar=("HIDDEN", "FFN", "LAYERS"))
+    parser.add_argument("--nvme-bf16", action="store_true",
+                        help="the NVMe run computes in bf16: the tier then holds the fp32 masters too")
+    parser.add_argument("--nvme-buffer-count", type=int, default=4,
+                        help="offload_optimizer.buffer_count of the NVMe run (its window, in blocks)")
     parser.add_argument("--nvme-rss-limit", type=float, default=20.0, help="GiB; the NVMe run's peak RSS target")
     parser.add_argument("--reserve", type=float, default=2.0, help="GiB of MemTotal left to the rest of the machine")
     parser.add_argument("--calibration-layers", type=int, nargs=2, default=[2, 8])

@@ -44,18 +44,21 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
     from megatrain_ds.config import AioSettings, MegatrainOptions
     from megatrain_ds.runtime.device_runtime import DeviceRuntime
     from megatrain_ds.state.flat_layout import build_flat_layout
-    from megatrain_ds.state.host_store import HostFlatState, absent_moment
-    from megatrain_ds.state.nvme_tier import IO_THREADS, NvmeTier
+    from megatrain_ds.state.host_store import HostFlatState, absent_on_host
+    from megatrain_ds.state.nvme_tier import IO_THREADS, MOMENTS, NvmeTier
 
     numel = block_mib * (1 << 20) // 8  # m and v: 8 bytes per element
     states = []
     for _ in range(blocks):
         layout = build_flat_layout([("w", torch.Size([numel]), 0)])
         states.append(HostFlatState(layout=layout, master=torch.empty(0), shadow=None,
-                                    exp_avg=absent_moment(layout.numel), exp_avg_sq=absent_moment(layout.numel)))
+                                    exp_avg=absent_on_host(layout.numel), exp_avg_sq=absent_on_host(layout.numel)))
     options = MegatrainOptions(nvme_offload="optimizer", nvme_path=nvme_path, nvme_window_blocks=window,
                                nvme_aio=AioSettings(engine=engine))
-    tier = NvmeTier(states, DeviceRuntime.create(torch.device("cpu"), pin_memory=False), options)
+    tier = NvmeTier([state.layout.numel for state in states], MOMENTS,
+                    DeviceRuntime.create(torch.device("cpu"), pin_memory=False), options)
+    for state in states:
+        tier.adopt(state)
     try:
         file_bytes = tier.directory.nbytes // blocks
         result = {"engine": tier.engine_name, "blocks": blocks, "file_bytes": file_bytes, "window": window}

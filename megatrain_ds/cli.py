@@ -307,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--recalibrate", action="store_true",
                    help="with --gpu cpu: measure this machine again instead of using the cached profile")
     p.add_argument("--nvme", metavar="PATH", default=None,
-                   help="the blocks' Adam m and v on the NVMe tier, swap files under PATH (its disk is measured)")
+                   help="the blocks' Adam m and v (and fp32 masters with bf16) on the NVMe tier, swap files "
+                        "under PATH (its disk is measured)")
     p.add_argument("--nvme-window-blocks", type=int, default=4)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)

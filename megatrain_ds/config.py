@@ -95,8 +95,8 @@ def _zero_optimization(block: Any) -> _ZeroOffload:
         on_nvme = value.get("device") == _NVME
         if on_nvme and key == "offload_param":
             logger.warning('megatrain: zero_optimization.offload_param.device is "nvme": this engine puts '
-                           "the optimizer state (Adam m and v) on NVMe and keeps the streamed weights in "
-                           "host memory")
+                           "the optimizer state (Adam m and v, and with bf16 compute the fp32 master) on NVMe "
+                           "and keeps the streamed weights in host memory")
         for sub, sub_value in value.items():
             name = f"zero_optimization.{key}.{sub}"
             if sub == "pin_memory":
@@ -275,8 +275,8 @@ class MegatrainOptions:
     """Data parallel: the longest any collective waits for the other ranks. A rank that
     died breaks the connections at once; one that hangs is reported after this long."""
     nvme_offload: str = "none"
-    """The NVMe tier: "optimizer" keeps every block's Adam m and v (8 bytes/param) in swap
-    files under ``nvme_path``, read ahead of each block's update and written back behind
+    """The NVMe tier: "optimizer" keeps every block's Adam m and v (8 bytes/param; with bf16
+    compute the fp32 master too, 12 bytes/param) in swap files under ``nvme_path``, read ahead of each block's update and written back behind
     it through a window of ``nvme_window_blocks`` blocks in host memory; "auto" does so
     only when the run would not fit in host memory otherwise; "none" keeps everything in
     host memory. ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` sets "optimizer".

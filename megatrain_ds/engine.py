@@ -35,7 +35,7 @@ from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
 from megatrain_ds.gradients.sink import GradientPort, GradientSink
 from megatrain_ds.optimizer.host_adamw import HostAdamW
-from megatrain_ds.state.host_store import HostFlatState, migrate_to_host
+from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
@@ -43,7 +43,7 @@ from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_
 from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
 from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
-from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
+from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier, tier_kinds
 from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
@@ -111,14 +111,21 @@ class MegatrainEngine(nn.Module):
         self._step_applied = True
         self.last_step_report: StepReport | None = None
         """How the last optimizer step went: outcome, norm, scale, speculated/restored elements."""
-        self._build(model)
+        self.nvme_tier: NvmeTier | None = None
+        try:
+            self._build(model)
+        except BaseException:
+            if self.nvme_tier is not None:
+                self.nvme_tier.close()  # its swap files are this engine's working state
+            raise
         self._tracing = _trace_schedule(self.runtime, config, model, self.data_parallel)
         self._batch_checked = False  # the transfer-hiding warning, at the first training forward
 
     # -- construction --------------------------------------------------------------------
 
     def _build(self, model: nn.Module) -> None:
-        # The NVMe tier ("auto": only when host memory is short) holds the blocks' Adam moments.
+        # The NVMe tier ("auto": only when host memory is short) holds the blocks' Adam moments
+        # (and fp32 masters, with bf16 compute).
         nvme = wants_nvme_tier(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
         if nvme and self.data_parallel is not None:
             raise ConfigError("megatrain.nvme_offload (offload_optimizer.device \"nvme\") is not supported with "
@@ -139,6 +146,11 @@ class MegatrainEngine(nn.Module):
         dp = self.data_parallel
         shared = dp.shared if dp is not None else None  # one host copy per node
 
+        if nvme:  # opened first, to take each block as it is migrated (state/nvme_tier.py)
+            self.nvme_tier = open_nvme_tier(
+                [flat_numel(list(block.named_parameters()), group_of) for block in blocks],
+                tier_kinds(master_is_streamed=compute == master), self.runtime, options)
+
         templates_by_key: dict[tuple, BlockTemplate] = {}
         templates: list[BlockTemplate] = []
         self.states: list[HostFlatState] = []
@@ -156,6 +168,8 @@ class MegatrainEngine(nn.Module):
                 source=source.scoped(f"{path}.{index}.") if source is not None else None, shared=shared,
                 moments_on_host=not nvme,
             ))
+            if self.nvme_tier is not None:
+                self.nvme_tier.adopt(self.states[-1])
         self.num_templates = len(templates_by_key)
 
         block_params = {id(p) for block in blocks for p in block.parameters()}
@@ -196,10 +210,8 @@ class MegatrainEngine(nn.Module):
                                                       options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM),
             holds_gradients=self.config.holds_gradients,
             sum_over_ranks=dp.node_sum if dp is not None else None, runtime=self.runtime)
-        self.nvme_tier: NvmeTier | None = None
-        if nvme:  # state/nvme_tier.py: [Note: the NVMe window]
-            self.nvme_tier = open_nvme_tier(self.states[: self._resident_index], self.runtime, options,
-                                            settle=self.adamw.flush)
+        if self.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
+            self.nvme_tier.settle = self.adamw.flush
             self.adamw.residency = self.nvme_tier
             self.stepper.plan_access()
         self.optimizer.attach(self._finish_optimizer_step)
@@ -413,7 +425,8 @@ class MegatrainEngine(nn.Module):
     def destroy(self) -> None:
         """Stop the gradient worker, give the blocks their own ``forward`` back, unpin host memory.
 
-        The model stays usable: its parameters keep viewing the (now unpinned) host masters.
+        The model stays usable: its parameters keep viewing the (now unpinned) host masters
+        (the NVMe tier hands back the masters it held: ``NvmeTier.close``).
         """
         self._tracing.close()  # a trace cut short is still written
         self.sink.close()

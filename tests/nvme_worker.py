@@ -22,8 +22,9 @@ from side_by_side import ds_config
 ACCUMULATION = 2
 
 
-def build(seed: int, nvme_path: str | None) -> MegatrainEngine:
-    """Llama, accumulation 2, clipping; the NVMe tier with a 2-block window when given a path.
+def build(seed: int, nvme_path: str | None, bf16: bool = False) -> MegatrainEngine:
+    """Llama, accumulation 2, clipping; the NVMe tier with a 2-block window when given a path
+    (with ``bf16`` compute the tier holds the fp32 masters too).
 
     ATen's fused kernel: DeepSpeed's CPU Adam op keeps its bias-correction powers inside
     the op, updated by one multiplication per step, and recomputes them with ``pow`` after
@@ -34,7 +35,7 @@ def build(seed: int, nvme_path: str | None) -> MegatrainEngine:
     megatrain: dict = {"cpu_adam_kernel": "torch_fused"}
     if nvme_path:
         megatrain.update(nvme_offload="optimizer", nvme_path=nvme_path, nvme_window_blocks=2)
-    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(accumulation=ACCUMULATION,
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(accumulation=ACCUMULATION, bf16=bf16,
                                                                                 megatrain=megatrain)))
     engine.train()
     return engine
@@ -52,19 +53,15 @@ def train(engine: MegatrainEngine, steps: int) -> list[float]:
 
 
 def snapshot(engine: MegatrainEngine) -> dict[str, torch.Tensor]:
-    """Weights and Adam moments, from whichever tier holds them."""
-    state = {f"weight.{k}": v.clone() for k, v in engine.module.state_dict().items()}
+    """Every state's master and Adam moments, from whichever tier holds them."""
+    kinds = ("master", "exp_avg", "exp_avg_sq")
     tier = engine.nvme_tier
     if tier is None:
-        for index, flat in enumerate(engine.states):
-            state[f"{index}.exp_avg"], state[f"{index}.exp_avg_sq"] = flat.exp_avg.clone(), flat.exp_avg_sq.clone()
-        return state
-    with tier.file_views() as moments:
-        for index, flat in enumerate(engine.states):
-            mapped = moments(flat) or {"exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq}
-            state[f"{index}.exp_avg"], state[f"{index}.exp_avg_sq"] = (mapped["exp_avg"].clone(),
-                                                                       mapped["exp_avg_sq"].clone())
-    return state
+        return {f"{index}.{kind}": getattr(flat, kind).clone() for index, flat in enumerate(engine.states)
+                for kind in kinds}
+    with tier.file_views() as on_tier:
+        return {f"{index}.{kind}": (on_tier(flat) or {}).get(kind, getattr(flat, kind)).clone()
+                for index, flat in enumerate(engine.states) for kind in kinds}
 
 
 def main(argv: list[str]) -> None:

@@ -33,12 +33,15 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load(tmp_path):
-    """Saved from the tier (moments streamed from the swap files) or from host memory: the
-    same safetensors bytes. Each loads into an engine of the other kind and training goes on
-    bit for bit as the uninterrupted RAM-only run."""
-    ram = nvme_worker.build(0, None)
-    tiered = nvme_worker.build(0, str(tmp_path / "nvme"))
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-masters-on-tier"])
+def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load(tmp_path, bf16):
+    """Saved from the tier (moments, and with bf16 compute the fp32 masters, streamed from
+    the swap files) or from host memory: the same safetensors bytes. Each loads into an
+    engine of the other kind and training goes on bit for bit as the uninterrupted
+    RAM-only run."""
+    ram = nvme_worker.build(0, None, bf16)
+    tiered = nvme_worker.build(0, str(tmp_path / "nvme"), bf16)
+    assert ("master" in tiered.nvme_tier.kinds) is bf16
     try:
         assert nvme_worker.train(ram, 2) == nvme_worker.train(tiered, 2)
         ram.save_checkpoint(tmp_path / "from_ram", tag="t")
@@ -53,7 +56,7 @@ def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load
         ram.destroy()
         tiered.destroy()
     for source, nvme in (("from_tier", None), ("from_ram", str(tmp_path / "nvme2"))):
-        engine = nvme_worker.build(1, nvme)
+        engine = nvme_worker.build(1, nvme, bf16)
         try:
             engine.load_checkpoint(tmp_path / source)
             assert nvme_worker.train(engine, 2) == straight, source

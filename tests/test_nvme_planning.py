@@ -69,9 +69,10 @@ def test_disk_time_is_read_and_write_of_every_blocks_moments_once_per_step():
 def test_a_disk_bound_plan_names_the_disk_and_the_accumulation_that_hides_it():
     shape = shape_of(_llama(8))
     gpu = Hardware(**{**GPU_HARDWARE["h100"].__dict__, **DISK})
-    settings = RunSettings(seq_len=512, micro_batch=1, bf16=True, nvme=True)
+    settings = RunSettings(seq_len=1024, micro_batch=1, bf16=True, nvme=True)
     result = plan(shape, settings, gpu, 64 << 30)
     assert result.recommended["bottleneck"] == "disk"
+    assert result.disk_bytes == 12 * shape.total_block_params  # bf16 compute: the fp32 masters are on disk too
     wanted = result.recommended["gradient_accumulation_steps"]
     for accumulation, hides in ((wanted, True), (wanted // 2, False)):
         by_bound = step_seconds(shape, _with(settings, accumulation=accumulation), gpu)
@@ -102,7 +103,7 @@ def test_cli_plan_nvme_measures_the_disk_once_and_caches_it(tmp_path, monkeypatc
     cached = json.loads((tmp_path / "cache" / "disk_bandwidth.json").read_text())
     (figures,) = cached.values()
     assert data["hardware"]["disk_read_bytes_per_s"] == figures["read"] > 0
-    assert data["disk_bytes"] == 8 * shape_of(_llama()).total_block_params
+    assert data["disk_bytes"] == 12 * shape_of(_llama()).total_block_params  # bf16 (the default): masters too
     assert "disk" in data["step_seconds_by_bound"] and data["host_bytes"]["nvme_window"] > 0
 
 

@@ -30,25 +30,27 @@ def nvme_options(path, engine: str = "auto", window: int = 2, **more) -> dict:
             "nvme_aio": {"engine": engine}, **more}
 
 
-def moments_of(engine: MegatrainEngine) -> list[dict[str, torch.Tensor]]:
-    """Every state's m and v, copied out of whichever tier holds them."""
+def tier_state_of(engine: MegatrainEngine) -> list[dict[str, torch.Tensor]]:
+    """Every state's master, m and v, copied out of whichever tier holds them."""
+    kinds = ("master", "exp_avg", "exp_avg_sq")
     tier = engine.nvme_tier
     if tier is None:
-        return [{k: getattr(s, k).clone() for k in ("exp_avg", "exp_avg_sq")} for s in engine.states]
-    with tier.file_views() as moments:
-        return [{k: t.clone() for k, t in (moments(s) or {k: getattr(s, k) for k in ("exp_avg", "exp_avg_sq")}).items()}
-                for s in engine.states]
+        return [{k: getattr(s, k).clone() for k in kinds} for s in engine.states]
+    with tier.file_views() as on_tier:
+        return [{k: (on_tier(s) or {}).get(k, getattr(s, k)).clone() for k in kinds} for s in engine.states]
 
 
 def assert_bit_identical(a: MegatrainEngine, b: MegatrainEngine) -> None:
+    """Same masters and moments; the models' state dicts agree too (a model whose masters
+    are on the tier shows the bf16 shadow: ``b``'s masters rounded the same way)."""
     ours, theirs = a.module.state_dict(), b.module.state_dict()
     assert ours.keys() == theirs.keys()
     for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
-    for index, (x, y) in enumerate(zip(moments_of(a), moments_of(b))):
+        assert torch.equal(ours[key], theirs[key].to(ours[key].dtype)), key
+    for index, (x, y) in enumerate(zip(tier_state_of(a), tier_state_of(b))):
         for kind in x:
             assert torch.equal(x[kind], y[kind]), (index, kind)
-            assert x[kind].abs().sum() > 0, "the moments were never written"
+            assert x[kind].abs().sum() > 0, "never written"
 
 
 CASES = {
@@ -136,11 +138,44 @@ def test_bf16_compute_is_bit_identical_to_ram_only(tmp_path):
     tiered, _, trace = train_side_by_side(tiny_models.llama, ds_config(**config, megatrain=nvme_options(tmp_path)),
                                           steps=3)
     try:
+        assert tiered.nvme_tier.kinds == ("master", "exp_avg", "exp_avg_sq")
+        tiered.nvme_tier.flush()  # the window written back: nothing bound
+        assert all(s.master.is_meta for s in tiered.states[:-1]), "the blocks' fp32 masters live on the tier"
+        assert tiered.host_bytes()["master"] == 4 * tiered.states[-1].layout.numel  # the resident state only
         assert trace.engine_losses == ram_trace.engine_losses
         assert_bit_identical(tiered, ram)
     finally:
         ram.destroy()
         tiered.destroy()
+    # Destroyed, the tier hands the fp32 masters back to the model: nothing trained is lost.
+    ours, theirs = tiered.module.state_dict(), ram.module.state_dict()
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+
+
+def test_with_the_master_on_the_tier_the_fp32_model_is_never_whole_in_host_memory(tmp_path, monkeypatch):
+    """Each block's master goes to its swap file as soon as the block is migrated: when the
+    next block is copied in, no earlier block's fp32 master is still in host memory."""
+    from megatrain_ds import engine as engine_module
+
+    made, in_memory_at_each_migration = [], []
+    migrate = engine_module.migrate_to_host
+
+    def observed(*args, **kwargs):
+        in_memory_at_each_migration.append(sum(not state.master.is_meta for state in made))
+        made.append(migrate(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(engine_module, "migrate_to_host", observed)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(bf16=True, megatrain=nvme_options(tmp_path))))
+    try:
+        assert len(in_memory_at_each_migration) == 4 and set(in_memory_at_each_migration) == {0}
+        param = engine.module.model.layers[2].mlp.up_proj.weight
+        assert param.dtype == torch.bfloat16
+        assert param.untyped_storage().data_ptr() == engine.states[2].shadow.untyped_storage().data_ptr()
+    finally:
+        engine.destroy()
+    assert param.dtype == torch.float32  # the master, handed back
 
 
 def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch, caplog):

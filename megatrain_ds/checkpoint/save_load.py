@@ -120,19 +120,20 @@ class _Entry:
 
 
 class _StateTensors:
-    """A state's flat buffer of a kind; Adam moments the NVMe tier holds come mapped from
-    their swap files (``NvmeTier.file_views``), kept until :meth:`release`."""
+    """A state's flat buffer of a kind; what the NVMe tier holds (Adam moments, and fp32
+    masters with bf16 compute) comes mapped from the swap files (``NvmeTier.file_views``),
+    kept until :meth:`release`."""
 
-    def __init__(self, moments: Callable[[HostFlatState], dict[str, torch.Tensor] | None] | None) -> None:
-        self._moments = moments
+    def __init__(self, on_tier: Callable[[HostFlatState], dict[str, torch.Tensor] | None] | None) -> None:
+        self._on_tier = on_tier
         self._mapped: dict[int, dict[str, torch.Tensor] | None] = {}
 
     def __call__(self, state: HostFlatState, kind: str) -> torch.Tensor:
-        if kind in _MOMENTS and self._moments is not None:
+        if self._on_tier is not None:
             if id(state) not in self._mapped:
-                self._mapped[id(state)] = self._moments(state)
+                self._mapped[id(state)] = self._on_tier(state)
             mapped = self._mapped[id(state)]
-            if mapped is not None:
+            if mapped is not None and kind in mapped:
                 return mapped[kind]
         return getattr(state, kind)
 
@@ -142,12 +143,12 @@ class _StateTensors:
 
 @contextlib.contextmanager
 def _state_tensors(engine: CheckpointedEngine) -> Iterator[_StateTensors]:
-    """Checkpoints read and write the moments from whichever tier holds them."""
+    """Checkpoints read and write each tensor in whichever tier holds it."""
     if engine.nvme_tier is None:
         yield _StateTensors(None)
         return
-    with engine.nvme_tier.file_views() as moments:
-        yield _StateTensors(moments)
+    with engine.nvme_tier.file_views() as on_tier:
+        yield _StateTensors(on_tier)
 
 
 def _entries_by_state(engine: CheckpointedEngine) -> list[list[_Entry]]:
@@ -249,21 +250,23 @@ def _write_tag_dir(engine: CheckpointedEngine, temp: Path, client_state: Mapping
     count = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
-    for number, members in enumerate(shards, start=1):
-        name = f"model-{number:05d}-of-{count:05d}.safetensors"
-        tensors = [(e.name, e.view(e.state.master)) for i in members for e in groups[i]
-                   if e.trained or not exclude_frozen]
-        if number == 1:
-            tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
-        files[name] = write_safetensors(temp / name, tensors, {"format": "pt"})
-        weight_map.update((tensor_name, name) for tensor_name, _ in tensors)
-        total += sum(t.numel() * t.element_size() for _, t in tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    files[MODEL_INDEX] = write_bytes_durably(temp / MODEL_INDEX, json.dumps(index, indent=2).encode())
-    files.update(_write_model_config(engine, temp))
-
     mid_window = _inside_accumulation_window(engine)
     with _state_tensors(engine) as flat_of:
+        for number, members in enumerate(shards, start=1):
+            name = f"model-{number:05d}-of-{count:05d}.safetensors"
+            tensors = [(e.name, e.view(flat_of(e.state, "master"))) for i in members for e in groups[i]
+                       if e.trained or not exclude_frozen]
+            if number == 1:
+                tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
+            files[name] = write_safetensors(temp / name, tensors, {"format": "pt"})
+            weight_map.update((tensor_name, name) for tensor_name, _ in tensors)
+            total += sum(t.numel() * t.element_size() for _, t in tensors)
+            del tensors
+            flat_of.release()  # one shard's masters mapped at a time
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        files[MODEL_INDEX] = write_bytes_durably(temp / MODEL_INDEX, json.dumps(index, indent=2).encode())
+        files.update(_write_model_config(engine, temp))
+
         for number, members in enumerate(shards, start=1):
             tensors = []
             for e in (e for i in members for e in groups[i] if e.trained):
@@ -392,15 +395,20 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
     engine.streamer.begin([])  # no prefetched copy of the old weights may survive
     dp = engine.data_parallel
     if dp is None or dp.is_node_writer:  # node-shared state: one reader per node
-        for file in model_files.values():
-            file.read_into(model_targets.get(file.path, {}), checked_digest(path, manifest, Path(file.path).name))
-        for state in engine.states:
-            state.refresh_shadow()
-        if with_optimizer:
+        with _state_tensors(engine) as flat_of:
+            for file in model_files.values():
+                wanted_weights = model_targets.get(file.path, {})
+                file.read_into({name: entry.view(flat_of(entry.state, "master")) for name, entry in wanted_weights.items()},
+                               checked_digest(path, manifest, Path(file.path).name))
+                flat_of.release()  # one file's masters mapped at a time
             for state in engine.states:
-                if state.grad is not None:
-                    state.grad.zero_()  # overwritten below when saved inside an accumulation window
-            with _state_tensors(engine) as flat_of:
+                if state.shadow is not None:
+                    state.shadow.copy_(flat_of(state, "master"))  # the streamed copy of the loaded master
+                    flat_of.release()
+            if with_optimizer:
+                for state in engine.states:
+                    if state.grad is not None:
+                        state.grad.zero_()  # overwritten below when saved inside an accumulation window
                 for file in optimizer_files.values():
                     wanted = optimizer_targets.get(file.path, {})
                     file.read_into({name: entry.view(flat_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
@@ -452,16 +460,16 @@ def _index_records(files: Mapping[str, SafetensorsFile]) -> dict[str, tuple[Safe
 
 
 def _match_weights(engine: CheckpointedEngine, path: Path, files: Mapping[str, SafetensorsFile],
-                   entries: list[_Entry], required: list[_Entry], strict: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """``file path -> {tensor name -> destination view}``; raises on the first mismatch, in
-    the model's parameter order."""
+                   entries: list[_Entry], required: list[_Entry], strict: bool) -> dict[str, dict[str, _Entry]]:
+    """``file path -> {tensor name -> entry whose master it fills}``; raises on the first
+    mismatch, in the model's parameter order."""
     found = _index_records(files)
     aliases: dict[int, list[str]] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
     by_name = {e.name: e for e in entries}
     required_names = {e.name for e in required}
-    targets: dict[str, dict[str, torch.Tensor]] = {}
+    targets: dict[str, dict[str, _Entry]] = {}
     used: set[str] = set()
     for name, param in engine.module.named_parameters():
         entry = by_name[name]
@@ -478,7 +486,7 @@ def _match_weights(engine: CheckpointedEngine, path: Path, files: Mapping[str, S
         if record.dtype != entry.state.master.dtype:
             logger.warning("megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
                            hit, record.dtype, entry.state.master.dtype)
-        targets.setdefault(file.path, {})[hit] = entry.view(entry.state.master)
+        targets.setdefault(file.path, {})[hit] = entry
         used.update(aliases[id(param)])
     if strict:
         known = used | {name for name, _ in engine.module.named_buffers(remove_duplicate=False)}

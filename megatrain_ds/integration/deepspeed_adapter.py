@@ -139,7 +139,10 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, Any]:
-        """The model's state dict: fp32 masters (see ``MegatrainEngine``)."""
+        """The model's state dict: fp32 masters (see ``MegatrainEngine``), except the blocks'
+        weights while the NVMe tier holds their masters (bf16 compute): those show the bf16
+        copy that is trained on, as DeepSpeed's bf16 module does; ``save_checkpoint`` writes
+        the fp32 masters (``state/nvme_tier.py``)."""
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
             frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -148,7 +151,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """What Accelerate and the HF Trainer save when the config says ZeRO stage 3: the full
-        model, here at full precision (fp32 masters), copied so that it outlives training."""
+        model, here at full precision (fp32 masters; the blocks' bf16 copy while the NVMe
+        tier holds their masters, as with DeepSpeed), copied so that it outlives training."""
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         return {key: value.detach().clone() for key, value in state.items()}
 

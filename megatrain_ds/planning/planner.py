@@ -65,9 +65,10 @@ Peak host memory there is the persistent state plus the compute-side buffers
 (:func:`gpu_bytes`), which live in host RAM too.
 
 With the NVMe tier (``RunSettings.nvme``, ``state/nvme_tier.py``) the blocks' Adam m and v
-(8 bytes per block parameter) live on disk and a window of ``nvme_window_blocks`` blocks
-of them in host memory; every optimizer step reads and writes them once (``disk``:
-``8 * P_b / read + 8 * P_b / write`` at the disk's measured sequential bandwidth), however
+(8 bytes per block parameter; 12 with the fp32 master, which joins them with bf16 compute)
+live on disk and a window of ``nvme_window_blocks`` blocks of them in host memory; every
+optimizer step reads and writes them once (``disk``: ``t * P_b / read + t * P_b / write``,
+``t`` those bytes per parameter, at the disk's measured sequential bandwidth), however
 many micro-batches it accumulates. The disk works beside the cores and the copy engines
 and the optimizer overlaps it block by block, so on a GPU machine it is one more bound
 of the max; on the CPU the optimizer's part of the sum becomes ``max(optimizer, disk)``.
@@ -237,9 +238,9 @@ class RunSettings:
     tiled_mlp: bool = True
     """The MLP in sequence tiles (``mlp_tile_tokens``, "auto")."""
     nvme: bool = False
-    """The blocks' Adam m and v on the NVMe tier."""
+    """The blocks' Adam m and v (and with ``bf16`` their fp32 masters) on the NVMe tier."""
     nvme_window_blocks: int = 4
-    """Blocks of the tier's Adam m and v in host memory at once (the read-ahead window)."""
+    """Blocks of the tier's state in host memory at once (the read-ahead window)."""
     fragment_bytes: int = 0
     """Blocks' weights cross host-to-device in pieces of this many bytes; 0: whole blocks."""
 
@@ -314,7 +315,10 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     result = {"master": 4 * params, "adam_m_v": 8 * params}
     if settings.nvme:
         result["adam_m_v"] = 8 * shape.resident_params
-        result["nvme_window"] = min(settings.nvme_window_blocks, shape.num_blocks) * 8 * shape.block_params
+        if settings.bf16:  # the blocks' fp32 masters go to the tier too (the shadow is streamed)
+            result["master"] = 4 * shape.resident_params
+        result["nvme_window"] = (min(settings.nvme_window_blocks, shape.num_blocks) * _tier_bytes_per_param(settings)
+                                 * shape.block_params)
     if settings.bf16:
         result["bf16_shadow"] = 2 * params
     if settings.holds_gradients:
@@ -345,13 +349,19 @@ def _block_flops(shape: ModelShape, settings: RunSettings) -> int:
     return (8 * shape.total_block_params - 2 * settings.stashed_blocks * shape.block_params) * settings.tokens_per_pass
 
 
+def _tier_bytes_per_param(settings: RunSettings) -> int:
+    """What the NVMe tier holds per block parameter: m and v, and the fp32 master with bf16
+    compute (``state/nvme_tier.py``: ``tier_kinds``)."""
+    return 12 if settings.bf16 else 8
+
+
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """Bytes of the NVMe tier's swap files (m and v of every block); 0 without the tier."""
-    return 8 * shape.total_block_params if settings.nvme else 0
+    """Bytes of the NVMe tier's swap files (every block's :func:`_tier_bytes_per_param`); 0 without the tier."""
+    return _tier_bytes_per_param(settings) * shape.total_block_params if settings.nvme else 0
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """Seconds per optimizer step the disk needs to read and write every block's m and v."""
+    """Seconds per optimizer step the disk needs to read and write every block's state on the tier."""
     swap = disk_bytes(shape, settings)
     if not swap:
         return 0.0

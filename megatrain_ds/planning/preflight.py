@@ -40,7 +40,7 @@ from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import build_flat_layout
-from megatrain_ds.state.nvme_tier import swap_file_bytes
+from megatrain_ds.state.nvme_tier import swap_file_bytes, tier_kinds
 from megatrain_ds.state.swap_directory import check_free_space
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
 from megatrain_ds.optimizer.facade import group_index_of
@@ -134,11 +134,15 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
             "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels)}
     disk = 0
     if options.nvme_offload == "optimizer":
-        # The blocks' m and v in swap files, a window of them in host memory (state/nvme_tier.py).
+        # The blocks' m and v (and fp32 master, unless it is what is streamed) in swap files,
+        # a window of them in host memory (state/nvme_tier.py).
         alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
-        files = [swap_file_bytes(n, alignment) for n in shapes.block_numels]
+        kinds = tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype)
+        files = [swap_file_bytes(n, alignment, len(kinds)) for n in shapes.block_numels]
         disk = sum(files)
         host["adam_m_v"] = 2 * _host_buffer(shapes.resident_numel, 4)
+        if "master" in kinds:
+            host["master"] = _host_buffer(shapes.resident_numel, master)
         host["nvme_window"] = min(options.nvme_window_blocks, len(files)) * max(files)
     if config.compute_dtype != config.master_dtype:
         host["shadow"] = sum(_host_buffer(n, compute) for n in numels)
@@ -226,8 +230,8 @@ _ALTERNATIVES: list[tuple[str, Callable[[EngineConfig], EngineConfig | None]]] =
      if c.gradient_clipping > 0 and c.gradient_accumulation_steps == 1 else None),
     ('"bf16": {"enabled": true} (bf16 compute: half-size streamed weights and gradients)',
      lambda c: dataclasses.replace(c, bf16=True) if not c.bf16 else None),
-    ('"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/local_nvme/..."} (Adam m and v in swap '
-     "files on a local disk: 8 bytes/param less host memory)",
+    ('"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/local_nvme/..."} (Adam m and v, and '
+     "with bf16 compute the fp32 master, in swap files on a local disk: 8 or 12 bytes/param less host memory)",
      lambda c: _options(c, nvme_offload="optimizer", nvme_path=c.options.nvme_path or "/")
      if c.options.nvme_offload != "optimizer" else None),
     ('"megatrain": {"master_dtype": "bf16"} (rounds small updates away: a last resort)',

@@ -291,6 +291,16 @@ class DeviceRuntime:
             self.checker.tag_host(tensor)
         return tensor
 
+    def free_host(self, tensor: torch.Tensor) -> None:
+        """Let a :meth:`host_empty` tensor go: unpinned now (when pinned), freed with its last
+        reference. The caller must hold no pending copy from or into it (the NVMe tier
+        frees a block's master once it is on disk, before any stream has used it)."""
+        for index, registered in enumerate(self._registered):
+            if registered.data_ptr() == tensor.data_ptr():
+                torch.cuda.cudart().cudaHostUnregister(registered.data_ptr())
+                del self._registered[index]
+                return
+
     def release_host_memory(self) -> None:
         """Unpin every registered host tensor (they stay valid as ordinary memory)."""
         for tensor in self._registered:

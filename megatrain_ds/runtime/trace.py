@@ -17,7 +17,7 @@ and chrome://tracing open; ``bench/timeline.py`` draws one step of it. Tracks (:
 - ``optimizer worker``: the gradient worker consuming each chunk (accumulate, norm,
   speculative AdamW), each AdamW range, and the step finish (main thread, worker drained);
 - ``nvme read``, ``nvme write``: the NVMe tier's swap transfers on its I/O threads (a
-  block's m and v, with the bytes and the I/O engine); ``nvme wait``: a training thread
+  block's m and v, and fp32 master with bf16 compute, with the bytes and the I/O engine); ``nvme wait``: a training thread
   waiting for one (``state/nvme_tier.py``).
 
 Every span's args carry the ``step`` it belongs to, so a step's device work that runs on

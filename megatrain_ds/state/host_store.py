@@ -68,16 +68,28 @@ class HostFlatState:
                              shadow=part(self.shadow), exp_avg=self.exp_avg[start:end],
                              exp_avg_sq=self.exp_avg_sq[start:end], grad=part(self.grad))
 
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Re-point the user's parameters at their slots of ``flat`` (the shadow while the
+        master is on the NVMe tier, the master again when it comes back: ``state/nvme_tier.py``)."""
+        for slot, param in zip(self.layout.slots, self.params):
+            param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
     def refresh_shadow(self, start: int = 0, end: int | None = None) -> None:
         """Round the updated master into the streamed shadow (no-op without a shadow)."""
         if self.shadow is not None:
             self.shadow[start:end].copy_(self.master[start:end])
 
 
-def absent_moment(numel: int) -> torch.Tensor:
-    """The placeholder of an Adam moment kept elsewhere (``state/nvme_tier.py``): right dtype
-    and size, no storage, so any use that skipped fetching it fails instead of reading garbage."""
+def absent_on_host(numel: int) -> torch.Tensor:
+    """The placeholder of an fp32 buffer kept elsewhere (a moment or master on the NVMe tier,
+    ``state/nvme_tier.py``): right dtype and size, no storage, so any use that skipped
+    fetching it fails instead of reading garbage."""
     return torch.empty(numel, dtype=torch.float32, device="meta")
+
+
+def flat_numel(named_params: Sequence[tuple[str, nn.Parameter]], group_of: dict[nn.Parameter, int]) -> int:
+    """Elements of the flat buffers :func:`migrate_to_host` makes for ``named_params``."""
+    return build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params]).numel
 
 
 class TensorSource(Protocol):
@@ -114,7 +126,7 @@ def migrate_to_host(
     own values are dropped, as DDP drops them for rank 0's) and must not read the state
     before :meth:`NodeSharedMemory.written`.
 
-    With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_moment`):
+    With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_on_host`):
     the NVMe tier holds them.
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
@@ -150,8 +162,8 @@ def migrate_to_host(
         master=master,
         shadow=shadow,
         exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared) if moments_on_host
-        else absent_moment(layout.numel),
+        else absent_on_host(layout.numel),
         exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared) if moments_on_host
-        else absent_moment(layout.numel),
+        else absent_on_host(layout.numel),
         params=params,
     )

@@ -1,16 +1,33 @@
-"""The NVMe tier: each block's Adam m and v in a swap file, moved through a small RAM window.
+"""The NVMe tier: each block's optimizer state in a swap file, moved through a small RAM window.
 
 With ``"megatrain": {"nvme_offload": "optimizer"}`` (or ZeRO-Infinity's
-``offload_optimizer.device: "nvme"``) a block's moments live in
-``<swap dir>/blockNNNNN.swap`` (``state/swap_directory.py``): m, then v, each padded to
-the I/O engine's alignment, so one block moves in one request (``state/swap_io.py``).
-The block's :class:`HostFlatState` holds meta-device placeholders for ``exp_avg`` and
-``exp_avg_sq`` while the moments are on disk, so a read that skipped :meth:`NvmeTier.acquire`
-fails loudly instead of reading stale memory. The master, shadow and gradients stay in
-host memory (the streamed weights are read every forward and backward).
+``offload_optimizer.device: "nvme"``) a block's optimizer state lives in
+``<swap dir>/blockNNNNN.swap`` (``state/swap_directory.py``): its :attr:`NvmeTier.kinds`,
+each padded to the I/O engine's alignment, so one block moves in one request
+(``state/swap_io.py``). The kinds are Adam's m and v, and the fp32 master too when the
+model computes in bf16: the master is then read only by the optimizer (forward and
+backward stream the bf16 shadow), so the tier takes 12 of the 16 bytes per parameter.
+With fp32 compute the master is the streamed copy, read every forward and backward, and
+stays in host memory, as do the shadow and the gradients.
+
+The block's :class:`HostFlatState` holds meta-device placeholders for the kinds on disk
+(:func:`~megatrain_ds.state.host_store.absent_on_host`), so a read that skipped
+:meth:`NvmeTier.acquire` fails loudly instead of reading stale memory. With the master on
+disk the block's parameters view the bf16 shadow (:meth:`HostFlatState.point_params_at`),
+as a DeepSpeed bf16 model's parameters are bf16: ``model.state_dict()`` shows the
+weights rounded to bf16, and a checkpoint (``engine.save_checkpoint``) holds the fp32
+masters, streamed from the swap files. When the engine is destroyed the parameters get
+their fp32 masters back (:meth:`NvmeTier.close`), so a model trained on and then handed
+to another engine (the HF Trainer's second ``train()``) loses no precision.
+
+[Note: adopting blocks one by one]
+The engine opens the tier before it migrates the model (:func:`open_nvme_tier` with every
+block's flat size) and hands it each block's state as soon as that block is migrated
+(:meth:`NvmeTier.adopt`): the master is written to the block's file and its host buffer
+freed before the next block is copied, so the fp32 model is never whole in host memory.
 
 [Note: the NVMe window]
-Every optimizer access to a block's moments goes through ``acquire(state)`` (``HostAdamW``
+Every optimizer access to a block's state on the tier goes through ``acquire(state)`` (``HostAdamW``
 calls it before each range, the journal before restoring). The window is
 ``nvme_window_blocks`` slots, each one buffer big enough for the largest block's m and v.
 
@@ -26,7 +43,7 @@ calls it before each range, the journal before restoring). The window is
   has finished (a slot's write and the next read into it are one task, in that order).
 - Only the block being accessed is bound to its state; a block being written is unbound
   first, so nothing can change a buffer while it is on its way to disk.
-- Device placements (``optimizer_device: "gpu"``) update the host moments asynchronously:
+- Device placements (``optimizer_device: "gpu"``) update the host state asynchronously:
   ``settle`` (``HostAdamW.flush``) runs before any slot is written back.
 - The transfers run on observed host threads (``runtime.start_thread``) fed by a
   ``runtime.host_queue``, and each finished transfer is a handoff (:class:`_Transfer`):
@@ -38,9 +55,9 @@ calls it before each range, the journal before restoring). The window is
   ``acquire``/:meth:`flush` on the training thread, as :class:`~megatrain_ds.state.swap_io.SwapIOError`
   naming the file and the bytes; the slot keeps the data it failed to write.
 
-Checkpoints read and write the moments through :meth:`NvmeTier.file_views`: the window is
-written back and emptied, and the swap files are mapped (``torch.from_file``), one shard's
-worth at a time, so a checkpoint streams from the tier that holds each tensor.
+Checkpoints read and write the tier's kinds through :meth:`NvmeTier.file_views`: the window
+is written back and emptied, and the swap files are mapped (``torch.from_file``), one
+shard's worth at a time, so a checkpoint streams from the tier that holds each tensor.
 """
 
 from __future__ import annotations
@@ -61,7 +78,7 @@ from megatrain_ds.config import MegatrainOptions
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import NullTracer, Tracer
-from megatrain_ds.state.host_store import HostFlatState, absent_moment
+from megatrain_ds.state.host_store import HostFlatState, absent_on_host
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
 from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, open_swap_io
 
@@ -75,10 +92,10 @@ DISK_WAIT_SHARE = 0.2
 
 
 class Residency(Protocol):
-    """Where the optimizer asks for a state's moments before touching them."""
+    """Where the optimizer asks for a state's optimizer state before touching it."""
 
     def acquire(self, state: HostFlatState) -> None:
-        """Make ``state.exp_avg``/``exp_avg_sq`` real host tensors until the next acquire."""
+        """Make ``state.exp_avg``/``exp_avg_sq`` (and ``master``) real host tensors until the next acquire."""
 
     def expect(self, states: Sequence[HostFlatState]) -> None:
         """The order of the next accesses (a hint: prefetch follows it)."""
@@ -136,46 +153,64 @@ class _Transfer:
 @dataclass
 class _Slot:
     buffer: torch.Tensor
-    """Flat fp32: m at ``[0, pad)``, v at ``[pad, 2 * pad)`` of the block it holds."""
+    """Flat fp32: the tier's k-th kind at ``[k * pad, (k + 1) * pad)`` of the block it holds."""
     index: int | None = None
     pending: _Transfer | None = None
     dirty: bool = False
 
 
-def swap_file_bytes(numel: int, alignment: int) -> int:
-    """Bytes of one block's swap file: m and v, each padded to ``alignment``."""
-    return 2 * aligned_bytes(numel * FP32, alignment)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+WITH_MASTER = ("master", *MOMENTS)
+
+
+def tier_kinds(master_is_streamed: bool) -> tuple[str, ...]:
+    """What the tier holds of each block: m and v, and the fp32 master unless it is the
+    copy forward and backward stream (fp32 compute)."""
+    return MOMENTS if master_is_streamed else WITH_MASTER
+
+
+def swap_file_bytes(numel: int, alignment: int, kinds: int = len(MOMENTS)) -> int:
+    """Bytes of one block's swap file: ``kinds`` fp32 buffers, each padded to ``alignment``."""
+    return kinds * aligned_bytes(numel * FP32, alignment)
 
 
 class NvmeTier:
-    """The NVMe tier of ``states`` (the blocks); see the module docstring and [Note: the NVMe window].
+    """The NVMe tier of the blocks' optimizer state; see the module docstring and [Note: the NVMe window].
 
     Args:
-        states: the block states whose moments move to disk (built with
-            ``moments_on_host=False``: placeholders, no host memory).
+        numels: every block's flat size, in block order: one swap file each, made now.
+        kinds: what the files hold of each block (:func:`tier_kinds`).
         runtime: host buffers (pinned with CUDA) and the tracer.
         options: ``nvme_path``, ``nvme_window_blocks``, ``nvme_aio``.
-        settle: waits for asynchronous updates of host moments (the device placement).
+
+    The blocks' states arrive through :meth:`adopt`, in block order (built with
+    ``moments_on_host=False``: placeholders for the moments, no host memory).
+
+    Attributes:
+        settle: waits for asynchronous updates of host state (the device placement), set
+            once the optimizer exists; runs before any slot is written back.
     """
 
-    def __init__(self, states: Sequence[HostFlatState], runtime: DeviceRuntime, options: MegatrainOptions,
-                 settle: Callable[[], None] | None = None) -> None:
-        self.states = list(states)
+    def __init__(self, numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime,
+                 options: MegatrainOptions) -> None:
+        self.kinds = tuple(kinds)
+        self.states: list[HostFlatState] = []
         self.runtime = runtime
-        self.settle = settle or (lambda: None)
+        self.settle: Callable[[], None] = lambda: None
         self.io: SwapIO = open_swap_io(options.nvme_aio, runtime)
-        self._pad = [aligned_bytes(s.layout.numel * FP32, self.io.alignment) // FP32 for s in self.states]
-        names = [f"block{index:05d}.swap" for index in range(len(self.states))]
+        self._numels = list(numels)
+        self._pad = [aligned_bytes(numel * FP32, self.io.alignment) // FP32 for numel in self._numels]
+        names = [f"block{index:05d}.swap" for index in range(len(self._numels))]
         try:
             self.directory = SwapDirectory(options.nvme_path or "", {
-                name: 2 * pad * FP32 for name, pad in zip(names, self._pad)})
+                name: len(self.kinds) * pad * FP32 for name, pad in zip(names, self._pad)})
         except BaseException:
             self.io.close()
             raise
         self._paths = [self.directory.files[name] for name in names]
-        self._index = {id(state): index for index, state in enumerate(self.states)}
-        window = min(options.nvme_window_blocks, max(len(self.states), 1))
-        largest = 2 * max(self._pad, default=0)
+        self._index: dict[int, int] = {}
+        window = min(options.nvme_window_blocks, max(len(self._numels), 1))
+        largest = len(self.kinds) * max(self._pad, default=0)
         self._slots = [_Slot(self.io.buffer(largest)) for _ in range(window)]
         self._where: dict[int, _Slot] = {}
         self._schedule: deque[int] = deque()
@@ -193,9 +228,37 @@ class NvmeTier:
         """Time the training threads spent waiting for swap reads (and writes) so far."""
         self._step_mark: tuple[float, float, int] | None = None  # (time, wait_seconds, bytes moved)
         self._warned = False
-        logger.info("megatrain: NVMe tier: Adam m and v of %d blocks (%.2f GiB) in %s, %d-block window "
-                    "(%.2f GiB of host memory), I/O engine %s", len(self.states), self.directory.nbytes / 2**30,
+        what = "the fp32 master, Adam m and v" if "master" in self.kinds else "Adam m and v"
+        logger.info("megatrain: NVMe tier: %s of %d blocks (%.2f GiB) in %s, %d-block window "
+                    "(%.2f GiB of host memory), I/O engine %s", what, len(self._numels), self.directory.nbytes / 2**30,
                     self.directory.path, window, self.window_bytes / 2**30, self.io.name)
+
+    def adopt(self, state: HostFlatState) -> None:
+        """Take the next block's state (see [Note: adopting blocks one by one]): with the
+        master on the tier it is written to the block's file now (m and v start as the
+        file's zeros), its host buffer freed and the block's parameters pointed at the shadow."""
+        index = len(self.states)
+        if index >= len(self._numels) or state.layout.numel != self._numels[index]:
+            raise ValueError(f"block {index} has {state.layout.numel} elements, the tier was made for "
+                             f"{self._numels[index] if index < len(self._numels) else 'no more blocks'}")
+        if "master" in self.kinds:
+            slot = self._slots[0]
+            assert slot.index is None and slot.pending is None, "blocks are adopted before any access"
+            numel, pad = state.layout.numel, self._pad[index]
+            part = slot.buffer[: len(self.kinds) * pad]
+            part.zero_()
+            part[:numel].copy_(state.master)
+            try:
+                self._transfer(part, index, writing=True, slot=slot, tracer=self.runtime.tracer, step={})
+            except BaseException:
+                self._raise_failure()  # explained: the path and the bytes
+                raise
+            assert state.shadow is not None, "the master leaves host memory only when a shadow is streamed"
+            state.point_params_at(state.shadow)
+            self.runtime.free_host(state.master)
+            state.master = absent_on_host(numel)
+        self.states.append(state)
+        self._index[id(state)] = index
 
     # -- the window --------------------------------------------------------------------------
 
@@ -217,7 +280,7 @@ class NvmeTier:
             self._prefetch()
 
     def acquire(self, state: HostFlatState, write: bool = True) -> None:
-        """Bind ``state``'s moments to their slot (reading them first if needed); with
+        """Bind ``state``'s kinds on the tier to their slot (reading them first if needed); with
         ``write`` (every optimizer use) the block is written back when it leaves."""
         index = self._index.get(id(state))
         if index is None:
@@ -299,25 +362,25 @@ class NvmeTier:
 
     @contextlib.contextmanager
     def file_views(self) -> Iterator[Callable[[HostFlatState], dict[str, torch.Tensor] | None]]:
-        """Yields ``moments(state)``: ``{"exp_avg": t, "exp_avg_sq": t}`` mapped from the
-        state's swap file (writes go to the file), or None for a state not on the tier.
+        """Yields ``on_tier(state)``: ``{kind: tensor}`` for each of :attr:`kinds`, mapped from
+        the state's swap file (writes go to the file), or None for a state not on the tier.
         Drop the tensors when done with a shard; the files are fsynced on exit."""
         with self._lock:
             upcoming = list(self._schedule)
         self.flush()
         touched: set[int] = set()
 
-        def moments(state: HostFlatState) -> dict[str, torch.Tensor] | None:
+        def on_tier(state: HostFlatState) -> dict[str, torch.Tensor] | None:
             index = self._index.get(id(state))
             if index is None:
                 return None
             touched.add(index)
             pad, numel = self._pad[index], state.layout.numel
-            mapped = torch.from_file(self._paths[index], shared=True, size=2 * pad, dtype=torch.float32)
-            return {"exp_avg": mapped[:numel], "exp_avg_sq": mapped[pad : pad + numel]}
+            mapped = torch.from_file(self._paths[index], shared=True, size=len(self.kinds) * pad, dtype=torch.float32)
+            return {kind: mapped[k * pad : k * pad + numel] for k, kind in enumerate(self.kinds)}
 
         try:
-            yield moments
+            yield on_tier
         finally:
             for index in touched:  # a mapping's writes reach the disk before O_DIRECT reads it
                 fd = os.open(self._paths[index], os.O_RDONLY)
@@ -330,28 +393,44 @@ class NvmeTier:
                 self._prefetch()
 
     def close(self) -> None:
-        """Stop the I/O threads, free the window, remove the swap directory."""
-        with self._lock:
-            for index in list(self._where):
-                self._unbind(index)
-            for _ in self._threads:  # after every queued transfer (one queue, first in first out)
-                self._tasks.put(None)
-            for thread in self._threads:
-                thread.join()
-            self.io.close()
-            self.directory.close()
+        """Stop the I/O threads, free the window, remove the swap directory.
+
+        With the masters on the tier the blocks' parameters first get them back: each
+        block's parameters view a private mapping of its swap file (``torch.from_file``,
+        ``MAP_PRIVATE``), which outlives the file's removal. The fp32 model then costs page
+        cache that the kernel can drop and read again, not host memory, and its disk space
+        is freed when the model is."""
+        try:
+            if "master" in self.kinds and self._failure is None:
+                self.flush()
+                for index, state in enumerate(self.states):
+                    pad, numel = self._pad[index], state.layout.numel
+                    mapped = torch.from_file(self._paths[index], shared=False, size=len(self.kinds) * pad,
+                                             dtype=torch.float32)
+                    state.master = mapped[:numel]
+                    state.point_params_at(state.master)
+        finally:
+            with self._lock:
+                for index in list(self._where):
+                    self._unbind(index)
+                for _ in self._threads:  # after every queued transfer (one queue, first in first out)
+                    self._tasks.put(None)
+                for thread in self._threads:
+                    thread.join()
+                self.io.close()
+                self.directory.close()
 
     # -- internals (under the lock) --------------------------------------------------------------
 
     def _bind(self, index: int, slot: _Slot) -> None:
         state, pad = self.states[index], self._pad[index]
-        state.exp_avg = slot.buffer[: state.layout.numel]
-        state.exp_avg_sq = slot.buffer[pad : pad + state.layout.numel]
+        for k, kind in enumerate(self.kinds):
+            setattr(state, kind, slot.buffer[k * pad : k * pad + state.layout.numel])
 
     def _unbind(self, index: int) -> None:
         state = self.states[index]
-        state.exp_avg = absent_moment(state.layout.numel)
-        state.exp_avg_sq = absent_moment(state.layout.numel)
+        for kind in self.kinds:
+            setattr(state, kind, absent_on_host(state.layout.numel))
 
     def _victim(self, protect: set[int], demand: bool) -> _Slot | None:
         """A slot to load into: an empty one, else the one whose block is needed last
@@ -425,8 +504,8 @@ class NvmeTier:
 
     def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot, tracer: NullTracer | Tracer,
                   step: dict[str, int]) -> None:
-        nbytes = 2 * self._pad[index] * FP32
-        part = buffer[: 2 * self._pad[index]]
+        nbytes = len(self.kinds) * self._pad[index] * FP32
+        part = buffer[: len(self.kinds) * self._pad[index]]
         track = "nvme write" if writing else "nvme read"
         try:
             with tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name, **step):
@@ -464,11 +543,11 @@ def _explained(error: BaseException, path: str, nbytes: int, writing: bool) -> B
     return error
 
 
-def open_nvme_tier(states: Sequence[HostFlatState], runtime: DeviceRuntime, options: MegatrainOptions,
-                   settle: Callable[[], None] | None = None) -> NvmeTier:
-    """The tier for ``states``; a clear error when the swap directory cannot be made."""
+def open_nvme_tier(numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime,
+                   options: MegatrainOptions) -> NvmeTier:
+    """The tier for blocks of these flat sizes; a clear error when the swap directory cannot be made."""
     try:
-        return NvmeTier(states, runtime, options, settle)
+        return NvmeTier(numels, kinds, runtime, options)
     except (DiskSpaceError, SwapIOError):
         raise
     except OSError as error:
