@@ -276,8 +276,9 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
           f"{fragments['fragments']['predicted_step_seconds']:.4g} s"
           + ("" if best or hardware.shares_host_memory else "  (a block is too small to cut)"))
     if settings.nvme:
+        weights = " (and the weights read in every forward and backward)" if settings.nvme_weights else ""
         print(f"NVMe tier: {_format_bytes(result.disk_bytes)} of swap files, read and written once per optimizer "
-              f"step; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "
+              f"step{weights}; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "
               f"{hardware.disk_write_bytes_per_s / 1e9:.2f} GB/s write")
         if result.recommended.get("bottleneck") == "disk":
             print(f"the disk is the bottleneck: {result.recommended['gradient_accumulation_steps']} micro-batches "
@@ -310,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the blocks' Adam m and v (and fp32 masters with bf16) on the NVMe tier, swap files "
                         "under PATH (its disk is measured)")
     p.add_argument("--nvme-window-blocks", type=int, default=4)
+    p.add_argument("--nvme-weights", action="store_true",
+                   help='with --nvme: the blocks\' weights on the tier too ("nvme_offload": "all")')
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -319,8 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         accumulation=args.gradient_accumulation_steps, bf16=not (args.fp32 or args.gpu == "cpu"),
         clipping=not args.no_clipping, checkpoint_interval=args.checkpoint_interval,
         offload_checkpoints=not args.keep_checkpoints_on_device,
-        nvme=args.nvme is not None, nvme_window_blocks=args.nvme_window_blocks,
+        nvme=args.nvme is not None, nvme_window_blocks=args.nvme_window_blocks, nvme_weights=args.nvme_weights,
     )
+    if args.nvme_weights and args.nvme is None:
+        parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
     model = load_meta_model(args.model)
     shape = shape_of(model, args.block_path)
     if args.gpu == "cpu":

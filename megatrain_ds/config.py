@@ -55,6 +55,8 @@ _ZERO_UNDERSTOOD = {"stage", "stage3_gather_16bit_weights_on_model_save"}
 _ZERO_OFFLOAD_BLOCKS = ("offload_param", "offload_optimizer")
 _OFFLOAD_HOST_DEVICES = ("cpu", "none", None)  # host memory is where this engine keeps both
 _NVME = "nvme"
+NVME_OFFLOAD_LEVELS = ("none", "optimizer", "all")
+"""What the NVMe tier holds, least first: nothing, the blocks' optimizer state, their whole state."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,7 @@ def _zero_optimization(block: Any) -> _ZeroOffload:
     ``cpu``/``none`` agree with the engine; any ``stage`` 0-3 is accepted. ZeRO-Infinity's
     ``offload_optimizer.device: "nvme"`` puts the optimizer state on the NVMe tier
     (``nvme_offload: "optimizer"``, its ``nvme_path`` and ``buffer_count``);
-    ``offload_param.device: "nvme"`` does too, and is warned about: this engine keeps the
-    streamed weights in host memory.
+    ``offload_param.device: "nvme"`` puts the blocks' weights there too (``nvme_offload: "all"``).
     """
     if not isinstance(block, Mapping):
         raise ConfigError(f'"zero_optimization" must be a JSON object, got {block!r}')
@@ -93,10 +94,6 @@ def _zero_optimization(block: Any) -> _ZeroOffload:
             ignored.append(f"zero_optimization.{key}")
             continue
         on_nvme = value.get("device") == _NVME
-        if on_nvme and key == "offload_param":
-            logger.warning('megatrain: zero_optimization.offload_param.device is "nvme": this engine puts '
-                           "the optimizer state (Adam m and v, and with bf16 compute the fp32 master) on NVMe "
-                           "and keeps the streamed weights in host memory")
         for sub, sub_value in value.items():
             name = f"zero_optimization.{key}.{sub}"
             if sub == "pin_memory":
@@ -112,9 +109,12 @@ def _zero_optimization(block: Any) -> _ZeroOffload:
             else:
                 ignored.append(name)
         if on_nvme:
-            nvme["nvme_offload"] = "optimizer"
+            # Weights on NVMe take their optimizer state along: a block's master is both.
+            level = "all" if key == "offload_param" else "optimizer"
+            nvme["nvme_offload"] = "all" if nvme.get("nvme_offload") == "all" else level
     if nvme.get("nvme_offload") and "nvme_path" not in nvme:
-        raise ConfigError('zero_optimization.offload_optimizer.device is "nvme" but no nvme_path is given: '
+        device = "offload_param" if nvme["nvme_offload"] == "all" else "offload_optimizer"
+        raise ConfigError(f'zero_optimization.{device}.device is "nvme" but no nvme_path is given: '
                           'add "nvme_path": "/local_nvme/..." (a directory on a local disk)')
     return _ZeroOffload(pin_memory=(any(pins) if pins else None), nvme=nvme, ignored=tuple(ignored))
 
@@ -276,11 +276,14 @@ class MegatrainOptions:
     died breaks the connections at once; one that hangs is reported after this long."""
     nvme_offload: str = "none"
     """The NVMe tier: "optimizer" keeps every block's Adam m and v (8 bytes/param; with bf16
-    compute the fp32 master too, 12 bytes/param) in swap files under ``nvme_path``, read ahead of each block's update and written back behind
-    it through a window of ``nvme_window_blocks`` blocks in host memory; "auto" does so
-    only when the run would not fit in host memory otherwise; "none" keeps everything in
-    host memory. ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` sets "optimizer".
-    See ``state/nvme_tier.py``."""
+    compute the fp32 master too, 12 bytes/param) in swap files under ``nvme_path``, read
+    ahead of each block's update and written back behind it through a window of
+    ``nvme_window_blocks`` blocks in host memory; "all" keeps the blocks' weights there too
+    (the fp32 master, m and v: every byte of a block's state but its held gradient), read
+    ahead of forward and backward through a second window; "auto" picks the least of
+    these that fits in host memory; "none" keeps everything in host memory. ZeRO-Infinity's
+    ``offload_optimizer.device: "nvme"`` sets "optimizer", ``offload_param.device: "nvme"``
+    sets "all". See ``state/nvme_tier.py`` and ``state/nvme_weights.py``."""
     nvme_path: str | None = None
     """Directory (on a local disk) for the NVMe tier's swap files; each run makes and locks
     its own sub-directory and removes it at ``engine.destroy()``."""
@@ -341,8 +344,8 @@ class MegatrainOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
         self.nvme_aio = AioSettings.from_dict(self.nvme_aio, "megatrain.nvme_aio")
-        if self.nvme_offload not in ("none", "optimizer", "auto"):
-            raise ConfigError(f'megatrain.nvme_offload must be one of "none", "optimizer", "auto"; '
+        if self.nvme_offload not in NVME_OFFLOAD_LEVELS + ("auto",):
+            raise ConfigError(f'megatrain.nvme_offload must be one of "none", "optimizer", "all", "auto"; '
                               f"got {self.nvme_offload!r}")
         if self.nvme_offload != "none" and not (isinstance(self.nvme_path, (str, os.PathLike)) and str(self.nvme_path)):
             raise ConfigError(f'megatrain.nvme_offload is {self.nvme_offload!r} but megatrain.nvme_path is '

@@ -14,6 +14,7 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -40,10 +41,11 @@ from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, g
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
-from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
+from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier, weight_window_buffers
 from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
-from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier, tier_kinds
+from megatrain_ds.state.nvme_tier import WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
+from megatrain_ds.state.nvme_weights import NvmeWeights
 from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
@@ -112,6 +114,8 @@ class MegatrainEngine(nn.Module):
         self.last_step_report: StepReport | None = None
         """How the last optimizer step went: outcome, norm, scale, speculated/restored elements."""
         self.nvme_tier: NvmeTier | None = None
+        self.nvme_weights: NvmeWeights | None = None
+        """The weight window, with the blocks' weights on the NVMe tier (``"nvme_offload": "all"``)."""
         try:
             self._build(model)
         except BaseException:
@@ -124,12 +128,12 @@ class MegatrainEngine(nn.Module):
     # -- construction --------------------------------------------------------------------
 
     def _build(self, model: nn.Module) -> None:
-        # The NVMe tier ("auto": only when host memory is short) holds the blocks' Adam moments
-        # (and fp32 masters, with bf16 compute).
+        # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
+        # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
         nvme = wants_nvme_tier(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
-        if nvme and self.data_parallel is not None:
-            raise ConfigError("megatrain.nvme_offload (offload_optimizer.device \"nvme\") is not supported with "
-                              "data parallel yet: train on one rank, or keep the optimizer state in host memory")
+        if nvme != "none" and self.data_parallel is not None:
+            raise ConfigError("megatrain.nvme_offload (offload_optimizer/offload_param.device \"nvme\") is not "
+                              "supported with data parallel yet: train on one rank, or keep the state in host memory")
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, nvme=nvme)
         _reject_unsupported_outputs(model)
@@ -146,10 +150,11 @@ class MegatrainEngine(nn.Module):
         dp = self.data_parallel
         shared = dp.shared if dp is not None else None  # one host copy per node
 
-        if nvme:  # opened first, to take each block as it is migrated (state/nvme_tier.py)
+        if nvme != "none":  # opened first, to take each block as it is migrated (state/nvme_tier.py)
             self.nvme_tier = open_nvme_tier(
                 [flat_numel(list(block.named_parameters()), group_of) for block in blocks],
-                tier_kinds(master_is_streamed=compute == master), self.runtime, options)
+                WITH_MASTER if nvme == "all" else tier_kinds(master_is_streamed=compute == master),
+                self.runtime, options)
 
         templates_by_key: dict[tuple, BlockTemplate] = {}
         templates: list[BlockTemplate] = []
@@ -166,7 +171,7 @@ class MegatrainEngine(nn.Module):
             self.states.append(migrate_to_host(
                 list(block.named_parameters()), group_of, self.runtime, master, compute,
                 source=source.scoped(f"{path}.{index}.") if source is not None else None, shared=shared,
-                moments_on_host=not nvme,
+                moments_on_host=nvme == "none", shadow_on_host=nvme != "all",
             ))
             if self.nvme_tier is not None:
                 self.nvme_tier.adopt(self.states[-1])
@@ -220,9 +225,12 @@ class MegatrainEngine(nn.Module):
                             options.num_staging_buffers, self._consume_gradient)
         self.sink: GradientPort = sink if dp is None else GradientReducer(
             self.runtime, dp, sink, self.windows)
+        if nvme == "all":  # forward and backward read the blocks' weights from the tier
+            self.nvme_weights = NvmeWeights(self.nvme_tier, compute, weight_window_buffers(options))
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
+            source=self.nvme_weights,
             # "auto" crosses whole blocks until the first training forward decides.
             fragment_elements=(options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
             // compute.itemsize,
@@ -298,13 +306,24 @@ class MegatrainEngine(nn.Module):
 
     def _master_state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any],
                                 prefix: str, local_metadata: Any) -> None:
-        """Report resident parameters by their fp32 master, not their device copy."""
+        """Report resident parameters by their fp32 master, not their device copy; with the
+        weights on the NVMe tier, the blocks' parameters (meta tensors) by their masters
+        read from the swap files (copies: the whole model in host memory, as the caller asked)."""
         del module, local_metadata
         masters = self.resident.master_by_param()
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if key in state_dict and id(param) in masters:
-                state_dict[key] = masters[id(param)]
+        # Parked: meta parameters while the engine runs (given their masters back by destroy()).
+        parked = [state for state in self.states[: self._resident_index] if any(p.is_meta for p in state.params)]
+        with contextlib.ExitStack() as stack:
+            if parked:
+                on_tier = stack.enter_context(self.nvme_tier.file_views())
+                for state in parked:
+                    master = on_tier(state)["master"]
+                    for slot, param in zip(state.layout.slots, state.params):
+                        masters[id(param)] = master[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            for name, param in self.module.named_parameters(remove_duplicate=False):
+                key = prefix + name
+                if key in state_dict and id(param) in masters:
+                    state_dict[key] = masters[id(param)]
 
     # -- DeepSpeed engine API ---------------------------------------------------------------
 
@@ -420,6 +439,8 @@ class MegatrainEngine(nn.Module):
             totals["journal"] = self.stepper.journal.nbytes
         if self.nvme_tier is not None:
             totals["nvme_window"] = self.nvme_tier.window_bytes
+        if self.nvme_weights is not None:
+            totals["nvme_weights"] = self.nvme_weights.nbytes
         return totals
 
     def destroy(self) -> None:

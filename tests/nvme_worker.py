@@ -22,9 +22,10 @@ from side_by_side import ds_config
 ACCUMULATION = 2
 
 
-def build(seed: int, nvme_path: str | None, bf16: bool = False) -> MegatrainEngine:
+def build(seed: int, nvme_path: str | None, bf16: bool = False, level: str = "optimizer") -> MegatrainEngine:
     """Llama, accumulation 2, clipping; the NVMe tier with a 2-block window when given a path
-    (with ``bf16`` compute the tier holds the fp32 masters too).
+    (with ``bf16`` compute the tier holds the fp32 masters too; ``level`` "all": the weights
+    too).
 
     ATen's fused kernel: DeepSpeed's CPU Adam op keeps its bias-correction powers inside
     the op, updated by one multiplication per step, and recomputes them with ``pow`` after
@@ -34,7 +35,7 @@ def build(seed: int, nvme_path: str | None, bf16: bool = False) -> MegatrainEngi
     torch.manual_seed(seed)
     megatrain: dict = {"cpu_adam_kernel": "torch_fused"}
     if nvme_path:
-        megatrain.update(nvme_offload="optimizer", nvme_path=nvme_path, nvme_window_blocks=2)
+        megatrain.update(nvme_offload=level, nvme_path=nvme_path, nvme_window_blocks=2)
     engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(accumulation=ACCUMULATION, bf16=bf16,
                                                                                 megatrain=megatrain)))
     engine.train()

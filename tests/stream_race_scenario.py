@@ -21,6 +21,9 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama t
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
   read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
   checkpoint saved from and loaded into the swap files and one more step.
+- ``nvme-all``: the same with the blocks' weights on the tier too (``state/nvme_weights.py``),
+  five blocks: forward and backward read them from the swap files through a three-buffer
+  weight window.
 
 Exit status: 0 when every step ran without a race, ``RACE_EXIT`` (printing the race)
 when the checker raised ``StreamRaceError``, anything else for other failures.
@@ -68,8 +71,16 @@ SCENARIOS = {
     # nvme_path: a temporary directory, set by run().
     "nvme": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "nvme_offload": "optimizer",
                                                           "nvme_window_blocks": 2}),
+    "nvme-all": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "nvme_offload": "all",
+                                                              "nvme_window_blocks": 2}),
 }
-WITH_CHECKPOINT = ("host", "nvme")
+WITH_CHECKPOINT = ("host", "nvme", "nvme-all")
+LAYERS = {"nvme-all": 5}
+"""Blocks of the scenarios' Llama where three would not do: five blocks through a
+three-buffer weight window reuse buffers within a pass, and blocks leave the tier's
+window while their write is still in flight."""
+NVME_SCENARIOS = ("nvme", "nvme-all")
+"""The scenarios of the NVMe tier, whose handoffs only its own I/O threads and windows use."""
 
 
 class UserCheckpointed(torch.nn.Module):
@@ -109,7 +120,7 @@ def run(name: str) -> None:
         if "nvme_offload" in spec["megatrain"]:
             spec = {**spec, "megatrain": {**spec["megatrain"], "nvme_path": swap}}
         torch.manual_seed(0)
-        model = UserCheckpointed() if name.startswith("user-checkpointing") else tiny_models.llama(num_layers=3)
+        model = UserCheckpointed() if name.startswith("user-checkpointing") else tiny_models.llama(num_layers=LAYERS.get(name, 3))
         engine = MegatrainEngine(model, parse_engine_config(ds_config(**spec)), device=torch.device("cpu"))
         try:
             assert engine.runtime.checker is not None, "the race checker is not on"

@@ -33,15 +33,16 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-masters-on-tier"])
-def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load(tmp_path, bf16):
-    """Saved from the tier (moments, and with bf16 compute the fp32 masters, streamed from
-    the swap files) or from host memory: the same safetensors bytes. Each loads into an
-    engine of the other kind and training goes on bit for bit as the uninterrupted
-    RAM-only run."""
+@pytest.mark.parametrize("bf16, level", [(False, "optimizer"), (True, "optimizer"), (False, "all"), (True, "all")],
+                         ids=["fp32", "bf16-masters-on-tier", "fp32-weights-on-tier", "bf16-weights-on-tier"])
+def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load(tmp_path, bf16, level):
+    """Saved from the tier (moments, and with bf16 compute or the weights on the tier the
+    fp32 masters, streamed from the swap files) or from host memory: the same safetensors
+    bytes. Each loads into an engine of the other kind and training goes on bit for bit as
+    the uninterrupted RAM-only run."""
     ram = nvme_worker.build(0, None, bf16)
-    tiered = nvme_worker.build(0, str(tmp_path / "nvme"), bf16)
-    assert ("master" in tiered.nvme_tier.kinds) is bf16
+    tiered = nvme_worker.build(0, str(tmp_path / "nvme"), bf16, level)
+    assert ("master" in tiered.nvme_tier.kinds) is (bf16 or level == "all")
     try:
         assert nvme_worker.train(ram, 2) == nvme_worker.train(tiered, 2)
         ram.save_checkpoint(tmp_path / "from_ram", tag="t")
@@ -56,7 +57,7 @@ def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load
         ram.destroy()
         tiered.destroy()
     for source, nvme in (("from_tier", None), ("from_ram", str(tmp_path / "nvme2"))):
-        engine = nvme_worker.build(1, nvme, bf16)
+        engine = nvme_worker.build(1, nvme, bf16, level)
         try:
             engine.load_checkpoint(tmp_path / source)
             assert nvme_worker.train(engine, 2) == straight, source
@@ -167,7 +168,7 @@ def test_preflight_suggests_the_tier_when_host_memory_is_short(tmp_path):
     config = parse_engine_config(ds_config(megatrain={"nvme_path": str(tmp_path)}))
     optimizer = build_optimizer(model, None, config.optimizer, None)
     need = preflight(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
-    tier = preflight(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=True)
+    tier = preflight(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="optimizer")
     assert tier.host["adam_m_v"] < need.host["adam_m_v"] and tier.disk > 0 and need.disk == 0
     short = AvailableMemory(host=need.host_total - 1)
     with pytest.raises(InsufficientMemoryError, match="nvme_offload"):

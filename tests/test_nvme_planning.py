@@ -48,6 +48,37 @@ def test_host_state_with_the_tier_matches_the_engines_accounting(tmp_path):
         engine.destroy()
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_host_state_with_the_weights_on_the_tier_matches_the_engines_accounting(tmp_path, bf16):
+    """"all": the blocks' masters (and shadows) leave host memory too; the weight window
+    comes in (the planner counts no alignment padding: the engine's is under 4 KiB a buffer)."""
+    model = _llama()
+    shape = shape_of(model)
+    settings = RunSettings(seq_len=12, micro_batch=2, bf16=bf16, nvme=True, nvme_window_blocks=2, nvme_weights=True)
+    predicted = host_bytes(shape, settings)
+    options = {**nvme_options(tmp_path, engine="threads"), "nvme_offload": "all"}
+    engine = MegatrainEngine(model, parse_engine_config(ds_config(bf16=bf16, megatrain=options)))
+    try:
+        measured = engine.host_bytes()
+        assert predicted["master"] == measured["master"] == 4 * shape.resident_params
+        assert predicted.get("bf16_shadow", 0) == measured.get("shadow", 0) == (2 * shape.resident_params if bf16 else 0)
+        buffers = 3 * (2 if bf16 else 1)  # two device slots + two read ahead - 1; bf16: and their staging
+        assert 0 <= measured["nvme_weights"] - predicted["nvme_weights"] < buffers * 4096
+        assert plan(shape, settings, CPU, 64 << 30).disk_bytes == 12 * shape.total_block_params
+    finally:
+        engine.destroy()
+
+
+def test_with_the_weights_on_the_tier_every_pass_reads_them_from_disk():
+    shape = shape_of(_llama(8))
+    settings = RunSettings(seq_len=128, micro_batch=2, bf16=False, nvme=True, nvme_weights=True)
+    swap = 12 * shape.total_block_params
+    for accumulation in (1, 4):  # the state moves once per optimizer step, the weights twice per pass
+        expected = (swap + accumulation * 2 * 4 * shape.total_block_params) / 2e9 + swap / 1e9
+        by_bound = step_seconds(shape, _with(settings, accumulation=accumulation), CPU)
+        assert by_bound["disk"] == pytest.approx(expected)
+
+
 def test_disk_time_is_read_and_write_of_every_blocks_moments_once_per_step():
     shape = shape_of(_llama(8))
     settings = RunSettings(seq_len=128, micro_batch=2, bf16=False, nvme=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
 from megatrain_ds.state.nvme_tier import NvmeTier
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
 from test_parity import assert_parity
@@ -186,8 +186,8 @@ def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch
     config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
     probe = tiny_models.llama()
     optimizer = build_optimizer(probe, None, config.optimizer, None)
-    ram_only = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=False)
-    with_tier = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=True)
+    ram_only = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="none")
+    with_tier = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="optimizer")
     assert with_tier.host_total < ram_only.host_total
     for available, expected in ((ram_only.host_total + (1 << 20), False), (ram_only.host_total - 1, True)):
         monkeypatch.setattr(preflight, "available_memory",
@@ -197,5 +197,105 @@ def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch
         try:
             assert (engine.nvme_tier is not None) is expected
             assert any('nvme_offload "auto"' in r.getMessage() for r in caplog.records)
+        finally:
+            engine.destroy()
+
+
+# -- the weights on the tier too ("nvme_offload": "all") ---------------------------------------
+
+ALL_CASES = {
+    "clip-refuted-ga1": dict(accumulation=1, clipping=1.0),
+    "speculation-holds-ga2": dict(accumulation=2, clipping=1e3, speculative_blocks=2),
+    "no-clipping": dict(accumulation=1, clipping=0.0),
+    "bf16-clip-refuted-ga2": dict(accumulation=2, clipping=1.0, bf16=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
+def test_weights_on_the_tier_match_pytorch_and_are_bit_identical_to_ram_only(tmp_path, case):
+    """Forward and backward read every block's weights from the swap files through the
+    weight window (three buffers over four blocks: each pass reads again what the window
+    could not keep), the optimizer writes them back: same losses, weights and moments as
+    the engine without the tier, bit for bit, and plain PyTorch's to the parity tolerances
+    (fp32; bf16 compute is compared with the RAM-only engine only)."""
+    spec = dict(ALL_CASES[case])
+    speculative = spec.pop("speculative_blocks", "auto")
+    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**spec, megatrain={"speculative_blocks": speculative}))
+    options = {**nvme_options(tmp_path), "nvme_offload": "all", "speculative_blocks": speculative}
+    tiered, reference, trace = train_side_by_side(tiny_models.llama, ds_config(**spec, megatrain=options))
+    try:
+        assert tiered.nvme_tier.kinds == ("master", "exp_avg", "exp_avg_sq")
+        if not spec.get("bf16"):
+            assert_parity(tiered, reference, trace)
+        assert trace.engine_losses == ram_trace.engine_losses
+        assert_bit_identical(tiered, ram)  # the state dict comes from the swap files
+        if speculative != "auto":
+            assert tiered.last_step_report.speculated > 0, "the speculative path was not taken"
+        # No host copy of a block's weights: no master, no shadow, parameters without storage.
+        tiered.nvme_tier.flush()
+        blocks = tiered.states[:-1]
+        assert all(s.master.is_meta and s.shadow is None for s in blocks)
+        assert all(p.is_meta for s in blocks for p in s.params)
+        host = tiered.host_bytes()
+        assert host["master"] == 4 * tiered.states[-1].layout.numel  # the resident state only
+        assert host["nvme_weights"] == tiered.nvme_weights.nbytes > 0
+        # Every pass took its blocks from the window; backward reused what forward had read.
+        takes = sum(tiered.streamer.transfers.values())
+        assert 0 < tiered.nvme_weights.reads < takes
+        assert tiered.streamer.transfers == ram.streamer.transfers  # still two crossings per pass pair
+    finally:
+        ram.destroy()
+        tiered.destroy()
+    # Destroyed, the tier hands the fp32 masters back to the model's parameters.
+    for (key, ours), theirs in zip(tiered.module.state_dict().items(), ram.module.state_dict().values()):
+        assert not ours.is_meta and torch.equal(ours, theirs), key
+
+
+def test_a_zero_infinity_config_with_offload_param_on_nvme_puts_the_weights_on_the_tier(tmp_path):
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}}
+    config = parse_engine_config({**ds_config(), "zero_optimization": zero})
+    assert (config.options.nvme_offload, config.options.nvme_path, config.options.nvme_window_blocks) == (
+        "all", str(tmp_path), 3)
+    only_optimizer = parse_engine_config({**ds_config(), "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    assert only_optimizer.options.nvme_offload == "optimizer"
+    with pytest.raises(ConfigError, match="offload_param.device is \"nvme\" but no nvme_path"):
+        parse_engine_config({**ds_config(), "zero_optimization": {"offload_param": {"device": "nvme"}}})
+    with pytest.raises(ConfigError, match='"none", "optimizer", "all", "auto"'):
+        parse_engine_config(ds_config(megatrain={"nvme_offload": "weights", "nvme_path": str(tmp_path)}))
+
+
+def test_auto_puts_as_little_on_the_tier_as_host_memory_allows(tmp_path, monkeypatch, caplog):
+    """Preflight's estimates order the levels (each holds less in host memory than the one
+    before, for blocks large next to the windows' alignment), and "auto" takes the least
+    one that fits."""
+    import transformers
+
+    from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+    from megatrain_ds.optimizer.facade import build_optimizer
+    from megatrain_ds.planning import preflight
+
+    def model() -> torch.nn.Module:  # 16 blocks of 41K parameters
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=tiny_models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
+    probe = model()
+    optimizer = build_optimizer(probe, None, config.optimizer, None)
+    needs = {level: preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS,
+                                        nvme=level) for level in ("none", "optimizer", "all")}
+    assert needs["all"].host_total < needs["optimizer"].host_total < needs["none"].host_total
+    assert needs["all"].host["nvme_weights"] > 0 and needs["all"].disk > needs["optimizer"].disk
+    for room, expected in ((needs["optimizer"].host_total, "optimizer"), (needs["optimizer"].host_total - 1, "all")):
+        monkeypatch.setattr(preflight, "available_memory",
+                            lambda device, room=room: preflight.AvailableMemory(host=room))
+        engine = MegatrainEngine(model(), config)
+        try:
+            assert (engine.nvme_weights is not None) is (expected == "all")
+            assert engine.nvme_tier is not None
+            if expected == "all":  # the estimate is what the engine holds
+                assert engine.host_bytes()["nvme_weights"] == needs["all"].host["nvme_weights"]
         finally:
             engine.destroy()

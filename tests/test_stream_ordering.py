@@ -27,7 +27,7 @@ import tiny_models
 from side_by_side import ds_config
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.stream_check import CheckedStream
-from stream_race_scenario import RACE_EXIT, SCENARIOS
+from stream_race_scenario import NVME_SCENARIOS, RACE_EXIT, SCENARIOS
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatrain_ds"
@@ -130,9 +130,9 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
         device_optimizer = site is not None and site.path.name == "device_adamw.py"
         scenarios = ["device-optimizer", "device-optimizer-no-clipping"] if device_optimizer else []
         if site is not None and site.path.parts[0] == "state":
-            scenarios = ["nvme"]  # the NVMe tier's handoffs: only its own I/O threads use them
+            scenarios = list(NVME_SCENARIOS)  # the NVMe tier's handoffs: only its own threads and windows use them
         elif site is not None and not scenarios:
-            scenarios = [name for name in SCENARIOS if name != "nvme"]  # the tier does not touch streams
+            scenarios = [name for name in SCENARIOS if name not in NVME_SCENARIOS]  # nor do the others need the tier
         command = [sys.executable, str(SCENARIO), *scenarios]
     return subprocess.run(command, env=_env(root), cwd=root, capture_output=True, text=True, timeout=600)
 

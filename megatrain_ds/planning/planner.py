@@ -72,6 +72,12 @@ optimizer step reads and writes them once (``disk``: ``t * P_b / read + t * P_b 
 many micro-batches it accumulates. The disk works beside the cores and the copy engines
 and the optimizer overlaps it block by block, so on a GPU machine it is one more bound
 of the max; on the CPU the optimizer's part of the sum becomes ``max(optimizer, disk)``.
+With the weights on the tier too (``RunSettings.nvme_weights``, ``state/nvme_weights.py``)
+the tier holds every block's fp32 master (12 bytes per block parameter), no block keeps a
+shadow in host memory, the weight window holds a few blocks in the compute dtype (and an
+fp32 staging copy with bf16), and each weight pass reads every block's fp32 master from
+disk twice, forward and backward (``passes * 8 * P_b / read`` more in ``disk``; the
+window's reuse of the last forward blocks in backward is not counted).
 """
 
 from __future__ import annotations
@@ -241,6 +247,8 @@ class RunSettings:
     """The blocks' Adam m and v (and with ``bf16`` their fp32 masters) on the NVMe tier."""
     nvme_window_blocks: int = 4
     """Blocks of the tier's state in host memory at once (the read-ahead window)."""
+    nvme_weights: bool = False
+    """The blocks' weights on the tier too (``"nvme_offload": "all"``; needs ``nvme``)."""
     fragment_bytes: int = 0
     """Blocks' weights cross host-to-device in pieces of this many bytes; 0: whole blocks."""
 
@@ -315,12 +323,17 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     result = {"master": 4 * params, "adam_m_v": 8 * params}
     if settings.nvme:
         result["adam_m_v"] = 8 * shape.resident_params
-        if settings.bf16:  # the blocks' fp32 masters go to the tier too (the shadow is streamed)
+        if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
             result["master"] = 4 * shape.resident_params
         result["nvme_window"] = (min(settings.nvme_window_blocks, shape.num_blocks) * _tier_bytes_per_param(settings)
                                  * shape.block_params)
+    if settings.nvme and settings.nvme_weights:
+        buffers = settings.num_buffers + settings.checkpoint_interval + settings.nvme_window_blocks - 2
+        staging = 4 if settings.weight_bytes != 4 else 0
+        result["nvme_weights"] = buffers * (settings.weight_bytes + staging) * shape.block_params
     if settings.bf16:
-        result["bf16_shadow"] = 2 * params
+        shadowed = shape.resident_params if settings.nvme and settings.nvme_weights else params
+        result["bf16_shadow"] = 2 * shadowed
     if settings.holds_gradients:
         result["gradients"] = settings.grad_bytes * params
     journal = _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
@@ -351,8 +364,8 @@ def _block_flops(shape: ModelShape, settings: RunSettings) -> int:
 
 def _tier_bytes_per_param(settings: RunSettings) -> int:
     """What the NVMe tier holds per block parameter: m and v, and the fp32 master with bf16
-    compute (``state/nvme_tier.py``: ``tier_kinds``)."""
-    return 12 if settings.bf16 else 8
+    compute or the weights on the tier (``state/nvme_tier.py``: ``tier_kinds``)."""
+    return 12 if settings.bf16 or settings.nvme_weights else 8
 
 
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
@@ -361,13 +374,15 @@ def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """Seconds per optimizer step the disk needs to read and write every block's state on the tier."""
+    """Seconds per optimizer step the disk needs to read and write every block's state on the
+    tier, and with the weights there to read every block's master in each forward and backward."""
     swap = disk_bytes(shape, settings)
     if not swap:
         return 0.0
     if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
         raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
-    return swap / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
+    weights = settings.accumulation * 2 * 4 * shape.total_block_params if settings.nvme_weights else 0
+    return (swap + weights) / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:

@@ -12,6 +12,9 @@ exact to the byte, page rounding included):
   machine blocks compute on their host buffers in place and gradients are consumed where
   they are (no weight buffers, no staging). Migration frees the
   model's current host weights as it goes, so they count as available.
+- the NVMe tier (``nvme_offload``): the blocks' state it holds leaves host memory for swap
+  files (``disk``), a window of blocks stays (``nvme_window``), and with the weights on
+  the tier the weight window too (``nvme_weights``, ``state/nvme_weights.py``).
 - device (CUDA): the streamed weight buffers and the resident parameters' compute copy.
 - pinned: with CUDA and ``pin_memory`` every host buffer above is page-locked.
 
@@ -37,10 +40,10 @@ import torch
 from torch import nn
 
 from megatrain_ds.model.block_discovery import find_blocks
-from megatrain_ds.config import EngineConfig
+from megatrain_ds.config import NVME_OFFLOAD_LEVELS, EngineConfig
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import build_flat_layout
-from megatrain_ds.state.nvme_tier import swap_file_bytes, tier_kinds
+from megatrain_ds.state.nvme_tier import WITH_MASTER, swap_file_bytes, tier_kinds
 from megatrain_ds.state.swap_directory import check_free_space
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
 from megatrain_ds.optimizer.facade import group_index_of
@@ -133,19 +136,25 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
     host = {"master": sum(_host_buffer(n, master) for n in numels),
             "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels)}
     disk = 0
-    if options.nvme_offload == "optimizer":
-        # The blocks' m and v (and fp32 master, unless it is what is streamed) in swap files,
-        # a window of them in host memory (state/nvme_tier.py).
+    weights_on_disk = options.nvme_offload == "all"
+    if options.nvme_offload in ("optimizer", "all"):
+        # The blocks' m and v (and fp32 master, unless it is what is streamed from host
+        # memory) in swap files, a window of them in host memory (state/nvme_tier.py).
         alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
-        kinds = tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype)
+        kinds = WITH_MASTER if weights_on_disk else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype)
         files = [swap_file_bytes(n, alignment, len(kinds)) for n in shapes.block_numels]
         disk = sum(files)
         host["adam_m_v"] = 2 * _host_buffer(shapes.resident_numel, 4)
         if "master" in kinds:
             host["master"] = _host_buffer(shapes.resident_numel, master)
         host["nvme_window"] = min(options.nvme_window_blocks, len(files)) * max(files)
+        if weights_on_disk:
+            # The weight window (state/nvme_weights.py): each buffer the largest block in the
+            # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
+            per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
+            host["nvme_weights"] = weight_window_buffers(options) * per_buffer
     if config.compute_dtype != config.master_dtype:
-        host["shadow"] = sum(_host_buffer(n, compute) for n in numels)
+        host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
     if config.holds_gradients:
         grad = 4 if config.gradient_accumulation_steps > 1 else compute
         host["gradients"] = sum(_host_buffer(n, grad) for n in numels)
@@ -170,6 +179,12 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
         host["weight_buffers"] = 0
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
+
+
+def weight_window_buffers(options: Any) -> int:
+    """Buffers of the weight window with the weights on the NVMe tier: one more than the
+    streamer's device slots can hold, plus ``nvme_window_blocks - 1`` read ahead."""
+    return options.num_buffers + options.checkpoint_interval - 1 + options.nvme_window_blocks - 1
 
 
 def available_memory(device: torch.device) -> AvailableMemory:
@@ -233,7 +248,11 @@ _ALTERNATIVES: list[tuple[str, Callable[[EngineConfig], EngineConfig | None]]] =
     ('"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/local_nvme/..."} (Adam m and v, and '
      "with bf16 compute the fp32 master, in swap files on a local disk: 8 or 12 bytes/param less host memory)",
      lambda c: _options(c, nvme_offload="optimizer", nvme_path=c.options.nvme_path or "/")
-     if c.options.nvme_offload != "optimizer" else None),
+     if c.options.nvme_offload in ("none", "auto") else None),
+    ('"megatrain": {"nvme_offload": "all", "nvme_path": "/local_nvme/..."} (the weights too: only '
+     "held gradients and a window of blocks stay in host memory; forward and backward read the disk)",
+     lambda c: _options(c, nvme_offload="all", nvme_path=c.options.nvme_path or "/")
+     if c.options.nvme_offload != "all" else None),
     ('"megatrain": {"master_dtype": "bf16"} (rounds small updates away: a last resort)',
      lambda c: _options(c, master_dtype="bf16") if c.options.master_dtype != "bf16" else None),
 ]
@@ -319,12 +338,12 @@ def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
 
 def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
               device: torch.device, staging_chunk: int,
-              available: AvailableMemory | None = None, nvme: bool | None = None) -> MemoryNeed:
+              available: AvailableMemory | None = None, nvme: str | None = None) -> MemoryNeed:
     """Check that the run fits before anything is allocated; returns the estimate.
 
-    ``nvme``: whether the NVMe tier is used (default: ``nvme_offload`` resolved by
-    :func:`wants_nvme_tier`); its swap files must fit in the free space under ``nvme_path``
-    (``DiskSpaceError`` naming the path and the bytes).
+    ``nvme``: what the NVMe tier holds, "none", "optimizer" or "all" (default:
+    ``nvme_offload`` resolved by :func:`wants_nvme_tier`); its swap files must fit in the
+    free space under ``nvme_path`` (``DiskSpaceError`` naming the path and the bytes).
     """
     shapes = _shapes(model, config, optimizer)
     have = available if available is not None else available_memory(device)
@@ -332,7 +351,7 @@ def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Opt
         have = dataclasses.replace(have, device=have.device + shapes.device_freed)
     if nvme is None:
         nvme = _wants_nvme(shapes, config, device, staging_chunk, have)
-    config = _options(config, nvme_offload="optimizer" if nvme else "none")
+    config = _options(config, nvme_offload=nvme)
     need = check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk), config, have)
     if need.disk:
         check_free_space(config.options.nvme_path or "", need.disk)
@@ -340,22 +359,25 @@ def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Opt
 
 
 def wants_nvme_tier(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
-                    device: torch.device, staging_chunk: int, available: AvailableMemory | None = None) -> bool:
-    """``nvme_offload`` resolved: "optimizer" yes, "none" no, "auto" when the run's host
-    state would not fit in the available host memory without the tier."""
+                    device: torch.device, staging_chunk: int, available: AvailableMemory | None = None) -> str:
+    """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
+    with which the run's host state fits in the available host memory ("all" when none does)."""
     if config.options.nvme_offload != "auto":
-        return config.options.nvme_offload == "optimizer"
+        return config.options.nvme_offload
     return _wants_nvme(_shapes(model, config, optimizer), config, device, staging_chunk,
                        available if available is not None else available_memory(device))
 
 
 def _wants_nvme(shapes: _Shapes, config: EngineConfig, device: torch.device, staging_chunk: int,
-                have: AvailableMemory) -> bool:
+                have: AvailableMemory) -> str:
     if config.options.nvme_offload != "auto":
-        return config.options.nvme_offload == "optimizer"
-    ram_only = estimate_from_shapes(shapes, _options(config, nvme_offload="none"), device.type, staging_chunk)
-    wanted = ram_only.host_total > have.host
-    logger.info('megatrain: nvme_offload "auto": the optimizer state goes %s (host state without the tier: '
-                "%s, available %s)", "to NVMe" if wanted else "in host memory",
-                format_bytes(ram_only.host_total), format_bytes(have.host))
-    return wanted
+        return config.options.nvme_offload
+    needs = {level: estimate_from_shapes(shapes, _options(config, nvme_offload=level), device.type,
+                                         staging_chunk).host_total for level in NVME_OFFLOAD_LEVELS}
+    level = next((level for level in NVME_OFFLOAD_LEVELS if needs[level] <= have.host), "all")
+    where = {"none": "nothing goes to NVMe", "optimizer": "the optimizer state goes to NVMe",
+             "all": "the blocks' weights and optimizer state go to NVMe"}[level]
+    logger.info('megatrain: nvme_offload "auto": %s (host state with nothing, the optimizer state, everything '
+                "on the tier: %s; available %s)", where, ", ".join(format_bytes(needs[n]) for n in NVME_OFFLOAD_LEVELS),
+                format_bytes(have.host))
+    return level

@@ -3,8 +3,10 @@
 - ``flat_layout``: where each parameter of a block lies in the block's one flat buffer.
 - ``host_store``: the flat fp32 master, Adam moments, compute shadow and gradient
   accumulator of one block (or of the resident parameters).
-- ``nvme_tier``: the NVMe tier: blocks' Adam moments in swap files, moved through a
-  bounded window in host memory, read ahead and written behind.
+- ``nvme_tier``: the NVMe tier: blocks' Adam moments (and masters) in swap files, moved
+  through a bounded window in host memory, read ahead and written behind.
+- ``nvme_weights``: the weight window: with the weights on the tier, blocks' weights read
+  from the swap files ahead of forward and backward for the weight streamer.
 - ``swap_io``: O_DIRECT reads and writes of swap files (DeepSpeed's async I/O op, or a
   thread pool) and the disk's own bandwidth.
 - ``swap_directory``: one locked directory of preallocated swap files per run.

@@ -72,12 +72,29 @@ class HostFlatState:
         """Re-point the user's parameters at their slots of ``flat`` (the shadow while the
         master is on the NVMe tier, the master again when it comes back: ``state/nvme_tier.py``)."""
         for slot, param in zip(self.layout.slots, self.params):
-            param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            _repoint(param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+
+    def park_params(self) -> None:
+        """Make the user's parameters meta tensors of their shapes: no host copy of the
+        weights exists (the NVMe tier holds them, ``state/nvme_weights.py``), and a read of
+        one fails instead of returning stale values, as a ZeRO-3 model's partitioned
+        parameters do. :meth:`point_params_at` gives them values again."""
+        for slot, param in zip(self.layout.slots, self.params):
+            _repoint(param, torch.empty(slot.shape, dtype=self.master.dtype, device="meta"))
 
     def refresh_shadow(self, start: int = 0, end: int | None = None) -> None:
         """Round the updated master into the streamed shadow (no-op without a shadow)."""
         if self.shadow is not None:
             self.shadow[start:end].copy_(self.master[start:end])
+
+
+def _repoint(param: nn.Parameter, value: torch.Tensor) -> None:
+    """``param.data = value``, also across the meta device (which ``.data`` refuses): swapping
+    keeps the Python object, so the optimizer's groups and tied modules follow."""
+    if param.is_meta != value.is_meta:
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    else:
+        param.data = value
 
 
 def absent_on_host(numel: int) -> torch.Tensor:
@@ -109,6 +126,7 @@ def migrate_to_host(
     source: TensorSource | None = None,
     shared: NodeSharedMemory | None = None,
     moments_on_host: bool = True,
+    shadow_on_host: bool = True,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 
@@ -127,7 +145,8 @@ def migrate_to_host(
     before :meth:`NodeSharedMemory.written`.
 
     With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_on_host`):
-    the NVMe tier holds them.
+    the NVMe tier holds them. With ``shadow_on_host=False`` no shadow is made: the weights
+    are streamed from the tier, rounded as they are read (``state/nvme_weights.py``).
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     by_name = dict(named_params)
@@ -141,19 +160,14 @@ def migrate_to_host(
             source.copy_into(slot.name, view)
         elif writes:
             view.copy_(param.detach())
-        if param.is_meta:
-            # A meta tensor's data cannot be re-pointed (incompatible tensor types); swapping
-            # keeps the Python object, so the optimizer's groups and tied modules follow.
-            torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
-        else:
-            param.data = view
+        _repoint(param, view)
         params.append(param)
         if writes:
             # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
             pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
             master[slot.offset + slot.numel : pad_end].zero_()
     shadow = None
-    if compute_dtype != master_dtype:
+    if compute_dtype != master_dtype and shadow_on_host:
         shadow = runtime.host_empty(layout.numel, compute_dtype, shared)
         if writes:
             shadow.copy_(master)

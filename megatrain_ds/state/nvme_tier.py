@@ -8,7 +8,10 @@ each padded to the I/O engine's alignment, so one block moves in one request
 model computes in bf16: the master is then read only by the optimizer (forward and
 backward stream the bf16 shadow), so the tier takes 12 of the 16 bytes per parameter.
 With fp32 compute the master is the streamed copy, read every forward and backward, and
-stays in host memory, as do the shadow and the gradients.
+stays in host memory, as do the shadow and the gradients -- unless the weights are on the
+tier too (``"nvme_offload": "all"``): then the master is always a kind, no shadow exists,
+and forward and backward read the weights from the tier through a second window
+(``state/nvme_weights.py``, :meth:`NvmeTier.read_master`).
 
 The block's :class:`HostFlatState` holds meta-device placeholders for the kinds on disk
 (:func:`~megatrain_ds.state.host_store.absent_on_host`), so a read that skipped
@@ -16,9 +19,12 @@ The block's :class:`HostFlatState` holds meta-device placeholders for the kinds 
 disk the block's parameters view the bf16 shadow (:meth:`HostFlatState.point_params_at`),
 as a DeepSpeed bf16 model's parameters are bf16: ``model.state_dict()`` shows the
 weights rounded to bf16, and a checkpoint (``engine.save_checkpoint``) holds the fp32
-masters, streamed from the swap files. When the engine is destroyed the parameters get
-their fp32 masters back (:meth:`NvmeTier.close`), so a model trained on and then handed
-to another engine (the HF Trainer's second ``train()``) loses no precision.
+masters, streamed from the swap files. With no shadow either (weights on the tier) the
+parameters are meta tensors, as a ZeRO-3 model's are partitioned: ``model.state_dict()``
+reads the masters from the tier (the engine's state-dict hook, :meth:`NvmeTier.masters`).
+When the engine is destroyed the parameters get their fp32 masters back
+(:meth:`NvmeTier.close`), so a model trained on and then handed to another engine (the HF
+Trainer's second ``train()``) loses no precision.
 
 [Note: adopting blocks one by one]
 The engine opens the tier before it migrates the model (:func:`open_nvme_tier` with every
@@ -51,6 +57,13 @@ calls it before each range, the journal before restoring). The window is
   next transfer, a checkpoint after ``flush`` -- first calls its ``synchronize``, even
   when it is already done, so the race checker (``MEGATRAIN_STREAM_CHECK=1``) sees every
   access in order; the engines' raw-pointer I/O is declared to it (``declare_access``).
+- A block's swap file is read only after its last write was: a read waits for the write
+  queued before it (``_written``), which may run on the other I/O thread. The file's
+  bytes are declared to the race checker as a token tensor per file, so it sees that
+  ordering too.
+- :meth:`NvmeTier.version` counts the changes a block's master may have had (each
+  optimizer access, a checkpoint's writes): the weight window re-reads a block whose
+  version moved on.
 - An I/O failure (a full disk, a device error) is remembered and raised by the next
   ``acquire``/:meth:`flush` on the training thread, as :class:`~megatrain_ds.state.swap_io.SwapIOError`
   naming the file and the bytes; the slot keeps the data it failed to write.
@@ -159,6 +172,12 @@ class _Slot:
     dirty: bool = False
 
 
+@dataclass
+class PendingTransfer:
+    """A transfer into a buffer outside the window (:meth:`NvmeTier.read_master`), awaited like a slot's."""
+    pending: _Transfer | None
+
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WITH_MASTER = ("master", *MOMENTS)
 
@@ -208,6 +227,11 @@ class NvmeTier:
             self.io.close()
             raise
         self._paths = [self.directory.files[name] for name in names]
+        # What the race checker sees of each swap file's bytes (declare_access in _transfer).
+        self._file_tokens = [torch.empty(1) for _ in names]
+        self._written: dict[int, _Transfer] = {}
+        """The last write queued of each block's file: reads of it wait for it."""
+        self._versions = [0] * len(names)
         self._index: dict[int, int] = {}
         window = min(options.nvme_window_blocks, max(len(self._numels), 1))
         largest = len(self.kinds) * max(self._pad, default=0)
@@ -253,8 +277,10 @@ class NvmeTier:
             except BaseException:
                 self._raise_failure()  # explained: the path and the bytes
                 raise
-            assert state.shadow is not None, "the master leaves host memory only when a shadow is streamed"
-            state.point_params_at(state.shadow)
+            if state.shadow is not None:
+                state.point_params_at(state.shadow)
+            else:  # weights on the tier: no host copy to view (state/nvme_weights.py)
+                state.park_params()
             self.runtime.free_host(state.master)
             state.master = absent_on_host(numel)
         self.states.append(state)
@@ -274,6 +300,20 @@ class NvmeTier:
     def holds(self, state: HostFlatState) -> bool:
         return id(state) in self._index
 
+    @property
+    def numels(self) -> list[int]:
+        """Every block's flat size, in block order."""
+        return self._numels
+
+    @property
+    def padded_numels(self) -> list[int]:
+        """Every block's flat size padded to the I/O engine's alignment (one kind in its file)."""
+        return self._pad
+
+    def version(self, index: int) -> int:
+        """How many times block ``index``'s master may have changed (see [Note: the NVMe window])."""
+        return self._versions[index]
+
     def expect(self, states: Sequence[HostFlatState]) -> None:
         with self._lock:
             self._schedule = deque(self._index[id(s)] for s in states if id(s) in self._index)
@@ -287,6 +327,8 @@ class NvmeTier:
             return  # not a tier state (the resident parameters)
         with self._lock:
             self._raise_failure()
+            if write:
+                self._versions[index] += 1
             if index == self._current:
                 self._where[index].dirty |= write
                 return
@@ -304,17 +346,55 @@ class NvmeTier:
                 assert slot is not None
                 self._load(slot, index)
             self._prefetch()
-            if slot.pending is not None:
-                began, waiting = time.perf_counter(), not slot.pending.done()
-                with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index) \
-                        if waiting else contextlib.nullcontext():
-                    # Also when done: the handoff orders this thread's use of the buffer after the read.
-                    slot.pending.synchronize()
-                self.wait_seconds += time.perf_counter() - began
-            self._raise_failure()
-            slot.pending = None
+            self.await_transfer(slot, index)
             slot.dirty |= write
             self._bind(index, slot)
+
+    def await_transfer(self, slot: "_Slot | PendingTransfer", index: int) -> None:
+        """The training thread waits for ``slot``'s transfer of block ``index`` (traced as
+        ``nvme wait`` when it is not done yet), then raises what failed on the I/O threads."""
+        if slot.pending is not None:
+            began, waiting = time.perf_counter(), not slot.pending.done()
+            with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index) \
+                    if waiting else contextlib.nullcontext():
+                # Also when done: the handoff orders this thread's use of the buffer after the transfer.
+                slot.pending.synchronize()
+            self.wait_seconds += time.perf_counter() - began
+        self._raise_failure()
+        slot.pending = None
+
+    def read_master(self, index: int, into: torch.Tensor, staging: torch.Tensor | None) -> "PendingTransfer":
+        """Start reading block ``index``'s newest master into ``into`` (its first ``numel``
+        elements, in ``into``'s dtype; through ``staging``, an fp32 buffer of the I/O
+        engine's alignment, when that is not fp32); :meth:`await_transfer` the result before
+        reading ``into``. The newest master is the window's, when a slot holds the block
+        (copied on this thread), else the swap file's, once its last write is done."""
+        with self._lock:
+            self._raise_failure()
+            numel = self._numels[index]
+            slot = self._where.get(index)
+            if slot is not None:  # master is the first kind of a slot
+                self.await_transfer(slot, index)
+                with self.runtime.host_work():  # a host copy, done before any stream reads ``into``
+                    into[:numel].copy_(slot.buffer[:numel])  # rounds to bf16 as the shadow is
+                return PendingTransfer(None)
+            target = into if staging is None else staging
+            if target.dtype != torch.float32 or target.numel() < self._pad[index]:
+                raise ValueError("read_master reads into an fp32 buffer of the block's padded size")
+            written = self._written.get(index)
+            tracer = self.runtime.tracer
+            step = {"step": tracer.step} if tracer.step is not None else {}
+
+            def task() -> None:
+                self._after_write(written)
+                self._transfer(target, index, writing=False, slot=None, tracer=tracer, step=step,
+                               kinds=1, what="weights")
+                if staging is not None:
+                    into[:numel].copy_(staging[:numel])
+
+            pending = PendingTransfer(_Transfer(self.runtime, task))
+            self._tasks.put(pending.pending)
+            return pending
 
     def step_done(self) -> None:
         """Warn (once) when the disk does not keep up: from the second step on, if the
@@ -382,6 +462,8 @@ class NvmeTier:
         try:
             yield on_tier
         finally:
+            for index in touched:
+                self._versions[index] += 1  # a checkpoint may have written it
             for index in touched:  # a mapping's writes reach the disk before O_DIRECT reads it
                 fd = os.open(self._paths[index], os.O_RDONLY)
                 try:
@@ -489,6 +571,8 @@ class NvmeTier:
         tracer = self.runtime.tracer
         step = {"step": tracer.step} if tracer.step is not None else {}
 
+        written = self._written.get(read) if read is not None else None
+
         def task() -> None:
             if previous is not None:  # the slot's earlier transfer first (it started before this one)
                 previous.synchronize()
@@ -497,28 +581,44 @@ class NvmeTier:
             if write is not None:
                 self._transfer(buffer, write, writing=True, slot=slot, tracer=tracer, step=step)
             if read is not None:
+                self._after_write(written)
                 self._transfer(buffer, read, writing=False, slot=slot, tracer=tracer, step=step)
 
         slot.pending = _Transfer(self.runtime, task)
+        if write is not None:
+            self._written[write] = slot.pending
         self._tasks.put(slot.pending)
 
-    def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot, tracer: NullTracer | Tracer,
-                  step: dict[str, int]) -> None:
-        nbytes = len(self.kinds) * self._pad[index] * FP32
-        part = buffer[: len(self.kinds) * self._pad[index]]
+    @staticmethod
+    def _after_write(written: "_Transfer | None") -> None:
+        """On an I/O thread, before reading a block's file: its last write, queued earlier
+        (perhaps on the other I/O thread), has reached the disk."""
+        if written is not None:
+            written.synchronize()
+            if written.error is not None:
+                raise written.error  # the file holds older bytes than the window had
+
+    def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot | None,
+                  tracer: NullTracer | Tracer, step: dict[str, int], kinds: int | None = None,
+                  what: str = "optimizer state") -> None:
+        """Move the first ``kinds`` kinds (all by default) of block ``index`` between ``buffer`` and its file."""
+        nbytes = (kinds or len(self.kinds)) * self._pad[index] * FP32
+        part = buffer[: nbytes // FP32]
         track = "nvme write" if writing else "nvme read"
+        file = self._file_tokens[index]
         try:
-            with tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name, **step):
+            with tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name,
+                             state=what, **step):
                 # The engine moves the bytes by raw pointer (libaio or preadv): no aten op the
-                # race checker could see, so the access is declared.
-                declare_access(reads=(part,) if writing else (), writes=() if writing else (part,),
+                # race checker could see, so the access is declared, the file's bytes as its token.
+                declare_access(reads=(part,) if writing else (file,), writes=(file,) if writing else (part,),
                                what=f"{track} of {self._paths[index]}")
                 (self.io.write if writing else self.io.read)(part, self._paths[index], 0)
         except BaseException as error:
             # No lock here: the training thread may hold it while waiting for this task.
-            if writing:
+            if writing and slot is not None:
                 slot.dirty = True  # the data is still only here
-            self._failure = self._failure or _explained(error, self._paths[index], nbytes, writing)
+            self._failure = self._failure or _explained(error, self._paths[index], nbytes, writing, what)
             raise
         with self._count_lock:
             if writing:
@@ -531,15 +631,15 @@ class NvmeTier:
             raise self._failure
 
 
-def _explained(error: BaseException, path: str, nbytes: int, writing: bool) -> BaseException:
+def _explained(error: BaseException, path: str, nbytes: int, writing: bool, what: str) -> BaseException:
     """The error the training thread raises for a failed swap transfer."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskSpaceError(error.errno, f"the disk is full: writing {nbytes} bytes of optimizer state "
+        return DiskSpaceError(error.errno, f"the disk is full: writing {nbytes} bytes of {what} "
                                            "failed. The step is incomplete; the last checkpoint is intact: "
                                            "free space there and resume from it", path)
     if isinstance(error, OSError):
         return SwapIOError(error.errno or errno.EIO, f"{'writing' if writing else 'reading'} {nbytes} bytes "
-                                                     f"of optimizer state failed: {error.strerror or error}", path)
+                                                     f"of {what} failed: {error.strerror or error}", path)
     return error
 
 

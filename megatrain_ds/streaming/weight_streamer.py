@@ -32,19 +32,63 @@ the events, ``transfers`` -- runs as on a GPU. Reading the host buffer in place 
 for the same reason a prefetch is: the optimizer writes a parameter only after its last
 use in the step (``gradients/outbox.py``: [Note: complete gradients]), and the next
 forward starts after ``engine.step()`` has drained the worker.
+
+Where the host weights come from is the streamer's :class:`WeightSource`: the blocks'
+states (:class:`HostWeights`), or the NVMe tier's weight window (``state/nvme_weights.py``),
+which is told the plan to read ahead and given each block back with the event after which
+the device no longer reads its host buffer: the copy's ``ready``, or on the CPU, where the
+slot *is* the host buffer, the slot's ``free``.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.streaming.weight_fragments import FragmentPlan, plan_fragments
+
+
+class WeightSource(Protocol):
+    """Where the streamer takes each block's host weights from."""
+
+    dtype: torch.dtype
+
+    def numel(self, block: int) -> int:
+        """Elements of ``block``'s weights."""
+
+    def prefetch(self, blocks: Sequence[int]) -> None:
+        """The blocks :meth:`take` will be asked for next, in order (a hint)."""
+
+    def take(self, block: int) -> torch.Tensor:
+        """``block``'s weights in host memory, unchanged until :meth:`give_back`."""
+
+    def give_back(self, block: int, device_done: Event) -> None:
+        """The device reads what :meth:`take` returned until ``device_done``."""
+
+
+class HostWeights:
+    """The blocks' weights where they live in host memory: each state's ``streamed`` buffer."""
+
+    def __init__(self, states: Sequence[HostFlatState]) -> None:
+        self.states = states
+        self.dtype = states[0].streamed.dtype
+
+    def numel(self, block: int) -> int:
+        return self.states[block].layout.numel
+
+    def prefetch(self, blocks: Sequence[int]) -> None:
+        del blocks
+
+    def take(self, block: int) -> torch.Tensor:
+        return self.states[block].streamed
+
+    def give_back(self, block: int, device_done: Event) -> None:
+        del block, device_done
 
 
 @dataclass
@@ -58,6 +102,8 @@ class _Slot:
     """``ready`` of each piece of ``plan``."""
     waited: set[int] = field(default_factory=set)
     """Pieces the compute stream already waits on since ``acquire``."""
+    reads_host: int | None = None
+    """The block whose host weights the slot is (the CPU's in-place slots), until given back."""
 
 
 @dataclass
@@ -66,8 +112,9 @@ class WeightStreamer:
 
     Args:
         runtime: streams, events and allocation.
-        states: host state of every block, indexed by block number.
+        states: host state of every block, indexed by block number (their layouts).
         num_slots: device buffers in the pool (each sized for the largest block).
+        source: where the host weights come from (default: the states' ``streamed`` buffers).
     """
 
     runtime: DeviceRuntime
@@ -85,11 +132,15 @@ class WeightStreamer:
     """A block's parameter names by part and the order it uses them (``BlockTemplate``),
     for fragment plans; ``None`` until known."""
 
+    source: WeightSource | None = None
+
     def __post_init__(self) -> None:
-        dtype = self.states[0].streamed.dtype
+        if self.source is None:
+            self.source = HostWeights(self.states)
+        dtype = self.source.dtype
         # On the CPU the slots view the host buffers ([Note: the host as the device]).
         self._in_place = self.runtime.shares_host_memory
-        numel = 0 if self._in_place else max(state.layout.numel for state in self.states)
+        numel = 0 if self._in_place else max(self.source.numel(block) for block in range(len(self.states)))
         self._slots = [
             _Slot(self.runtime.device_empty(numel, dtype), self.runtime.event(), self.runtime.event())
             for _ in range(self.num_slots)
@@ -129,8 +180,10 @@ class WeightStreamer:
                 kept.append((block, slot))
                 plan.popleft()
             else:
+                self._give_back_host(slot, slot.ready)  # never computed on
                 self._free.append(slot)
         self._in_flight, self._plan = kept, plan
+        self.source.prefetch(list(plan))
         self._top_up()
 
     def acquire(self, block: int) -> torch.Tensor:
@@ -198,14 +251,21 @@ class WeightStreamer:
         """The engine has queued its last use of ``block``'s weights; reuse the slot."""
         slot = self._held.pop(block)
         slot.free.record(self.runtime.compute_stream())
+        self._give_back_host(slot, slot.free)
         self._free.append(slot)
         self._top_up()
+
+    def _give_back_host(self, slot: _Slot, device_done: Event) -> None:
+        """An in-place slot's host weights are read until ``device_done``."""
+        if slot.reads_host is not None:
+            self.source.give_back(slot.reads_host, device_done)
+            slot.reads_host = None
 
     def _top_up(self) -> None:
         while self._free and self._plan:
             block = self._plan.popleft()
             slot = self._free.popleft()
-            source = self.states[block].streamed
+            source = self.source.take(block)
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
                 self.runtime.h2d_stream.wait_event(slot.free)
@@ -218,6 +278,10 @@ class WeightStreamer:
                     else:
                         self._copy_fragments(slot, source)
                 slot.ready.record(self.runtime.h2d_stream)
+            if self._in_place:
+                slot.reads_host = block  # given back when the slot is released
+            else:
+                self.source.give_back(block, slot.ready)  # the copy is the host buffer's last reader
             self.transfers[block] += 1
             self.bytes_copied += source.numel() * source.element_size()
             self._in_flight.append((block, slot))
