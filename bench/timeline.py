@@ -2,7 +2,7 @@
 
 Reads the Chrome trace-event JSON that ``"megatrain": {"trace": "PATH.json"}`` writes
 (``megatrain_ds/runtime/trace.py``) and draws one step: a row per track (step, compute, h2d, d2h,
-comm, optimizer worker), a box per span coloured by what it is, time in ms from the
+stash, comm, optimizer worker), a box per span coloured by what it is, time in ms from the
 step's first span, each row labelled with how busy it was. Spans nested in another of the
 same row (AdamW ranges inside a worker chunk or the step finish) are drawn thinner, below.
 
@@ -11,6 +11,10 @@ same row (AdamW ranges inside a worker chunk or the step finish) are drawn thinn
     python bench/timeline.py bench/results/timeline_cpu_tiny_llama.json --record \\
         --model configs/models/tiny_llama.json --seq-len 256 --micro-batch 4 \\
         --out bench/results/timeline_cpu_tiny_llama.png
+    # stashed activations on their own track; MEGATRAIN_STREAM_CHECK=1 keeps the CPU's
+    # "device" buffers apart, so the stash really copies to pinned host buffers and back:
+    MEGATRAIN_STREAM_CHECK=1 python bench/timeline.py bench/results/timeline_cpu_tiny_llama_stash.json \\
+        --record --recompute none --model configs/models/tiny_llama.json --seq-len 256 --micro-batch 4
 
 Open the same JSON at https://ui.perfetto.dev to zoom and read each span's arguments.
 """
@@ -20,16 +24,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-TRACK_ORDER = ("step", "compute", "h2d", "d2h", "comm", "optimizer worker")
+TRACK_ORDER = ("step", "compute", "h2d", "d2h", "stash", "comm", "optimizer worker")
 COLOURS = {
     "forward": "#4c72b0", "recompute": "#8fa9d6", "backward": "#dd8452",
     "weights": "#55a868", "grads": "#c44e52", "all-reduce": "#8172b3",
     "consume": "#937860", "adamw": "#da8bc3", "step finish": "#8c8c8c", "step": "#cfcfcf",
+    "stash": "#2a9d8f", "unstash": "#e9c46a",
 }
 _EXTRA_COLOURS = ("#64b5cd", "#ccb974", "#4c4c4c", "#b07aa1")
 
@@ -127,7 +133,10 @@ def render(spans: list[dict[str, Any]], meta: dict[str, Any], step: int, out: st
                 frameon=False)
     settings = [f"micro-batch {meta['micro_batch']}" if "micro_batch" in meta else "",
                 f"x {meta['seq_len']} tokens" if "seq_len" in meta else "",
-                ("bf16" if meta["bf16"] else "fp32") if "bf16" in meta else ""]
+                ("bf16" if meta["bf16"] else "fp32") if "bf16" in meta else "",
+                (f"recompute {meta['recompute']['setting']!r}: {meta['recompute']['stashed_blocks']} blocks stashed"
+                 if isinstance(meta.get("recompute"), dict) else ""),
+                "MEGATRAIN_STREAM_CHECK=1" if meta.get("stream_check") else ""]
     settings_text = " ".join(part for part in settings if part)
     axes.set_title(f"{meta.get('model', 'model')} on {meta.get('device', '?')}: optimizer step {step}, "
                    f"{length:.1f} ms" + (f" ({settings_text})" if settings_text else ""), fontsize=10)
@@ -140,9 +149,10 @@ def render(spans: list[dict[str, Any]], meta: dict[str, Any], step: int, out: st
 
 
 def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps: int, threads: int,
-           device: str = "cpu") -> None:
+           device: str = "cpu", recompute: str | int | None = None, command: str = "") -> None:
     """Train a random-init model of ``model_config`` on ``device`` for ``1 + steps`` steps, traced
-    (bf16 compute on CUDA, fp32 on the CPU)."""
+    (bf16 compute on CUDA, fp32 on the CPU); ``recompute``: the engine's ``"recompute"``
+    (its default when ``None``)."""
     import torch
     import transformers
 
@@ -155,7 +165,8 @@ def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps
     engine = MegatrainEngine(model, parse_engine_config({
         "engine": "megatrain", "train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": device == "cuda"},
-        "megatrain": {"trace": str(trace), "trace_steps": steps},
+        "megatrain": {"trace": str(trace), "trace_steps": steps,
+                      **({"recompute": recompute} if recompute is not None else {})},
     }), device=torch.device(device))
     try:
         for step in range(1 + steps):
@@ -167,9 +178,20 @@ def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps
         engine.destroy()
     # The engine does not know the batch; add it for the title.
     document = json.loads(trace.read_text())
+    checked = os.environ.get("MEGATRAIN_STREAM_CHECK") == "1"
     document["otherData"].update(tokens_per_micro_batch=micro_batch * seq_len, seq_len=seq_len,
-                                 model_config=model_config, threads=threads)
+                                 model_config=model_config, threads=threads, stream_check=checked,
+                                 **({"recorded_with": command} if command else {}))
+    if checked:
+        document["otherData"]["stream_check_note"] = (
+            "MEGATRAIN_STREAM_CHECK=1: the CPU runtime keeps its 'device' buffers apart from the host's, so "
+            "copies (the activation stash to pinned host buffers and back included) really run, as on a GPU; "
+            "every op also goes through the race checker, so spans are longer than a plain CPU run's")
     trace.write_text(json.dumps(document, separators=(",", ":")) + "\n")
+
+
+def _recompute(value: str) -> str | int:
+    return int(value) if value.isdigit() else value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,9 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     recording.add_argument("--steps", type=int, default=2, help="traced steps (after one warm-up step)")
     recording.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     recording.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model computes")
+    recording.add_argument("--recompute", type=_recompute, default=None,
+                           help='the engine\'s "recompute": full, none, auto or N (default: the engine\'s)')
     args = parser.parse_args(argv)
     if args.record:
-        record(args.trace, args.model, args.seq_len, args.micro_batch, args.steps, args.threads, args.device)
+        env = "MEGATRAIN_STREAM_CHECK=1 " if os.environ.get("MEGATRAIN_STREAM_CHECK") == "1" else ""
+        command = env + "python bench/timeline.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        record(args.trace, args.model, args.seq_len, args.micro_batch, args.steps, args.threads, args.device,
+               args.recompute, command)
     spans, meta = load_spans(args.trace)
     step = args.step if args.step is not None else steps_in(spans)[-1]
     out = render(spans, meta, step, args.out or args.trace.with_suffix(".png"))

@@ -2,7 +2,9 @@
 
 Modes:
   parity  train ``--steps`` optimizer steps on this rank's half of each global batch
-          (reference_batches) and save the final state_dict and grad norms.
+          (reference_batches) and save the final state_dict and grad norms; with
+          ``--loss-chunk-tokens``/``--mlp-tile-tokens`` also how many chunks each loss and
+          tiles each MLP call ran in.
   order   a model whose blocks sleep in backward: log when each gradient all-reduce
           starts and when backward returns.
   die     rank 1 kills itself in the middle of step 2; rank 0 reports what it sees.
@@ -23,15 +25,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
 from megatrain_ds import MegatrainEngine, parse_engine_config  # noqa: E402
+from megatrain_ds.model import causal_lm_loss  # noqa: E402
+from megatrain_ds.streaming.tiled_mlp import TiledTokenWise  # noqa: E402
 
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
 MICRO, LENGTH = 2, 12
 
 
-def global_batch(seed: int, rows: int) -> dict[str, torch.Tensor]:
+def global_batch(seed: int, rows: int, length: int = LENGTH) -> dict[str, torch.Tensor]:
     """``rows`` unpadded sequences: every rank's mean loss then weighs tokens equally."""
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, tiny_models.VOCAB, (rows, LENGTH), generator=generator)
+    input_ids = torch.randint(0, tiny_models.VOCAB, (rows, length), generator=generator)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
 
 
@@ -75,10 +79,42 @@ class SleepyModel(torch.nn.Module):
         return self.head(x).square().mean()
 
 
+def count_pieces(engine: MegatrainEngine) -> dict[str, list[int]]:
+    """Record how many chunks each call of the chunked loss and how many tiles each call of
+    a tiled MLP (forward, recompute, backward) runs in, from now on in this process."""
+    assert engine.causal_loss is not None
+    pieces: dict[str, list[int]] = {"loss_chunks": [], "mlp_tiles": []}
+    chunked = causal_lm_loss.chunked_linear_cross_entropy
+
+    def counted_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: object, targets: torch.Tensor,
+                     denominator: torch.Tensor, chunk_tokens: int, *rest: object) -> torch.Tensor:
+        pieces["loss_chunks"].append(-(-hidden.shape[0] // chunk_tokens))
+        return chunked(hidden, weight, bias, targets, denominator, chunk_tokens, *rest)
+
+    tiles = TiledTokenWise.tiles
+
+    def counted_tiles(self: TiledTokenWise, rows: int) -> list[tuple[int, int]]:
+        result = tiles(self, rows)
+        pieces["mlp_tiles"].append(len(result))
+        return result
+
+    causal_lm_loss.chunked_linear_cross_entropy = counted_loss
+    TiledTokenWise.tiles = counted_tiles  # type: ignore[method-assign]
+    return pieces
+
+
 def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
     model = tiny_models.llama(num_layers=4)
-    engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size)))
+    long_context = {key: value for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens),
+                                                  ("mlp_tile_tokens", args.mlp_tile_tokens)) if value is not None}
+    engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size, **long_context)))
+    pieces: dict[str, list[int]] = {}
+    if long_context:
+        # The settings asked for are the ones in use (not "auto", not turned off).
+        assert engine.causal_loss is not None and engine.causal_loss.chunk_tokens == args.loss_chunk_tokens
+        assert engine.mlp_tile_tokens == args.mlp_tile_tokens
+        pieces = count_pieces(engine)
     norms = []
     first = 0
     if args.resume_from:
@@ -88,13 +124,13 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
         if args.save_to and step == args.save_at:
             engine.save_checkpoint(args.save_to)
         for micro in range(args.accumulation):
-            batch = global_batch(step * args.accumulation + micro, MICRO * world_size)
+            batch = global_batch(step * args.accumulation + micro, MICRO * world_size, args.length)
             mine = {key: value[rank * MICRO : (rank + 1) * MICRO] for key, value in batch.items()}
             engine.backward(engine(**mine).loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
     state = {key: value.clone() for key, value in engine.module.state_dict().items()}
-    torch.save({"state_dict": state, "norms": norms}, Path(args.out) / f"rank{rank}.pt")
+    torch.save({"state_dict": state, "norms": norms, **pieces}, Path(args.out) / f"rank{rank}.pt")
     engine.destroy()
 
 
@@ -136,6 +172,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
+    parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
+    parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")
     parser.add_argument("--save-to", help="parity: save a checkpoint here before step --save-at")
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")

@@ -22,7 +22,7 @@ from megatrain_ds import parse_engine_config
 from megatrain_ds.config import ConfigError
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
-from data_parallel_worker import CLIPPING, LR, MICRO, WEIGHT_DECAY, global_batch
+from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
@@ -46,7 +46,8 @@ def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "to
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def reference_training(steps: int, accumulation: int, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_training(steps: int, accumulation: int, world_size: int,
+                       length: int = LENGTH) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size."""
     torch.manual_seed(0)  # rank 0's model: the engine keeps the node writer's weights
     model = tiny_models.llama(num_layers=4)
@@ -54,7 +55,7 @@ def reference_training(steps: int, accumulation: int, world_size: int) -> tuple[
     norms = []
     for step in range(steps):
         for micro in range(accumulation):
-            loss = model(**global_batch(step * accumulation + micro, MICRO * world_size)).loss
+            loss = model(**global_batch(step * accumulation + micro, MICRO * world_size, length)).loss
             (loss / accumulation).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIPPING)))
         optimizer.step()
@@ -120,6 +121,30 @@ def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_singl
         assert relative_error(rank["state_dict"], expected) < 2e-6
         assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
     for key, value in ranks[0]["state_dict"].items():  # every rank (every node) holds the same weights
+        assert torch.equal(value, ranks[1]["state_dict"][key]), key
+
+
+def test_two_ranks_with_chunked_loss_and_tiled_mlp_match_one_process(tmp_path: Path, cpu_single_thread: None) -> None:
+    """Long sequences (issue 23): each rank's 2 x 40 tokens go through the loss in chunks of
+    13 and every block's MLP in tiles of 9 (odd sizes: a ragged last piece), and the two
+    ranks still train as one process with both batches does (tolerances as above: chunks and
+    tiles only reorder fp32 additions, test_long_context.py)."""
+    steps, accumulation, length, chunk, tile = 5, 2, 40, 13, 9
+    launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation), "--length", str(length),
+           "--loss-chunk-tokens", str(chunk), "--mlp-tile-tokens", str(tile))
+    expected, expected_norms = reference_training(steps, accumulation, world_size=2, length=length)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert min(expected_norms) > CLIPPING
+    rows = MICRO * length  # one rank's tokens per micro-batch
+    for rank in ranks:
+        # Every micro-batch's loss ran in ceil(80 / 13) = 7 chunks; every tiled MLP call
+        # (4 blocks: forward, recompute, backward) in ceil(80 / 9) = 9 tiles.
+        assert rank["loss_chunks"] == [-(-rows // chunk)] * (steps * accumulation) == [7] * 10
+        assert len(rank["mlp_tiles"]) >= 4 * 2 * steps * accumulation
+        assert set(rank["mlp_tiles"]) == {-(-rows // tile)} == {9}
+        assert relative_error(rank["state_dict"], expected) < 2e-6
+        assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
+    for key, value in ranks[0]["state_dict"].items():
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 

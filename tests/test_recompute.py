@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+import megatrain_ds.engine
 import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.planning import recompute_policy
+from megatrain_ds.planning import planner, recompute_policy
 from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, PinnedPool
 from megatrain_ds.streaming.activation_stash import ActivationStash
@@ -43,6 +44,46 @@ def test_no_recompute_matches_pytorch_on_every_family(family):
     engine, reference, trace = _train(family, "none", accumulation=2, checkpoint_interval=2)
     try:
         _check(engine, reference, trace, accumulation=2, stashed=4)
+    finally:
+        engine.destroy()
+
+
+def _auto_sees_room_for(monkeypatch, blocks):
+    """Make "auto" see the host memory that holds ``blocks`` blocks' stash by its own
+    estimate (and half a block more), after the step's transients where the device is the
+    host: on the CPU nothing crosses a link and only memory limits the stash, so it stashes
+    the first ``blocks`` blocks and recomputes the others."""
+    choose = megatrain_ds.engine.choose_recompute
+
+    def with_room(runtime, config, run, host_memory_left=None):
+        shape, settings, hardware = run
+        transients = sum(planner.gpu_bytes(shape, settings, hardware).values())
+        if not hardware.shares_host_memory:
+            transients = 0
+        stash = (blocks + 0.5) * planner.stash_bytes_per_block(shape, settings)
+        room = (transients + stash) / planner.STASH_HOST_FRACTION
+        return choose(runtime, config, run, host_memory_left=int(room))
+
+    monkeypatch.setattr(megatrain_ds.engine, "choose_recompute", with_room)
+
+
+# With "none" above (GA 2, K 2) every family also runs "auto" (GA 1, K 1) and an integer
+# (GA 2, K 1): each setting, GA 1 and 2, and K 1 and 2 on every family.
+@pytest.mark.parametrize("recompute, accumulation, checkpoint_interval", [("auto", 1, 1), (2, 2, 1)])
+@pytest.mark.parametrize("family", sorted(tiny_models.FAMILIES))
+def test_auto_and_integer_recompute_match_pytorch_on_every_family(family, recompute, accumulation,
+                                                                   checkpoint_interval, monkeypatch,
+                                                                   cpu_single_thread):
+    """Shown room for 3 blocks' stash, "auto" stashes 3 and recomputes the last block; 2
+    recomputes the last two blocks and stashes the first two: stashed and recomputed
+    blocks in one model, on every family (GPT-2: dropout, replayed in the recomputed
+    blocks, kept in the stashed ones' graphs)."""
+    _auto_sees_room_for(monkeypatch, 3)
+    engine, reference, trace = _train(family, recompute, accumulation, checkpoint_interval)
+    try:
+        _check(engine, reference, trace, accumulation, stashed=3 if recompute == "auto" else 2)
+        if recompute == "auto":
+            assert engine.recompute_choice.predicted["auto"]["stashed_blocks"] == 3
     finally:
         engine.destroy()
 
