@@ -70,11 +70,12 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
         if trace is not None:  # every step after the warm-up
             config["megatrain"].update(trace=str(trace), trace_steps=max(1, args.steps - 1))
         if args.nvme_path:  # a ZeRO-Infinity JSON: the optimizer state on NVMe (the engine's NVMe tier)
+            params_on = {"device": "nvme", "nvme_path": args.nvme_path} if args.nvme_weights else {"device": "cpu"}
             config["zero_optimization"] = {
                 "stage": 3,
                 "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": cuda,
                                       "buffer_count": args.nvme_buffer_count},
-                "offload_param": {"device": "cpu", "pin_memory": cuda},
+                "offload_param": {**params_on, "pin_memory": cuda},
             }
             config["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                              "single_submit": False, "overlap_events": True}
@@ -192,7 +193,10 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         if tier is not None:
             result["nvme"] = {"engine": tier.engine_name, "swap_bytes": tier.directory.nbytes,
                               "window_bytes": tier.window_bytes, "bytes_read": tier.bytes_read,
-                              "bytes_written": tier.bytes_written}
+                              "bytes_written": tier.bytes_written, "kinds": list(tier.kinds)}
+            if engine.nvme_weights is not None:
+                result["nvme"].update(weight_window_bytes=engine.nvme_weights.nbytes,
+                                      weight_reads=engine.nvme_weights.reads)
         engine.destroy()  # writes the trace, should its last step not have
         idle = _device_idle_seconds(trace)
         splits = _step_splits(trace)
@@ -366,6 +370,8 @@ def main() -> None:
                         help="offload_optimizer.buffer_count: blocks in the NVMe tier's host window")
     parser.add_argument("--nvme-path", default=None,
                         help="the engine's optimizer state on NVMe here (a ZeRO-Infinity offload_optimizer block)")
+    parser.add_argument("--nvme-weights", action="store_true",
+                        help="with --nvme-path: the weights there too (offload_param.device \"nvme\")")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

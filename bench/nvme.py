@@ -15,9 +15,10 @@ All in one run, on the disk under ``--nvme-path``:
      bytes, ``read_bytes / disk_read + written_bytes / disk_write``.
    Ratios >= 0.70 are the target.
 3. Step time of the engine (``bench/compare.py``'s child, fresh processes) on the same
-   Llama with a plain ZeRO-Infinity JSON (``offload_optimizer.device: "nvme"``) and
-   without it (host memory only), and the split of the tier's step from its trace:
-   compute, waiting for the disk, AdamW, and the I/O threads' read and write time.
+   Llama with a plain ZeRO-Infinity JSON (``offload_optimizer.device: "nvme"``), with the
+   weights on NVMe too (``offload_param.device: "nvme"`` as well: ``"nvme_offload": "all"``)
+   and without either (host memory only), and the split of each tiered step from its
+   trace: compute, waiting for the disk, AdamW, and the I/O threads' read and write time.
 
     python bench/nvme.py --nvme-path /work/nvme_swap
     python bench/nvme.py --nvme-path /mnt/nvme --blocks 16 --block-mib 512 --layers 16
@@ -95,12 +96,12 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
         tier.close()
 
 
-def engine_step(args: argparse.Namespace, nvme_path: str | None) -> dict:
+def engine_step(args: argparse.Namespace, nvme_path: str | None, weights: bool = False) -> dict:
     command = [sys.executable, str(HERE / "compare.py"), "--child", "megatrain", "--layers", str(args.layers),
                "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--vocab", "32000",
                "--seq-len", "128", "--micro-batch", "2", "--clip", "1.0", "--steps", str(args.steps)]
     if nvme_path:
-        command += ["--nvme-path", nvme_path]
+        command += ["--nvme-path", nvme_path, *(["--nvme-weights"] if weights else [])]
     completed = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
@@ -152,16 +153,21 @@ def main() -> None:
 
     ram = engine_step(args, None)
     tiered = engine_step(args, os.path.join(args.nvme_path, "engine"))
+    everything = engine_step(args, os.path.join(args.nvme_path, "engine"), weights=True)
     report["model"] = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
                        "params": ram["params"], "seq_len": 128, "micro_batch": 2, "clip": 1.0, "fp32": True}
-    report["engine"] = {"ram_only": ram, "nvme_tier": tiered,
+    report["engine"] = {"ram_only": ram, "nvme_tier": tiered, "nvme_tier_with_weights": everything,
                         "step_seconds_tier_over_ram": tiered["step_seconds"] / ram["step_seconds"],
-                        "peak_host_bytes_tier_over_ram": tiered["peak_host_bytes"] / ram["peak_host_bytes"]}
-    split = tiered.get("trace_split", {})
-    print(f"engine, {ram['params'] / 1e6:.0f}M params: step {ram['step_seconds']:.2f} s in host memory, "
-          f"{tiered['step_seconds']:.2f} s with the NVMe tier ({report['engine']['step_seconds_tier_over_ram']:.2f}x); "
-          f"peak host {ram['peak_host_bytes'] / 2**30:.2f} -> {tiered['peak_host_bytes'] / 2**30:.2f} GiB; "
-          f"tier step split: " + ", ".join(f"{k} {v:.2f} s" for k, v in split.items()), flush=True)
+                        "peak_host_bytes_tier_over_ram": tiered["peak_host_bytes"] / ram["peak_host_bytes"],
+                        "step_seconds_weights_on_tier_over_ram": everything["step_seconds"] / ram["step_seconds"],
+                        "peak_host_bytes_weights_on_tier_over_ram":
+                            everything["peak_host_bytes"] / ram["peak_host_bytes"]}
+    for name, run in (("the NVMe tier", tiered), ("the weights on it too", everything)):
+        print(f"engine, {ram['params'] / 1e6:.0f}M params: step {ram['step_seconds']:.2f} s in host memory, "
+              f"{run['step_seconds']:.2f} s with {name} ({run['step_seconds'] / ram['step_seconds']:.2f}x); "
+              f"peak host {ram['peak_host_bytes'] / 2**30:.2f} -> {run['peak_host_bytes'] / 2**30:.2f} GiB; "
+              "step split: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.get("trace_split", {}).items()),
+              flush=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 

@@ -299,3 +299,35 @@ def test_auto_puts_as_little_on_the_tier_as_host_memory_allows(tmp_path, monkeyp
                 assert engine.host_bytes()["nvme_weights"] == needs["all"].host["nvme_weights"]
         finally:
             engine.destroy()
+
+
+def test_save_pretrained_mid_training_with_the_weights_on_the_tier(tmp_path):
+    """The blocks' parameters have no values while the engine runs; ``save_pretrained``
+    (through ``state_dict``) still writes the trained fp32 weights, those of the RAM-only
+    engine after the same steps, and copying a parameter out fails loudly."""
+    import transformers
+
+    engines = []
+    for options in ({}, {**nvme_options(tmp_path / "swap"), "nvme_offload": "all"}):
+        torch.manual_seed(0)
+        engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain=options)))
+        engines.append(engine)
+        for micro in range(2):
+            batch = tiny_models.make_batch(micro)
+            engine.backward(engine(**batch).loss)
+            engine.step()
+    ram, tiered = engines
+    try:
+        weight = tiered.module.model.layers[1].mlp.up_proj.weight
+        assert weight.is_meta
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            weight.tolist()
+        tiered.module.save_pretrained(tmp_path / "saved")
+        saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+        expected = ram.module.state_dict()
+        assert saved.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(saved[key], expected[key]), key
+    finally:
+        for engine in engines:
+            engine.destroy()

@@ -76,9 +76,9 @@ class HostFlatState:
 
     def park_params(self) -> None:
         """Make the user's parameters meta tensors of their shapes: no host copy of the
-        weights exists (the NVMe tier holds them, ``state/nvme_weights.py``), and a read of
-        one fails instead of returning stale values, as a ZeRO-3 model's partitioned
-        parameters do. :meth:`point_params_at` gives them values again."""
+        weights exists (the NVMe tier holds them, ``state/nvme_weights.py``), and copying
+        one's values out fails instead of returning stale ones, as a ZeRO-3 model's
+        partitioned parameters have none. :meth:`point_params_at` gives them values again."""
         for slot, param in zip(self.layout.slots, self.params):
             _repoint(param, torch.empty(slot.shape, dtype=self.master.dtype, device="meta"))
 
