@@ -176,23 +176,27 @@ AIO = {"block_size": 262144, "queue_depth": 32, "thread_count": 2, "single_submi
 def test_zero_infinity_config_turns_the_nvme_tier_on(caplog):
     """offload_optimizer.device "nvme": the optimizer state on the NVMe tier, in its
     nvme_path, buffer_count blocks in the window, the "aio" block's settings; offload_param
-    "nvme" is warned about (the weights stay in host memory); the rest is listed as ignored."""
+    "nvme" puts the weights there too ("all", state/nvme_weights.py), with no warning left
+    about it; the rest is listed as ignored."""
     with caplog.at_level(logging.WARNING, logger="megatrain_ds.config"):
         config = parse_engine_config({**BASE, "zero_optimization": ZERO_INFINITY, "aio": AIO})
     options = config.options
-    assert (options.nvme_offload, options.nvme_path, options.nvme_window_blocks) == ("optimizer", "/local_nvme", 5)
+    assert (options.nvme_offload, options.nvme_path, options.nvme_window_blocks) == ("all", "/local_nvme", 5)
+    only_optimizer = {**ZERO_INFINITY, "offload_param": {"device": "cpu"}}
+    assert parse_engine_config({**BASE, "zero_optimization": only_optimizer}).options.nvme_offload == "optimizer"
     assert (options.nvme_aio.block_size, options.nvme_aio.queue_depth, options.nvme_aio.thread_count,
             options.nvme_aio.single_submit, options.nvme_aio.overlap_events) == (262144, 32, 2, False, True)
     assert config.ignored_keys == tuple(f"zero_optimization.{key}" for key in (
         "offload_optimizer.fast_init", "offload_param.buffer_count", "offload_param.buffer_size",
         "offload_param.max_in_cpu"))
-    assert any("offload_param.device is \"nvme\"" in r.getMessage() for r in caplog.records)
+    assert not any("offload_param.device is \"nvme\"" in r.getMessage() for r in caplog.records)
 
 
 def test_offload_param_alone_on_nvme_uses_its_path():
+    """The weights on NVMe take their optimizer state along (a block's master is both)."""
     config = parse_engine_config({**BASE, "zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})
-    assert (config.options.nvme_offload, config.options.nvme_path) == ("optimizer", "/nvme")
+    assert (config.options.nvme_offload, config.options.nvme_path) == ("all", "/nvme")
 
 
 def test_the_megatrain_block_overrides_zero_infinity():
