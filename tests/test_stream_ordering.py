@@ -6,7 +6,8 @@
 - The checker bites: every synchronisation call of the engine's modules is removed, one
   at a time, from a copy of the package, and a short run under the checker
   (``tests/stream_race_scenario.py``) must fail with a race. Survivors are listed in
-  :data:`EXPECTED_SURVIVORS`, each with the reason the checker cannot see it.
+  :data:`EXPECTED_SURVIVORS`, each with the reason the checker cannot see it, and mutants
+  that only some runs catch in :data:`TIMING_DEPENDENT`, with the reason.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ the work without it: ``device_adamw.py``'s host wait for the loads of a staging 
 (the sink refills staging on the d2h stream, which had already waited for those loads);
 the stash pool's wait for a buffer's last reader, and a stashed block's wait for its
 whole fragmented weights (``activation_stash.py``: [Note: stash ordering])."""
+
+TIMING_DEPENDENT: dict[str, str] = {
+    "state/nvme_tier.py:_after_write:written.synchronize": (
+        "A read of a block's swap file waits for the write of it queued before (_written). The "
+        "checker sees the two transfers unordered only when they run on different I/O threads "
+        "(the tier has two, fed from one queue): then removing the wait is caught (the nvme-all "
+        "scenario re-reads blocks soon after writing them); when one thread runs both, its own "
+        "program order orders them. Which thread takes which transfer is up to timing, so this "
+        "mutant is caught in some runs and survives in others."),
+}
+"""``"file.py:function:call"`` -> why removing that call is caught only in some runs: neither
+listed as a survivor nor required to be caught (it still counts towards :data:`MIN_CAUGHT`)."""
 
 MIN_CAUGHT = 0.8
 
@@ -189,7 +202,8 @@ def test_the_sites_are_found():
     assert {"streaming/weight_streamer.py", "streaming/activation_offload.py", "gradients/sink.py",
             "optimizer/device_adamw.py", "distributed/gradient_reducer.py", "state/nvme_tier.py"} <= files, files
     assert len(sites) >= 12
-    assert set(EXPECTED_SURVIVORS) <= {site.key for site in sites}, "a listed survivor no longer exists"
+    assert set(EXPECTED_SURVIVORS) | set(TIMING_DEPENDENT) <= {site.key for site in sites}, \
+        "a listed survivor no longer exists"
 
 
 def test_the_unmutated_scenarios_run_race_free(tmp_path):
@@ -220,7 +234,7 @@ def test_removing_any_one_synchronisation_is_caught(tmp_path):
     report = "\n".join(f"{'caught  ' if ok else 'SURVIVED'} {site}" for site, ok, _ in outcomes)
     print(report)
     assert caught / len(sites) >= MIN_CAUGHT, report
-    unexplained = set(survivors) - set(EXPECTED_SURVIVORS)
+    unexplained = set(survivors) - set(EXPECTED_SURVIVORS) - set(TIMING_DEPENDENT)
     assert not unexplained, "survivors without a reason in EXPECTED_SURVIVORS:\n" + report
     now_caught = set(EXPECTED_SURVIVORS) - set(survivors)
     assert not now_caught, f"caught now, remove from EXPECTED_SURVIVORS: {sorted(now_caught)}"
