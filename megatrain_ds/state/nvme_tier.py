@@ -369,6 +369,7 @@ class NvmeTier:
         engine's alignment, when that is not fp32); :meth:`await_transfer` the result before
         reading ``into``. The newest master is the window's, when a slot holds the block
         (copied on this thread), else the swap file's, once its last write is done."""
+        assert self.kinds[0] == "master", "the weights are read from the tier only when it holds the masters"
         with self._lock:
             self._raise_failure()
             numel = self._numels[index]
