@@ -10,8 +10,10 @@ as their gradients arrive), accumulation 2 (fp32 held gradients). A 2-block wind
 4-5 blocks forces evictions and write-behind every step.
 """
 
+import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +262,8 @@ def test_a_zero_infinity_config_with_offload_param_on_nvme_puts_the_weights_on_t
     only_optimizer = parse_engine_config({**ds_config(), "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
     assert only_optimizer.options.nvme_offload == "optimizer"
+    shipped = json.loads((Path(__file__).parents[1] / "configs" / "ds_megatrain_zero_infinity.json").read_text())
+    assert parse_engine_config(shipped).options.nvme_offload == "all"
     with pytest.raises(ConfigError, match="offload_param.device is \"nvme\" but no nvme_path"):
         parse_engine_config({**ds_config(), "zero_optimization": {"offload_param": {"device": "nvme"}}})
     with pytest.raises(ConfigError, match='"none", "optimizer", "all", "auto"'):
