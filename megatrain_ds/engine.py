@@ -41,11 +41,11 @@ from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, g
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
-from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier, weight_window_buffers
+from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
 from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
 from megatrain_ds.state.nvme_tier import WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
-from megatrain_ds.state.nvme_weights import NvmeWeights
+from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
 from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
@@ -226,7 +226,8 @@ class MegatrainEngine(nn.Module):
         self.sink: GradientPort = sink if dp is None else GradientReducer(
             self.runtime, dp, sink, self.windows)
         if nvme == "all":  # forward and backward read the blocks' weights from the tier
-            self.nvme_weights = NvmeWeights(self.nvme_tier, compute, weight_window_buffers(options))
+            self.nvme_weights = NvmeWeights(self.nvme_tier, compute, weight_window_buffers(
+                options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks))
         self.streamer = WeightStreamer(
             self.runtime, self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,

@@ -86,6 +86,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.planning.long_context import (choose_loss_chunk_tokens, choose_mlp_tile_tokens,
                                                 loss_chunk_bytes_per_token, mlp_tile_bytes_per_token)
 
@@ -328,7 +329,8 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
         result["nvme_window"] = (min(settings.nvme_window_blocks, shape.num_blocks) * _tier_bytes_per_param(settings)
                                  * shape.block_params)
     if settings.nvme and settings.nvme_weights:
-        buffers = settings.num_buffers + settings.checkpoint_interval + settings.nvme_window_blocks - 2
+        buffers = weight_window_buffers(settings.num_buffers, settings.checkpoint_interval,
+                                        settings.nvme_window_blocks)
         staging = 4 if settings.weight_bytes != 4 else 0
         result["nvme_weights"] = buffers * (settings.weight_bytes + staging) * shape.block_params
     if settings.bf16:

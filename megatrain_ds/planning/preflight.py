@@ -44,6 +44,7 @@ from megatrain_ds.config import NVME_OFFLOAD_LEVELS, EngineConfig
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import build_flat_layout
 from megatrain_ds.state.nvme_tier import WITH_MASTER, swap_file_bytes, tier_kinds
+from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.state.swap_directory import check_free_space
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
 from megatrain_ds.optimizer.facade import group_index_of
@@ -152,7 +153,9 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
             # The weight window (state/nvme_weights.py): each buffer the largest block in the
             # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
             per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
-            host["nvme_weights"] = weight_window_buffers(options) * per_buffer
+            buffers = weight_window_buffers(options.num_buffers, options.checkpoint_interval,
+                                            options.nvme_window_blocks)
+            host["nvme_weights"] = buffers * per_buffer
     if config.compute_dtype != config.master_dtype:
         host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
     if config.holds_gradients:
@@ -179,12 +182,6 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
         host["weight_buffers"] = 0
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
-
-
-def weight_window_buffers(options: Any) -> int:
-    """Buffers of the weight window with the weights on the NVMe tier: one more than the
-    streamer's device slots can hold, plus ``nvme_window_blocks - 1`` read ahead."""
-    return options.num_buffers + options.checkpoint_interval - 1 + options.nvme_window_blocks - 1
 
 
 def available_memory(device: torch.device) -> AvailableMemory:

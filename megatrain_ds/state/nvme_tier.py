@@ -21,7 +21,7 @@ as a DeepSpeed bf16 model's parameters are bf16: ``model.state_dict()`` shows th
 weights rounded to bf16, and a checkpoint (``engine.save_checkpoint``) holds the fp32
 masters, streamed from the swap files. With no shadow either (weights on the tier) the
 parameters are meta tensors, as a ZeRO-3 model's are partitioned: ``model.state_dict()``
-reads the masters from the tier (the engine's state-dict hook, :meth:`NvmeTier.masters`).
+reads the masters from the swap files (the engine's state-dict hook, through :meth:`NvmeTier.file_views`).
 When the engine is destroyed the parameters get their fp32 masters back
 (:meth:`NvmeTier.close`), so a model trained on and then handed to another engine (the HF
 Trainer's second ``train()``) loses no precision.

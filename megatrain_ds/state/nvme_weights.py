@@ -43,6 +43,12 @@ from megatrain_ds.runtime.device_runtime import Event
 from megatrain_ds.state.nvme_tier import NvmeTier, PendingTransfer
 
 
+def weight_window_buffers(num_buffers: int, checkpoint_interval: int, nvme_window_blocks: int) -> int:
+    """Buffers of the weight window: one more than the streamer's device slots
+    (``num_buffers + checkpoint_interval - 1``) can hold, plus ``nvme_window_blocks - 1`` read ahead."""
+    return num_buffers + checkpoint_interval - 1 + nvme_window_blocks - 1
+
+
 @dataclass
 class _Buffer:
     weights: torch.Tensor
