@@ -30,8 +30,9 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
 WATCHED = ("deepspeed", "accelerate.utils.deepspeed")  # = deepspeed_hook.PATCHES' keys
@@ -74,7 +75,7 @@ class DeepSpeedImportWatcher(importlib.abc.MetaPathFinder):
         if fullname not in self.pending:
             return None
         spec = None
-        after_self = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
+        after_self = sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []
         for finder in after_self:
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
@@ -98,8 +99,7 @@ def _patch(module: ModuleType) -> None:
     except Exception as error:  # never break `import deepspeed` for a broken megatrain_ds
         import warnings
 
-        warnings.warn(f"megatrain_ds: could not patch {module.__name__} ({error!r})",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"megatrain_ds: could not patch {module.__name__} ({error!r})", RuntimeWarning, stacklevel=3)
         return
     deepspeed_hook.patch(module)
 

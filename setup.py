@@ -27,10 +27,8 @@ PTH_LINE = "import _megatrain_ds_hook; _megatrain_ds_hook.install()\n"
 class build_py_with_hook(build_py):
     def run(self) -> None:
         super().run()
-        if self.editable_mode:
-            target = Path(self.get_finalized_command("install").install_lib)
-        else:
-            target = Path(self.build_lib)
+        editable = self.editable_mode
+        target = Path(self.get_finalized_command("install").install_lib if editable else self.build_lib)
         target.mkdir(parents=True, exist_ok=True)
         (target / PTH_NAME).write_text(PTH_LINE, encoding="utf-8")
 

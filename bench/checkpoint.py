@@ -15,7 +15,8 @@ is 12 bytes/param: master, Adam m, Adam v):
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before each call), and a 2 ms sampler
 of anonymous memory (``RssAnon``, what the process itself allocated) and of mapped file
 pages (``RssFile``: the safetensors memory maps of the meta-device load, which the
-high-water mark cannot separate from the state being allocated at the same time). Both are compared with the size of one block: its fp32 master
+high-water mark cannot separate from the state being allocated at the same time). Both are
+compared with the size of one block: its fp32 master
 (the issue's target: under 3 blocks). Save and load go through the page cache; nothing
 here drops caches (the machine is shared), so the load reads what the save just wrote if
 it is still cached: the JSON records the machine's load and free memory.
@@ -51,7 +52,7 @@ def _status() -> dict[str, int]:
 class PeakMeter:
     """Peak RSS (kernel high-water mark) and peak RssAnon (sampled) above the start."""
 
-    def __enter__(self) -> "PeakMeter":
+    def __enter__(self) -> PeakMeter:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")  # reset VmHWM to the current RSS
         self.start = _status()
@@ -79,29 +80,41 @@ class PeakMeter:
     def report(self, baseline: dict[str, int] | None = None) -> dict[str, float]:
         """Peaks above ``baseline`` (default: the state when the meter started)."""
         base = baseline or self.start
-        return {"seconds": self.seconds,
-                "peak_extra_rss_bytes": self.end["VmHWM"] - base["VmRSS"],
-                "peak_extra_anon_bytes": self.peak_anon - base["RssAnon"],
-                "peak_mapped_file_bytes": self.peak_file - self.start["RssFile"]}
+        return {
+            "seconds": self.seconds,
+            "peak_extra_rss_bytes": self.end["VmHWM"] - base["VmRSS"],
+            "peak_extra_anon_bytes": self.peak_anon - base["RssAnon"],
+            "peak_mapped_file_bytes": self.peak_file - self.start["RssFile"],
+        }
 
 
 def _model_config(hidden: int, layers: int):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128,
-        attn_implementation="sdpa")
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
+        attn_implementation="sdpa",
+    )
 
 
-ENGINE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+ENGINE_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_clipping": 0.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+}
 
 
 def _block_bytes(engine) -> dict[str, int]:
     state = engine.states[0]
-    return {"block_master_bytes": state.master.numel() * state.master.element_size(),
-            "block_state_bytes": sum(state.nbytes_by_kind().values())}
+    return {
+        "block_master_bytes": state.master.numel() * state.master.element_size(),
+        "block_state_bytes": sum(state.nbytes_by_kind().values()),
+    }
 
 
 def run_save_load(hidden: int, layers: int, directory: str) -> dict:
@@ -119,28 +132,35 @@ def run_save_load(hidden: int, layers: int, directory: str) -> dict:
         state.exp_avg_sq.copy_(state.master).square_()
     with PeakMeter() as save:
         engine.save_checkpoint(directory, tag="bench")
-    files = sum(os.path.getsize(os.path.join(directory, "bench", f)) for f in os.listdir(os.path.join(directory, "bench")))
+    files = sum(
+        os.path.getsize(os.path.join(directory, "bench", f)) for f in os.listdir(os.path.join(directory, "bench"))
+    )
     reference = [state.master[:4096].clone() for state in engine.states]
     for state in engine.states:
         state.master.zero_()
     with PeakMeter() as load:
         engine.load_checkpoint(directory)
     assert all(torch.equal(ref, state.master[:4096]) for ref, state in zip(reference, engine.states))
-    result = {"params": params, "state_bytes": sum(engine.host_bytes().values()), "checkpoint_bytes": files,
-              **_block_bytes(engine), "save": save.report(), "load": load.report()}
+    result = {
+        "params": params,
+        "state_bytes": sum(engine.host_bytes().values()),
+        "checkpoint_bytes": files,
+        **_block_bytes(engine),
+        "save": save.report(),
+        "load": load.report(),
+    }
     engine.destroy()
     return result
 
 
 def run_meta_load(hidden: int, layers: int, directory: str) -> dict:
     import accelerate
-    import torch
     import transformers
 
     from megatrain_ds import MegatrainEngine, parse_engine_config
-    from megatrain_ds.planning import preflight
     from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
     from megatrain_ds.optimizer.facade import build_optimizer
+    from megatrain_ds.planning import preflight
 
     with accelerate.init_empty_weights():
         model = transformers.LlamaForCausalLM(_model_config(hidden, layers))
@@ -150,15 +170,18 @@ def run_meta_load(hidden: int, layers: int, directory: str) -> dict:
     with PeakMeter() as meter:
         engine = MegatrainEngine(model, config)
     after = meter.end
-    result = {"params": sum(p.numel() for p in model.parameters()), **_block_bytes(engine),
-              "seconds": meter.seconds,
-              "rss_growth_bytes": after["VmRSS"] - meter.start["VmRSS"],
-              "preflight_estimate_bytes": estimate,
-              # the transient above the engine's final state: what loading itself cost
-              "peak_extra_rss_bytes": after["VmHWM"] - after["VmRSS"],
-              "peak_extra_anon_bytes": meter.peak_anon - after["RssAnon"],
-              # file pages of the safetensors memory maps (page cache mapped, not a copy)
-              "peak_mapped_file_bytes": meter.peak_file - meter.start["RssFile"]}
+    result = {
+        "params": sum(p.numel() for p in model.parameters()),
+        **_block_bytes(engine),
+        "seconds": meter.seconds,
+        "rss_growth_bytes": after["VmRSS"] - meter.start["VmRSS"],
+        "preflight_estimate_bytes": estimate,
+        # the transient above the engine's final state: what loading itself cost
+        "peak_extra_rss_bytes": after["VmHWM"] - after["VmRSS"],
+        "peak_extra_anon_bytes": meter.peak_anon - after["RssAnon"],
+        # file pages of the safetensors memory maps (page cache mapped, not a copy)
+        "peak_mapped_file_bytes": meter.peak_file - meter.start["RssFile"],
+    }
     engine.destroy()
     return result
 
@@ -166,8 +189,12 @@ def run_meta_load(hidden: int, layers: int, directory: str) -> dict:
 def _machine() -> dict:
     with open("/proc/meminfo") as handle:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in handle}
-    return {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
-            "mem_total_bytes": info["MemTotal"], "mem_available_bytes": info["MemAvailable"]}
+    return {
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "mem_total_bytes": info["MemTotal"],
+        "mem_available_bytes": info["MemAvailable"],
+    }
 
 
 def main() -> None:
@@ -186,9 +213,23 @@ def main() -> None:
     results = {"machine_before": _machine()}
     try:
         for child in ("save-load", "meta-load"):
-            output = subprocess.run([sys.executable, __file__, "--child", child, "--hidden", str(args.hidden),
-                                     "--layers", str(args.layers), "--dir", directory],
-                                    check=True, capture_output=True, text=True).stdout
+            output = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    child,
+                    "--hidden",
+                    str(args.hidden),
+                    "--layers",
+                    str(args.layers),
+                    "--dir",
+                    directory,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             results[child] = json.loads(output.strip().splitlines()[-1])
     finally:
         if args.dir is None:
@@ -196,26 +237,40 @@ def main() -> None:
     results["machine_after"] = _machine()
     mib, block = 1 << 20, results["save-load"]["block_master_bytes"]
     first = results["save-load"]
-    print(f"model: {first['params'] / 1e6:.0f}M parameters, host state {first['state_bytes'] / 2**30:.2f} GiB, "
-          f"checkpoint {first['checkpoint_bytes'] / 2**30:.2f} GiB, one block (fp32 master) {block / mib:.0f} MiB")
+    print(
+        f"model: {first['params'] / 1e6:.0f}M parameters, host state {first['state_bytes'] / 2**30:.2f} GiB, "
+        f"checkpoint {first['checkpoint_bytes'] / 2**30:.2f} GiB, one block (fp32 master) {block / mib:.0f} MiB"
+    )
     for name in ("save", "load"):
         row = first[name]
-        print(f"{name:5s} {row['seconds']:6.1f} s  {first['checkpoint_bytes'] / row['seconds'] / 2**30:5.2f} GiB/s  "
-              f"peak extra RSS {row['peak_extra_rss_bytes'] / mib:6.1f} MiB  anon {row['peak_extra_anon_bytes'] / mib:6.1f} MiB"
-              f"  ({row['peak_extra_rss_bytes'] / block:.2f} blocks)")
+        print(
+            f"{name:5s} {row['seconds']:6.1f} s  {first['checkpoint_bytes'] / row['seconds'] / 2**30:5.2f} GiB/s  "
+            f"peak extra RSS {row['peak_extra_rss_bytes'] / mib:6.1f} MiB  "
+            f"anon {row['peak_extra_anon_bytes'] / mib:6.1f} MiB"
+            f"  ({row['peak_extra_rss_bytes'] / block:.2f} blocks)"
+        )
     meta = results["meta-load"]
-    print(f"meta-device model from safetensors: {meta['seconds']:.1f} s, peak extra RSS "
-          f"{meta['peak_extra_rss_bytes'] / mib:.1f} MiB, anon {meta['peak_extra_anon_bytes'] / mib:.1f} MiB, mapped file "
-          f"pages {meta['peak_mapped_file_bytes'] / mib:.1f} MiB ({meta['peak_mapped_file_bytes'] / block:.2f} blocks); "
-          f"RSS growth {meta['rss_growth_bytes'] / 2**30:.2f} GiB "
-          f"vs preflight estimate {meta['preflight_estimate_bytes'] / 2**30:.2f} GiB")
+    print(
+        f"meta-device model from safetensors: {meta['seconds']:.1f} s, peak extra RSS "
+        f"{meta['peak_extra_rss_bytes'] / mib:.1f} MiB, anon {meta['peak_extra_anon_bytes'] / mib:.1f} MiB, "
+        f"mapped file "
+        f"pages {meta['peak_mapped_file_bytes'] / mib:.1f} MiB ({meta['peak_mapped_file_bytes'] / block:.2f} blocks); "
+        f"RSS growth {meta['rss_growth_bytes'] / 2**30:.2f} GiB "
+        f"vs preflight estimate {meta['preflight_estimate_bytes'] / 2**30:.2f} GiB"
+    )
     if args.json:
         import torch
 
-        results.update({"device": "cpu: " + (platform.processor() or platform.machine()), "torch": torch.__version__,
-                        "hidden": args.hidden, "layers": args.layers,
-                        "notes": "shared machine (load averages above); the save's time includes fsync of every "
-                                 "file; the load reads what the save just wrote, from the page cache"})
+        results.update(
+            {
+                "device": "cpu: " + (platform.processor() or platform.machine()),
+                "torch": torch.__version__,
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "notes": "shared machine (load averages above); the save's time includes fsync of every "
+                "file; the load reads what the save just wrote, from the page cache",
+            }
+        )
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
 

@@ -45,8 +45,12 @@ import time
 from pathlib import Path
 
 SYSTEMS = ("megatrain", "megatrain_no_recompute", "zero3_offload", "torch")
-RESULT_KEY = {"megatrain": "megatrain", "megatrain_no_recompute": "megatrain_recompute_none",
-              "zero3_offload": "deepspeed_zero3_offload", "torch": "torch"}
+RESULT_KEY = {
+    "megatrain": "megatrain",
+    "megatrain_no_recompute": "megatrain_recompute_none",
+    "zero3_offload": "deepspeed_zero3_offload",
+    "torch": "torch",
+}
 ENGINE_SYSTEMS = ("megatrain", "megatrain_no_recompute")
 """The engine with every block recomputed (its default), and with ``"recompute": "none"``."""
 
@@ -73,12 +77,21 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
             params_on = {"device": "nvme", "nvme_path": args.nvme_path} if args.nvme_weights else {"device": "cpu"}
             config["zero_optimization"] = {
                 "stage": 3,
-                "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": cuda,
-                                      "buffer_count": args.nvme_buffer_count},
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": args.nvme_path,
+                    "pin_memory": cuda,
+                    "buffer_count": args.nvme_buffer_count,
+                },
                 "offload_param": {**params_on, "pin_memory": cuda},
             }
-            config["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
-                             "single_submit": False, "overlap_events": True}
+            config["aio"] = {
+                "block_size": 1048576,
+                "queue_depth": 8,
+                "thread_count": 1,
+                "single_submit": False,
+                "overlap_events": True,
+            }
     else:
         config["zero_optimization"] = {
             "stage": 3,
@@ -89,8 +102,13 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
 
 
 def run_child(system: str, args: argparse.Namespace) -> dict:
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29541",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }.items():
         os.environ.setdefault(key, value)
     import torch
 
@@ -104,9 +122,13 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda" if cuda else "cpu")
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or args.hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
-        num_key_value_heads=max(1, args.hidden // 128), attn_implementation="sdpa",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 128),
+        num_key_value_heads=max(1, args.hidden // 128),
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     baseline = _rss_bytes()
@@ -157,8 +179,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        times.update(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2, step=t3 - t0,
-                     cpu=time.process_time() - c0)
+        times.update(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2, step=t3 - t0, cpu=time.process_time() - c0)
         phases.append(times)
         losses.append(float(loss))
     measured = phases[1:] if len(phases) > 1 else phases  # first step warms up
@@ -191,12 +212,18 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     if system in ENGINE_SYSTEMS:
         tier = engine.nvme_tier
         if tier is not None:
-            result["nvme"] = {"engine": tier.engine_name, "swap_bytes": tier.directory.nbytes,
-                              "window_bytes": tier.window_bytes, "bytes_read": tier.bytes_read,
-                              "bytes_written": tier.bytes_written, "kinds": list(tier.kinds)}
+            result["nvme"] = {
+                "engine": tier.engine_name,
+                "swap_bytes": tier.directory.nbytes,
+                "window_bytes": tier.window_bytes,
+                "bytes_read": tier.bytes_read,
+                "bytes_written": tier.bytes_written,
+                "kinds": list(tier.kinds),
+            }
             if engine.nvme_weights is not None:
-                result["nvme"].update(weight_window_bytes=engine.nvme_weights.nbytes,
-                                      weight_reads=engine.nvme_weights.reads)
+                result["nvme"].update(
+                    weight_window_bytes=engine.nvme_weights.nbytes, weight_reads=engine.nvme_weights.reads
+                )
         engine.destroy()  # writes the trace, should its last step not have
         idle = _device_idle_seconds(trace)
         splits = _step_splits(trace)
@@ -217,9 +244,13 @@ def _stash_figures(engine, model, args: argparse.Namespace) -> dict:
     settings = RunSettings(seq_len=args.seq_len, micro_batch=args.micro_batch, bf16=engine.config.bf16)
     predicted = stash_bytes_per_block(shape_of(model), settings)
     per_block = sum(measured.values()) / len(measured)
-    return {"stashed_blocks": len(measured), "stash_bytes_per_block": per_block,
-            "predicted_stash_bytes_per_block": predicted, "stash_predicted_over_measured": predicted / per_block,
-            "stash_peak_host_bytes": engine.blocks.stash.peak_host_bytes}
+    return {
+        "stashed_blocks": len(measured),
+        "stash_bytes_per_block": per_block,
+        "predicted_stash_bytes_per_block": predicted,
+        "stash_predicted_over_measured": predicted / per_block,
+        "stash_peak_host_bytes": engine.blocks.stash.peak_host_bytes,
+    }
 
 
 def _device_idle_seconds(trace: Path) -> list[float]:
@@ -249,12 +280,27 @@ def _step_splits(trace: Path) -> list[dict[str, float]]:
     splits = []
     for step in steps_in(spans):
         mine = [s for s in spans if s["args"].get("step") == step]
+
         def total(track: str, prefix: str = "") -> float:
-            return sum(s["end_ms"] - s["start_ms"] for s in mine
-                       if s["track"] == track and s.get("name", "").startswith(prefix)) / 1e3
-        splits.append({"step": total("step"), "compute": busy_ms([s for s in mine if s["track"] == "compute"]) / 1e3,
-                       "disk_wait": total("nvme wait"), "optimizer": total("optimizer worker", "adamw"),
-                       "disk_read": total("nvme read"), "disk_write": total("nvme write")})
+            return (
+                sum(
+                    s["end_ms"] - s["start_ms"]
+                    for s in mine
+                    if s["track"] == track and s.get("name", "").startswith(prefix)
+                )
+                / 1e3
+            )
+
+        splits.append(
+            {
+                "step": total("step"),
+                "compute": busy_ms([s for s in mine if s["track"] == "compute"]) / 1e3,
+                "disk_wait": total("nvme wait"),
+                "optimizer": total("optimizer worker", "adamw"),
+                "disk_read": total("nvme read"),
+                "disk_write": total("nvme write"),
+            }
+        )
     return splits
 
 
@@ -303,21 +349,42 @@ def run_planner(args: argparse.Namespace) -> dict | None:
 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name().upper()
-        gpu = next((key for marker, key in (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100"))
-                    if marker in name), None)
+        gpu = next(
+            (key for marker, key in (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100")) if marker in name), None
+        )
         if gpu is None:
             return None
     else:
         gpu = "cpu"
-    config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
-              "intermediate_size": args.intermediate or args.hidden * 8 // 3 // 64 * 64,
-              "num_hidden_layers": args.layers, "num_attention_heads": max(1, args.hidden // 128),
-              "num_key_value_heads": max(1, args.hidden // 128), "attn_implementation": "sdpa"}
+    config = {
+        "model_type": "llama",
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate or args.hidden * 8 // 3 // 64 * 64,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": max(1, args.hidden // 128),
+        "num_key_value_heads": max(1, args.hidden // 128),
+        "attn_implementation": "sdpa",
+    }
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "config.json")
         path.write_text(json.dumps(config))
-        command = [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", str(path), "--gpu", gpu,
-                   "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--json", "--recalibrate"]
+        command = [
+            sys.executable,
+            "-m",
+            "megatrain_ds.cli",
+            "plan",
+            "--model",
+            str(path),
+            "--gpu",
+            gpu,
+            "--seq-len",
+            str(args.seq_len),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--json",
+            "--recalibrate",
+        ]
         if not args.clip:
             command.append("--no-clipping")
         completed = subprocess.run(command, capture_output=True, text=True)
@@ -362,16 +429,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--no-planner", action="store_true", help="skip the planner's prediction")
-    parser.add_argument("--min-free", type=float, default=0.5,
-                        help="GiB of MemAvailable under which a run is killed (the machine may be shared)")
+    parser.add_argument(
+        "--min-free",
+        type=float,
+        default=0.5,
+        help="GiB of MemAvailable under which a run is killed (the machine may be shared)",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/compare_<device>_<params>.json)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute on the CPU too (always on with CUDA)")
-    parser.add_argument("--nvme-buffer-count", type=int, default=4,
-                        help="offload_optimizer.buffer_count: blocks in the NVMe tier's host window")
-    parser.add_argument("--nvme-path", default=None,
-                        help="the engine's optimizer state on NVMe here (a ZeRO-Infinity offload_optimizer block)")
-    parser.add_argument("--nvme-weights", action="store_true",
-                        help="with --nvme-path: the weights there too (offload_param.device \"nvme\")")
+    parser.add_argument(
+        "--nvme-buffer-count",
+        type=int,
+        default=4,
+        help="offload_optimizer.buffer_count: blocks in the NVMe tier's host window",
+    )
+    parser.add_argument(
+        "--nvme-path",
+        default=None,
+        help="the engine's optimizer state on NVMe here (a ZeRO-Infinity offload_optimizer block)",
+    )
+    parser.add_argument(
+        "--nvme-weights",
+        action="store_true",
+        help='with --nvme-path: the weights there too (offload_param.device "nvme")',
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -381,16 +462,16 @@ def main() -> None:
     passthrough = [arg for arg in sys.argv[1:]]
     best: dict[str, dict] = {}
     rounds: dict[str, list[dict]] = {system: [] for system in args.systems}
-    predictions: list[dict | None] = []
     for _ in range(args.repeats):
         for system in args.systems:
-            completed, _ = run_guarded([sys.executable, __file__, *passthrough, "--child", system],
-                                       int(args.min_free * 2**30))
+            completed, _ = run_guarded(
+                [sys.executable, __file__, *passthrough, "--child", system], int(args.min_free * 2**30)
+            )
             lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
             if completed.returncode != 0 or not lines:
                 print(f"{system}: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")
                 continue
-            result = json.loads(lines[-1][len("RESULT "):])
+            result = json.loads(lines[-1][len("RESULT ") :])
             rounds[system].append(result)
             if system == "megatrain" and not args.no_planner:
                 prediction = run_planner(args)  # calibrated now, as the machine is for this round
@@ -398,58 +479,101 @@ def main() -> None:
                     _add_prediction(result, prediction)
             if system not in best or result["step_seconds"] < best[system]["step_seconds"]:
                 best[system] = result
-    print(f"{'system':24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} "
-          f"{'opt':>6s} {'idle':>6s} {'host B/param':>12s} {'GPU GiB':>8s}")
+    print(
+        f"{'system':24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} "
+        f"{'opt':>6s} {'idle':>6s} {'host B/param':>12s} {'GPU GiB':>8s}"
+    )
     for system, r in best.items():
-        print(f"{RESULT_KEY[system]:24s} {r['tokens_per_s']:10.1f} {r['tflops_6pt']:8.4f} {r['step_seconds']:8.2f} "
-              f"{r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} {r['optimizer_seconds']:6.2f} "
-              f"{_seconds_or_dash(r.get('device_idle_seconds')):>6s} "
-              f"{r['bytes_per_param']:12.2f} {r['peak_gpu_bytes'] / 2**30:8.2f}")
+        print(
+            f"{RESULT_KEY[system]:24s} {r['tokens_per_s']:10.1f} {r['tflops_6pt']:8.4f} {r['step_seconds']:8.2f} "
+            f"{r['forward_seconds']:6.2f} {r['backward_seconds']:6.2f} {r['optimizer_seconds']:6.2f} "
+            f"{_seconds_or_dash(r.get('device_idle_seconds')):>6s} "
+            f"{r['bytes_per_param']:12.2f} {r['peak_gpu_bytes'] / 2**30:8.2f}"
+        )
     comparisons = {}
     if "megatrain" in best and "megatrain_no_recompute" in best:
         full, stash = best["megatrain"], best["megatrain_no_recompute"]
         comparisons["recompute_none_over_full_step"] = stash["step_seconds"] / full["step_seconds"]
         # The stash's cost in the process's own memory: the peak RSS difference per block.
-        comparisons["rss_bytes_per_stashed_block"] = ((stash["peak_host_bytes"] - full["peak_host_bytes"])
-                                                      / stash["stashed_blocks"])
-        comparisons["rss_per_block_over_planner"] = (comparisons["rss_bytes_per_stashed_block"]
-                                                     / stash["predicted_stash_bytes_per_block"])
-        print(f"recompute none / full step time: {comparisons['recompute_none_over_full_step']:.3f} "
-              f"({stash['step_seconds']:.2f} s vs {full['step_seconds']:.2f} s)")
-        print(f"stash per block: {stash['stash_bytes_per_block'] / 2**20:.1f} MiB held by the engine, "
-              f"{comparisons['rss_bytes_per_stashed_block'] / 2**20:.1f} MiB by peak RSS, planner "
-              f"{stash['predicted_stash_bytes_per_block'] / 2**20:.1f} MiB (planner / held: "
-              f"{stash['stash_predicted_over_measured']:.3f})")
+        comparisons["rss_bytes_per_stashed_block"] = (stash["peak_host_bytes"] - full["peak_host_bytes"]) / stash[
+            "stashed_blocks"
+        ]
+        comparisons["rss_per_block_over_planner"] = (
+            comparisons["rss_bytes_per_stashed_block"] / stash["predicted_stash_bytes_per_block"]
+        )
+        print(
+            f"recompute none / full step time: {comparisons['recompute_none_over_full_step']:.3f} "
+            f"({stash['step_seconds']:.2f} s vs {full['step_seconds']:.2f} s)"
+        )
+        print(
+            f"stash per block: {stash['stash_bytes_per_block'] / 2**20:.1f} MiB held by the engine, "
+            f"{comparisons['rss_bytes_per_stashed_block'] / 2**20:.1f} MiB by peak RSS, planner "
+            f"{stash['predicted_stash_bytes_per_block'] / 2**20:.1f} MiB (planner / held: "
+            f"{stash['stash_predicted_over_measured']:.3f})"
+        )
     if "megatrain" in best:
         for other in ("zero3_offload", "torch"):
             if other in best:
-                print(f"megatrain step time / {RESULT_KEY[other]}: "
-                      f"{best['megatrain']['step_seconds'] / best[other]['step_seconds']:.2f}")
+                print(
+                    f"megatrain step time / {RESULT_KEY[other]}: "
+                    f"{best['megatrain']['step_seconds'] / best[other]['step_seconds']:.2f}"
+                )
         mt = best["megatrain"]
         if "predicted_step_seconds" in mt:
             ratio = mt["predicted_over_measured"]
-            print(f"planner: step {mt['predicted_step_seconds']:.2f} s predicted vs {mt['step_seconds']:.2f} s "
-                  f"measured ({ratio['step_seconds']:.2f}x); peak host {mt['predicted_bytes_per_param']:.2f} vs "
-                  f"{mt['bytes_per_param']:.2f} B/param ({ratio['peak_host_bytes']:.2f}x)")
+            print(
+                f"planner: step {mt['predicted_step_seconds']:.2f} s predicted vs {mt['step_seconds']:.2f} s "
+                f"measured ({ratio['step_seconds']:.2f}x); peak host {mt['predicted_bytes_per_param']:.2f} vs "
+                f"{mt['bytes_per_param']:.2f} B/param ({ratio['peak_host_bytes']:.2f}x)"
+            )
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    )
     params = next(iter(best.values()))["params"] if best else 0
     out = Path(args.out or f"bench/results/compare_{device.split()[0].lower()}_{params // 10**6}M.json")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out.write_text(json.dumps({
-        "device": device, "git_rev": rev, "versions": _versions(),
-        "model": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
-                  "vocab": args.vocab, "params": params},
-        "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gradient_clipping": args.clip},
-        "results": {RESULT_KEY[s]: r for s, r in best.items()},
-        "comparisons": comparisons,
-        "rounds": {RESULT_KEY[s]: [{k: r[k] for k in ("step_seconds", "all_step_seconds", "all_cpu_seconds",
-                                                     "bytes_per_param", "predicted_step_seconds") if k in r}
-                                   for r in runs]
-                   for s, runs in rounds.items()},
-        "load_average_at_end": os.getloadavg(),
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "device": device,
+                "git_rev": rev,
+                "versions": _versions(),
+                "model": {
+                    "hidden": args.hidden,
+                    "intermediate": args.intermediate,
+                    "layers": args.layers,
+                    "vocab": args.vocab,
+                    "params": params,
+                },
+                "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gradient_clipping": args.clip},
+                "results": {RESULT_KEY[s]: r for s, r in best.items()},
+                "comparisons": comparisons,
+                "rounds": {
+                    RESULT_KEY[s]: [
+                        {
+                            k: r[k]
+                            for k in (
+                                "step_seconds",
+                                "all_step_seconds",
+                                "all_cpu_seconds",
+                                "bytes_per_param",
+                                "predicted_step_seconds",
+                            )
+                            if k in r
+                        }
+                        for r in runs
+                    ]
+                    for s, runs in rounds.items()
+                },
+                "load_average_at_end": os.getloadavg(),
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

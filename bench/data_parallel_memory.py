@@ -15,6 +15,7 @@ Target (issue: data parallel): the 2-rank node within 10% of the 1-rank run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,25 +46,39 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(rank)
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
-        num_key_value_heads=args.hidden // 128, attn_implementation="sdpa")
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=args.hidden // 128,
+        attn_implementation="sdpa",
+    )
     baseline = pss_bytes("self")
     Path(args.out, f"baseline{rank}").write_text(str(baseline))
     model = transformers.LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    engine = MegatrainEngine(model, parse_engine_config({
-        "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-        "train_batch_size": args.micro_batch * world, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
+    engine = MegatrainEngine(
+        model,
+        parse_engine_config(
+            {
+                "train_micro_batch_size_per_gpu": args.micro_batch,
+                "gradient_accumulation_steps": 1,
+                "train_batch_size": args.micro_batch * world,
+                "gradient_clipping": 1.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            }
+        ),
+    )
     generator = torch.Generator().manual_seed(rank)
     started = time.perf_counter()
     for _ in range(args.steps):
         ids = torch.randint(0, 32000, (args.micro_batch, args.seq_len), generator=generator)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    Path(args.out, f"done{rank}").write_text(json.dumps(
-        {"params": params, "seconds_per_step": (time.perf_counter() - started) / args.steps}))
+    Path(args.out, f"done{rank}").write_text(
+        json.dumps({"params": params, "seconds_per_step": (time.perf_counter() - started) / args.steps})
+    )
     engine.destroy()
 
 
@@ -72,20 +87,32 @@ def measure(args: argparse.Namespace, ranks: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // ranks)))
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(29700 + ranks), __file__, "--worker", "--out", out,
-                   *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                     if k in ("hidden", "layers", "steps", "micro_batch", "seq_len")]]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(29700 + ranks),
+            __file__,
+            "--worker",
+            "--out",
+            out,
+            *[
+                f"--{k.replace('_', '-')}={v}"
+                for k, v in vars(args).items()
+                if k in ("hidden", "layers", "steps", "micro_batch", "seq_len")
+            ],
+        ]
         launcher = subprocess.Popen(command, env=env, cwd=REPO)
         peak = 0
         while launcher.poll() is None:
             children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
             total = 0
             for pid in children:
-                try:
+                with contextlib.suppress(OSError):  # exited between listing and reading
                     total += pss_bytes(pid)
-                except OSError:
-                    pass  # exited between listing and reading
             peak = max(peak, total)
             time.sleep(0.05)
         if launcher.returncode != 0:
@@ -93,9 +120,15 @@ def measure(args: argparse.Namespace, ranks: int) -> dict:
         baseline = sum(int(Path(out, f"baseline{r}").read_text()) for r in range(ranks))
         done = json.loads(Path(out, "done0").read_text())
     params = done["params"]
-    return {"ranks": ranks, "params": params, "peak_node_pss_bytes": peak, "baseline_pss_bytes": baseline,
-            "peak_bytes_per_param": peak / params, "peak_above_baseline_bytes_per_param": (peak - baseline) / params,
-            "seconds_per_step": done["seconds_per_step"]}
+    return {
+        "ranks": ranks,
+        "params": params,
+        "peak_node_pss_bytes": peak,
+        "baseline_pss_bytes": baseline,
+        "peak_bytes_per_param": peak / params,
+        "peak_above_baseline_bytes_per_param": (peak - baseline) / params,
+        "seconds_per_step": done["seconds_per_step"],
+    }
 
 
 def main() -> None:
@@ -118,23 +151,38 @@ def main() -> None:
         for ranks in (1, 2):
             runs.append(measure(args, ranks))
             r = runs[-1]
-            print(f"{ranks} rank(s): peak node PSS {r['peak_node_pss_bytes'] / 2**30:.2f} GiB = "
-                  f"{r['peak_bytes_per_param']:.2f} B/param ({r['peak_above_baseline_bytes_per_param']:.2f} "
-                  f"above the interpreters), {r['seconds_per_step']:.1f} s/step", flush=True)
+            print(
+                f"{ranks} rank(s): peak node PSS {r['peak_node_pss_bytes'] / 2**30:.2f} GiB = "
+                f"{r['peak_bytes_per_param']:.2f} B/param ({r['peak_above_baseline_bytes_per_param']:.2f} "
+                f"above the interpreters), {r['seconds_per_step']:.1f} s/step",
+                flush=True,
+            )
     one = min(r["peak_node_pss_bytes"] for r in runs if r["ranks"] == 1)
     two = min(r["peak_node_pss_bytes"] for r in runs if r["ranks"] == 2)
     one_above = min(r["peak_node_pss_bytes"] - r["baseline_pss_bytes"] for r in runs if r["ranks"] == 1)
     two_above = min(r["peak_node_pss_bytes"] - r["baseline_pss_bytes"] for r in runs if r["ranks"] == 2)
     summary = {"two_over_one": two / one, "two_over_one_above_baseline": two_above / one_above}
-    print(f"2 ranks / 1 rank: {summary['two_over_one']:.3f} (whole processes), "
-          f"{summary['two_over_one_above_baseline']:.3f} (above the interpreters); target <= 1.10")
+    print(
+        f"2 ranks / 1 rank: {summary['two_over_one']:.3f} (whole processes), "
+        f"{summary['two_over_one_above_baseline']:.3f} (above the interpreters); target <= 1.10"
+    )
     if args.json:
-        args.json.write_text(json.dumps({
-            "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-            "git_rev": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip(),
-            "model": {"hidden": args.hidden, "layers": args.layers, "vocab": 32000},
-            "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "steps": args.steps},
-            "runs": runs, "summary": summary}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+                    "git_rev": subprocess.run(
+                        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
+                    ).stdout.strip(),
+                    "model": {"hidden": args.hidden, "layers": args.layers, "vocab": 32000},
+                    "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "steps": args.steps},
+                    "runs": runs,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ is what the figure excludes: the interpreter and libraries before the model is b
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import resource
-import ctypes
 import subprocess
 import sys
 import threading
@@ -51,8 +51,21 @@ def _rss_bytes() -> int:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _malloc_counts():
@@ -66,6 +79,7 @@ def _malloc_counts():
     def counts() -> tuple[int, int]:
         info = mallinfo2()
         return info.uordblks + info.hblkhd, info.fordblks
+
     return counts
 
 
@@ -88,7 +102,7 @@ class _Sampler:
             if current[0] > self.peak[0]:
                 self.peak = current
 
-    def __enter__(self) -> "_Sampler":
+    def __enter__(self) -> _Sampler:
         self._thread.start()
         return self
 
@@ -105,8 +119,13 @@ def _allocator_environment() -> dict[str, str]:
 
 def run_case(case: str, hidden: int, layers: int, steps: int, seq_len: int) -> dict:
     """Runs in the child process."""
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29533",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }.items():
         os.environ.setdefault(key, value)
     import torch
     import transformers
@@ -115,8 +134,12 @@ def run_case(case: str, hidden: int, layers: int, steps: int, seq_len: int) -> d
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128,
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
         attn_implementation="sdpa",
     )
     sampler = _Sampler()
@@ -125,11 +148,16 @@ def run_case(case: str, hidden: int, layers: int, steps: int, seq_len: int) -> d
         model = transformers.LlamaForCausalLM(config)
         params = sum(p.numel() for p in model.parameters())
         started = time.perf_counter()
-        engine = MegatrainEngine(model, parse_engine_config({
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            **CASES[case],
-        }))
+        engine = MegatrainEngine(
+            model,
+            parse_engine_config(
+                {
+                    "train_micro_batch_size_per_gpu": 2,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                    **CASES[case],
+                }
+            ),
+        )
         init_seconds = time.perf_counter() - started
         after_init = _rss_bytes()
         batch = {"input_ids": torch.randint(0, 32000, (2, seq_len))}
@@ -145,8 +173,11 @@ def run_case(case: str, hidden: int, layers: int, steps: int, seq_len: int) -> d
     state = sum(engine.host_bytes().values())
     # The embedding's and output projection's gradients leave in row chunks (untied; see
     # gradients/row_chunked.py): the largest gradient autograd builds whole is another one.
-    row_chunked = {id(module.weight) for module in model.modules()
-                   if "forward" in module.__dict__ and isinstance(module, (torch.nn.Embedding, torch.nn.Linear))}
+    row_chunked = {
+        id(module.weight)
+        for module in model.modules()
+        if "forward" in module.__dict__ and isinstance(module, (torch.nn.Embedding, torch.nn.Linear))
+    }
     largest_whole_gradient = max(p.numel() * p.element_size() for p in model.parameters() if id(p) not in row_chunked)
     engine.destroy()
     rss, live, free = sampler.peak
@@ -162,12 +193,16 @@ def run_case(case: str, hidden: int, layers: int, steps: int, seq_len: int) -> d
             "largest_whole_gradient": largest_whole_gradient / params,
         }
     return {
-        "baseline_rss_bytes": baseline, "peak_rss_bytes": peak, "at_peak": at_peak,
-        "case": case, "params": params,
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak,
+        "at_peak": at_peak,
+        "case": case,
+        "params": params,
         "peak_bytes_per_param": (peak - baseline) / params,
         "after_init_bytes_per_param": (after_init - baseline) / params,
         "state_bytes_per_param": state / params,
-        "init_seconds": init_seconds, "step_seconds": step_seconds,
+        "init_seconds": init_seconds,
+        "step_seconds": step_seconds,
     }
 
 
@@ -187,9 +222,23 @@ def main() -> None:
     results = []
     for case in args.cases:
         output = subprocess.run(
-            [sys.executable, __file__, "--child", case, "--hidden", str(args.hidden),
-             "--layers", str(args.layers), "--steps", str(args.steps), "--seq-len", str(args.seq_len)],
-            check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                case,
+                "--hidden",
+                str(args.hidden),
+                "--layers",
+                str(args.layers),
+                "--steps",
+                str(args.steps),
+                "--seq-len",
+                str(args.seq_len),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
         result = json.loads(output.strip().splitlines()[-1])
         result["target_bytes_per_param"] = TARGETS[case]
@@ -200,20 +249,33 @@ def main() -> None:
             at_peak = result["at_peak"]
             result["floor_bytes_per_param"] = at_peak["state"] + at_peak["largest_whole_gradient"] + at_peak["rest"]
         results.append(result)
-        print(f"{case:12s} params={result['params'] / 1e6:.0f}M  peak={result['peak_bytes_per_param']:.2f} B/param"
-              f"  after-init={result['after_init_bytes_per_param']:.2f}  state={result['state_bytes_per_param']:.2f}"
-              f"  init={result['init_seconds']:.1f}s  step={min(result['step_seconds']):.2f}s", flush=True)
+        print(
+            f"{case:12s} params={result['params'] / 1e6:.0f}M  peak={result['peak_bytes_per_param']:.2f} B/param"
+            f"  after-init={result['after_init_bytes_per_param']:.2f}  state={result['state_bytes_per_param']:.2f}"
+            f"  init={result['init_seconds']:.1f}s  step={min(result['step_seconds']):.2f}s",
+            flush=True,
+        )
         if result["at_peak"]:
-            print("             at the peak, B/param: "
-                  + "  ".join(f"{k} {v:.3f}" for k, v in result["at_peak"].items()))
+            print(
+                "             at the peak, B/param: " + "  ".join(f"{k} {v:.3f}" for k, v in result["at_peak"].items())
+            )
     if args.json:
         import torch
 
         with open(args.json, "w") as handle:
-            json.dump({"device": "cpu: " + (platform.processor() or platform.machine()),
-                       "torch": torch.__version__, "allocator_environment": _allocator_environment(),
-                       "hidden": args.hidden, "layers": args.layers,
-                       "seq_len": args.seq_len, "results": results}, handle, indent=2)
+            json.dump(
+                {
+                    "device": "cpu: " + (platform.processor() or platform.machine()),
+                    "torch": torch.__version__,
+                    "allocator_environment": _allocator_environment(),
+                    "hidden": args.hidden,
+                    "layers": args.layers,
+                    "seq_len": args.seq_len,
+                    "results": results,
+                },
+                handle,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

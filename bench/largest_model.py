@@ -44,7 +44,7 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -68,10 +68,14 @@ def meta_llama(layers: int, model: dict = MODEL):  # -> transformers.LlamaForCau
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=model["vocab"], hidden_size=model["hidden"],
-                                      intermediate_size=model["intermediate"], num_hidden_layers=layers,
-                                      num_attention_heads=model["hidden"] // 128,
-                                      num_key_value_heads=model["hidden"] // 128)
+    config = transformers.LlamaConfig(
+        vocab_size=model["vocab"],
+        hidden_size=model["hidden"],
+        intermediate_size=model["intermediate"],
+        num_hidden_layers=layers,
+        num_attention_heads=model["hidden"] // 128,
+        num_key_value_heads=model["hidden"] // 128,
+    )
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config)
 
@@ -81,30 +85,65 @@ def params_of(layers: int, model: dict = MODEL) -> int:
     return layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
 
 
-def run(system: str, layers: int, min_free: int, steps: int = 2, model: dict = MODEL,
-        nvme_path: str | None = None, extra: Sequence[str] = ()) -> dict:
+def run(
+    system: str,
+    layers: int,
+    min_free: int,
+    steps: int = 2,
+    model: dict = MODEL,
+    nvme_path: str | None = None,
+    extra: Sequence[str] = (),
+) -> dict:
     """compare.py's child for ``system`` at depth ``layers``, under a MemAvailable watchdog."""
-    command = [sys.executable, str(HERE / "compare.py"), "--child", system, "--layers", str(layers),
-               "--hidden", str(model["hidden"]), "--intermediate", str(model["intermediate"]),
-               "--vocab", str(model["vocab"]), "--seq-len", str(model["seq_len"]),
-               "--micro-batch", str(model["micro_batch"]), "--clip", str(model["clip"]), "--steps", str(steps)]
+    command = [
+        sys.executable,
+        str(HERE / "compare.py"),
+        "--child",
+        system,
+        "--layers",
+        str(layers),
+        "--hidden",
+        str(model["hidden"]),
+        "--intermediate",
+        str(model["intermediate"]),
+        "--vocab",
+        str(model["vocab"]),
+        "--seq-len",
+        str(model["seq_len"]),
+        "--micro-batch",
+        str(model["micro_batch"]),
+        "--clip",
+        str(model["clip"]),
+        "--steps",
+        str(steps),
+    ]
     if nvme_path:
         command += ["--nvme-path", nvme_path]
     command += list(extra)
     started = time.perf_counter()
     completed, lowest = run_guarded(command, min_free)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    outcome = {"system": system, "layers": layers, "params": params_of(layers, model), "exit": completed.returncode,
-               "seconds": time.perf_counter() - started, "lowest_mem_available": lowest}
+    outcome = {
+        "system": system,
+        "layers": layers,
+        "params": params_of(layers, model),
+        "exit": completed.returncode,
+        "seconds": time.perf_counter() - started,
+        "lowest_mem_available": lowest,
+    }
     if "killed: MemAvailable fell under" in completed.stderr:
         outcome["killed_by_watchdog"] = True
     if completed.returncode != 0 or not lines:
         outcome["error"] = completed.stderr[-1500:]
         return outcome
-    result = json.loads(lines[-1][len("RESULT "):])
-    outcome.update(peak_rss=result["baseline_rss_bytes"] + result["peak_host_bytes"],
-                   baseline_rss=result["baseline_rss_bytes"], bytes_per_param=result["bytes_per_param"],
-                   step_seconds=result["all_step_seconds"], losses=result["losses"])
+    result = json.loads(lines[-1][len("RESULT ") :])
+    outcome.update(
+        peak_rss=result["baseline_rss_bytes"] + result["peak_host_bytes"],
+        baseline_rss=result["baseline_rss_bytes"],
+        bytes_per_param=result["bytes_per_param"],
+        step_seconds=result["all_step_seconds"],
+        losses=result["losses"],
+    )
     for key in ("nvme", "trace_split", "init_seconds"):
         if key in result:
             outcome[key] = result[key]
@@ -152,13 +191,24 @@ def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL, bf16:
     from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError, preflight
 
     model = meta_llama(layers, model_shape)
-    engine_config = parse_engine_config({"train_micro_batch_size_per_gpu": MODEL["micro_batch"],
-                                         "gradient_clipping": MODEL["clip"], "bf16": {"enabled": bf16},
-                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    engine_config = parse_engine_config(
+        {
+            "train_micro_batch_size_per_gpu": MODEL["micro_batch"],
+            "gradient_clipping": MODEL["clip"],
+            "bf16": {"enabled": bf16},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        }
+    )
     optimizer = build_optimizer(model, None, engine_config.optimizer, None)
     try:
-        need = preflight(model, engine_config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS,
-                         available=AvailableMemory(host=budget))
+        need = preflight(
+            model,
+            engine_config,
+            optimizer,
+            torch.device("cpu"),
+            STAGING_CHUNK_ELEMENTS,
+            available=AvailableMemory(host=budget),
+        )
     except InsufficientMemoryError:
         return "does not fit"
     return f"fits (persistent state {need.host_total / GIB:.2f} GiB)"
@@ -169,20 +219,27 @@ def nvme_run(args: argparse.Namespace, budget: int, min_free: int) -> dict:
     hidden, ffn, layers = args.nvme_shape
     shape = {**MODEL, "hidden": hidden, "intermediate": ffn}
     params = params_of(layers, shape)
-    entry: dict = {"model": {**shape, "layers": layers, "params": params},
-                   "rss_limit_bytes": int(args.nvme_rss_limit * GIB),
-                   "preflight_without_tier": preflight_verdict(layers, budget, shape, args.nvme_bf16)}
-    print(f"nvme tier: {params / 1e9:.3f}B params; without the tier, preflight: "
-          f"{entry['preflight_without_tier']}", flush=True)
+    entry: dict = {
+        "model": {**shape, "layers": layers, "params": params},
+        "rss_limit_bytes": int(args.nvme_rss_limit * GIB),
+        "preflight_without_tier": preflight_verdict(layers, budget, shape, args.nvme_bf16),
+    }
+    print(
+        f"nvme tier: {params / 1e9:.3f}B params; without the tier, preflight: {entry['preflight_without_tier']}",
+        flush=True,
+    )
     extra = ["--nvme-buffer-count", str(args.nvme_buffer_count)] + (["--bf16"] if args.nvme_bf16 else [])
     entry["model"].update(bf16=args.nvme_bf16, buffer_count=args.nvme_buffer_count)
     outcome = run("megatrain", layers, min_free, model=shape, nvme_path=args.nvme_path, extra=extra)
     entry["run"] = outcome
     if "peak_rss" in outcome:
         entry["within_rss_limit"] = outcome["peak_rss"] <= entry["rss_limit_bytes"]
-        print(f"nvme tier: trained {params / 1e9:.3f}B params, peak RSS {outcome['peak_rss'] / GIB:.2f} GiB "
-              f"(limit {args.nvme_rss_limit} GiB), steps {[round(x, 1) for x in outcome['step_seconds']]} s, "
-              f"losses {outcome['losses']}", flush=True)
+        print(
+            f"nvme tier: trained {params / 1e9:.3f}B params, peak RSS {outcome['peak_rss'] / GIB:.2f} GiB "
+            f"(limit {args.nvme_rss_limit} GiB), steps {[round(x, 1) for x in outcome['step_seconds']]} s, "
+            f"losses {outcome['losses']}",
+            flush=True,
+        )
     else:
         print(f"nvme tier: failed: {outcome.get('error', '')[-500:]}", flush=True)
     return entry
@@ -200,17 +257,29 @@ def wait_for_memory(needed: int, timeout: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--nvme-path", default=None, help="also train the NVMe tier's model (step 4) with swap files here")
-    parser.add_argument("--nvme-shape", type=int, nargs=3, default=[2048, 5632, 37], metavar=("HIDDEN", "FFN", "LAYERS"))
-    parser.add_argument("--nvme-bf16", action="store_true",
-                        help="the NVMe run computes in bf16: the tier then holds the fp32 masters too")
-    parser.add_argument("--nvme-buffer-count", type=int, default=4,
-                        help="offload_optimizer.buffer_count of the NVMe run (its window, in blocks)")
+    parser.add_argument(
+        "--nvme-path", default=None, help="also train the NVMe tier's model (step 4) with swap files here"
+    )
+    parser.add_argument(
+        "--nvme-shape", type=int, nargs=3, default=[2048, 5632, 37], metavar=("HIDDEN", "FFN", "LAYERS")
+    )
+    parser.add_argument(
+        "--nvme-bf16",
+        action="store_true",
+        help="the NVMe run computes in bf16: the tier then holds the fp32 masters too",
+    )
+    parser.add_argument(
+        "--nvme-buffer-count",
+        type=int,
+        default=4,
+        help="offload_optimizer.buffer_count of the NVMe run (its window, in blocks)",
+    )
     parser.add_argument("--nvme-rss-limit", type=float, default=20.0, help="GiB; the NVMe run's peak RSS target")
     parser.add_argument("--reserve", type=float, default=2.0, help="GiB of MemTotal left to the rest of the machine")
     parser.add_argument("--calibration-layers", type=int, nargs=2, default=[2, 8])
-    parser.add_argument("--margin", type=float, default=0.5,
-                        help="GiB of MemAvailable beyond a run's predicted peak before it starts")
+    parser.add_argument(
+        "--margin", type=float, default=0.5, help="GiB of MemAvailable beyond a run's predicted peak before it starts"
+    )
     parser.add_argument("--min-free", type=float, default=0.5, help="GiB; the watchdog kills a run below it")
     parser.add_argument("--wait", type=float, default=900, help="seconds to wait for memory before skipping a run")
     parser.add_argument("--json", default=str(HERE / "results" / "largest_model_cpu.json"))
@@ -219,18 +288,24 @@ def main() -> None:
     budget = meminfo("MemTotal") - int(args.reserve * GIB)
     min_free = int(args.min_free * GIB)
     print(f"budget: {budget / GIB:.2f} GiB (MemTotal {meminfo('MemTotal') / GIB:.2f} GiB less {args.reserve} GiB)")
-    report: dict = {"model": {**MODEL, "params_per_block": params_of(1) - params_of(0),
-                              "params_outside_blocks": params_of(0)},
-                    "budget_bytes": budget, "mem_total": meminfo("MemTotal"), "reserve_gib": args.reserve,
-                    "systems": {}}
+    report: dict = {
+        "model": {**MODEL, "params_per_block": params_of(1) - params_of(0), "params_outside_blocks": params_of(0)},
+        "budget_bytes": budget,
+        "mem_total": meminfo("MemTotal"),
+        "reserve_gib": args.reserve,
+        "systems": {},
+    }
     for system in args.systems:
         entry: dict = {"calibration": []}
         for layers in args.calibration_layers:
             outcome = run(system, layers, min_free)
             entry["calibration"].append(outcome)
-            print(f"{system:14s} L={layers:3d} P={outcome['params'] / 1e6:7.0f}M peak "
-                  f"{outcome.get('peak_rss', 0) / GIB:6.2f} GiB ({outcome.get('bytes_per_param', 0):.2f} B/param "
-                  "above baseline)", flush=True)
+            print(
+                f"{system:14s} L={layers:3d} P={outcome['params'] / 1e6:7.0f}M peak "
+                f"{outcome.get('peak_rss', 0) / GIB:6.2f} GiB ({outcome.get('bytes_per_param', 0):.2f} B/param "
+                "above baseline)",
+                flush=True,
+            )
         if any("peak_rss" not in run_ for run_ in entry["calibration"]):
             entry["error"] = "a calibration run failed"
             report["systems"][system] = entry
@@ -245,26 +320,37 @@ def main() -> None:
             entry["largest_by_planner"] = by_planner
             entry["largest_by_extrapolation"] = found
             found = min(found, by_planner)
-        for attempt in range(3):  # a verified peak over the budget: one block fewer, verified again
-            entry.update(largest_layers=found, largest_params=params_of(found),
-                         predicted_peak_at_found=extrapolated(found))
-            one_above = {"layers": found + 1, "params": params_of(found + 1), "run": False,
-                         "predicted_peak_by_extrapolation": extrapolated(found + 1)}
+        for _attempt in range(3):  # a verified peak over the budget: one block fewer, verified again
+            entry.update(
+                largest_layers=found, largest_params=params_of(found), predicted_peak_at_found=extrapolated(found)
+            )
+            one_above = {
+                "layers": found + 1,
+                "params": params_of(found + 1),
+                "run": False,
+                "predicted_peak_by_extrapolation": extrapolated(found + 1),
+            }
             if system == "megatrain":
                 entry["planner_peak_at_found"] = planner_peak(found, baseline)[0]
                 one_above["predicted_peak_by_planner"] = planner_peak(found + 1, baseline)[0]
                 entry["preflight_at_found"] = preflight_verdict(found, budget)
                 one_above["preflight"] = preflight_verdict(found + 1, budget)
-            one_above["why_not_run"] = ("predicted (or, one block less, measured) over the budget; a run "
-                                        "past the budget could drive the shared machine into the OOM killer")
+            one_above["why_not_run"] = (
+                "predicted (or, one block less, measured) over the budget; a run "
+                "past the budget could drive the shared machine into the OOM killer"
+            )
             entry["one_above"] = one_above
             needed = int(max(extrapolated(found), entry.get("planner_peak_at_found", 0)) + args.margin * GIB)
-            print(f"{system:14s} largest L={found} ({params_of(found) / 1e9:.3f}B params), predicted peak "
-                  f"{entry['predicted_peak_at_found'] / GIB:.2f} GiB; L+1 predicted "
-                  f"{one_above['predicted_peak_by_extrapolation'] / GIB:.2f} GiB", flush=True)
+            print(
+                f"{system:14s} largest L={found} ({params_of(found) / 1e9:.3f}B params), predicted peak "
+                f"{entry['predicted_peak_at_found'] / GIB:.2f} GiB; L+1 predicted "
+                f"{one_above['predicted_peak_by_extrapolation'] / GIB:.2f} GiB",
+                flush=True,
+            )
             if not wait_for_memory(needed, args.wait):
-                entry["verification"] = {"skipped": f"MemAvailable stayed under {needed / GIB:.2f} GiB "
-                                                    f"for {args.wait} s (other processes)"}
+                entry["verification"] = {
+                    "skipped": f"MemAvailable stayed under {needed / GIB:.2f} GiB for {args.wait} s (other processes)"
+                }
                 print(f"{system:14s} verification skipped: not enough free memory", flush=True)
                 break
             verified = run(system, found, min_free)
@@ -277,9 +363,11 @@ def main() -> None:
             verified["measured_over_predicted"] = verified["peak_rss"] / extrapolated(found)
             if "planner_peak_at_found" in entry:
                 verified["measured_over_planner"] = verified["peak_rss"] / entry["planner_peak_at_found"]
-            print(f"{system:14s} verified L={found}: peak {verified['peak_rss'] / GIB:.2f} GiB "
-                  f"(budget {budget / GIB:.2f}), steps {[round(x, 1) for x in verified['step_seconds']]} s",
-                  flush=True)
+            print(
+                f"{system:14s} verified L={found}: peak {verified['peak_rss'] / GIB:.2f} GiB "
+                f"(budget {budget / GIB:.2f}), steps {[round(x, 1) for x in verified['step_seconds']]} s",
+                flush=True,
+            )
             if verified["fits_budget"]:
                 break
             found -= 1

@@ -28,7 +28,8 @@ memory; the fit's largest residual is reported with it. A step at that length is
 run: attention's cost grows with ``T^2`` and one step at 64k tokens takes about half an
 hour on this CPU. ``megatrain plan``'s prediction for the same model is printed beside it.
 
-    python bench/long_context.py --runs engine:16384 engine_off:16384 plain:16384 --json bench/results/long_context_cpu.json
+    python bench/long_context.py --runs engine:16384 engine_off:16384 plain:16384 \
+        --json bench/results/long_context_cpu.json
 
 Runs are merged into ``--json`` (a run of the same system and length again adds its step
 time to ``step_seconds_repeats``; the step-time ratio compares the best of each), so the
@@ -52,8 +53,11 @@ from pathlib import Path
 GIB = 1 << 30
 HIDDEN, FFN, BLOCKS, HEADS, VOCAB = 1024, 2816, 4, 8, 32000
 SYSTEMS = ("engine", "engine_off", "engine_loss_only", "plain")
-OPTIONS = {"engine": {}, "engine_off": {"loss_chunk_tokens": 0, "mlp_tile_tokens": 0},
-           "engine_loss_only": {"mlp_tile_tokens": 0}}
+OPTIONS = {
+    "engine": {},
+    "engine_off": {"loss_chunk_tokens": 0, "mlp_tile_tokens": 0},
+    "engine_loss_only": {"mlp_tile_tokens": 0},
+}
 TARGET_PEAK_GIB = 4.0  # issue 23, at 16,384 tokens (from 8.62 GiB)
 TARGET_LENGTH_RATIO = 4.0
 TARGET_STEP_SLOWDOWN = 1.10
@@ -79,7 +83,7 @@ class _PhaseSampler:
             if rss > self.peaks.get(phase, 0):
                 self.peaks[phase] = rss
 
-    def __enter__(self) -> "_PhaseSampler":
+    def __enter__(self) -> _PhaseSampler:
         self._thread.start()
         return self
 
@@ -90,10 +94,17 @@ class _PhaseSampler:
 
 def _model():
     import transformers
+
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=BLOCKS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=1 << 20,
-        attn_implementation="sdpa")
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=BLOCKS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=1 << 20,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -104,13 +115,20 @@ def _wrap(owner: object, name: str, before) -> None:
     def wrapped(*args, **kwargs):
         before()
         return original(*args, **kwargs)
+
     setattr(owner, name, wrapped)
 
 
 def run(system: str, length: int) -> dict:
     """One training step of ``system`` at ``length`` tokens (in the child process)."""
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571", "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29571",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "DS_ACCELERATOR": "cpu",
+    }.items():
         os.environ.setdefault(key, value)
     import torch
 
@@ -118,7 +136,7 @@ def run(system: str, length: int) -> dict:
     baseline = _rss_bytes()
     sampler = _PhaseSampler()
     result: dict = {"system": system, "seq_len": length, "baseline_rss_bytes": baseline}
-    set_phase = lambda phase: (lambda: setattr(sampler, "phase", phase))  # noqa: E731
+    set_phase = lambda phase: lambda: setattr(sampler, "phase", phase)  # noqa: E731
     with sampler:
         model = _model()
         result["params"] = sum(p.numel() for p in model.parameters())
@@ -132,10 +150,18 @@ def run(system: str, length: int) -> dict:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         else:
             from megatrain_ds import MegatrainEngine, parse_engine_config
-            engine = MegatrainEngine(model, parse_engine_config({
-                "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-                "megatrain": OPTIONS[system]}))
+
+            engine = MegatrainEngine(
+                model,
+                parse_engine_config(
+                    {
+                        "train_micro_batch_size_per_gpu": 1,
+                        "gradient_clipping": 1.0,
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+                        "megatrain": OPTIONS[system],
+                    }
+                ),
+            )
             engine.train()
             _wrap(engine.blocks, "_recompute", set_phase("blocks backward"))
             result["state_bytes"] = sum(engine.host_bytes().values())
@@ -160,10 +186,15 @@ def run(system: str, length: int) -> dict:
             set_phase("optimizer step")()
             engine.step()
         finished, cpu_finished = time.perf_counter(), time.process_time()
-    result.update(cpu_seconds=cpu_finished - cpu_started,
-        loss=float(loss), step_seconds=finished - started, forward_seconds=forward_done - started,
+    result.update(
+        cpu_seconds=cpu_finished - cpu_started,
+        loss=float(loss),
+        step_seconds=finished - started,
+        forward_seconds=forward_done - started,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        peak_rss_by_phase=sampler.peaks, load_average=os.getloadavg()[0])
+        peak_rss_by_phase=sampler.peaks,
+        load_average=os.getloadavg()[0],
+    )
     if system != "plain":
         engine.destroy()
     return result
@@ -189,14 +220,24 @@ def _machine_memory() -> int:
 def _planner_prediction(memory: int) -> dict:
     """``megatrain plan``'s longest sequence for this model on the CPU (planning/long_context.py)."""
     from megatrain_ds.planning.planner import Hardware, ModelShape, RunSettings, max_sequence_length, plan
-    shape = ModelShape(num_blocks=BLOCKS, block_params=4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN,
-                       total_block_params=BLOCKS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN),
-                       resident_params=2 * VOCAB * HIDDEN + HIDDEN, hidden=HIDDEN, vocab=VOCAB, intermediate=FFN)
+
+    shape = ModelShape(
+        num_blocks=BLOCKS,
+        block_params=4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN,
+        total_block_params=BLOCKS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN),
+        resident_params=2 * VOCAB * HIDDEN + HIDDEN,
+        hidden=HIDDEN,
+        vocab=VOCAB,
+        intermediate=FFN,
+    )
     hardware = Hardware("cpu", 1e11, 1e10, 1e10, 1e10, memory, shares_host_memory=True)
     settings = RunSettings(seq_len=16384, bf16=False)
     at_16k = plan(shape, settings, hardware, memory)
-    return {"max_sequence_length": max_sequence_length(shape, settings, hardware, memory),
-            "bytes_per_token": at_16k.bytes_per_token, "peak_bytes_at_16k": at_16k.predicted_peak_host_bytes}
+    return {
+        "max_sequence_length": max_sequence_length(shape, settings, hardware, memory),
+        "bytes_per_token": at_16k.bytes_per_token,
+        "peak_bytes_at_16k": at_16k.predicted_peak_host_bytes,
+    }
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -211,7 +252,9 @@ def summarize(runs: list[dict]) -> dict:
             fits[system] = fit
     summary["fits"] = fits
     if "engine" in fits and "plain" in fits:
-        ratio = fits["engine"]["longest_sequence_in_machine_memory"] / fits["plain"]["longest_sequence_in_machine_memory"]
+        ratio = (
+            fits["engine"]["longest_sequence_in_machine_memory"] / fits["plain"]["longest_sequence_in_machine_memory"]
+        )
         summary["longest_sequence_ratio_engine_vs_plain"] = ratio
         summary["longest_sequence_target_met"] = ratio >= TARGET_LENGTH_RATIO
     engine16, off16 = by.get(("engine", 16384)), by.get(("engine_off", 16384))
@@ -239,9 +282,11 @@ def summarize(runs: list[dict]) -> dict:
             continue
         wall = lambda r: min(r.get("step_seconds_repeats", [r["step_seconds"]]))  # noqa: E731
         cpus = lambda r: r.get("cpu_seconds_repeats") or ([r["cpu_seconds"]] if "cpu_seconds" in r else [])  # noqa: E731
-        ratios[str(length)] = {"wall": wall(result) / wall(off),
-                               "cpu": min(cpus(result)) / min(cpus(off)) if cpus(result) and cpus(off) else None,
-                               "load_average": {"engine": result["load_average"], "engine_off": off["load_average"]}}
+        ratios[str(length)] = {
+            "wall": wall(result) / wall(off),
+            "cpu": min(cpus(result)) / min(cpus(off)) if cpus(result) and cpus(off) else None,
+            "load_average": {"engine": result["load_average"], "engine_off": off["load_average"]},
+        }
     summary["step_time_ratio_engine_vs_off_by_length"] = ratios
     plain16 = by.get(("plain", 16384))
     if plain16 is not None:
@@ -262,8 +307,11 @@ def _breakdown(run_result: dict) -> dict:
         "checkpoints": checkpoints,
         "transients_at_peak": phases[peak_phase] - fixed - checkpoints,
         "peak_phase": peak_phase,
-        "transients_by_phase": {phase: rss - fixed - (checkpoints if phase != "optimizer step" else 0)
-                                for phase, rss in phases.items() if phase != "build"},
+        "transients_by_phase": {
+            phase: rss - fixed - (checkpoints if phase != "optimizer step" else 0)
+            for phase, rss in phases.items()
+            if phase != "build"
+        },
     }
 
 
@@ -282,18 +330,27 @@ def main() -> None:
         system, length = spec.split(":")
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-        output = subprocess.run([sys.executable, __file__, "--child", system, length],
-                                check=True, capture_output=True, text=True).stdout
+        output = subprocess.run(
+            [sys.executable, __file__, "--child", system, length], check=True, capture_output=True, text=True
+        ).stdout
         result = json.loads(output.strip().splitlines()[-1])
-        print(f"{system:>10} T={int(length):>6}: peak RSS {result['peak_rss_bytes'] / GIB:.2f} GiB, "
-              f"step {result['step_seconds']:.1f} s (load {result['load_average']:.1f})", flush=True)
+        print(
+            f"{system:>10} T={int(length):>6}: peak RSS {result['peak_rss_bytes'] / GIB:.2f} GiB, "
+            f"step {result['step_seconds']:.1f} s (load {result['load_average']:.1f})",
+            flush=True,
+        )
         # A repeat keeps every step time (the summary compares the best of each) and the
         # latest memory figures (the same every time: the allocations do not depend on timing).
         earlier = [r for r in runs if (r["system"], r["seq_len"]) == (system, int(length))]
-        result["step_seconds_repeats"] = [t for r in earlier for t in r.get("step_seconds_repeats", [r["step_seconds"]])]
+        result["step_seconds_repeats"] = [
+            t for r in earlier for t in r.get("step_seconds_repeats", [r["step_seconds"]])
+        ]
         result["step_seconds_repeats"].append(result["step_seconds"])
-        result["cpu_seconds_repeats"] = [t for r in earlier for t in r.get("cpu_seconds_repeats", [])
-                                         or ([r["cpu_seconds"]] if "cpu_seconds" in r else [])]
+        result["cpu_seconds_repeats"] = [
+            t
+            for r in earlier
+            for t in r.get("cpu_seconds_repeats", []) or ([r["cpu_seconds"]] if "cpu_seconds" in r else [])
+        ]
         result["cpu_seconds_repeats"].append(result["cpu_seconds"])
         runs = [r for r in runs if (r["system"], r["seq_len"]) != (system, int(length))] + [result]
         _write(args.json, runs)  # after every run: a sitting cut short keeps what it measured
@@ -301,12 +358,15 @@ def main() -> None:
 
 
 def _write(path: str | None, runs: list[dict]) -> dict:
-    report = {"benchmark": "long_context", "device": platform.processor() or platform.machine(),
-              "cpu_count": os.cpu_count(), "model": {"hidden": HIDDEN, "ffn": FFN, "blocks": BLOCKS,
-                                                     "heads": HEADS, "vocab": VOCAB, "dtype": "fp32"},
-              "allocator_environment": {k: v for k, v in sorted(os.environ.items())
-                                        if k.startswith(("MALLOC_", "MKL_"))},
-              "runs": sorted(runs, key=lambda r: (r["system"], r["seq_len"])), "summary": summarize(runs)}
+    report = {
+        "benchmark": "long_context",
+        "device": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "model": {"hidden": HIDDEN, "ffn": FFN, "blocks": BLOCKS, "heads": HEADS, "vocab": VOCAB, "dtype": "fp32"},
+        "allocator_environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MALLOC_", "MKL_"))},
+        "runs": sorted(runs, key=lambda r: (r["system"], r["seq_len"])),
+        "summary": summarize(runs),
+    }
     if path:
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -52,12 +52,24 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
     states = []
     for _ in range(blocks):
         layout = build_flat_layout([("w", torch.Size([numel]), 0)])
-        states.append(HostFlatState(layout=layout, master=torch.empty(0), shadow=None,
-                                    exp_avg=absent_on_host(layout.numel), exp_avg_sq=absent_on_host(layout.numel)))
-    options = MegatrainOptions(nvme_offload="optimizer", nvme_path=nvme_path, nvme_window_blocks=window,
-                               nvme_aio=AioSettings(engine=engine))
-    tier = NvmeTier([state.layout.numel for state in states], MOMENTS,
-                    DeviceRuntime.create(torch.device("cpu"), pin_memory=False), options)
+        states.append(
+            HostFlatState(
+                layout=layout,
+                master=torch.empty(0),
+                shadow=None,
+                exp_avg=absent_on_host(layout.numel),
+                exp_avg_sq=absent_on_host(layout.numel),
+            )
+        )
+    options = MegatrainOptions(
+        nvme_offload="optimizer", nvme_path=nvme_path, nvme_window_blocks=window, nvme_aio=AioSettings(engine=engine)
+    )
+    tier = NvmeTier(
+        [state.layout.numel for state in states],
+        MOMENTS,
+        DeviceRuntime.create(torch.device("cpu"), pin_memory=False),
+        options,
+    )
     for state in states:
         tier.adopt(state)
     try:
@@ -97,16 +109,35 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
 
 
 def engine_step(args: argparse.Namespace, nvme_path: str | None, weights: bool = False) -> dict:
-    command = [sys.executable, str(HERE / "compare.py"), "--child", "megatrain", "--layers", str(args.layers),
-               "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--vocab", "32000",
-               "--seq-len", "128", "--micro-batch", "2", "--clip", "1.0", "--steps", str(args.steps)]
+    command = [
+        sys.executable,
+        str(HERE / "compare.py"),
+        "--child",
+        "megatrain",
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--vocab",
+        "32000",
+        "--seq-len",
+        "128",
+        "--micro-batch",
+        "2",
+        "--clip",
+        "1.0",
+        "--steps",
+        str(args.steps),
+    ]
     if nvme_path:
         command += ["--nvme-path", nvme_path, *(["--nvme-weights"] if weights else [])]
     completed = subprocess.run(command, capture_output=True, text=True, cwd=HERE)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
         raise RuntimeError(f"engine run failed ({nvme_path=}):\n{completed.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -132,42 +163,71 @@ def main() -> None:
     disks = [measure_disk_bandwidth(args.nvme_path, int(args.disk_gib * (1 << 30))) for _ in range(args.rounds)]
     disk = DiskBandwidth(read=max(d.read for d in disks), write=max(d.write for d in disks))
     print(f"disk (O_DIRECT sequential): read {disk.read / 1e9:.2f} GB/s, write {disk.write / 1e9:.2f} GB/s", flush=True)
-    report: dict = {"nvme_path": args.nvme_path, "load_average": os.getloadavg(),
-                    "disk": {"read_bytes_per_s": disk.read, "write_bytes_per_s": disk.write,
-                             "rounds": [{"read": d.read, "write": d.write} for d in disks]}, "tier": {}}
+    report: dict = {
+        "nvme_path": args.nvme_path,
+        "load_average": os.getloadavg(),
+        "disk": {
+            "read_bytes_per_s": disk.read,
+            "write_bytes_per_s": disk.write,
+            "rounds": [{"read": d.read, "write": d.write} for d in disks],
+        },
+        "tier": {},
+    }
     for engine in ("aio", "threads"):
-        rounds = [tier_bandwidth(args.nvme_path, args.blocks, args.block_mib, args.window, engine)
-                  for _ in range(args.rounds)]
-        tier = dict(rounds[0], read_bytes_per_s=max(r["read_bytes_per_s"] for r in rounds),
-                    write_bytes_per_s=max(r["write_bytes_per_s"] for r in rounds),
-                    update_seconds=min(r["update_seconds"] for r in rounds), rounds=rounds)
+        rounds = [
+            tier_bandwidth(args.nvme_path, args.blocks, args.block_mib, args.window, engine) for _ in range(args.rounds)
+        ]
+        tier = dict(
+            rounds[0],
+            read_bytes_per_s=max(r["read_bytes_per_s"] for r in rounds),
+            write_bytes_per_s=max(r["write_bytes_per_s"] for r in rounds),
+            update_seconds=min(r["update_seconds"] for r in rounds),
+            rounds=rounds,
+        )
         disk_time = tier["update_read_bytes"] / disk.read + tier["update_written_bytes"] / disk.write
-        tier.update(read_over_disk=tier["read_bytes_per_s"] / disk.read,
-                    write_over_disk=tier["write_bytes_per_s"] / disk.write,
-                    update_over_disk=disk_time / tier["update_seconds"])
+        tier.update(
+            read_over_disk=tier["read_bytes_per_s"] / disk.read,
+            write_over_disk=tier["write_bytes_per_s"] / disk.write,
+            update_over_disk=disk_time / tier["update_seconds"],
+        )
         report["tier"][engine] = tier
-        print(f"tier [{tier['engine']}]: read {tier['read_bytes_per_s'] / 1e9:.2f} GB/s "
-              f"({tier['read_over_disk']:.0%} of the disk), write {tier['write_bytes_per_s'] / 1e9:.2f} GB/s "
-              f"({tier['write_over_disk']:.0%}), update pass {tier['update_over_disk']:.0%} of the disk's time",
-              flush=True)
+        print(
+            f"tier [{tier['engine']}]: read {tier['read_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({tier['read_over_disk']:.0%} of the disk), write {tier['write_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({tier['write_over_disk']:.0%}), update pass {tier['update_over_disk']:.0%} of the disk's time",
+            flush=True,
+        )
 
     ram = engine_step(args, None)
     tiered = engine_step(args, os.path.join(args.nvme_path, "engine"))
     everything = engine_step(args, os.path.join(args.nvme_path, "engine"), weights=True)
-    report["model"] = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
-                       "params": ram["params"], "seq_len": 128, "micro_batch": 2, "clip": 1.0, "fp32": True}
-    report["engine"] = {"ram_only": ram, "nvme_tier": tiered, "nvme_tier_with_weights": everything,
-                        "step_seconds_tier_over_ram": tiered["step_seconds"] / ram["step_seconds"],
-                        "peak_host_bytes_tier_over_ram": tiered["peak_host_bytes"] / ram["peak_host_bytes"],
-                        "step_seconds_weights_on_tier_over_ram": everything["step_seconds"] / ram["step_seconds"],
-                        "peak_host_bytes_weights_on_tier_over_ram":
-                            everything["peak_host_bytes"] / ram["peak_host_bytes"]}
+    report["model"] = {
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "layers": args.layers,
+        "params": ram["params"],
+        "seq_len": 128,
+        "micro_batch": 2,
+        "clip": 1.0,
+        "fp32": True,
+    }
+    report["engine"] = {
+        "ram_only": ram,
+        "nvme_tier": tiered,
+        "nvme_tier_with_weights": everything,
+        "step_seconds_tier_over_ram": tiered["step_seconds"] / ram["step_seconds"],
+        "peak_host_bytes_tier_over_ram": tiered["peak_host_bytes"] / ram["peak_host_bytes"],
+        "step_seconds_weights_on_tier_over_ram": everything["step_seconds"] / ram["step_seconds"],
+        "peak_host_bytes_weights_on_tier_over_ram": everything["peak_host_bytes"] / ram["peak_host_bytes"],
+    }
     for name, run in (("the NVMe tier", tiered), ("the weights on it too", everything)):
-        print(f"engine, {ram['params'] / 1e6:.0f}M params: step {ram['step_seconds']:.2f} s in host memory, "
-              f"{run['step_seconds']:.2f} s with {name} ({run['step_seconds'] / ram['step_seconds']:.2f}x); "
-              f"peak host {ram['peak_host_bytes'] / 2**30:.2f} -> {run['peak_host_bytes'] / 2**30:.2f} GiB; "
-              "step split: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.get("trace_split", {}).items()),
-              flush=True)
+        print(
+            f"engine, {ram['params'] / 1e6:.0f}M params: step {ram['step_seconds']:.2f} s in host memory, "
+            f"{run['step_seconds']:.2f} s with {name} ({run['step_seconds'] / ram['step_seconds']:.2f}x); "
+            f"peak host {ram['peak_host_bytes'] / 2**30:.2f} -> {run['peak_host_bytes'] / 2**30:.2f} GiB; "
+            "step split: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.get("trace_split", {}).items()),
+            flush=True,
+        )
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 

@@ -73,22 +73,28 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-for _key, _value in {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29537",
-                     "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+for _key, _value in {
+    "DS_ACCELERATOR": "cpu",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29537",
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+}.items():
     os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402
 
 from megatrain_ds.optimizer.cpu_adam import CPU_KERNELS, make_cpu_kernel  # noqa: E402
+from megatrain_ds.optimizer.host_adamw import HostAdamW  # noqa: E402
+from megatrain_ds.optimizer.speculative_step import Journal  # noqa: E402
 from megatrain_ds.runtime.device_runtime import DeviceRuntime  # noqa: E402
 from megatrain_ds.state.flat_layout import build_flat_layout  # noqa: E402
-from megatrain_ds.optimizer.host_adamw import HostAdamW  # noqa: E402
 from megatrain_ds.state.host_store import HostFlatState  # noqa: E402
-from megatrain_ds.optimizer.speculative_step import Journal  # noqa: E402
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 BYTES_PER_ELEMENT = 28
@@ -116,12 +122,18 @@ class Buffers:
     shadow: torch.Tensor  # bf16
 
     @classmethod
-    def allocate(cls, n: int, empty: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> "Buffers":
+    def allocate(cls, n: int, empty: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> Buffers:
         """Random p and gradients, zero moments, from ``empty(numel, dtype)`` (torch's by default)."""
         empty = empty or (lambda numel, dtype: torch.empty(numel, dtype=dtype))
         p, grad = empty(n, torch.float32).normal_(), empty(n, torch.float32).normal_()
-        return cls(p=p, m=empty(n, torch.float32).zero_(), v=empty(n, torch.float32).zero_(), grad=grad,
-                   grad_bf16=empty(n, torch.bfloat16).copy_(grad), shadow=empty(n, torch.bfloat16))
+        return cls(
+            p=p,
+            m=empty(n, torch.float32).zero_(),
+            v=empty(n, torch.float32).zero_(),
+            grad=grad,
+            grad_bf16=empty(n, torch.bfloat16).copy_(grad),
+            shadow=empty(n, torch.bfloat16),
+        )
 
 
 def _engine_numel(n: int) -> int:
@@ -138,13 +150,24 @@ class _Counter:
         return self.step
 
 
-def _engine_update(buffers: Buffers, kernel_name: str, grad_dtype: torch.dtype, shadow: bool,
-                   journaled: bool = False, grad_scale: float = 1.0) -> Callable[[], None]:
+def _engine_update(
+    buffers: Buffers,
+    kernel_name: str,
+    grad_dtype: torch.dtype,
+    shadow: bool,
+    journaled: bool = False,
+    grad_scale: float = 1.0,
+) -> Callable[[], None]:
     kernel = make_cpu_kernel(kernel_name)
     adamw = HostAdamW([dict(HYPER, params=[])], decoupled=True, cpu=kernel)
     n = buffers.p.numel()
-    state = HostFlatState(layout=build_flat_layout([("w", torch.Size([n]), 0)]), master=buffers.p,
-                          shadow=buffers.shadow if shadow else None, exp_avg=buffers.m, exp_avg_sq=buffers.v)
+    state = HostFlatState(
+        layout=build_flat_layout([("w", torch.Size([n]), 0)]),
+        master=buffers.p,
+        shadow=buffers.shadow if shadow else None,
+        exp_avg=buffers.m,
+        exp_avg_sq=buffers.v,
+    )
     assert state.layout.numel == n, "allocate the buffers with _engine_numel(n) elements"
     grad = buffers.grad if grad_dtype == torch.float32 else buffers.grad_bf16
     journal = Journal([state], [0]) if journaled else None
@@ -252,8 +275,15 @@ def _contended(runs: dict[str, Callable[[], None]], rounds: int) -> dict[str, li
         busy.wait()
 
 
-CONTENDED_ROWS = ("DeepSpeedCPUAdam", "engine fp32", "engine fp32 clipped", "engine bf16+shadow",
-                  "engine bf16 clipped", "torch AdamW fused", "DeepSpeedCPUAdam A/A")
+CONTENDED_ROWS = (
+    "DeepSpeedCPUAdam",
+    "engine fp32",
+    "engine fp32 clipped",
+    "engine bf16+shadow",
+    "engine bf16 clipped",
+    "torch AdamW fused",
+    "DeepSpeedCPUAdam A/A",
+)
 Candidate = tuple[str, Callable[[], Callable[[], None]], int]
 """(row name, builder of its update, bytes per element)"""
 
@@ -267,24 +297,41 @@ def _candidates(n: int, buffers: Buffers) -> list[Candidate]:
         ("torch AdamW foreach", lambda: _torch_adamw(buffers, foreach=True), BYTES_PER_ELEMENT),
         ("torch AdamW fused", lambda: _torch_adamw(buffers, fused=True), BYTES_PER_ELEMENT),
         ("DeepSpeedCPUAdam", lambda: _deepspeed_cpu_adam(buffers), BYTES_PER_ELEMENT),
-        ("engine fp32 clipped", lambda: _engine_update(buffers, "auto", torch.float32, False, grad_scale=clip),
-         BYTES_PER_ELEMENT),
+        (
+            "engine fp32 clipped",
+            lambda: _engine_update(buffers, "auto", torch.float32, False, grad_scale=clip),
+            BYTES_PER_ELEMENT,
+        ),
         ("engine bf16+shadow", lambda: _engine_update(buffers, "auto", torch.bfloat16, True), BYTES_PER_ELEMENT),
-        ("engine bf16 clipped", lambda: _engine_update(buffers, "auto", torch.bfloat16, True, grad_scale=clip),
-         BYTES_PER_ELEMENT),
+        (
+            "engine bf16 clipped",
+            lambda: _engine_update(buffers, "auto", torch.bfloat16, True, grad_scale=clip),
+            BYTES_PER_ELEMENT,
+        ),
         ("engine journaled", lambda: _engine_update(buffers, "auto", torch.bfloat16, True, True), BYTES_PER_ELEMENT),
         ("DeepSpeedCPUAdam A/A", lambda: _deepspeed_cpu_adam(buffers), BYTES_PER_ELEMENT),
         # As each system allocates its state (own buffers, so page placement differs between rows):
-        ("engine fp32 [host_empty]", lambda: _engine_update(
-            Buffers.allocate(n, runtime.host_empty), "auto", torch.float32, False), BYTES_PER_ELEMENT),
-        ("DeepSpeedCPUAdam [own state]", lambda: _deepspeed_cpu_adam(Buffers.allocate(n), own_state=True),
-         BYTES_PER_ELEMENT),
+        (
+            "engine fp32 [host_empty]",
+            lambda: _engine_update(Buffers.allocate(n, runtime.host_empty), "auto", torch.float32, False),
+            BYTES_PER_ELEMENT,
+        ),
+        (
+            "DeepSpeedCPUAdam [own state]",
+            lambda: _deepspeed_cpu_adam(Buffers.allocate(n), own_state=True),
+            BYTES_PER_ELEMENT,
+        ),
     ]
     auto_kernel = make_cpu_kernel("auto").name
     for name in CPU_KERNELS:
         if name != auto_kernel:
-            rows.append((f"engine kernel={name}", lambda name=name: _engine_update(
-                buffers, name, torch.float32, False), BYTES_PER_ELEMENT))
+            rows.append(
+                (
+                    f"engine kernel={name}",
+                    lambda name=name: _engine_update(buffers, name, torch.float32, False),
+                    BYTES_PER_ELEMENT,
+                )
+            )
     return rows
 
 
@@ -304,17 +351,24 @@ def _build(candidates: list[Candidate], rows: dict[str, dict]) -> tuple[dict[str
     return runs, bytes_per_element
 
 
-def _print_rows(n: int, times: dict[str, list[float]], bytes_per_element: dict[str, int],
-                rows: dict[str, dict]) -> float:
+def _print_rows(
+    n: int, times: dict[str, list[float]], bytes_per_element: dict[str, int], rows: dict[str, dict]
+) -> float:
     """Fill ``rows`` and print the table; returns the memcpy bandwidth (bytes/s)."""
     copy = 8 * n / statistics.median(times["memcpy"])
     print(f"{'implementation':<28} {'ms':>9} {'GB/s':>7} {'/memcpy':>8} {'best GB/s':>10}")
     for name, nbytes in bytes_per_element.items():
         median, best = statistics.median(times[name]), min(times[name])
         rate = nbytes * n / median
-        rows[name] = {"ms_median": median * 1e3, "ms_min": best * 1e3, "bytes_per_element": nbytes,
-                      "gbs": rate / 1e9, "gbs_best": nbytes * n / best / 1e9, "fraction_of_memcpy": rate / copy,
-                      "ms_rounds": [round(t * 1e3, 3) for t in times[name]]}
+        rows[name] = {
+            "ms_median": median * 1e3,
+            "ms_min": best * 1e3,
+            "bytes_per_element": nbytes,
+            "gbs": rate / 1e9,
+            "gbs_best": nbytes * n / best / 1e9,
+            "fraction_of_memcpy": rate / copy,
+            "ms_rounds": [round(t * 1e3, 3) for t in times[name]],
+        }
         print(f"{name:<28} {median * 1e3:>9.1f} {rate / 1e9:>7.2f} {rate / copy:>8.2f} {rows[name]['gbs_best']:>10.2f}")
     return copy
 
@@ -331,14 +385,18 @@ def _targets(times: dict[str, list[float]], rows: dict[str, dict]) -> dict[str, 
         targets["engine_over_deepspeed_of_medians"] = rows["engine fp32"]["gbs"] / rows["DeepSpeedCPUAdam"]["gbs"]
         wins = sum(d >= e for d, e in zip(times["DeepSpeedCPUAdam"], times["engine fp32"]))
         targets["engine_faster_in_rounds"] = wins
-        line += (f", {targets['engine_over_deepspeed_paired_median']:.3f}x DeepSpeedCPUAdam (median of per-round "
-                 f"ratios; {targets['engine_over_deepspeed_of_medians']:.3f}x of medians; as fast or faster in "
-                 f"{wins}/{len(times['engine fp32'])} rounds; target >= 1)")
+        line += (
+            f", {targets['engine_over_deepspeed_paired_median']:.3f}x DeepSpeedCPUAdam (median of per-round "
+            f"ratios; {targets['engine_over_deepspeed_of_medians']:.3f}x of medians; as fast or faster in "
+            f"{wins}/{len(times['engine fp32'])} rounds; target >= 1)"
+        )
     print(line)
     if "DeepSpeedCPUAdam A/A" in times:
         targets["deepspeed_a_a_paired_median"] = ratio = _paired(times, "DeepSpeedCPUAdam", "DeepSpeedCPUAdam A/A")
-        print(f"A/A control: DeepSpeedCPUAdam against a second DeepSpeedCPUAdam on the same buffers {ratio:.3f}x "
-              "(how far a ratio of identical work strays from 1 in this run)")
+        print(
+            f"A/A control: DeepSpeedCPUAdam against a second DeepSpeedCPUAdam on the same buffers {ratio:.3f}x "
+            "(how far a ratio of identical work strays from 1 in this run)"
+        )
     for name in ("engine fp32 clipped", "engine bf16+shadow", "engine bf16 clipped"):
         if name in times and "DeepSpeedCPUAdam" in times:
             targets[f"{name} over deepspeed (paired median)"] = ratio = _paired(times, "DeepSpeedCPUAdam", name)
@@ -359,18 +417,27 @@ def _contended_rows(n: int, runs: dict[str, Callable[[], None]], rounds: int) ->
     rows = {}
     for name in contended_runs:
         median = statistics.median(times[name])
-        rows[name] = {"ms_median": median * 1e3, "gbs": BYTES_PER_ELEMENT * n / median / 1e9,
-                      "over_deepspeed_paired_median": _paired(times, "DeepSpeedCPUAdam", name),
-                      "ms_rounds": [round(t * 1e3, 3) for t in times[name]]}
-        print(f"  {name:<26} {median * 1e3:>9.1f} ms {rows[name]['gbs']:>7.2f} GB/s "
-              f"{rows[name]['over_deepspeed_paired_median']:>6.3f}x DeepSpeedCPUAdam")
+        rows[name] = {
+            "ms_median": median * 1e3,
+            "gbs": BYTES_PER_ELEMENT * n / median / 1e9,
+            "over_deepspeed_paired_median": _paired(times, "DeepSpeedCPUAdam", name),
+            "ms_rounds": [round(t * 1e3, 3) for t in times[name]],
+        }
+        print(
+            f"  {name:<26} {median * 1e3:>9.1f} ms {rows[name]['gbs']:>7.2f} GB/s "
+            f"{rows[name]['over_deepspeed_paired_median']:>6.3f}x DeepSpeedCPUAdam"
+        )
     return rows
 
 
 def _interference(n: int) -> dict[str, float | str]:
     small = max(1 << 20, n // 16)  # short calls, as the engine issues them per chunk
-    probes = {"engine kernel=" + name: lambda name=name: _engine_update(
-        Buffers.allocate(_engine_numel(small)), name, torch.float32, False) for name in CPU_KERNELS}
+    probes = {
+        "engine kernel=" + name: lambda name=name: _engine_update(
+            Buffers.allocate(_engine_numel(small)), name, torch.float32, False
+        )
+        for name in CPU_KERNELS
+    }
     probes["torch AdamW foreach"] = lambda: _torch_adamw(Buffers.allocate(small), foreach=True)
     probes["DeepSpeedCPUAdam (its own binding)"] = lambda: _deepspeed_cpu_adam(Buffers.allocate(small))
     print("training-thread slowdown while a worker thread updates back to back (1.0 = none):")
@@ -387,12 +454,20 @@ def _interference(n: int) -> dict[str, float | str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--elements", type=int, default=30_000_000,
-                        help="parameters updated per call (avoid powers of two: see the module docstring)")
+    parser.add_argument(
+        "--elements",
+        type=int,
+        default=30_000_000,
+        help="parameters updated per call (avoid powers of two: see the module docstring)",
+    )
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--output", type=Path, default=None)
-    parser.add_argument("--contended-rounds", type=int, default=9,
-                        help="rounds of the main rows again beside one busy process (0: skip)")
+    parser.add_argument(
+        "--contended-rounds",
+        type=int,
+        default=9,
+        help="rounds of the main rows again beside one busy process (0: skip)",
+    )
     parser.add_argument("--skip-gil", action="store_true", help="skip the training-thread interference probe")
     args = parser.parse_args(argv)
     n = _engine_numel(args.elements)
@@ -401,11 +476,15 @@ def main(argv: list[str] | None = None) -> int:
     runs, bytes_per_element = _build(_candidates(n, Buffers.allocate(n)), rows)
 
     times = _measure(runs, args.rounds)
-    print(f"{_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {n} elements, "
-          f"median of {args.rounds} shuffled rounds; load average before {load_before[0]:.2f}")
-    print("every AdamW row but the [bracketed] ones updates the same p, m, v and gradient buffers; 'engine fp32', "
-          "the torch rows and DeepSpeedCPUAdam do the same work, the other engine rows more (scaling, widening, "
-          "shadow, journal)")
+    print(
+        f"{_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {n} elements, "
+        f"median of {args.rounds} shuffled rounds; load average before {load_before[0]:.2f}"
+    )
+    print(
+        "every AdamW row but the [bracketed] ones updates the same p, m, v and gradient buffers; 'engine fp32', "
+        "the torch rows and DeepSpeedCPUAdam do the same work, the other engine rows more (scaling, widening, "
+        "shadow, journal)"
+    )
     copy = _print_rows(n, times, bytes_per_element, rows)
     targets = _targets(times, rows)
     contended = _contended_rows(n, runs, args.contended_rounds)
@@ -414,15 +493,24 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(f"load average after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
     report = {
-        "cpu": _cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "elements": n, "rounds": args.rounds,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "engine_cpu_kernel": make_cpu_kernel("auto").name,
+        "cpu": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "elements": n,
+        "rounds": args.rounds,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "engine_cpu_kernel": make_cpu_kernel("auto").name,
         "method": "shared buffers for every AdamW row but the [bracketed] ones; rows shuffled every round "
-                  "(seeded); medians; engine/DeepSpeed also as the median of per-round ratios, with an A/A "
-                  "control (DeepSpeedCPUAdam against itself)",
-        "load_average_before": load_before, "load_average_after": load_after,
-        "memcpy_gbs": copy / 1e9, "targets": targets,
-        "contended": contended, "rows": rows, "training_thread_slowdown": interference,
+        "(seeded); medians; engine/DeepSpeed also as the median of per-round ratios, with an A/A "
+        "control (DeepSpeedCPUAdam against itself)",
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "memcpy_gbs": copy / 1e9,
+        "targets": targets,
+        "contended": contended,
+        "rows": rows,
+        "training_thread_slowdown": interference,
     }
     try:
         import deepspeed
@@ -430,8 +518,11 @@ def main(argv: list[str] | None = None) -> int:
         report["deepspeed"] = deepspeed.__version__
     except ImportError:
         pass
-    output = args.output or (Path(__file__).resolve().parent / "results"
-                             / f"optimizer_{re.sub(r'[^A-Za-z0-9]+', '_', _cpu_name()).strip('_')}.json")
+    output = args.output or (
+        Path(__file__).resolve().parent
+        / "results"
+        / f"optimizer_{re.sub(r'[^A-Za-z0-9]+', '_', _cpu_name()).strip('_')}.json"
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

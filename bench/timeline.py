@@ -32,10 +32,18 @@ from typing import Any
 
 TRACK_ORDER = ("step", "compute", "h2d", "d2h", "stash", "comm", "optimizer worker")
 COLOURS = {
-    "forward": "#4c72b0", "recompute": "#8fa9d6", "backward": "#dd8452",
-    "weights": "#55a868", "grads": "#c44e52", "all-reduce": "#8172b3",
-    "consume": "#937860", "adamw": "#da8bc3", "step finish": "#8c8c8c", "step": "#cfcfcf",
-    "stash": "#2a9d8f", "unstash": "#e9c46a",
+    "forward": "#4c72b0",
+    "recompute": "#8fa9d6",
+    "backward": "#dd8452",
+    "weights": "#55a868",
+    "grads": "#c44e52",
+    "all-reduce": "#8172b3",
+    "consume": "#937860",
+    "adamw": "#da8bc3",
+    "step finish": "#8c8c8c",
+    "step": "#cfcfcf",
+    "stash": "#2a9d8f",
+    "unstash": "#e9c46a",
 }
 _EXTRA_COLOURS = ("#64b5cd", "#ccb974", "#4c4c4c", "#b07aa1")
 
@@ -44,11 +52,20 @@ def load_spans(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``(spans, otherData)``: each span as ``{name, track, start_ms, end_ms, args}``."""
     document = json.loads(Path(path).read_text())
     events = document["traceEvents"]
-    track_of = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-                if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    spans = [{"name": e["name"], "track": track_of.get((e["pid"], e["tid"]), e.get("cat", "?")),
-              "start_ms": e["ts"] / 1e3, "end_ms": (e["ts"] + e["dur"]) / 1e3, "args": e.get("args", {})}
-             for e in events if e.get("ph") == "X"]
+    track_of = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    spans = [
+        {
+            "name": e["name"],
+            "track": track_of.get((e["pid"], e["tid"]), e.get("cat", "?")),
+            "start_ms": e["ts"] / 1e3,
+            "end_ms": (e["ts"] + e["dur"]) / 1e3,
+            "args": e.get("args", {}),
+        }
+        for e in events
+        if e.get("ph") == "X"
+    ]
     return spans, document.get("otherData", {})
 
 
@@ -115,11 +132,15 @@ def render(spans: list[dict[str, Any]], meta: dict[str, Any], step: int, out: st
             height = 0.7 if depth == 0 else 0.3
             bottom = row - 0.35 if depth == 0 else row - 0.35 + 0.05
             start, width = span["start_ms"] - origin, span["end_ms"] - span["start_ms"]
-            axes.broken_barh([(start, width)], (bottom, height), facecolors=colour,
-                             edgecolors="white" if depth == 0 else colour, linewidth=0.3)
+            axes.broken_barh(
+                [(start, width)],
+                (bottom, height),
+                facecolors=colour,
+                edgecolors="white" if depth == 0 else colour,
+                linewidth=0.3,
+            )
             if depth == 0 and width > 0.035 * length and track != "step":
-                axes.text(start + width / 2, row, span["name"], ha="center", va="center", fontsize=7,
-                          clip_on=True)
+                axes.text(start + width / 2, row, span["name"], ha="center", va="center", fontsize=7, clip_on=True)
         top = [s for s, d in zip(items, nesting_depths(items)) if d == 0]
         labels.append(track if track == "step" else f"{track}\n{100 * busy_ms(top) / length:.0f}% busy")
     axes.set_yticks(range(len(tracks)), labels, fontsize=9)
@@ -128,18 +149,31 @@ def render(spans: list[dict[str, Any]], meta: dict[str, Any], step: int, out: st
     axes.set_xlabel("ms since the step's first span")
     axes.grid(axis="x", alpha=0.3)
     used = {kind_of(s["name"]) for s in chosen}
-    axes.legend(handles=[Patch(color=colours[k], label=k) for k in colours if k in used],
-                loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(tracks)), ncol=10, fontsize=8,
-                frameon=False)
-    settings = [f"micro-batch {meta['micro_batch']}" if "micro_batch" in meta else "",
-                f"x {meta['seq_len']} tokens" if "seq_len" in meta else "",
-                ("bf16" if meta["bf16"] else "fp32") if "bf16" in meta else "",
-                (f"recompute {meta['recompute']['setting']!r}: {meta['recompute']['stashed_blocks']} blocks stashed"
-                 if isinstance(meta.get("recompute"), dict) else ""),
-                "MEGATRAIN_STREAM_CHECK=1" if meta.get("stream_check") else ""]
+    axes.legend(
+        handles=[Patch(color=colours[k], label=k) for k in colours if k in used],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.3 / len(tracks)),
+        ncol=10,
+        fontsize=8,
+        frameon=False,
+    )
+    settings = [
+        f"micro-batch {meta['micro_batch']}" if "micro_batch" in meta else "",
+        f"x {meta['seq_len']} tokens" if "seq_len" in meta else "",
+        ("bf16" if meta["bf16"] else "fp32") if "bf16" in meta else "",
+        (
+            f"recompute {meta['recompute']['setting']!r}: {meta['recompute']['stashed_blocks']} blocks stashed"
+            if isinstance(meta.get("recompute"), dict)
+            else ""
+        ),
+        "MEGATRAIN_STREAM_CHECK=1" if meta.get("stream_check") else "",
+    ]
     settings_text = " ".join(part for part in settings if part)
-    axes.set_title(f"{meta.get('model', 'model')} on {meta.get('device', '?')}: optimizer step {step}, "
-                   f"{length:.1f} ms" + (f" ({settings_text})" if settings_text else ""), fontsize=10)
+    axes.set_title(
+        f"{meta.get('model', 'model')} on {meta.get('device', '?')}: optimizer step {step}, "
+        f"{length:.1f} ms" + (f" ({settings_text})" if settings_text else ""),
+        fontsize=10,
+    )
     figure.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,8 +182,17 @@ def render(spans: list[dict[str, Any]], meta: dict[str, Any], step: int, out: st
     return out
 
 
-def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps: int, threads: int,
-           device: str = "cpu", recompute: str | int | None = None, command: str = "") -> None:
+def record(
+    trace: Path,
+    model_config: str,
+    seq_len: int,
+    micro_batch: int,
+    steps: int,
+    threads: int,
+    device: str = "cpu",
+    recompute: str | int | None = None,
+    command: str = "",
+) -> None:
     """Train a random-init model of ``model_config`` on ``device`` for ``1 + steps`` steps, traced
     (bf16 compute on CUDA, fp32 on the CPU); ``recompute``: the engine's ``"recompute"``
     (its default when ``None``)."""
@@ -162,14 +205,26 @@ def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps
     torch.set_num_threads(threads)
     config = transformers.AutoConfig.for_model(**json.loads(Path(model_config).read_text()))
     model = transformers.AutoModelForCausalLM.from_config(config)
-    engine = MegatrainEngine(model, parse_engine_config({
-        "engine": "megatrain", "train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": device == "cuda"},
-        "megatrain": {"trace": str(trace), "trace_steps": steps,
-                      **({"recompute": recompute} if recompute is not None else {})},
-    }), device=torch.device(device))
+    engine = MegatrainEngine(
+        model,
+        parse_engine_config(
+            {
+                "engine": "megatrain",
+                "train_micro_batch_size_per_gpu": micro_batch,
+                "gradient_clipping": 1.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "bf16": {"enabled": device == "cuda"},
+                "megatrain": {
+                    "trace": str(trace),
+                    "trace_steps": steps,
+                    **({"recompute": recompute} if recompute is not None else {}),
+                },
+            }
+        ),
+        device=torch.device(device),
+    )
     try:
-        for step in range(1 + steps):
+        for _step in range(1 + steps):
             ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
@@ -179,14 +234,20 @@ def record(trace: Path, model_config: str, seq_len: int, micro_batch: int, steps
     # The engine does not know the batch; add it for the title.
     document = json.loads(trace.read_text())
     checked = os.environ.get("MEGATRAIN_STREAM_CHECK") == "1"
-    document["otherData"].update(tokens_per_micro_batch=micro_batch * seq_len, seq_len=seq_len,
-                                 model_config=model_config, threads=threads, stream_check=checked,
-                                 **({"recorded_with": command} if command else {}))
+    document["otherData"].update(
+        tokens_per_micro_batch=micro_batch * seq_len,
+        seq_len=seq_len,
+        model_config=model_config,
+        threads=threads,
+        stream_check=checked,
+        **({"recorded_with": command} if command else {}),
+    )
     if checked:
         document["otherData"]["stream_check_note"] = (
             "MEGATRAIN_STREAM_CHECK=1: the CPU runtime keeps its 'device' buffers apart from the host's, so "
             "copies (the activation stash to pinned host buffers and back included) really run, as on a GPU; "
-            "every op also goes through the race checker, so spans are longer than a plain CPU run's")
+            "every op also goes through the race checker, so spans are longer than a plain CPU run's"
+        )
     trace.write_text(json.dumps(document, separators=(",", ":")) + "\n")
 
 
@@ -207,14 +268,27 @@ def main(argv: list[str] | None = None) -> int:
     recording.add_argument("--steps", type=int, default=2, help="traced steps (after one warm-up step)")
     recording.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     recording.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model computes")
-    recording.add_argument("--recompute", type=_recompute, default=None,
-                           help='the engine\'s "recompute": full, none, auto or N (default: the engine\'s)')
+    recording.add_argument(
+        "--recompute",
+        type=_recompute,
+        default=None,
+        help="the engine's \"recompute\": full, none, auto or N (default: the engine's)",
+    )
     args = parser.parse_args(argv)
     if args.record:
         env = "MEGATRAIN_STREAM_CHECK=1 " if os.environ.get("MEGATRAIN_STREAM_CHECK") == "1" else ""
         command = env + "python bench/timeline.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        record(args.trace, args.model, args.seq_len, args.micro_batch, args.steps, args.threads, args.device,
-               args.recompute, command)
+        record(
+            args.trace,
+            args.model,
+            args.seq_len,
+            args.micro_batch,
+            args.steps,
+            args.threads,
+            args.device,
+            args.recompute,
+            command,
+        )
     spans, meta = load_spans(args.trace)
     step = args.step if args.step is not None else steps_in(spans)[-1]
     out = render(spans, meta, step, args.out or args.trace.with_suffix(".png"))

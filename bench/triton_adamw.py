@@ -66,14 +66,25 @@ def _bench_kernel(n: int, grad_dtype: torch.dtype, with_shadow: bool, device: to
 
     ms = _median_ms(step)
     beta1, beta2 = HYPER["betas"]
-    scalars = dict(grad_scale=1.0, decay_factor=1.0 - HYPER["lr"] * HYPER["weight_decay"],
-                   weight_decay=HYPER["weight_decay"], one_minus_beta1=1.0 - beta1, beta2=beta2,
-                   one_minus_beta2=1.0 - beta2, neg_step_size=-HYPER["lr"] / (1.0 - beta1**10),
-                   bias_correction2_sqrt=(1.0 - beta2**10) ** 0.5, eps=HYPER["eps"], decoupled=True)
+    scalars = dict(
+        grad_scale=1.0,
+        decay_factor=1.0 - HYPER["lr"] * HYPER["weight_decay"],
+        weight_decay=HYPER["weight_decay"],
+        one_minus_beta1=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        neg_step_size=-HYPER["lr"] / (1.0 - beta1**10),
+        bias_correction2_sqrt=(1.0 - beta2**10) ** 0.5,
+        eps=HYPER["eps"],
+        decoupled=True,
+    )
     sweep = {}
     for block_size, num_warps in SWEEP:
-        sweep_ms = _median_ms(lambda: _launch(param, grad, exp_avg, exp_avg_sq, shadow, n, **scalars,
-                                              block_size=block_size, num_warps=num_warps))
+        sweep_ms = _median_ms(
+            lambda: _launch(
+                param, grad, exp_avg, exp_avg_sq, shadow, n, **scalars, block_size=block_size, num_warps=num_warps
+            )
+        )
         sweep[f"{block_size}x{num_warps}"] = {"ms": sweep_ms, "gbs": bytes_moved / (sweep_ms * 1e-3) / 1e9}
     return {"ms": ms, "bytes": bytes_moved, "gbs": bytes_moved / (ms * 1e-3) / 1e9, "sweep": sweep}
 
@@ -90,10 +101,23 @@ def _bench_torch_fused(n: int, device: torch.device) -> dict:
         state = optimizer.state[param]
         beta1, beta2 = HYPER["betas"]
         try:
-            op_ms = _median_ms(lambda: fused_op(
-                [param.detach()], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-                lr=HYPER["lr"], beta1=beta1, beta2=beta2, weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
-                amsgrad=False, maximize=False))
+            op_ms = _median_ms(
+                lambda: fused_op(
+                    [param.detach()],
+                    [param.grad],
+                    [state["exp_avg"]],
+                    [state["exp_avg_sq"]],
+                    [],
+                    [state["step"]],
+                    lr=HYPER["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=HYPER["weight_decay"],
+                    eps=HYPER["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                )
+            )
             result.update(op_ms=op_ms, op_gbs=28 * n / (op_ms * 1e-3) / 1e9)
         except (RuntimeError, TypeError) as err:  # private op: its signature may change
             result["op_error"] = str(err)
@@ -121,26 +145,37 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device)
     copy_gbs = _copy_bandwidth_gbs(device)
     print(f"{device_name}: device-to-device copy {copy_gbs:.0f} GB/s (read + write of {COPY_BYTES >> 20} MiB)")
-    print(f"{'elements':>11} {'mode':>16} {'kernel ms':>10} {'GB/s':>7} {'/copy':>6} "
-          f"{'fused step ms':>14} {'fused op ms':>12} {'step/kernel':>12} {'op/kernel':>10}  best sweep")
+    print(
+        f"{'elements':>11} {'mode':>16} {'kernel ms':>10} {'GB/s':>7} {'/copy':>6} "
+        f"{'fused step ms':>14} {'fused op ms':>12} {'step/kernel':>12} {'op/kernel':>10}  best sweep"
+    )
 
     rows = []
     for n in args.sizes:
         fused = _bench_torch_fused(n, device)
-        for mode, grad_dtype, with_shadow in [("fp32 grad", torch.float32, False),
-                                              ("bf16 grad+shadow", torch.bfloat16, True)]:
+        for mode, grad_dtype, with_shadow in [
+            ("fp32 grad", torch.float32, False),
+            ("bf16 grad+shadow", torch.bfloat16, True),
+        ]:
             kernel = _bench_kernel(n, grad_dtype, with_shadow, device)
             best = min(kernel["sweep"].items(), key=lambda item: item[1]["ms"])
-            row = {"elements": n, "mode": mode, "kernel": kernel, "torch_fused": fused,
-                   "kernel_over_copy_bandwidth": kernel["gbs"] / copy_gbs,
-                   "fused_step_over_kernel_time": fused["step_ms"] / kernel["ms"],
-                   "fused_op_over_kernel_time": (fused["op_ms"] / kernel["ms"]) if fused["op_ms"] else None}
+            row = {
+                "elements": n,
+                "mode": mode,
+                "kernel": kernel,
+                "torch_fused": fused,
+                "kernel_over_copy_bandwidth": kernel["gbs"] / copy_gbs,
+                "fused_step_over_kernel_time": fused["step_ms"] / kernel["ms"],
+                "fused_op_over_kernel_time": (fused["op_ms"] / kernel["ms"]) if fused["op_ms"] else None,
+            }
             rows.append(row)
             op_ms = f"{fused['op_ms']:.3f}" if fused["op_ms"] else "n/a"
             op_ratio = f"{row['fused_op_over_kernel_time']:.2f}" if fused["op_ms"] else "n/a"
-            print(f"{n:>11} {mode:>16} {kernel['ms']:>10.3f} {kernel['gbs']:>7.0f} "
-                  f"{row['kernel_over_copy_bandwidth']:>6.2f} {fused['step_ms']:>14.3f} {op_ms:>12} "
-                  f"{row['fused_step_over_kernel_time']:>12.2f} {op_ratio:>10}  {best[0]} ({best[1]['gbs']:.0f} GB/s)")
+            print(
+                f"{n:>11} {mode:>16} {kernel['ms']:>10.3f} {kernel['gbs']:>7.0f} "
+                f"{row['kernel_over_copy_bandwidth']:>6.2f} {fused['step_ms']:>14.3f} {op_ms:>12} "
+                f"{row['fused_step_over_kernel_time']:>12.2f} {op_ratio:>10}  {best[0]} ({best[1]['gbs']:.0f} GB/s)"
+            )
         torch.cuda.empty_cache()
 
     from megatrain_triton.adamw import BLOCK_SIZE, NUM_WARPS
@@ -155,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         "hyperparameters": HYPER,
         "rows": rows,
     }
-    output = args.output or (Path(__file__).resolve().parent / "results"
-                             / f"triton_adamw_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json")
+    output = args.output or (
+        Path(__file__).resolve().parent
+        / "results"
+        / f"triton_adamw_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json"
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

@@ -29,22 +29,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Sequence  # noqa: E402
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")  # no display needed; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-import transformers  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DeepSpeedPlugin  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin
+from tqdm.auto import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT / "data" / "kjv_excerpt.txt"
@@ -88,16 +89,19 @@ class TrainResult:
         """Everything but the batches (written to ``metrics.json``)."""
         data = asdict(self)
         del data["eval_batches"]
-        return {key: str(value) if isinstance(value, (Path, torch.device)) else value
-                for key, value in data.items()}
+        return {key: str(value) if isinstance(value, (Path, torch.device)) else value for key, value in data.items()}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--deepspeed_config", type=Path, default=DEFAULT_DEEPSPEED_CONFIG,
-                        help="DeepSpeed JSON when run without `accelerate launch` (with it, the "
-                             "Accelerate config names the JSON)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--deepspeed_config",
+        type=Path,
+        default=DEFAULT_DEEPSPEED_CONFIG,
+        help="DeepSpeed JSON when run without `accelerate launch` (with it, the Accelerate config names the JSON)",
+    )
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -105,13 +109,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.1, help="on matrices only")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
-    parser.add_argument("--eval-batches", type=int, default=8,
-                        help="micro-batches of held-out text per evaluation (the same ones each time)")
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=8,
+        help="micro-batches of held-out text per evaluation (the same ones each time)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="fine-tune this local Hugging Face causal-LM directory instead")
-    parser.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG,
-                        help="model config JSON for random init (ignored with --model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="fine-tune this local Hugging Face causal-LM directory instead"
+    )
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        default=DEFAULT_MODEL_CONFIG,
+        help="model config JSON for random init (ignored with --model)",
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="UTF-8 text corpus")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/train_clm"))
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -143,6 +156,7 @@ def encode_bytes(text: str) -> torch.Tensor:
 
 def hf_encoder(tokenizer: Any) -> Encode:
     """Tokenise a whole corpus with a Hugging Face tokenizer, without special tokens."""
+
     def encode(text: str) -> torch.Tensor:
         # The corpus is far longer than the model's context; it is cut into blocks later,
         # so the tokenizer's "sequence too long" warning does not apply.
@@ -152,6 +166,7 @@ def hf_encoder(tokenizer: Any) -> Encode:
         finally:
             tokenizer.model_max_length = saved
         return torch.tensor(ids, dtype=torch.long)
+
     return encode
 
 
@@ -172,8 +187,7 @@ class RandomWindows(torch.utils.data.Dataset):
         return {"input_ids": window, "labels": window.clone()}
 
 
-def make_eval_batches(tokens: torch.Tensor, batch_size: int, seq_len: int,
-                      max_batches: int) -> list[Batch]:
+def make_eval_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
     """Consecutive non-overlapping blocks of the held-out text, the same for every call."""
     num_blocks = min(tokens.numel() // seq_len, batch_size * max_batches)
     if num_blocks < 1:
@@ -230,8 +244,7 @@ def evaluate(model: Callable[..., Any], batches: Sequence[Batch], device: torch.
     return total / len(batches)
 
 
-def plot_losses(path: Path, losses: Sequence[float], eval_steps: Sequence[int],
-                eval_losses: Sequence[float]) -> None:
+def plot_losses(path: Path, losses: Sequence[float], eval_steps: Sequence[int], eval_losses: Sequence[float]) -> None:
     """Training loss per step (raw and smoothed) and evaluation loss, to a PNG."""
     smoothed, ema = [], losses[0]
     for loss in losses:
@@ -260,12 +273,19 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":  # accelerate launch
         return Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     # One process without the launcher: DeepSpeed's process group still wants these.
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }.items():
         os.environ.setdefault(key, value)
-    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(args.deepspeed_config)),
-                       mixed_precision="bf16" if torch.cuda.is_available() else "no",
-                       gradient_accumulation_steps=args.gradient_accumulation_steps)
+    return Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(args.deepspeed_config)),
+        mixed_precision="bf16" if torch.cuda.is_available() else "no",
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> TrainResult:
@@ -287,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     accumulation = args.gradient_accumulation_steps
     train_loader = torch.utils.data.DataLoader(
         RandomWindows(train_tokens, args.seq_len, args.steps * accumulation * args.batch_size, args.seed),
-        batch_size=args.batch_size)
+        batch_size=args.batch_size,
+    )
     eval_batches = make_eval_batches(eval_tokens, args.batch_size, args.seq_len, args.eval_batches)
     num_parameters = sum(p.numel() for p in model.parameters())
 
@@ -299,9 +320,11 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     device = accelerator.device
     engine_type = f"{type(model).__module__}.{type(model).__qualname__}"
     tokens_per_step = args.batch_size * accumulation * args.seq_len
-    print(f"model: {num_parameters / 1e6:.2f}M parameters | data: {train_tokens.numel():,} train / "
-          f"{eval_tokens.numel():,} eval tokens | engine: {engine_type} on {device} "
-          f"({accelerator.mixed_precision}) | {tokens_per_step:,} tokens a step")
+    print(
+        f"model: {num_parameters / 1e6:.2f}M parameters | data: {train_tokens.numel():,} train / "
+        f"{eval_tokens.numel():,} eval tokens | engine: {engine_type} on {device} "
+        f"({accelerator.mixed_precision}) | {tokens_per_step:,} tokens a step"
+    )
 
     model.eval()
     eval_steps, eval_losses = [0], [evaluate(model, eval_batches, device)]
@@ -330,9 +353,12 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
             eval_losses.append(evaluate(model, eval_batches, device))
             model.train()
         progress.update()
-        progress.set_postfix(loss=f"{losses[-1]:.3f}", eval=f"{eval_losses[-1]:.3f}",
-                             tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
-                             lr=f"{scheduler.get_last_lr()[0]:.1e}")
+        progress.set_postfix(
+            loss=f"{losses[-1]:.3f}",
+            eval=f"{eval_losses[-1]:.3f}",
+            tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
+            lr=f"{scheduler.get_last_lr()[0]:.1e}",
+        )
         tick = time.perf_counter()
     progress.close()
 
@@ -342,27 +368,39 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
         plot_losses(plot_path, losses, eval_steps, eval_losses)
     # The state dict holds the fp32 masters: nothing to gather.
     accelerator.unwrap_model(model).save_pretrained(
-        model_dir, state_dict=accelerator.get_state_dict(model),
-        is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+        model_dir,
+        state_dict=accelerator.get_state_dict(model),
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+    )
     if tokenizer is not None and accelerator.is_main_process:
         tokenizer.save_pretrained(model_dir)
 
     result = TrainResult(
-        engine_type=engine_type, losses=losses, eval_steps=eval_steps, eval_losses=eval_losses,
-        initial_eval_loss=eval_losses[0], final_eval_loss=eval_losses[-1],
+        engine_type=engine_type,
+        losses=losses,
+        eval_steps=eval_steps,
+        eval_losses=eval_losses,
+        initial_eval_loss=eval_losses[0],
+        final_eval_loss=eval_losses[-1],
         tokens_per_second=len(losses) * tokens_per_step / train_seconds,
-        plot_path=plot_path, model_dir=model_dir, device=device, eval_batches=eval_batches,
+        plot_path=plot_path,
+        model_dir=model_dir,
+        device=device,
+        eval_batches=eval_batches,
         seconds=time.perf_counter() - started,
     )
     if accelerator.is_main_process:
         (args.output_dir / "metrics.json").write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")
     accelerator.end_training()
     accelerator.free_memory()  # destroys the engine: its worker thread, pinned memory
-    tail = losses[-min(20, len(losses)):]
-    print(f"done: {len(losses)} steps in {result.seconds:.1f}s | final train loss "
-          f"{sum(tail) / len(tail):.4f} (mean of last {len(tail)}) | eval loss "
-          f"{result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f} | "
-          f"{result.tokens_per_second:,.0f} tokens/s | saved {plot_path} and {model_dir}")
+    tail = losses[-min(20, len(losses)) :]
+    print(
+        f"done: {len(losses)} steps in {result.seconds:.1f}s | final train loss "
+        f"{sum(tail) / len(tail):.4f} (mean of last {len(tail)}) | eval loss "
+        f"{result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f} | "
+        f"{result.tokens_per_second:,.0f} tokens/s | saved {plot_path} and {model_dir}"
+    )
     return result
 
 

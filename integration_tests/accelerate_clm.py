@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import transformers
 from accelerate import Accelerator
-
 from tiny_clm import byte_blocks, corpus, tiny_llama
 
 
@@ -53,25 +52,29 @@ def main() -> None:
 
     text = corpus()
     train_data = byte_blocks(text, args.num_examples)
-    eval_batches = [torch.stack([b["input_ids"] for b in byte_blocks(text, 8, start=args.num_examples + 8 * i)])
-                    for i in range(2)]
+    eval_batches = [
+        torch.stack([b["input_ids"] for b in byte_blocks(text, 8, start=args.num_examples + 8 * i)]) for i in range(2)
+    ]
     torch.save(eval_batches, args.output_dir / "eval_batches.pt")
     train_dataloader = torch.utils.data.DataLoader(train_data, batch_size=args.batch_size, shuffle=True)
 
     no_decay = ("bias", "norm")
     grouped_parameters = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
-         "weight_decay": 0.0},
+        {
+            "params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+            "weight_decay": args.weight_decay,
+        },
+        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(grouped_parameters, lr=args.learning_rate, betas=(0.9, 0.95))
     num_update_steps = len(train_dataloader) // args.gradient_accumulation_steps
-    lr_scheduler = transformers.get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2,
-                                              num_training_steps=num_update_steps)
+    lr_scheduler = transformers.get_scheduler(
+        "cosine", optimizer=optimizer, num_warmup_steps=2, num_training_steps=num_update_steps
+    )
 
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, lr_scheduler
+    )
 
     losses, learning_rates = [], []
     model.train()
@@ -89,12 +92,17 @@ def main() -> None:
 
     model.eval()
     with torch.no_grad():
-        eval_loss = sum(float(model(input_ids=b.to(accelerator.device), labels=b.to(accelerator.device)).loss)
-                        for b in eval_batches) / len(eval_batches)
+        eval_loss = sum(
+            float(model(input_ids=b.to(accelerator.device), labels=b.to(accelerator.device)).loss) for b in eval_batches
+        ) / len(eval_batches)
 
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(args.output_dir / "model", state_dict=accelerator.get_state_dict(model),
-                              is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    unwrapped.save_pretrained(
+        args.output_dir / "model",
+        state_dict=accelerator.get_state_dict(model),
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+    )
     result = {
         "engine_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__],
         "unwrapped": f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}",

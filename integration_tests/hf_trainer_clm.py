@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import transformers
-
 from tiny_clm import REPO_ROOT, byte_blocks, corpus, tiny_llama
 
 
@@ -34,22 +33,39 @@ def main() -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
     training_args = transformers.TrainingArguments(
-        output_dir=str(args.output_dir / "trainer"), deepspeed=str(REPO_ROOT / "configs" / "ds_megatrain_hf.json"),
-        per_device_train_batch_size=4, per_device_eval_batch_size=8, gradient_accumulation_steps=2,
-        num_train_epochs=1, learning_rate=args.learning_rate, weight_decay=0.1, adam_beta2=0.95,
-        warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no", eval_strategy="no",
-        report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(args.output_dir / "trainer"),
+        deepspeed=str(REPO_ROOT / "configs" / "ds_megatrain_hf.json"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        learning_rate=args.learning_rate,
+        weight_decay=0.1,
+        adam_beta2=0.95,
+        warmup_steps=2,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     transformers.set_seed(training_args.seed)
     model = tiny_llama(args.output_dir)
 
     text = corpus()
     train_dataset = byte_blocks(text, args.num_examples)
     eval_dataset = byte_blocks(text, 16, start=args.num_examples)
-    torch.save([torch.stack([e["input_ids"] for e in eval_dataset[i:i + 8]]) for i in (0, 8)],
-               args.output_dir / "eval_batches.pt")
+    torch.save(
+        [torch.stack([e["input_ids"] for e in eval_dataset[i : i + 8]]) for i in (0, 8)],
+        args.output_dir / "eval_batches.pt",
+    )
 
-    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=train_dataset,
-                                   eval_dataset=eval_dataset)
+    trainer = transformers.Trainer(
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset
+    )
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(str(args.output_dir / "model"))

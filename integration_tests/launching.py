@@ -13,9 +13,10 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -32,11 +33,17 @@ def free_port() -> int:
 
 def child_env(port: int, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "DS_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
-    })
+    env.update(
+        {
+            "DS_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     env.pop("MEGATRAIN_DISABLE_HOOK", None)
     env.update(extra)
     return env
@@ -66,13 +73,23 @@ class Run:
         port = free_port()
         command = [sys.executable, str(self.script), *self.args, "--output-dir", str(self.output_dir)]
         if self.accelerate:
-            command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(self.accelerate_config), "--main_process_port", str(port),
-                       "--num_processes", str(self.num_processes), *command[1:]]
+            command = [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(self.accelerate_config),
+                "--main_process_port",
+                str(port),
+                "--num_processes",
+                str(self.num_processes),
+                *command[1:],
+            ]
         # The Accelerate config names its DeepSpeed JSON relative to the repository root.
         with open(self.log_path, "w", encoding="utf-8") as log:
-            self._process = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(port, **self.env),
-                                             stdout=log, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(
+                command, cwd=REPO_ROOT, env=child_env(port, **self.env), stdout=log, stderr=subprocess.STDOUT
+            )
 
     def wait(self) -> None:
         assert self._process is not None
@@ -115,7 +132,7 @@ def eval_loss_of_saved_model(model_dir: Path, batches: Sequence[torch.Tensor]) -
     return sum(float(model(input_ids=batch, labels=batch).loss) for batch in batches) / len(batches)
 
 
-def assert_zero_lr_kept_weights(lr0_run: "Run", trained_run: "Run") -> None:
+def assert_zero_lr_kept_weights(lr0_run: Run, trained_run: Run) -> None:
     """The lr=0 run saved exactly its initial weights, bit for bit, while the trained run's
     weights moved (so the first check can fail)."""
     initial = load_weights(lr0_run.output_dir / "initial.safetensors")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, load_weights, run_side_by_side
 
 SCRIPT = Path(__file__).with_name("accelerate_clm.py")
@@ -24,11 +23,13 @@ DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("accelerate")
-    return run_side_by_side([
-        Run("megatrain", SCRIPT, root / "megatrain"),
-        Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"]),
-        Run("deepspeed", SCRIPT, root / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
-    ])
+    return run_side_by_side(
+        [
+            Run("megatrain", SCRIPT, root / "megatrain"),
+            Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"]),
+            Run("deepspeed", SCRIPT, root / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
+        ]
+    )
 
 
 def test_the_engine_is_megatrain_without_an_import(runs) -> None:

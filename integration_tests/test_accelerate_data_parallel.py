@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launching import Run
 
 SCRIPT = Path(__file__).with_name("accelerate_clm.py")
@@ -22,8 +21,10 @@ BATCH_RULE = "train_batch_size is not equal to micro_batch_per_gpu * gradient_ac
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Accelerate runs DeepSpeed data parallel on GPUs")
 def test_two_processes_stop_at_the_batch_rule_like_deepspeed(tmp_path: Path) -> None:
-    runs = [Run(name, SCRIPT, tmp_path / name, args=["--num-examples", "8"], num_processes=2, env=env)
-            for name, env in (("megatrain", {}), ("deepspeed", {"MEGATRAIN_DISABLE_HOOK": "1"}))]
+    runs = [
+        Run(name, SCRIPT, tmp_path / name, args=["--num-examples", "8"], num_processes=2, env=env)
+        for name, env in (("megatrain", {}), ("deepspeed", {"MEGATRAIN_DISABLE_HOOK": "1"}))
+    ]
     for run in runs:
         run.start()
     logs = {}

@@ -45,8 +45,12 @@ def test_shipped_configs_are_found() -> None:
     """Guards the parametrised tests below against a glob that silently matches nothing,
     and every file in configs/ against being parsed by none of them."""
     names = {p.name for p in ENGINE_CONFIGS}
-    assert {"ds_megatrain.json", "ds_megatrain_fp32.json", "ds_megatrain_hf.json",
-            "ds_megatrain_accelerate.json"} <= names
+    assert {
+        "ds_megatrain.json",
+        "ds_megatrain_fp32.json",
+        "ds_megatrain_hf.json",
+        "ds_megatrain_accelerate.json",
+    } <= names
     assert "tiny_llama.json" in {p.name for p in MODEL_CONFIGS}
     assert "accelerate_megatrain.yaml" in {p.name for p in ACCELERATE_CONFIGS}
     parsed = set(ENGINE_CONFIGS) | set(MODEL_CONFIGS) | set(ACCELERATE_CONFIGS)
@@ -55,14 +59,26 @@ def test_shipped_configs_are_found() -> None:
 
 def _filled_by_trainer(path: Path, tmp_path: Path) -> tuple[dict, transformers.TrainingArguments]:
     """The config as the HF Trainer hands it to deepspeed.initialize (no global state set)."""
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
-                                          gradient_accumulation_steps=2, learning_rate=5e-4,
-                                          weight_decay=0.1, warmup_steps=3, report_to=[])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=5e-4,
+        weight_decay=0.1,
+        warmup_steps=3,
+        report_to=[],
+    )
     config = HfTrainerDeepSpeedConfig(str(path))
     config.trainer_config_process(args)
-    config.trainer_config_finalize(args, transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2)), num_training_steps=100)
+    config.trainer_config_finalize(
+        args,
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+            )
+        ),
+        num_training_steps=100,
+    )
     return config.config, args
 
 
@@ -71,8 +87,9 @@ def _filled_by_accelerate(path: Path) -> dict:
     DataLoader, accumulation 2, no mixed precision)."""
     plugin = DeepSpeedPlugin(hf_ds_config=str(path), gradient_accumulation_steps=2)
     plugin.set_mixed_precision("no")
-    plugin.deepspeed_config_process(must_match=False, train_micro_batch_size_per_gpu=8,
-                                    train_batch_size=16, gradient_clipping=1.0)
+    plugin.deepspeed_config_process(
+        must_match=False, train_micro_batch_size_per_gpu=8, train_batch_size=16, gradient_clipping=1.0
+    )
     return plugin.deepspeed_config
 
 
@@ -98,8 +115,12 @@ def test_engine_config_parses(path: Path, tmp_path: Path) -> None:
 def test_hf_config_is_auto_throughout() -> None:
     """Every value the HF Trainer can fill is "auto", so no TrainingArguments mismatch it."""
     raw = _load(CONFIGS / "ds_megatrain_hf.json")
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
         assert raw[key] == "auto", key
     assert raw["bf16"]["enabled"] == raw["fp16"]["enabled"] == "auto"
     assert set(raw["optimizer"]["params"].values()) == {"auto"}

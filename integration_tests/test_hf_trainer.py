@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, run_side_by_side
 
 SCRIPT = Path(__file__).with_name("hf_trainer_clm.py")
@@ -25,10 +24,12 @@ NUM_STEPS = 12
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("hf_trainer")
-    return run_side_by_side([
-        Run("megatrain", SCRIPT, root / "megatrain", args=["--learning-rate", str(LR)], accelerate=False),
-        Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"], accelerate=False),
-    ])
+    return run_side_by_side(
+        [
+            Run("megatrain", SCRIPT, root / "megatrain", args=["--learning-rate", str(LR)], accelerate=False),
+            Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"], accelerate=False),
+        ]
+    )
 
 
 def test_the_engine_is_megatrain_without_an_import(runs) -> None:
@@ -59,8 +60,14 @@ def test_auto_scheduler_follows_deepspeeds_warmup_decay(runs) -> None:
     result = runs["megatrain"].result()
     assert result["scheduler"] == "WarmupDecayLR"
     reference_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
-    reference = WarmupDecayLR(reference_optimizer, total_num_steps=NUM_STEPS, warmup_min_lr=0,
-                              warmup_max_lr=LR, warmup_num_steps=2, warmup_type="linear")
+    reference = WarmupDecayLR(
+        reference_optimizer,
+        total_num_steps=NUM_STEPS,
+        warmup_min_lr=0,
+        warmup_max_lr=LR,
+        warmup_num_steps=2,
+        warmup_type="linear",
+    )
     expected = []
     for _ in range(NUM_STEPS):
         reference.step()

@@ -15,13 +15,25 @@ import sys
 import pytest
 import torch
 import transformers
-
 from launching import REPO_ROOT, Run, run_side_by_side
 
 SCRIPT = REPO_ROOT / "examples" / "train_clm.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ARGS = ["--steps", "30", "--seq-len", "64", "--eval-every", "15", "--eval-batches", "2",
-        "--batch-size", "8", "--seed", "0", "--no-progress"]
+ARGS = [
+    "--steps",
+    "30",
+    "--seq-len",
+    "64",
+    "--eval-every",
+    "15",
+    "--eval-batches",
+    "2",
+    "--batch-size",
+    "8",
+    "--seed",
+    "0",
+    "--no-progress",
+]
 
 
 def _load_script():

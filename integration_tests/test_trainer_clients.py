@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launching import REPO_ROOT, Run, load_weights, run_side_by_side
 from tiny_clm import tiny_llama_config
 
@@ -29,16 +28,21 @@ DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 def readme_minimal_config() -> dict:
     """The first JSON block of the README's quick start: the config it tells users to write."""
     text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    quick_start = text[text.index("## Quick start"):]
+    quick_start = text[text.index("## Quick start") :]
     return json.loads(quick_start.split("```json", 1)[1].split("```", 1)[0])
 
 
 MINIMAL = readme_minimal_config()
 # What the start-up hook gives the minimal config when Accelerate or the Trainer reads it
 # (README, docs/integration.md): DeepSpeed's own engine needs it spelled out.
-MINIMAL_SPELLED_OUT = {**MINIMAL, "zero_optimization": {"stage": 0}, "train_batch_size": "auto",
-                       "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                       "gradient_clipping": "auto"}
+MINIMAL_SPELLED_OUT = {
+    **MINIMAL,
+    "zero_optimization": {"stage": 0},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +59,25 @@ def clients(tmp_path_factory: pytest.TempPathFactory):
                     path = root / f"{name}_minimal.json"
                     path.write_text(json.dumps(content), encoding="utf-8")
                     config[name] = ["--deepspeed-config", str(path)]
-            done[client] = run_side_by_side([
-                Run("megatrain", SCRIPT, root / f"{client}_megatrain", accelerate=False,
-                    args=["--client", client, *config["megatrain"]]),
-                Run("deepspeed", SCRIPT, root / f"{client}_deepspeed", accelerate=False,
-                    args=["--client", client, *config["deepspeed"]], env={"MEGATRAIN_DISABLE_HOOK": "1"}),
-            ])
+            done[client] = run_side_by_side(
+                [
+                    Run(
+                        "megatrain",
+                        SCRIPT,
+                        root / f"{client}_megatrain",
+                        accelerate=False,
+                        args=["--client", client, *config["megatrain"]],
+                    ),
+                    Run(
+                        "deepspeed",
+                        SCRIPT,
+                        root / f"{client}_deepspeed",
+                        accelerate=False,
+                        args=["--client", client, *config["deepspeed"]],
+                        env={"MEGATRAIN_DISABLE_HOOK": "1"},
+                    ),
+                ]
+            )
         return done[client]
 
     return runs
@@ -144,8 +161,9 @@ def test_trainer_save_and_resume(clients) -> None:
     result = assert_same_training(runs, steps=6)
     reference = runs["deepspeed"].result()
     assert len(result["losses_after_resume"]) == 3
-    for a, b, c in zip(result["losses_after_resume"], reference["losses_after_resume"],
-                       result["uninterrupted_losses"][3:]):
+    for a, b, c in zip(
+        result["losses_after_resume"], reference["losses_after_resume"], result["uninterrupted_losses"][3:]
+    ):
         assert a == pytest.approx(b, rel=1e-5) and a == pytest.approx(c, rel=1e-5)
     # Resumed, not restarted: step 4's loss is not step 1's.
     assert result["losses_after_resume"][0] < result["uninterrupted_losses"][0] - 0.1
@@ -163,10 +181,12 @@ def test_minimal_json_under_accelerate_launch(tmp_path) -> None:
     yaml.write_text(shipped.replace("configs/ds_megatrain_accelerate.json", str(minimal)), encoding="utf-8")
     assert str(minimal) in yaml.read_text(encoding="utf-8")
     script = SCRIPT.with_name("accelerate_clm.py")
-    runs = run_side_by_side([
-        Run("megatrain", script, tmp_path / "megatrain", accelerate_config=yaml),
-        Run("deepspeed", script, tmp_path / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
-    ])
+    runs = run_side_by_side(
+        [
+            Run("megatrain", script, tmp_path / "megatrain", accelerate_config=yaml),
+            Run("deepspeed", script, tmp_path / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
+        ]
+    )
     ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
     assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
     assert len(ours["losses"]) == len(reference["losses"]) == 24

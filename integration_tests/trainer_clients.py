@@ -34,7 +34,6 @@ from typing import Any
 import safetensors.torch
 import torch
 import transformers
-
 from tiny_clm import REPO_ROOT, SEQ_LEN, byte_blocks, corpus, tiny_llama
 
 LR = 3e-3
@@ -57,63 +56,111 @@ def sft_examples(count: int) -> list[dict[str, list[int]]]:
     examples, start = [], 0
     for i in range(count):
         length = 12 + (i * 7) % (SEQ_LEN - 11)
-        examples.append({"input_ids": list(data[start:start + length])})
+        examples.append({"input_ids": list(data[start : start + length])})
         start += length
     return examples
 
 
 def common_args(output_dir: Path, config: Path, **overrides: Any) -> dict[str, Any]:
-    return dict(output_dir=str(output_dir / "trainer"), deepspeed=str(config), per_device_train_batch_size=4,
-                per_device_eval_batch_size=8, gradient_accumulation_steps=2, learning_rate=LR, weight_decay=0.1,
-                adam_beta2=0.95, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
-                eval_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
-                num_train_epochs=1) | overrides
+    return (
+        dict(
+            output_dir=str(output_dir / "trainer"),
+            deepspeed=str(config),
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=8,
+            gradient_accumulation_steps=2,
+            learning_rate=LR,
+            weight_decay=0.1,
+            adam_beta2=0.95,
+            warmup_steps=2,
+            max_grad_norm=1.0,
+            logging_steps=1,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            num_train_epochs=1,
+        )
+        | overrides
+    )
 
 
-def train_with_trainer(args: argparse.Namespace, model: torch.nn.Module, **overrides: Any
-                       ) -> tuple[transformers.Trainer, dict[str, Any]]:
+def train_with_trainer(
+    args: argparse.Namespace, model: torch.nn.Module, **overrides: Any
+) -> tuple[transformers.Trainer, dict[str, Any]]:
     text = corpus()
     training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config, **overrides))
-    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=byte_blocks(text, 48),
-                                   eval_dataset=byte_blocks(text, 16, start=48))
+    trainer = transformers.Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=byte_blocks(text, 48),
+        eval_dataset=byte_blocks(text, 16, start=48),
+    )
     trainer.train()
     return trainer, {"eval_loss": trainer.evaluate()["eval_loss"]}
 
 
-def train_with_sft(args: argparse.Namespace, model: torch.nn.Module, packing: bool
-                   ) -> tuple[transformers.Trainer, dict[str, Any]]:
+def train_with_sft(
+    args: argparse.Namespace, model: torch.nn.Module, packing: bool
+) -> tuple[transformers.Trainer, dict[str, Any]]:
     import datasets
     import trl
 
     # SFTConfig's own defaults (gradient checkpointing on, its scheduler, its bf16 on a GPU:
     # on the CPU, where TrainingArguments refuses bf16 without use_cpu, fp32 as on both sides
     # of the comparison); a learning rate that moves the weights, one process's batch.
-    sft_args = trl.SFTConfig(output_dir=str(args.output_dir / "trainer"), deepspeed=str(args.deepspeed_config),
-                             bf16=torch.cuda.is_available(),
-                             learning_rate=LR, per_device_train_batch_size=4, max_steps=6, logging_steps=1,
-                             report_to=[], seed=0, disable_tqdm=True, save_strategy="no", packing=packing,
-                             max_length=3 * SEQ_LEN if packing else SEQ_LEN)
+    sft_args = trl.SFTConfig(
+        output_dir=str(args.output_dir / "trainer"),
+        deepspeed=str(args.deepspeed_config),
+        bf16=torch.cuda.is_available(),
+        learning_rate=LR,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        packing=packing,
+        max_length=3 * SEQ_LEN if packing else SEQ_LEN,
+    )
     examples = sft_examples(64)
-    trainer = trl.SFTTrainer(model=model, args=sft_args, processing_class=byte_tokenizer(),
-                             train_dataset=datasets.Dataset.from_list(examples[:48]),
-                             eval_dataset=datasets.Dataset.from_list(examples[48:]))
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=sft_args,
+        processing_class=byte_tokenizer(),
+        train_dataset=datasets.Dataset.from_list(examples[:48]),
+        eval_dataset=datasets.Dataset.from_list(examples[48:]),
+    )
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.train()
-    return trainer, {"eval_loss": trainer.evaluate()["eval_loss"], "bf16": sft_args.bf16,
-                     "gradient_checkpointing": sft_args.gradient_checkpointing,
-                     "first_batch": {k: list(v.shape) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-                                     if k in ("input_ids", "position_ids", "attention_mask", "max_length_q")}}
+    return trainer, {
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "bf16": sft_args.bf16,
+        "gradient_checkpointing": sft_args.gradient_checkpointing,
+        "first_batch": {
+            k: list(v.shape) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+            if k in ("input_ids", "position_ids", "attention_mask", "max_length_q")
+        },
+    }
 
 
 def train_with_lora(args: argparse.Namespace, model: torch.nn.Module) -> tuple[transformers.Trainer, dict[str, Any]]:
     import peft
 
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                           task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
     model = peft.get_peft_model(model, lora)
     trainer, extra = train_with_trainer(args, model)
-    base = {name.removeprefix("base_model.model.").replace(".base_layer", ""): value.detach().clone().contiguous()
-            for name, value in trainer.model.named_parameters() if not value.requires_grad}
+    base = {
+        name.removeprefix("base_model.model.").replace(".base_layer", ""): value.detach().clone().contiguous()
+        for name, value in trainer.model.named_parameters()
+        if not value.requires_grad
+    }
     safetensors.torch.save_file(base, args.output_dir / "base_after.safetensors")
     return trainer, extra | {"trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
 
@@ -126,13 +173,20 @@ def train_and_resume(args: argparse.Namespace, model: torch.nn.Module) -> tuple[
     (args.output_dir / "fresh").mkdir()
     fresh = tiny_llama(args.output_dir / "fresh")
     training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config, **overrides))
-    resumed = transformers.Trainer(model=fresh, args=training_args, train_dataset=byte_blocks(corpus(), 48),
-                                   eval_dataset=byte_blocks(corpus(), 16, start=48))
+    resumed = transformers.Trainer(
+        model=fresh,
+        args=training_args,
+        train_dataset=byte_blocks(corpus(), 48),
+        eval_dataset=byte_blocks(corpus(), 16, start=48),
+    )
     resumed.train(resume_from_checkpoint=str(args.output_dir / "trainer" / "checkpoint-3"))
     after_resume = [entry["loss"] for entry in resumed.state.log_history if "loss" in entry and entry["step"] > 3]
-    return resumed, {"eval_loss": resumed.evaluate()["eval_loss"], "uninterrupted_losses": uninterrupted,
-                     "losses_after_resume": after_resume,
-                     "checkpoint_files": sorted(p.name for p in (args.output_dir / "trainer" / "checkpoint-3").iterdir())}
+    return resumed, {
+        "eval_loss": resumed.evaluate()["eval_loss"],
+        "uninterrupted_losses": uninterrupted,
+        "losses_after_resume": after_resume,
+        "checkpoint_files": sorted(p.name for p in (args.output_dir / "trainer" / "checkpoint-3").iterdir()),
+    }
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ package; importing it installs the routing too (see :mod:`megatrain_ds.integrati
 """
 
 import _megatrain_ds_hook
-
 from megatrain_ds.config import ConfigError, EngineConfig, MegatrainOptions, parse_engine_config
 from megatrain_ds.engine import MegatrainEngine, NonFiniteGradientError
 from megatrain_ds.integration.initialize import initialize

@@ -23,9 +23,10 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,11 +55,17 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     block_ids = {id(p) for block in blocks for p in block.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
-    return ModelShape(num_blocks=len(blocks), block_params=max(block_sizes),
-                      total_block_params=sum(block_sizes), resident_params=resident,
-                      **{**sizes_from_config(getattr(model, "config", None)),
-                         # the blocks' own MLP width (one expert's, for stacked experts)
-                         "intermediate": max(ffn_width(block) for block in blocks)})
+    return ModelShape(
+        num_blocks=len(blocks),
+        block_params=max(block_sizes),
+        total_block_params=sum(block_sizes),
+        resident_params=resident,
+        **{
+            **sizes_from_config(getattr(model, "config", None)),
+            # the blocks' own MLP width (one expert's, for stacked experts)
+            "intermediate": max(ffn_width(block) for block in blocks),
+        },
+    )
 
 
 def load_meta_model(source: str) -> torch.nn.Module:
@@ -71,7 +78,7 @@ def load_meta_model(source: str) -> torch.nn.Module:
     elif path.is_file():
         data = json.loads(path.read_text())
         if "model_type" not in data:
-            raise ValueError(f"{source}: a config JSON needs a model_type key (e.g. \"llama\")")
+            raise ValueError(f'{source}: a config JSON needs a model_type key (e.g. "llama")')
         config = transformers.AutoConfig.for_model(**data)
     else:
         raise ValueError(f"--model {source!r} is neither a model directory nor a config JSON file")
@@ -120,8 +127,14 @@ _HEAD_COLUMNS = 8192
 """The lm_head's matmul is timed on this many vocabulary rows (the rate is flat beyond)."""
 
 
-def cpu_profile(config: Any, block_path: str, settings: RunSettings, recalibrate: bool = False,
-                cache: Path | None = None, seconds: float = 0.3) -> Hardware:
+def cpu_profile(
+    config: Any,
+    block_path: str,
+    settings: RunSettings,
+    recalibrate: bool = False,
+    cache: Path | None = None,
+    seconds: float = 0.3,
+) -> Hardware:
     """This machine as the device for ``config``'s model at ``settings``' tokens, measured
     once and cached per machine, model shape and tokens (``--recalibrate`` measures again).
     ``block_path`` names the model's block list (``block_discovery.find_blocks``).
@@ -144,45 +157,86 @@ def cpu_profile(config: Any, block_path: str, settings: RunSettings, recalibrate
     tokens = min(settings.tokens_per_pass, CPU_PROFILE_MAX_TOKENS)
     seq_len = min(settings.seq_len, tokens)
     dtype = torch.bfloat16 if settings.bf16 else torch.float32
-    key = "|".join([socket.gethostname(), platform.processor() or platform.machine(), str(os.cpu_count()),
-                    str(torch.get_num_threads()), torch.__version__, str(dtype), f"{seq_len}x{tokens // seq_len}",
-                    json.dumps(_shape_signature(config), sort_keys=True)])
+    key = "|".join(
+        [
+            socket.gethostname(),
+            platform.processor() or platform.machine(),
+            str(os.cpu_count()),
+            str(torch.get_num_threads()),
+            torch.__version__,
+            str(dtype),
+            f"{seq_len}x{tokens // seq_len}",
+            json.dumps(_shape_signature(config), sort_keys=True),
+        ]
+    )
     figures = cached_measurement(
-        path, key, lambda: _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds), recalibrate)
-    return Hardware("cpu", figures["flops"], figures["copy_bytes_per_s"], figures["copy_bytes_per_s"],
-                    2 * figures["copy_bytes_per_s"], physical_memory(), shares_host_memory=True,
-                    block_efficiency=figures["block_efficiency"], adam_bytes_per_s=figures["adam_bytes_per_s"],
-                    head_flops=figures["head_flops"])
+        path, key, lambda: _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds), recalibrate
+    )
+    return Hardware(
+        "cpu",
+        figures["flops"],
+        figures["copy_bytes_per_s"],
+        figures["copy_bytes_per_s"],
+        2 * figures["copy_bytes_per_s"],
+        physical_memory(),
+        shares_host_memory=True,
+        block_efficiency=figures["block_efficiency"],
+        adam_bytes_per_s=figures["adam_bytes_per_s"],
+        head_flops=figures["head_flops"],
+    )
 
 
 def _shape_signature(config: Any) -> dict[str, Any]:
-    keep = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "vocab_size", "n_embd", "n_head", "n_inner", "tie_word_embeddings")
+    keep = (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "n_embd",
+        "n_head",
+        "n_inner",
+        "tie_word_embeddings",
+    )
     return {k: getattr(config, k) for k in keep if isinstance(getattr(config, k, None), (int, str, bool))}
 
 
-def _measure_profile(config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype,
-                     seconds: float) -> dict:
+def _copy_bytes_per_s(seconds: float) -> float:
+    """Host memory copy bandwidth over a 256 MiB buffer (freed on return)."""
+    source = torch.empty(64 << 20)
+    target = torch.empty_like(source)
+    return source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
+
+
+def _measure_profile(
+    config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype, seconds: float
+) -> dict:
     from megatrain_ds.optimizer.adamw_math import AdamHyper
     from megatrain_ds.optimizer.cpu_adam import make_cpu_kernel
 
     tokens = seq_len * micro_batch
     block, model = _one_block_model(config, block_path, dtype)
     weight_shapes = [tuple(p.shape) for p in block.parameters() if p.dim() == 2]
-    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd"))
+    hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
     vocab = int(config.vocab_size)
     head = (min(vocab, _HEAD_COLUMNS), hidden)
 
     def matmul_seconds(rows: int, cols: int) -> float:
         """Forward, input-gradient and weight-gradient matmuls of a [rows, cols] weight."""
-        x, weight, dy = (torch.randn(tokens, cols, dtype=dtype), torch.randn(rows, cols, dtype=dtype),
-                         torch.randn(tokens, rows, dtype=dtype))
+        x, weight, dy = (
+            torch.randn(tokens, cols, dtype=dtype),
+            torch.randn(rows, cols, dtype=dtype),
+            torch.randn(tokens, rows, dtype=dtype),
+        )
         with torch.no_grad():
             return _best_seconds(lambda: (x @ weight.t(), dy @ weight, dy.t() @ x), seconds / 4)
 
     distinct = {shape: weight_shapes.count(shape) for shape in weight_shapes}
-    matmul_flops = (sum(count * 6 * tokens * rows * cols for (rows, cols), count in distinct.items())
-                    / sum(count * matmul_seconds(rows, cols) for (rows, cols), count in distinct.items()))
+    matmul_flops = sum(count * 6 * tokens * rows * cols for (rows, cols), count in distinct.items()) / sum(
+        count * matmul_seconds(rows, cols) for (rows, cols), count in distinct.items()
+    )
     head_flops = 6 * tokens * head[0] * head[1] / matmul_seconds(*head)
     block_params = sum(p.numel() for p in block.parameters())
     ids = torch.randint(0, _PROFILE_VOCAB, (micro_batch, seq_len))
@@ -196,18 +250,22 @@ def _measure_profile(config: Any, block_path: str, seq_len: int, micro_batch: in
         model.zero_grad(set_to_none=True)
 
     block_seconds = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
-    del model, block
-    source = torch.empty(64 << 20)
-    target = torch.empty_like(source)
-    copy_rate = source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
-    del source, target
+    del block  # the model's memory goes with the closures when this function returns
+    copy_rate = _copy_bytes_per_s(seconds)
     kernel, hyper = make_cpu_kernel("auto"), AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True)
     p, g, m, v = (torch.rand(_ADAM_ELEMENTS) for _ in range(4))
     adam = 28 * _ADAM_ELEMENTS / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
-    return {"flops": matmul_flops, "head_flops": head_flops,
-            "block_efficiency": 8 * block_params * tokens / matmul_flops / block_seconds,
-            "copy_bytes_per_s": copy_rate, "adam_bytes_per_s": adam, "block_seconds": block_seconds,
-            "tokens": tokens, "load_average": os.getloadavg()[0], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "flops": matmul_flops,
+        "head_flops": head_flops,
+        "block_efficiency": 8 * block_params * tokens / matmul_flops / block_seconds,
+        "copy_bytes_per_s": copy_rate,
+        "adam_bytes_per_s": adam,
+        "block_seconds": block_seconds,
+        "tokens": tokens,
+        "load_average": os.getloadavg()[0],
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def _one_block_model(config: Any, block_path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -236,8 +294,10 @@ def _format_bytes(value: float) -> str:
 
 
 def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
-    print(f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
-          f"tokens per weight pass: {settings.tokens_per_pass}")
+    print(
+        f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
+        f"tokens per weight pass: {settings.tokens_per_pass}"
+    )
     print("host memory:")
     for kind, value in result.host_bytes.items():
         print(f"  {kind:18s} {_format_bytes(value)}")
@@ -247,42 +307,60 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
         print(f"  {kind:18s} {_format_bytes(value)}")
     print(f"  {'total':18s} {_format_bytes(result.gpu_bytes_total)}")
     if hardware.shares_host_memory:
-        print(f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
-              f"({result.predicted_peak_host_bytes / result.params:.2f} bytes/param)")
-        print(f"measured: matmul {hardware.flops / 1e9:.0f} GFLOP/s at the blocks' shapes "
-              f"({hardware.head_flops / 1e9:.0f} at the head's), a block at "
-              f"{hardware.block_efficiency:.0%} of it, memory copy {hardware.host_memory_bytes_per_s / 2e9:.1f} GB/s, "
-              f"AdamW {hardware.adam_bytes_per_s / 1e9:.1f} GB/s")
+        print(
+            f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
+            f"({result.predicted_peak_host_bytes / result.params:.2f} bytes/param)"
+        )
+        print(
+            f"measured: matmul {hardware.flops / 1e9:.0f} GFLOP/s at the blocks' shapes "
+            f"({hardware.head_flops / 1e9:.0f} at the head's), a block at "
+            f"{hardware.block_efficiency:.0%} of it, memory copy {hardware.host_memory_bytes_per_s / 2e9:.1f} GB/s, "
+            f"AdamW {hardware.adam_bytes_per_s / 1e9:.1f} GB/s"
+        )
         print("step (one set of cores does each part in turn):")
     else:
         print(f"tokens per weight pass to hide transfers: {result.min_tokens_to_hide_transfer}")
     for bound, seconds in result.step_seconds_by_bound.items():
         print(f"  {bound:18s} {seconds:8.3f} s/step")
-    print(f"predicted step: {result.predicted_step_seconds:.3f} s, "
-          f"{result.predicted_tokens_per_second:,.0f} tokens/s")
+    print(f"predicted step: {result.predicted_step_seconds:.3f} s, {result.predicted_tokens_per_second:,.0f} tokens/s")
     print("recompute (host memory for stashed activations vs. recomputing blocks in backward):")
     for name, policy in result.recompute.items():
-        print(f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
-              f"stash  predicted step {policy['predicted_step_seconds']:.4g} s")
+        print(
+            f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
+            f"stash  predicted step {policy['predicted_step_seconds']:.4g} s"
+        )
     fragments = result.fragments
     chosen = int(fragments["chosen"]["fragment_bytes"])
     best = int(fragments["fragments"]["fragment_bytes"])
-    print(f"fragmented weight streaming (\"fragment_bytes\": \"auto\" chooses "
-          f"{f'{chosen:,} bytes' if chosen else 'whole blocks'}):")
-    print(f"  whole blocks      predicted step {fragments['whole']['predicted_step_seconds']:.4g} s"
-          + (f"  (of which {result.weight_fill_seconds:.3g} s waiting for the weight pipeline's ends)"
-             if not hardware.shares_host_memory else "  (nothing is copied: the device is the host)"))
-    print(f"  {f'{best:,} bytes' if best else 'fragments':17s} predicted step "
-          f"{fragments['fragments']['predicted_step_seconds']:.4g} s"
-          + ("" if best or hardware.shares_host_memory else "  (a block is too small to cut)"))
+    print(
+        f'fragmented weight streaming ("fragment_bytes": "auto" chooses '
+        f"{f'{chosen:,} bytes' if chosen else 'whole blocks'}):"
+    )
+    print(
+        f"  whole blocks      predicted step {fragments['whole']['predicted_step_seconds']:.4g} s"
+        + (
+            f"  (of which {result.weight_fill_seconds:.3g} s waiting for the weight pipeline's ends)"
+            if not hardware.shares_host_memory
+            else "  (nothing is copied: the device is the host)"
+        )
+    )
+    print(
+        f"  {f'{best:,} bytes' if best else 'fragments':17s} predicted step "
+        f"{fragments['fragments']['predicted_step_seconds']:.4g} s"
+        + ("" if best or hardware.shares_host_memory else "  (a block is too small to cut)")
+    )
     if settings.nvme:
         weights = " (and the weights read in every forward and backward)" if settings.nvme_weights else ""
-        print(f"NVMe tier: {_format_bytes(result.disk_bytes)} of swap files, read and written once per optimizer "
-              f"step{weights}; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "
-              f"{hardware.disk_write_bytes_per_s / 1e9:.2f} GB/s write")
+        print(
+            f"NVMe tier: {_format_bytes(result.disk_bytes)} of swap files, read and written once per optimizer "
+            f"step{weights}; disk {hardware.disk_read_bytes_per_s / 1e9:.2f} GB/s read, "
+            f"{hardware.disk_write_bytes_per_s / 1e9:.2f} GB/s write"
+        )
         if result.recommended.get("bottleneck") == "disk":
-            print(f"the disk is the bottleneck: {result.recommended['gradient_accumulation_steps']} micro-batches "
-                  "per optimizer step would spread its traffic enough to hide it")
+            print(
+                f"the disk is the bottleneck: {result.recommended['gradient_accumulation_steps']} micro-batches "
+                "per optimizer step would spread its traffic enough to hide it"
+            )
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
     print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
     print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
@@ -295,8 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = commands.add_parser("plan", help="memory and speed of a run, before running it")
     p.add_argument("--model", required=True, help="Hugging Face model directory or config JSON")
     p.add_argument("--gpu", required=True, choices=[*GPU_HARDWARE, "cpu"])
-    p.add_argument("--host-memory", type=parse_size, default=None,
-                   help="host memory, e.g. 1536GB (default: this machine's)")
+    p.add_argument(
+        "--host-memory", type=parse_size, default=None, help="host memory, e.g. 1536GB (default: this machine's)"
+    )
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -305,24 +384,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--checkpoint-interval", type=int, default=1)
     p.add_argument("--keep-checkpoints-on-device", action="store_true")
     p.add_argument("--block-path", default=None)
-    p.add_argument("--recalibrate", action="store_true",
-                   help="with --gpu cpu: measure this machine again instead of using the cached profile")
-    p.add_argument("--nvme", metavar="PATH", default=None,
-                   help="the blocks' Adam m and v (and fp32 masters with bf16) on the NVMe tier, swap files "
-                        "under PATH (its disk is measured)")
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --gpu cpu: measure this machine again instead of using the cached profile",
+    )
+    p.add_argument(
+        "--nvme",
+        metavar="PATH",
+        default=None,
+        help="the blocks' Adam m and v (and fp32 masters with bf16) on the NVMe tier, swap files "
+        "under PATH (its disk is measured)",
+    )
     p.add_argument("--nvme-window-blocks", type=int, default=4)
-    p.add_argument("--nvme-weights", action="store_true",
-                   help='with --nvme: the blocks\' weights on the tier too ("nvme_offload": "all")')
+    p.add_argument(
+        "--nvme-weights",
+        action="store_true",
+        help='with --nvme: the blocks\' weights on the tier too ("nvme_offload": "all")',
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
     host_memory = args.host_memory or physical_memory()
     settings = RunSettings(
-        seq_len=args.seq_len, micro_batch=args.micro_batch,
-        accumulation=args.gradient_accumulation_steps, bf16=not (args.fp32 or args.gpu == "cpu"),
-        clipping=not args.no_clipping, checkpoint_interval=args.checkpoint_interval,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        accumulation=args.gradient_accumulation_steps,
+        bf16=not (args.fp32 or args.gpu == "cpu"),
+        clipping=not args.no_clipping,
+        checkpoint_interval=args.checkpoint_interval,
         offload_checkpoints=not args.keep_checkpoints_on_device,
-        nvme=args.nvme is not None, nvme_window_blocks=args.nvme_window_blocks, nvme_weights=args.nvme_weights,
+        nvme=args.nvme is not None,
+        nvme_window_blocks=args.nvme_window_blocks,
+        nvme_weights=args.nvme_weights,
     )
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -22,13 +23,25 @@ ENGINE_NAME = "megatrain"
 
 # DeepSpeed keys this engine reads; everything else at the top level is ignored with a warning.
 _KNOWN_TOP_LEVEL = {
-    "engine", "megatrain", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
-    "train_micro_batch_size_per_gpu", "train_batch_size", "optimizer",
+    "engine",
+    "megatrain",
+    "bf16",
+    "fp16",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "optimizer",
     # DeepSpeed semantics added for Accelerate and the HF Trainer (see README):
-    "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_optimization", "bfloat16",
+    "scheduler",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_optimization",
+    "bfloat16",
     # Accelerate and the HF Trainer add these to every config they prepare; they concern
     # which client optimizers DeepSpeed lets through (this engine checks the class itself).
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
     # ZeRO-Infinity's async I/O settings, read for the NVMe tier (AioSettings).
     "aio",
 }
@@ -36,11 +49,14 @@ _OPTIMIZER_TYPES = ("adamw", "adam")
 
 AUTO = "auto"
 """The placeholder Accelerate and the HF Trainer fill in before calling ``deepspeed.initialize``."""
-_AUTO_HELP = ('"auto" values are filled in by the HF Trainer (from TrainingArguments) or by '
-              "Accelerate before they call deepspeed.initialize; this one was not: give a value")
+_AUTO_HELP = (
+    '"auto" values are filled in by the HF Trainer (from TrainingArguments) or by '
+    "Accelerate before they call deepspeed.initialize; this one was not: give a value"
+)
 
 # DeepSpeed's defaults for keys it reads (deepspeed/runtime/constants.py, DeepSpeed 0.19).
 GRADIENT_CLIPPING_DEFAULT = 1.0
+
 
 def _reject_auto(block: Mapping[str, Any], prefix: str) -> None:
     for key, value in block.items():
@@ -114,8 +130,10 @@ def _zero_optimization(block: Any) -> _ZeroOffload:
             nvme["nvme_offload"] = "all" if nvme.get("nvme_offload") == "all" else level
     if nvme.get("nvme_offload") and "nvme_path" not in nvme:
         device = "offload_param" if nvme["nvme_offload"] == "all" else "offload_optimizer"
-        raise ConfigError(f'zero_optimization.{device}.device is "nvme" but no nvme_path is given: '
-                          'add "nvme_path": "/local_nvme/..." (a directory on a local disk)')
+        raise ConfigError(
+            f'zero_optimization.{device}.device is "nvme" but no nvme_path is given: '
+            'add "nvme_path": "/local_nvme/..." (a directory on a local disk)'
+        )
     return _ZeroOffload(pin_memory=(any(pins) if pins else None), nvme=nvme, ignored=tuple(ignored))
 
 
@@ -139,7 +157,7 @@ class AioSettings:
     """Overlap submission and completion (the op only)."""
 
     @classmethod
-    def from_dict(cls, block: Any, name: str) -> "AioSettings":
+    def from_dict(cls, block: Any, name: str) -> AioSettings:
         if isinstance(block, AioSettings):
             return block
         if not isinstance(block, Mapping):
@@ -151,8 +169,10 @@ class AioSettings:
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - valid)
         if unknown:
-            raise ConfigError(f"unknown key(s) in {name}: {', '.join(unknown)}; valid keys: "
-                              f"{', '.join(sorted(valid | {'intra_op_parallelism'}))}")
+            raise ConfigError(
+                f"unknown key(s) in {name}: {', '.join(unknown)}; valid keys: "
+                f"{', '.join(sorted(valid | {'intra_op_parallelism'}))}"
+            )
         settings = cls(**values)
         if settings.engine not in ("auto", "aio", "threads"):
             raise ConfigError(f'{name}.engine must be one of "auto", "aio", "threads"; got {settings.engine!r}')
@@ -161,8 +181,9 @@ class AioSettings:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}.{key} must be an integer >= 1, got {value!r}")
         if settings.block_size % 4096:
-            raise ConfigError(f"{name}.block_size must be a multiple of 4096 bytes (O_DIRECT), "
-                              f"got {settings.block_size}")
+            raise ConfigError(
+                f"{name}.block_size must be a multiple of 4096 bytes (O_DIRECT), got {settings.block_size}"
+            )
         for key in ("single_submit", "overlap_events"):
             if not isinstance(getattr(settings, key), bool):
                 raise ConfigError(f"{name}.{key} must be true or false, got {getattr(settings, key)!r}")
@@ -295,49 +316,69 @@ class MegatrainOptions:
 
     def __post_init__(self) -> None:
         if self.block_path is not None and not isinstance(self.block_path, str):
-            raise ConfigError(f'megatrain.block_path must be a string, got {self.block_path!r}')
+            raise ConfigError(f"megatrain.block_path must be a string, got {self.block_path!r}")
         if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
             raise ConfigError(f"megatrain.load_from must be a directory path, got {self.load_from!r}")
         if self.trace is not None and not (isinstance(self.trace, (str, os.PathLike)) and str(self.trace)):
             raise ConfigError(f"megatrain.trace must be a file path (a .json), got {self.trace!r}")
         if not isinstance(self.trace_steps, int) or isinstance(self.trace_steps, bool) or self.trace_steps < 1:
             raise ConfigError(f"megatrain.trace_steps must be an integer >= 1, got {self.trace_steps!r}")
-        for name, choices in (("optimizer_device", ("auto", "cpu", "gpu")),
-                              ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
-                              ("non_finite_steps", ("auto", "skip", "raise"))):
+        for name, choices in (
+            ("optimizer_device", ("auto", "cpu", "gpu")),
+            ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
+            ("non_finite_steps", ("auto", "skip", "raise")),
+        ):
             if getattr(self, name) not in choices:
-                raise ConfigError(f"megatrain.{name} must be one of {', '.join(map(repr, choices))}; "
-                                  f"got {getattr(self, name)!r}")
-        if self.speculative_blocks != "auto" and (not isinstance(self.speculative_blocks, int)
-                                                  or isinstance(self.speculative_blocks, bool)
-                                                  or self.speculative_blocks < 0):
-            raise ConfigError(f'megatrain.speculative_blocks must be "auto" or an integer >= 0, '
-                              f"got {self.speculative_blocks!r}")
-        if self.recompute not in RECOMPUTE_CHOICES and (not isinstance(self.recompute, int)
-                                                        or isinstance(self.recompute, bool) or self.recompute < 0):
-            raise ConfigError('megatrain.recompute must be "full" (recompute every block), "none" (stash '
-                              'every block\'s activations in host memory), "auto" (the planner chooses) or an '
-                              f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}")
+                raise ConfigError(
+                    f"megatrain.{name} must be one of {', '.join(map(repr, choices))}; got {getattr(self, name)!r}"
+                )
+        if self.speculative_blocks != "auto" and (
+            not isinstance(self.speculative_blocks, int)
+            or isinstance(self.speculative_blocks, bool)
+            or self.speculative_blocks < 0
+        ):
+            raise ConfigError(
+                f'megatrain.speculative_blocks must be "auto" or an integer >= 0, got {self.speculative_blocks!r}'
+            )
+        if self.recompute not in RECOMPUTE_CHOICES and (
+            not isinstance(self.recompute, int) or isinstance(self.recompute, bool) or self.recompute < 0
+        ):
+            raise ConfigError(
+                'megatrain.recompute must be "full" (recompute every block), "none" (stash '
+                'every block\'s activations in host memory), "auto" (the planner chooses) or an '
+                f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}"
+            )
         if self.fragment_bytes not in ("auto", None, 0) and (
-                not isinstance(self.fragment_bytes, int) or isinstance(self.fragment_bytes, bool)
-                or self.fragment_bytes < 4096):
-            raise ConfigError('megatrain.fragment_bytes must be "auto" (the planner decides), a number of bytes '
-                              ">= 4096 (a piece of a block's weights per copy), or null or 0 for whole blocks; "
-                              f"got {self.fragment_bytes!r}")
+            not isinstance(self.fragment_bytes, int)
+            or isinstance(self.fragment_bytes, bool)
+            or self.fragment_bytes < 4096
+        ):
+            raise ConfigError(
+                'megatrain.fragment_bytes must be "auto" (the planner decides), a number of bytes '
+                ">= 4096 (a piece of a block's weights per copy), or null or 0 for whole blocks; "
+                f"got {self.fragment_bytes!r}"
+            )
         for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
             value = getattr(self, name)
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ConfigError(f'megatrain.{name} must be "auto", 0 (off) or a number of tokens >= 1, '
-                                  f"got {value!r}")
-        for name, minimum in (("checkpoint_interval", 1), ("num_buffers", 2), ("num_staging_buffers", 1),
-                              ("max_consecutive_skips", 0)):
+                raise ConfigError(f'megatrain.{name} must be "auto", 0 (off) or a number of tokens >= 1, got {value!r}')
+        for name, minimum in (
+            ("checkpoint_interval", 1),
+            ("num_buffers", 2),
+            ("num_staging_buffers", 1),
+            ("max_consecutive_skips", 0),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ConfigError(f"megatrain.{name} must be an integer >= {minimum}, got {value!r}")
-        if (not isinstance(self.collective_timeout_s, (int, float)) or isinstance(self.collective_timeout_s, bool)
-                or not self.collective_timeout_s > 0):
-            raise ConfigError(f"megatrain.collective_timeout_s must be a number of seconds > 0, "
-                              f"got {self.collective_timeout_s!r}")
+        if (
+            not isinstance(self.collective_timeout_s, (int, float))
+            or isinstance(self.collective_timeout_s, bool)
+            or not self.collective_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"megatrain.collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}"
+            )
         if self.master_dtype not in ("fp32", "bf16"):
             raise ConfigError(f'megatrain.master_dtype must be one of "fp32", "bf16"; got {self.master_dtype!r}')
         for name in ("pin_memory", "offload_checkpoints", "preflight"):
@@ -345,27 +386,36 @@ class MegatrainOptions:
                 raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
         self.nvme_aio = AioSettings.from_dict(self.nvme_aio, "megatrain.nvme_aio")
         if self.nvme_offload not in NVME_OFFLOAD_LEVELS + ("auto",):
-            raise ConfigError(f'megatrain.nvme_offload must be one of "none", "optimizer", "all", "auto"; '
-                              f"got {self.nvme_offload!r}")
+            raise ConfigError(
+                f'megatrain.nvme_offload must be one of "none", "optimizer", "all", "auto"; got {self.nvme_offload!r}'
+            )
         if self.nvme_offload != "none" and not (isinstance(self.nvme_path, (str, os.PathLike)) and str(self.nvme_path)):
-            raise ConfigError(f'megatrain.nvme_offload is {self.nvme_offload!r} but megatrain.nvme_path is '
-                              f"{self.nvme_path!r}: give a directory on a local disk for the swap files")
-        if (not isinstance(self.nvme_window_blocks, int) or isinstance(self.nvme_window_blocks, bool)
-                or self.nvme_window_blocks < 2):
+            raise ConfigError(
+                f"megatrain.nvme_offload is {self.nvme_offload!r} but megatrain.nvme_path is "
+                f"{self.nvme_path!r}: give a directory on a local disk for the swap files"
+            )
+        if (
+            not isinstance(self.nvme_window_blocks, int)
+            or isinstance(self.nvme_window_blocks, bool)
+            or self.nvme_window_blocks < 2
+        ):
             raise ConfigError(f"megatrain.nvme_window_blocks must be an integer >= 2, got {self.nvme_window_blocks!r}")
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any]) -> "MegatrainOptions":
+    def from_dict(cls, block: Mapping[str, Any]) -> MegatrainOptions:
         if not isinstance(block, Mapping):
             raise ConfigError(f'"megatrain" must be a JSON object, got {block!r}')
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(block) - valid)
         if unknown:
             raise ConfigError(
-                f"unknown key(s) in megatrain config: {', '.join(unknown)}; "
-                f"valid keys: {', '.join(sorted(valid))}"
+                f"unknown key(s) in megatrain config: {', '.join(unknown)}; valid keys: {', '.join(sorted(valid))}"
             )
         return cls(**block)
+
+
+_ACCEPTED_ADAM_FLAGS = {"adam_w_mode", "torch_adam", "bias_correction", "amsgrad", "fp32_optimizer_states", "foreach"}
+"""optimizer.params keys read as flags (or ignored) besides the hyperparameters."""
 
 
 @dataclass(kw_only=True)
@@ -385,17 +435,17 @@ class OptimizerSpec:
     """AdamW-style decoupled weight decay (``adam_w_mode``); False is Adam with L2."""
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any]) -> "OptimizerSpec":
+    def from_dict(cls, block: Mapping[str, Any]) -> OptimizerSpec:
         kind = str(block.get("type", "")).lower()
         if kind not in _OPTIMIZER_TYPES:
-            raise ConfigError(
-                f'optimizer.type {block.get("type")!r} is not supported; valid: "AdamW", "Adam"'
-            )
+            raise ConfigError(f'optimizer.type {block.get("type")!r} is not supported; valid: "AdamW", "Adam"')
         params = dict(block.get("params", {}))
         _reject_auto(params, "optimizer.params")
         if "max_grad_norm" in params:  # DeepSpeed's own message
-            raise ConfigError("'max_grad_norm' is not supported as an optimizer parameter, please switch "
-                              "to using the deepspeed parameter 'gradient_clipping'")
+            raise ConfigError(
+                "'max_grad_norm' is not supported as an optimizer parameter, please switch "
+                "to using the deepspeed parameter 'gradient_clipping'"
+            )
         adam_w_mode = bool(params.pop("adam_w_mode", True))
         decoupled = kind == "adamw" or adam_w_mode  # DeepSpeed: "AdamW" forces AdamW
         torch_adam = bool(params.pop("torch_adam", False))  # the host step is always the engine's own
@@ -409,7 +459,7 @@ class OptimizerSpec:
         if unknown:
             raise ConfigError(
                 f"unknown optimizer.params key(s): {', '.join(unknown)}; valid: "
-                f"{', '.join(sorted(allowed | {'adam_w_mode', 'torch_adam', 'bias_correction', 'amsgrad', 'fp32_optimizer_states', 'foreach'}))}"
+                f"{', '.join(sorted(allowed | _ACCEPTED_ADAM_FLAGS))}"
             )
         default_wd = 0.01 if torch_adam and decoupled else 0.0
         spec = cls(
@@ -435,7 +485,7 @@ class SchedulerSpec:
     """Keyword arguments of that class."""
 
     @classmethod
-    def from_dict(cls, block: Any) -> "SchedulerSpec":
+    def from_dict(cls, block: Any) -> SchedulerSpec:
         if not isinstance(block, Mapping):
             raise ConfigError(f'"scheduler" must be a JSON object, got {block!r}')
         kind = block.get("type")
@@ -488,14 +538,18 @@ class EngineConfig:
     @property
     def holds_gradients(self) -> bool:
         """Whether gradients must be kept on the host until backward ends."""
-        return (self.gradient_clipping > 0 or self.gradient_accumulation_steps > 1
-                or self.options.non_finite_steps == "skip")
+        return (
+            self.gradient_clipping > 0
+            or self.gradient_accumulation_steps > 1
+            or self.options.non_finite_steps == "skip"
+        )
 
     @property
     def skips_non_finite(self) -> bool:
         """Whether a non-finite step is skipped (else it raises); see ``non_finite_steps``."""
         return self.options.non_finite_steps == "skip" or (
-            self.options.non_finite_steps == "auto" and self.holds_gradients)
+            self.options.non_finite_steps == "auto" and self.holds_gradients
+        )
 
 
 def load_config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
@@ -538,18 +592,26 @@ def _batch_sizes(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
         accumulation, train = 1, micro * world_size
     else:
         autos = [key for key in ("train_batch_size", "train_micro_batch_size_per_gpu") if config.get(key) == AUTO]
-        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
-                          + (f" ({', '.join(autos)} is {AUTO!r}: {_AUTO_HELP})" if autos else
-                             " (the HF Trainer and Accelerate fill both in when the config leaves them out; "
-                             "called directly, deepspeed.initialize needs train_micro_batch_size_per_gpu)"))
+        raise ConfigError(
+            "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
+            + (
+                f" ({', '.join(autos)} is {AUTO!r}: {_AUTO_HELP})"
+                if autos
+                else " (the HF Trainer and Accelerate fill both in when the config leaves them out; "
+                "called directly, deepspeed.initialize needs train_micro_batch_size_per_gpu)"
+            )
+        )
     if micro < 1 or accumulation < 1 or train != micro * accumulation * world_size:
         raise ConfigError(
             "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
             f"gradient_acc_step * world_size {train} != {micro} * {accumulation} * {world_size}"
-            + (f" (world_size: the {world_size} ranks of torch.distributed; without a GPU, `accelerate launch` "
-               "runs DeepSpeed's ranks as if each were alone, filling \"auto\" for one rank and not sharding "
-               "the data, so DeepSpeed itself fails here too: launch the ranks with torchrun instead)"
-               if world_size > 1 else "")
+            + (
+                f" (world_size: the {world_size} ranks of torch.distributed; without a GPU, `accelerate launch` "
+                'runs DeepSpeed\'s ranks as if each were alone, filling "auto" for one rank and not sharding '
+                "the data, so DeepSpeed itself fails here too: launch the ranks with torchrun instead)"
+                if world_size > 1
+                else ""
+            )
         )
     return train, micro, accumulation
 
@@ -606,8 +668,7 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         options = {**implied, **options}
     ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL)) + zero.ignored
     if ignored:
-        logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s",
-                       ", ".join(ignored))
+        logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s", ", ".join(ignored))
     return EngineConfig(
         options=MegatrainOptions.from_dict(options),
         bf16=bool(bf16_enabled),

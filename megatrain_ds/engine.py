@@ -17,42 +17,49 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatrain_ds.checkpoint import save_load
-from megatrain_ds.streaming.activation_offload import ActivationOffloader
-from megatrain_ds.streaming.activation_stash import ActivationStash
-from megatrain_ds.model.batch_checks import check_batch
-from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
-from megatrain_ds.model.block_template import BlockTemplate, structure_key
-from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
+from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
 from megatrain_ds.config import ConfigError, EngineConfig
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
 from megatrain_ds.gradients.sink import GradientPort, GradientSink
-from megatrain_ds.optimizer.host_adamw import HostAdamW
-from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
-from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
-from megatrain_ds.optimizer.placement import build_host_adamw
+from megatrain_ds.model.batch_checks import check_batch
+from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
+from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
+from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
+from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
+from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.optimizer.placement import build_host_adamw
+from megatrain_ds.optimizer.speculative_step import (
+    AUTO_JOURNAL_BYTES_PER_PARAM,
+    OptimizerStepper,
+    StepOutcome,
+    StepReport,
+    speculative_block_indices,
+)
+from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
-from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
+from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.trace import TraceSchedule
+from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
 from megatrain_ds.state.nvme_tier import WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
-from megatrain_ds.streaming.tiled_mlp import tile_token_wise
+from megatrain_ds.streaming.activation_offload import ActivationOffloader
+from megatrain_ds.streaming.activation_stash import ActivationStash
 from megatrain_ds.streaming.resident_params import ResidentParams
-from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
-from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, OptimizerStepper, StepOutcome, StepReport, speculative_block_indices
 from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
-from megatrain_ds.runtime.trace import TraceSchedule
-from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
+from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +67,6 @@ logger = logging.getLogger(__name__)
 # Gradients cross to the host in pieces of at most this many elements (8 MiB in bf16):
 # large enough for full PCIe bandwidth, small enough that staging costs a fraction of a block.
 STAGING_CHUNK_ELEMENTS = 1 << 22
-
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -86,20 +92,24 @@ class MegatrainEngine(nn.Module):
         device: where blocks compute; CUDA when available, else the CPU.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig,
-                 model_parameters: Iterable[Any] | None = None,
-                 optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler: Any = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig,
+        model_parameters: Iterable[Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         # Before the device is chosen: on CUDA each rank takes the device LOCAL_RANK.
         self.data_parallel = DataParallel.join(
             use_cuda=(device.type == "cuda") if device is not None else torch.cuda.is_available(),
-            timeout_s=config.options.collective_timeout_s)
-        self.runtime = DeviceRuntime.create(device or default_device(), config.options.pin_memory)
-        self.optimizer: MegatrainOptimizer = build_optimizer(
-            model, model_parameters, config.optimizer, optimizer
+            timeout_s=config.options.collective_timeout_s,
         )
+        self.runtime = DeviceRuntime.create(device or default_device(), config.options.pin_memory)
+        self.optimizer: MegatrainOptimizer = build_optimizer(model, model_parameters, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
         self.module = model
         self.global_steps = 0
@@ -132,8 +142,10 @@ class MegatrainEngine(nn.Module):
         # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
         nvme = wants_nvme_tier(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
         if nvme != "none" and self.data_parallel is not None:
-            raise ConfigError("megatrain.nvme_offload (offload_optimizer/offload_param.device \"nvme\") is not "
-                              "supported with data parallel yet: train on one rank, or keep the state in host memory")
+            raise ConfigError(
+                'megatrain.nvme_offload (offload_optimizer/offload_param.device "nvme") is not '
+                "supported with data parallel yet: train on one rank, or keep the state in host memory"
+            )
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, nvme=nvme)
         _reject_unsupported_outputs(model)
@@ -154,7 +166,9 @@ class MegatrainEngine(nn.Module):
             self.nvme_tier = open_nvme_tier(
                 [flat_numel(list(block.named_parameters()), group_of) for block in blocks],
                 WITH_MASTER if nvme == "all" else tier_kinds(master_is_streamed=compute == master),
-                self.runtime, options)
+                self.runtime,
+                options,
+            )
 
         templates_by_key: dict[tuple, BlockTemplate] = {}
         templates: list[BlockTemplate] = []
@@ -168,19 +182,26 @@ class MegatrainEngine(nn.Module):
             templates.append(template)
             # Migrating block by block frees each block's original storage before the
             # next is copied: the model never exists twice in host memory.
-            self.states.append(migrate_to_host(
-                list(block.named_parameters()), group_of, self.runtime, master, compute,
-                source=source.scoped(f"{path}.{index}.") if source is not None else None, shared=shared,
-                moments_on_host=nvme == "none", shadow_on_host=nvme != "all",
-            ))
+            self.states.append(
+                migrate_to_host(
+                    list(block.named_parameters()),
+                    group_of,
+                    self.runtime,
+                    master,
+                    compute,
+                    source=source.scoped(f"{path}.{index}.") if source is not None else None,
+                    shared=shared,
+                    moments_on_host=nvme == "none",
+                    shadow_on_host=nvme != "all",
+                )
+            )
             if self.nvme_tier is not None:
                 self.nvme_tier.adopt(self.states[-1])
         self.num_templates = len(templates_by_key)
 
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
-        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source,
-                                       shared=shared)
+        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source, shared=shared)
         if source is not None:
             source.report_unused(name for name, _ in model.named_buffers())
         self.states.append(self.resident.state)
@@ -201,35 +222,55 @@ class MegatrainEngine(nn.Module):
 
         # What this rank updates: every state whole, or with data parallel its window of
         # each (distributed/data_parallel.py: [Note: data-parallel step]).
-        self.windows = [dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel)
-                        for state in self.states]
-        self.optimizer_states = self.states if dp is None else [
-            state.window(*window) for state, window in zip(self.states, self.windows)]
+        self.windows = [
+            dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel) for state in self.states
+        ]
+        self.optimizer_states = (
+            self.states if dp is None else [state.window(*window) for state, window in zip(self.states, self.windows)]
+        )
         self.adamw: HostAdamW = build_host_adamw(
-            self.optimizer.param_groups, self.optimizer.decoupled, self.optimizer_states, self.runtime,
-            options.optimizer_device, options.cpu_adam_kernel,
-            self.states[0].grad.dtype if self.states[0].grad is not None else compute)
+            self.optimizer.param_groups,
+            self.optimizer.decoupled,
+            self.optimizer_states,
+            self.runtime,
+            options.optimizer_device,
+            options.cpu_adam_kernel,
+            self.states[0].grad.dtype if self.states[0].grad is not None else compute,
+        )
         self.stepper = OptimizerStepper(
-            self.optimizer_states, self.adamw, clipping=self.config.gradient_clipping,
-            journal_indices=speculative_block_indices(self.optimizer_states, self._resident_index,
-                                                      options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM),
+            self.optimizer_states,
+            self.adamw,
+            clipping=self.config.gradient_clipping,
+            journal_indices=speculative_block_indices(
+                self.optimizer_states, self._resident_index, options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM
+            ),
             holds_gradients=self.config.holds_gradients,
-            sum_over_ranks=dp.node_sum if dp is not None else None, runtime=self.runtime)
+            sum_over_ranks=dp.node_sum if dp is not None else None,
+            runtime=self.runtime,
+        )
         if self.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
             self.nvme_tier.settle = self.adamw.flush
             self.adamw.residency = self.nvme_tier
             self.stepper.plan_access()
         self.optimizer.attach(self._finish_optimizer_step)
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
-        sink = GradientSink(self.runtime, min(largest, STAGING_CHUNK_ELEMENTS), compute,
-                            options.num_staging_buffers, self._consume_gradient)
-        self.sink: GradientPort = sink if dp is None else GradientReducer(
-            self.runtime, dp, sink, self.windows)
+        sink = GradientSink(
+            self.runtime,
+            min(largest, STAGING_CHUNK_ELEMENTS),
+            compute,
+            options.num_staging_buffers,
+            self._consume_gradient,
+        )
+        self.sink: GradientPort = sink if dp is None else GradientReducer(self.runtime, dp, sink, self.windows)
         if nvme == "all":  # forward and backward read the blocks' weights from the tier
-            self.nvme_weights = NvmeWeights(self.nvme_tier, compute, weight_window_buffers(
-                options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks))
+            self.nvme_weights = NvmeWeights(
+                self.nvme_tier,
+                compute,
+                weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks),
+            )
         self.streamer = WeightStreamer(
-            self.runtime, self.states[: self._resident_index],
+            self.runtime,
+            self.states[: self._resident_index],
             num_slots=options.num_buffers + options.checkpoint_interval - 1,
             source=self.nvme_weights,
             # "auto" crosses whole blocks until the first training forward decides.
@@ -247,24 +288,38 @@ class MegatrainEngine(nn.Module):
         self.fragment_choice: FragmentChoice | None = None
         """``"fragment_bytes": "auto"``'s decision at the first training forward."""
         self.blocks = StreamedBlocks(
-            blocks, templates, self.states[: self._resident_index], self.streamer, self.sink,
-            self.runtime, options.checkpoint_interval,
+            blocks,
+            templates,
+            self.states[: self._resident_index],
+            self.streamer,
+            self.sink,
+            self.runtime,
+            options.checkpoint_interval,
             ActivationOffloader(self.runtime) if options.offload_checkpoints else None,
-            self.is_gradient_accumulation_boundary, STAGING_CHUNK_ELEMENTS,
+            self.is_gradient_accumulation_boundary,
+            STAGING_CHUNK_ELEMENTS,
             stash=ActivationStash(self.runtime) if recompute != "full" else None,
             stashes=lambda index: index < self.stashed_blocks,
         )
         self.blocks.install()
         self.resident.hook_gradients(
-            lambda offset, grad: self.sink.push(self._resident_index, offset, grad,
-                                                self.is_gradient_accumulation_boundary()),
-            (m for m in model.modules() if id(m) not in block_modules), STAGING_CHUNK_ELEMENTS,
+            lambda offset, grad: self.sink.push(
+                self._resident_index, offset, grad, self.is_gradient_accumulation_boundary()
+            ),
+            (m for m in model.modules() if id(m) not in block_modules),
+            STAGING_CHUNK_ELEMENTS,
         )
         self._build_long_context(model, list(templates_by_key.values()))
         # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
         model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
-        logger.info("megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
-                    len(blocks), path, self.num_templates, len(resident), self.runtime.device)
+        logger.info(
+            "megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
+            len(blocks),
+            path,
+            self.num_templates,
+            len(resident),
+            self.runtime.device,
+        )
 
     def _build_long_context(self, model: nn.Module, templates: list[BlockTemplate]) -> None:
         """The chunked loss and the blocks' tiled MLPs (planning/long_context.py)."""
@@ -276,8 +331,13 @@ class MegatrainEngine(nn.Module):
         if options.mlp_tile_tokens != 0:
             for template in templates:
                 ffn = ffn_width(template.module)
-                tokens = (options.mlp_tile_tokens if options.mlp_tile_tokens != "auto"
-                          else choose_mlp_tile_tokens(ffn, width, free) if ffn else 0)
+                tokens = (
+                    options.mlp_tile_tokens
+                    if options.mlp_tile_tokens != "auto"
+                    else choose_mlp_tile_tokens(ffn, width, free)
+                    if ffn
+                    else 0
+                )
                 if tokens and tile_token_wise(template.module, tokens):
                     self.mlp_tile_tokens = tokens
         self.causal_loss: ChunkedCausalLMLoss | None = None
@@ -289,11 +349,15 @@ class MegatrainEngine(nn.Module):
                 logger.info("megatrain: the loss is computed by the model, not in chunks: %s", reason)
                 return
         head = model.get_output_embeddings()
-        tokens = (options.loss_chunk_tokens if options.loss_chunk_tokens != "auto"
-                  else choose_loss_chunk_tokens(head.weight.shape[0], width, free))
+        tokens = (
+            options.loss_chunk_tokens
+            if options.loss_chunk_tokens != "auto"
+            else choose_loss_chunk_tokens(head.weight.shape[0], width, free)
+        )
         redirected = self.resident.row_chunked(head)
         self.causal_loss = ChunkedCausalLMLoss(
-            model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None)
+            model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None
+        )
 
     def _share_initial_weights(self, dp: DataParallel) -> None:
         """Every node starts from the first node's weights (as DDP starts from rank 0's);
@@ -305,8 +369,9 @@ class MegatrainEngine(nn.Module):
         dp.shared.written()
         self.resident.refresh_device()
 
-    def _master_state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any],
-                                prefix: str, local_metadata: Any) -> None:
+    def _master_state_dict_hook(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
         """Report resident parameters by their fp32 master, not their device copy; with the
         weights on the NVMe tier, the blocks' parameters (meta tensors) by their masters
         read from the swap files (copies: the whole model in host memory, as the caller asked)."""
@@ -335,8 +400,9 @@ class MegatrainEngine(nn.Module):
         if not self._batch_checked and torch.is_grad_enabled() and self.module.training:
             self._batch_checked = True
             log_layer_checkpointing(self.blocks.blocks, self.block_path)
-            warn_if_transfers_exposed(self.runtime, args, kwargs, bf16=self.config.bf16,
-                                      accumulation=self.gradient_accumulation_steps())
+            warn_if_transfers_exposed(
+                self.runtime, args, kwargs, bf16=self.config.bf16, accumulation=self.gradient_accumulation_steps()
+            )
             self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
         with self.runtime.observe():
@@ -354,15 +420,19 @@ class MegatrainEngine(nn.Module):
         if counted is None or (options.recompute == "full" and options.fragment_bytes != "auto"):
             return
         numels = [state.layout.numel for state in self.states[: self._resident_index]]
-        shape, settings, hardware = planned_run(self.runtime, self.config, self.module, numels,
-                                                self.states[self._resident_index].layout.numel, counted[1])
+        shape, settings, hardware = planned_run(
+            self.runtime, self.config, self.module, numels, self.states[self._resident_index].layout.numel, counted[1]
+        )
         if options.recompute != "full":
             choice = choose_recompute(self.runtime, self.config, (shape, settings, hardware))
             self.recompute_choice, self.stashed_blocks = choice, choice.stashed_blocks
             # The trace says what was chosen (its otherData), next to the stash track's spans.
             self._tracing.metadata["recompute"] = {
-                "setting": options.recompute, "stashed_blocks": choice.stashed_blocks,
-                "planned_stash_bytes_per_block": choice.stash_bytes_per_block, "predicted": choice.predicted}
+                "setting": options.recompute,
+                "stashed_blocks": choice.stashed_blocks,
+                "planned_stash_bytes_per_block": choice.stash_bytes_per_block,
+                "predicted": choice.predicted,
+            }
         if options.fragment_bytes == "auto":
             settings = dataclasses.replace(settings, stashed_blocks=self.stashed_blocks)
             self.fragment_choice = choose_fragments((shape, settings, hardware))
@@ -370,8 +440,7 @@ class MegatrainEngine(nn.Module):
             self.streamer.fragment_elements = self.fragment_choice.fragment_bytes // self.config.compute_dtype.itemsize
             self._tracing.metadata["fragments"] = {"setting": "auto", **dataclasses.asdict(self.fragment_choice)}
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
-                 scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` divided by the accumulation steps (DeepSpeed semantics)."""
         with self.runtime.observe():
             self.blocks.begin_backward()
@@ -424,11 +493,16 @@ class MegatrainEngine(nn.Module):
 
     def device_bytes(self) -> dict[str, int]:
         """Device memory the engine itself holds: weight buffers and peak checkpoints."""
-        resident = 0 if self.resident.aliases_host else (
-            self.resident.device_flat.numel() * self.resident.device_flat.element_size())
-        return {"weight_buffers": self.streamer.device_bytes,
-                "checkpoints_peak": self.blocks.peak_checkpoint_bytes,
-                "resident": resident}
+        resident = (
+            0
+            if self.resident.aliases_host
+            else (self.resident.device_flat.numel() * self.resident.device_flat.element_size())
+        )
+        return {
+            "weight_buffers": self.streamer.device_bytes,
+            "checkpoints_peak": self.blocks.peak_checkpoint_bytes,
+            "resident": resident,
+        }
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory of the persistent training state, by kind."""
@@ -495,52 +569,82 @@ class MegatrainEngine(nn.Module):
                 f"{report.speculated} elements whose gradients came before the first non-finite one were "
                 "already updated, because this configuration holds no gradients (no clipping, no "
                 'accumulation). Restore the last checkpoint; set "megatrain": {"non_finite_steps": '
-                '"skip"} to skip such steps exactly (gradients are then held: 2-4 bytes/param)')
+                '"skip"} to skip such steps exactly (gradients are then held: 2-4 bytes/param)'
+            )
         self.skipped_steps += 1
         self._consecutive_skips += 1
-        logger.warning("megatrain: skipped optimizer step %d: global gradient norm %s (%d skipped in a row, "
-                       "%d in all); weights and optimizer state unchanged", self.optimizer_steps + 1,
-                       report.norm, self._consecutive_skips, self.skipped_steps)
+        logger.warning(
+            "megatrain: skipped optimizer step %d: global gradient norm %s (%d skipped in a row, "
+            "%d in all); weights and optimizer state unchanged",
+            self.optimizer_steps + 1,
+            report.norm,
+            self._consecutive_skips,
+            self.skipped_steps,
+        )
         if not self.config.skips_non_finite or self._consecutive_skips > self.config.options.max_consecutive_skips:
             raise NonFiniteGradientError(
                 f"the global gradient norm was not finite ({report.norm}) in {self._consecutive_skips} "
                 f"optimizer step(s) in a row (megatrain.non_finite_steps={self.config.options.non_finite_steps!r}, "
                 f"max_consecutive_skips={self.config.options.max_consecutive_skips}); weights and optimizer "
                 "state are those before the first of them. Check the data, lower the learning rate or "
-                "restore a checkpoint")
+                "restore a checkpoint"
+            )
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
         directory (fp32 masters); crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`."""
         # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.
         with self.runtime.observe(), self.runtime.host_work():
-            return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                             exclude_frozen_parameters)
+            return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None
-                        ) -> tuple[str | None, dict[str, Any] | None]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
         ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.save_load`."""
         with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
-            return save_load.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                             load_lr_scheduler_states, load_module_only, custom_load_fn)
+            return save_load.load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_module_strict,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+                custom_load_fn,
+            )
 
 
-def _trace_schedule(runtime: DeviceRuntime, config: EngineConfig, model: nn.Module,
-                    data_parallel: DataParallel | None) -> TraceSchedule:
+def _trace_schedule(
+    runtime: DeviceRuntime, config: EngineConfig, model: nn.Module, data_parallel: DataParallel | None
+) -> TraceSchedule:
     """``"megatrain": {"trace": ...}`` (one file per rank with data parallel: ``NAME.rankR.json``)."""
     path = config.options.trace
     if path is not None and data_parallel is not None:
         path = Path(path).with_name(f"{Path(path).stem}.rank{data_parallel.rank}{Path(path).suffix}")
-    metadata = {"model": type(model).__name__, "bf16": config.bf16,
-                "micro_batch": config.train_micro_batch_size_per_gpu,
-                "gradient_accumulation_steps": config.gradient_accumulation_steps,
-                "rank": data_parallel.rank if data_parallel is not None else 0}
+    metadata = {
+        "model": type(model).__name__,
+        "bf16": config.bf16,
+        "micro_batch": config.train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "rank": data_parallel.rank if data_parallel is not None else 0,
+    }
     return TraceSchedule(runtime, path, config.options.trace_steps, metadata)
 
 

@@ -1,32 +1,35 @@
 """The subprocess side of the checkpoint tests (``test_checkpoint.py``).
 
-    python checkpoint_worker.py resume DIR STEPS OUT THREADS   load DIR's latest into a fresh engine
-                                                               (another initialisation), train STEPS,
-                                                               write losses and host state to OUT
-    python checkpoint_worker.py save-loop DIR THREADS          train, save tag "base", print READY,
-                                                               then save the same state over and over
-                                                               until killed
+python checkpoint_worker.py resume DIR STEPS OUT THREADS   load DIR's latest into a fresh engine
+                                                           (another initialisation), train STEPS,
+                                                           write losses and host state to OUT
+python checkpoint_worker.py save-loop DIR THREADS          train, save tag "base", print READY,
+                                                           then save the same state over and over
+                                                           until killed
 """
 
 from __future__ import annotations
 
 import sys
 
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 ACCUMULATION = 2
 
 
-def build(seed: int, device: torch.device = torch.device("cpu")) -> MegatrainEngine:
+def build(seed: int, device: torch.device | None = None) -> MegatrainEngine:
     """GPT-2 (dropout on: resuming exactly needs the RNG state), accumulation 2, clipping,
     and a warm-up scheduler; on the CPU unless told (bitwise comparisons need one device)."""
     torch.manual_seed(seed)
-    engine = MegatrainEngine(tiny_models.gpt2(), parse_engine_config(ds_config(accumulation=ACCUMULATION)),
-                             device=device)
+    engine = MegatrainEngine(
+        tiny_models.gpt2(),
+        parse_engine_config(ds_config(accumulation=ACCUMULATION)),
+        device=device if device is not None else torch.device("cpu"),
+    )
     engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: min(1.0, (step + 1) / 4))
     engine.train()
     return engine
@@ -62,8 +65,15 @@ def main(argv: list[str]) -> None:
         engine = build(seed=1)
         engine.load_checkpoint(directory)
         losses = train(engine, steps)
-        torch.save({"losses": losses, "state": host_state(engine), "lr": engine.get_lr(),
-                    "counters": (engine.global_steps, engine.micro_steps, engine.optimizer_steps)}, out)
+        torch.save(
+            {
+                "losses": losses,
+                "state": host_state(engine),
+                "lr": engine.get_lr(),
+                "counters": (engine.global_steps, engine.micro_steps, engine.optimizer_steps),
+            },
+            out,
+        )
         engine.destroy()
     elif mode == "save-loop":
         directory, threads = argv[1], int(argv[2])

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_models  # noqa: E402
-from megatrain_ds import MegatrainEngine, parse_engine_config  # noqa: E402
-from megatrain_ds.model import causal_lm_loss  # noqa: E402
-from megatrain_ds.streaming.tiled_mlp import TiledTokenWise  # noqa: E402
+import tiny_models
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.model import causal_lm_loss
+from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
 MICRO, LENGTH = 2, 12
@@ -40,11 +41,15 @@ def global_batch(seed: int, rows: int, length: int = LENGTH) -> dict[str, torch.
 
 
 def config(accumulation: int, world_size: int, **megatrain: object) -> dict:
-    return {"engine": "megatrain", "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": accumulation, "train_batch_size": MICRO * accumulation * world_size,
-            "gradient_clipping": CLIPPING,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-            "megatrain": megatrain}
+    return {
+        "engine": "megatrain",
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": MICRO * accumulation * world_size,
+        "gradient_clipping": CLIPPING,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "megatrain": megatrain,
+    }
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -86,8 +91,15 @@ def count_pieces(engine: MegatrainEngine) -> dict[str, list[int]]:
     pieces: dict[str, list[int]] = {"loss_chunks": [], "mlp_tiles": []}
     chunked = causal_lm_loss.chunked_linear_cross_entropy
 
-    def counted_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: object, targets: torch.Tensor,
-                     denominator: torch.Tensor, chunk_tokens: int, *rest: object) -> torch.Tensor:
+    def counted_loss(
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: object,
+        targets: torch.Tensor,
+        denominator: torch.Tensor,
+        chunk_tokens: int,
+        *rest: object,
+    ) -> torch.Tensor:
         pieces["loss_chunks"].append(-(-hidden.shape[0] // chunk_tokens))
         return chunked(hidden, weight, bias, targets, denominator, chunk_tokens, *rest)
 
@@ -106,8 +118,11 @@ def count_pieces(engine: MegatrainEngine) -> dict[str, list[int]]:
 def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
     model = tiny_models.llama(num_layers=4)
-    long_context = {key: value for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens),
-                                                  ("mlp_tile_tokens", args.mlp_tile_tokens)) if value is not None}
+    long_context = {
+        key: value
+        for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens), ("mlp_tile_tokens", args.mlp_tile_tokens))
+        if value is not None
+    }
     engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size, **long_context)))
     pieces: dict[str, list[int]] = {}
     if long_context:
@@ -145,15 +160,17 @@ def run_order(args: argparse.Namespace, rank: int, world_size: int) -> None:
     engine.backward(loss)
     backward_end = time.perf_counter()
     engine.step()
-    Path(args.out, f"order{rank}.json").write_text(json.dumps(
-        {"starts": starts, "backward_start": backward_start, "backward_end": backward_end}))
+    Path(args.out, f"order{rank}.json").write_text(
+        json.dumps({"starts": starts, "backward_start": backward_start, "backward_end": backward_end})
+    )
     engine.destroy()
 
 
 def run_die(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    engine = MegatrainEngine(tiny_models.llama(num_layers=4),
-                             parse_engine_config(config(1, world_size, collective_timeout_s=args.timeout)))
+    engine = MegatrainEngine(
+        tiny_models.llama(num_layers=4), parse_engine_config(config(1, world_size, collective_timeout_s=args.timeout))
+    )
     for step in range(4):
         batch = global_batch(step, MICRO)
         loss = engine(**batch).loss
@@ -178,8 +195,11 @@ def main() -> None:
     parser.add_argument("--save-to", help="parity: save a checkpoint here before step --save-at")
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
-    parser.add_argument("--one-rank-per-node", action="store_true",
-                        help="treat every rank as a node of its own (multi-node code path on one host)")
+    parser.add_argument(
+        "--one-rank-per-node",
+        action="store_true",
+        help="treat every rank as a node of its own (multi-node code path on one host)",
+    )
     args, _ = parser.parse_known_args()  # the deepspeed launcher adds --local_rank=N
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

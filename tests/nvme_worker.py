@@ -1,10 +1,10 @@
 """The subprocess side of the NVMe tier's crash test (``test_nvme_checkpoint.py``).
 
-    python nvme_worker.py crash NVME_DIR CKPT_DIR THREADS   train 2 steps, save, then die by SIGKILL
-                                                            in the middle of step 3's write-behind
-    python nvme_worker.py resume NVME_DIR CKPT_DIR OUT THREADS   load the latest checkpoint into a
-                                                            fresh engine on the same nvme_path, train
-                                                            2 steps, write losses, weights, moments
+python nvme_worker.py crash NVME_DIR CKPT_DIR THREADS   train 2 steps, save, then die by SIGKILL
+                                                        in the middle of step 3's write-behind
+python nvme_worker.py resume NVME_DIR CKPT_DIR OUT THREADS   load the latest checkpoint into a
+                                                        fresh engine on the same nvme_path, train
+                                                        2 steps, write losses, weights, moments
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import os
 import signal
 import sys
 
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 ACCUMULATION = 2
 
@@ -36,8 +36,9 @@ def build(seed: int, nvme_path: str | None, bf16: bool = False, level: str = "op
     megatrain: dict = {"cpu_adam_kernel": "torch_fused"}
     if nvme_path:
         megatrain.update(nvme_offload=level, nvme_path=nvme_path, nvme_window_blocks=2)
-    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(accumulation=ACCUMULATION, bf16=bf16,
-                                                                                megatrain=megatrain)))
+    engine = MegatrainEngine(
+        tiny_models.llama(), parse_engine_config(ds_config(accumulation=ACCUMULATION, bf16=bf16, megatrain=megatrain))
+    )
     engine.train()
     return engine
 
@@ -58,11 +59,15 @@ def snapshot(engine: MegatrainEngine) -> dict[str, torch.Tensor]:
     kinds = ("master", "exp_avg", "exp_avg_sq")
     tier = engine.nvme_tier
     if tier is None:
-        return {f"{index}.{kind}": getattr(flat, kind).clone() for index, flat in enumerate(engine.states)
-                for kind in kinds}
+        return {
+            f"{index}.{kind}": getattr(flat, kind).clone() for index, flat in enumerate(engine.states) for kind in kinds
+        }
     with tier.file_views() as on_tier:
-        return {f"{index}.{kind}": (on_tier(flat) or {}).get(kind, getattr(flat, kind)).clone()
-                for index, flat in enumerate(engine.states) for kind in kinds}
+        return {
+            f"{index}.{kind}": (on_tier(flat) or {}).get(kind, getattr(flat, kind)).clone()
+            for index, flat in enumerate(engine.states)
+            for kind in kinds
+        }
 
 
 def main(argv: list[str]) -> None:

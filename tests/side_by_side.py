@@ -8,12 +8,13 @@ accumulation steps as DeepSpeed's ``engine.backward`` does.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 import tiny_models
+import torch
+
 from megatrain_ds import MegatrainEngine, parse_engine_config
 
 # lr 1e-3: attention key biases have an exact gradient of zero (softmax is invariant to
@@ -31,8 +32,9 @@ class Trace:
     engine_norms: list[float] = field(default_factory=list)
 
 
-def ds_config(*, accumulation: int = 1, clipping: float = 1.0, megatrain: dict | None = None,
-              bf16: bool = False) -> dict[str, Any]:
+def ds_config(
+    *, accumulation: int = 1, clipping: float = 1.0, megatrain: dict | None = None, bf16: bool = False
+) -> dict[str, Any]:
     return {
         "engine": "megatrain",
         "train_micro_batch_size_per_gpu": 2,
@@ -53,9 +55,12 @@ def relative_weight_error(engine: MegatrainEngine, reference: torch.nn.Module) -
     return float((diff / norm).sqrt())
 
 
-def train_side_by_side(make_model: Callable[[], torch.nn.Module], config: dict[str, Any], steps: int = 5,
-                       make_batch: Callable[[int], dict[str, Any]] = tiny_models.make_batch,
-                       ) -> tuple[MegatrainEngine, torch.nn.Module, Trace]:
+def train_side_by_side(
+    make_model: Callable[[], torch.nn.Module],
+    config: dict[str, Any],
+    steps: int = 5,
+    make_batch: Callable[[int], dict[str, Any]] = tiny_models.make_batch,
+) -> tuple[MegatrainEngine, torch.nn.Module, Trace]:
     """``steps`` optimizer steps of the engine and the reference; micro-batch ``i`` is
     ``make_batch(i)``."""
     torch.manual_seed(0)

@@ -40,39 +40,57 @@ from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the device optimizer's kernel on CPU tensors
 
-import torch  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
+import torch
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_models  # noqa: E402
-from side_by_side import ds_config  # noqa: E402
-from megatrain_ds import MegatrainEngine, parse_engine_config  # noqa: E402
-from megatrain_ds.runtime.stream_check import StreamRaceError  # noqa: E402
+import tiny_models
+from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.runtime.stream_check import StreamRaceError
 
 RACE_EXIT = 3
 SCENARIOS = {
     "host": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "offload_checkpoints": True}),
     "no-clipping": dict(accumulation=1, clipping=0.0, megatrain={"optimizer_device": "cpu"}),
     "device-optimizer": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "gpu"}),
-    "device-optimizer-no-clipping": dict(accumulation=1, clipping=0.0,
-                                         megatrain={"optimizer_device": "gpu", "num_staging_buffers": 2}),
+    "device-optimizer-no-clipping": dict(
+        accumulation=1, clipping=0.0, megatrain={"optimizer_device": "gpu", "num_staging_buffers": 2}
+    ),
     # Checkpoints kept on the device: their offload would order h2d after d2h for the stash.
-    "stash": dict(accumulation=2, clipping=1.0,
-                  megatrain={"optimizer_device": "cpu", "recompute": 1, "offload_checkpoints": False}),
-    "wide": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "checkpoint_interval": 2,
-                                                          "num_buffers": 3, "recompute": 1}),
+    "stash": dict(
+        accumulation=2,
+        clipping=1.0,
+        megatrain={"optimizer_device": "cpu", "recompute": 1, "offload_checkpoints": False},
+    ),
+    "wide": dict(
+        accumulation=2,
+        clipping=1.0,
+        megatrain={"optimizer_device": "cpu", "checkpoint_interval": 2, "num_buffers": 3, "recompute": 1},
+    ),
     # The model wraps its blocks in torch.utils.checkpoint itself (a no-op inside streamed
     # blocks): the engine's backward then drops brought-back tensors earlier in its schedule.
-    "user-checkpointing": dict(accumulation=1, clipping=1.0,
-                               megatrain={"optimizer_device": "cpu", "offload_checkpoints": True}),
-    "user-checkpointing-stash": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "recompute": 1}),
-    "fragments": dict(accumulation=1, clipping=1.0,
-                      megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}),
+    "user-checkpointing": dict(
+        accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "offload_checkpoints": True}
+    ),
+    "user-checkpointing-stash": dict(
+        accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "recompute": 1}
+    ),
+    "fragments": dict(
+        accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}
+    ),
     # nvme_path: a temporary directory, set by run().
-    "nvme": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "nvme_offload": "optimizer",
-                                                          "nvme_window_blocks": 2}),
-    "nvme-all": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "nvme_offload": "all",
-                                                              "nvme_window_blocks": 2}),
+    "nvme": dict(
+        accumulation=2,
+        clipping=1.0,
+        megatrain={"optimizer_device": "cpu", "nvme_offload": "optimizer", "nvme_window_blocks": 2},
+    ),
+    "nvme-all": dict(
+        accumulation=2,
+        clipping=1.0,
+        megatrain={"optimizer_device": "cpu", "nvme_offload": "all", "nvme_window_blocks": 2},
+    ),
 }
 WITH_CHECKPOINT = ("host", "nvme", "nvme-all")
 LAYERS = {"nvme-all": 5}
@@ -90,7 +108,8 @@ class UserCheckpointed(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(tiny_models.VOCAB, 16)
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)) for _ in range(3))
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)) for _ in range(3)
+        )
         self.head = torch.nn.Linear(16, tiny_models.VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
@@ -120,7 +139,11 @@ def run(name: str) -> None:
         if "nvme_offload" in spec["megatrain"]:
             spec = {**spec, "megatrain": {**spec["megatrain"], "nvme_path": swap}}
         torch.manual_seed(0)
-        model = UserCheckpointed() if name.startswith("user-checkpointing") else tiny_models.llama(num_layers=LAYERS.get(name, 3))
+        model = (
+            UserCheckpointed()
+            if name.startswith("user-checkpointing")
+            else tiny_models.llama(num_layers=LAYERS.get(name, 3))
+        )
         engine = MegatrainEngine(model, parse_engine_config(ds_config(**spec)), device=torch.device("cpu"))
         try:
             assert engine.runtime.checker is not None, "the race checker is not on"
@@ -138,7 +161,9 @@ def run(name: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument(
+        "scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)"
+    )
     args = parser.parse_args()
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:

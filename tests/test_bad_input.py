@@ -2,14 +2,13 @@
 (``initialize``, as ``deepspeed.initialize`` routes it) and the engine's forward."""
 
 import pytest
+import tiny_models
 import torch
+from side_by_side import ds_config
 from torch import nn
 
-import tiny_models
 from megatrain_ds import ConfigError, initialize
 from megatrain_ds.model.block_discovery import BlockDiscoveryError
-from side_by_side import ds_config
-
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -19,10 +18,13 @@ def _initialize(config, model=None, **kwargs):
     return engine
 
 
-@pytest.mark.parametrize("megatrain, message", [
-    ({"num_bufers": 2}, r"unknown key\(s\) in megatrain config: num_bufers; valid keys: .*num_buffers"),
-    ({"load_form": "/x"}, r"unknown key\(s\) in megatrain config: load_form; valid keys: .*load_from"),
-])
+@pytest.mark.parametrize(
+    "megatrain, message",
+    [
+        ({"num_bufers": 2}, r"unknown key\(s\) in megatrain config: num_bufers; valid keys: .*num_buffers"),
+        ({"load_form": "/x"}, r"unknown key\(s\) in megatrain config: load_form; valid keys: .*load_from"),
+    ],
+)
 def test_unknown_or_mistyped_megatrain_key(megatrain, message):
     with pytest.raises(ConfigError, match=message):
         _initialize(ds_config(megatrain=megatrain))
@@ -49,8 +51,11 @@ def test_unsupported_optimizers_are_named():
 
 
 def test_inconsistent_batch_sizes():
-    with pytest.raises(ConfigError, match=r"train_batch_size is not equal to micro_batch_per_gpu \* "
-                                          r"gradient_acc_step \* world_size 7 != 2 \* 2 \* 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train_batch_size is not equal to micro_batch_per_gpu \* "
+        r"gradient_acc_step \* world_size 7 != 2 \* 2 \* 1",
+    ):
         _initialize({**ds_config(accumulation=2), "train_batch_size": 7})
 
 
@@ -69,15 +74,21 @@ def engine():
 
 def test_batch_of_the_wrong_dtype(engine):
     batch = tiny_models.make_batch(0)
-    with pytest.raises(ValueError, match=r"batch tensor 'input_ids' has dtype torch.float32; it holds token "
-                                         r"indices and must be an integer tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch tensor 'input_ids' has dtype torch.float32; it holds token "
+        r"indices and must be an integer tensor",
+    ):
         engine(input_ids=batch["input_ids"].float(), labels=batch["labels"])
 
 
 def test_batch_on_the_wrong_device(engine):
     batch = tiny_models.make_batch(0)
-    with pytest.raises(ValueError, match=r"batch tensor 'attention_mask' is on meta, but the engine computes "
-                                         r"on cpu: move the batch there first"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch tensor 'attention_mask' is on meta, but the engine computes "
+        r"on cpu: move the batch there first",
+    ):
         engine(**{**batch, "attention_mask": batch["attention_mask"].to("meta")})
 
 

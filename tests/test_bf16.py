@@ -2,11 +2,11 @@
 
 import math
 
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 
 def test_bf16_compute_tracks_fp32_training():

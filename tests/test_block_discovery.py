@@ -3,18 +3,26 @@
 import copy
 
 import pytest
+import tiny_models
 import torch
+from side_by_side import ds_config
 from torch import nn
 
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.model.block_discovery import BlockDiscoveryError, find_blocks
-from side_by_side import ds_config
 
-EXPECTED_PATHS = {"llama": "model.layers", "qwen2": "model.layers", "mistral": "model.layers",
-                  "mixtral": "model.layers", "gpt2": "transformer.h", "gemma": "model.layers",
-                  "gemma2": "model.layers", "phi": "model.layers", "qwen3": "model.layers",
-                  "qwen2_moe": "model.layers"}
+EXPECTED_PATHS = {
+    "llama": "model.layers",
+    "qwen2": "model.layers",
+    "mistral": "model.layers",
+    "mixtral": "model.layers",
+    "gpt2": "transformer.h",
+    "gemma": "model.layers",
+    "gemma2": "model.layers",
+    "phi": "model.layers",
+    "qwen3": "model.layers",
+    "qwen2_moe": "model.layers",
+}
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED_PATHS))

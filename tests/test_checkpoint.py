@@ -15,20 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+import checkpoint_worker
 import pytest
+import tiny_models
 import torch
 import transformers
+from side_by_side import ds_config
 
-import checkpoint_worker
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.checkpoint import save_load as checkpointing
 from megatrain_ds.checkpoint.directories import LATEST_FILE, MANIFEST_FILE
-from side_by_side import ds_config
 
 TESTS = Path(__file__).parent
 # The workers import this checkout's package whether or not (and however) it is installed.
-WORKER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
+WORKER_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])),
+}
 
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
@@ -42,8 +45,14 @@ def assert_same_host_state(a, b):
 
 
 def run_worker(*args, timeout=120):
-    return subprocess.run([sys.executable, str(TESTS / "checkpoint_worker.py"), *map(str, args)],
-                          cwd=TESTS, env=WORKER_ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(TESTS / "checkpoint_worker.py"), *map(str, args)],
+        cwd=TESTS,
+        env=WORKER_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -196,7 +205,9 @@ def test_frozen_parameters_can_be_left_out(tmp_path):
 def test_master_dtype_change_converts_on_load(tmp_path):
     """A bf16-master checkpoint (bf16 files) loads into an fp32-master engine, upcast exactly."""
     torch.manual_seed(0)
-    bf16 = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(bf16=True, megatrain={"master_dtype": "bf16"})))
+    bf16 = MegatrainEngine(
+        tiny_models.llama(), parse_engine_config(ds_config(bf16=True, megatrain={"master_dtype": "bf16"}))
+    )
     torch.manual_seed(1)
     fp32 = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(bf16=True)))
     try:
@@ -214,6 +225,7 @@ def test_master_dtype_change_converts_on_load(tmp_path):
 
 
 # -- crash safety ----------------------------------------------------------------------------
+
 
 def test_a_failed_save_removes_its_partial_directory(tmp_path, monkeypatch):
     """A full disk (or any error) in the middle of a save: the error reaches the caller,
@@ -314,9 +326,14 @@ def test_a_crash_at_any_point_of_a_save_keeps_the_previous_checkpoint(tmp_path, 
 def test_sigkill_at_a_random_moment_of_a_save(tmp_path, one_thread):
     """A process saving over and over is killed at a random moment: the checkpoint
     ``latest`` names loads, equals the one saved before, and resumes identically."""
-    process = subprocess.Popen([sys.executable, str(TESTS / "checkpoint_worker.py"), "save-loop",
-                                str(tmp_path), str(one_thread)],
-                               cwd=TESTS, env=WORKER_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(TESTS / "checkpoint_worker.py"), "save-loop", str(tmp_path), str(one_thread)],
+        cwd=TESTS,
+        env=WORKER_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert process.stdout.readline().strip() == "READY", process.stderr.read()[-3000:]
         time.sleep(random.uniform(0.0, 0.5))
@@ -364,6 +381,7 @@ def test_save_and_load_on_cuda(tmp_path):
 
 
 # -- integrity --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -417,10 +435,15 @@ def test_truncated_file_is_named(damaged, fresh_engine, name):
         fresh_engine.load_checkpoint(damaged)
 
 
-@pytest.mark.parametrize("name, where, message", [
-    ("model:2", "data", "checksum mismatch"), ("model:0", "header", r"corrupted header \(checksum mismatch\)"),
-    ("optimizer:1", "data", "checksum mismatch"), ("trainer_state.pt", "data", "checksum mismatch"),
-])
+@pytest.mark.parametrize(
+    "name, where, message",
+    [
+        ("model:2", "data", "checksum mismatch"),
+        ("model:0", "header", r"corrupted header \(checksum mismatch\)"),
+        ("optimizer:1", "data", "checksum mismatch"),
+        ("trainer_state.pt", "data", "checksum mismatch"),
+    ],
+)
 def test_flipped_bytes_are_named(damaged, fresh_engine, name, where, message):
     path = _file(damaged, name)
     _flip(path, 20 if where == "header" else path.stat().st_size // 2)
@@ -434,12 +457,17 @@ def test_damaged_manifest_is_named(damaged, fresh_engine):
         fresh_engine.load_checkpoint(damaged)
 
 
-@pytest.mark.parametrize("make_model, message", [
-    (lambda: tiny_models.llama(), r"the checkpoint has no tensor 'model.embed_tokens.weight'"),
-    (lambda: tiny_models.gpt2(num_layers=3),
-     r"tensor 'transformer.h.3.[\w.]+' of model-0000\d-of-00003.safetensors does not exist in this model"),
-    (lambda: tiny_models.gpt2(num_layers=5), r"the checkpoint has no tensor 'transformer.h.4.ln_1.weight'"),
-])
+@pytest.mark.parametrize(
+    "make_model, message",
+    [
+        (lambda: tiny_models.llama(), r"the checkpoint has no tensor 'model.embed_tokens.weight'"),
+        (
+            lambda: tiny_models.gpt2(num_layers=3),
+            r"tensor 'transformer.h.3.[\w.]+' of model-0000\d-of-00003.safetensors does not exist in this model",
+        ),
+        (lambda: tiny_models.gpt2(num_layers=5), r"the checkpoint has no tensor 'transformer.h.4.ln_1.weight'"),
+    ],
+)
 def test_checkpoint_of_another_model_names_the_tensor(saved, make_model, message):
     engine = MegatrainEngine(make_model(), parse_engine_config(ds_config()))
     try:
@@ -452,13 +480,22 @@ def test_checkpoint_of_another_model_names_the_tensor(saved, make_model, message
 def test_different_shape_names_the_tensor_and_both_shapes(saved):
     import transformers as tf
 
-    config = tf.GPT2Config(vocab_size=tiny_models.VOCAB, n_embd=32, n_layer=4, n_head=4, n_inner=64,
-                           n_positions=64, attn_implementation="eager")
+    config = tf.GPT2Config(
+        vocab_size=tiny_models.VOCAB,
+        n_embd=32,
+        n_layer=4,
+        n_head=4,
+        n_inner=64,
+        n_positions=64,
+        attn_implementation="eager",
+    )
     engine = MegatrainEngine(tf.GPT2LMHeadModel(config), parse_engine_config(ds_config()))
     try:
-        with pytest.raises(checkpointing.CheckpointError,
-                           match=r"tensor 'transformer.h.0.mlp.c_fc.weight': the checkpoint \(model-\d+-of-\d+"
-                                 r".safetensors\) has shape \[32, 128\], this model has \[32, 64\]"):
+        with pytest.raises(
+            checkpointing.CheckpointError,
+            match=r"tensor 'transformer.h.0.mlp.c_fc.weight': the checkpoint \(model-\d+-of-\d+"
+            r".safetensors\) has shape \[32, 128\], this model has \[32, 64\]",
+        ):
             engine.load_checkpoint(saved)
     finally:
         engine.destroy()

@@ -6,8 +6,11 @@ import pytest
 
 from megatrain_ds import ConfigError, parse_engine_config
 
-BASE = {"engine": "megatrain", "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+BASE = {
+    "engine": "megatrain",
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+}
 
 
 def test_defaults():
@@ -31,8 +34,11 @@ def test_defaults():
 )
 def test_batch_rules_follow_deepspeed(keys, expected):
     config = parse_engine_config({"optimizer": BASE["optimizer"], **keys})
-    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
-            config.gradient_accumulation_steps) == expected
+    assert (
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+    ) == expected
 
 
 def test_inconsistent_batch_sizes_are_rejected_with_deepspeeds_message():
@@ -41,8 +47,11 @@ def test_inconsistent_batch_sizes_are_rejected_with_deepspeeds_message():
 
 
 def test_missing_batch_size_is_rejected():
-    with pytest.raises(ConfigError, match="train_batch_size or train_micro_batch_size_per_gpu needs to be provided "
-                                          r"\(the HF Trainer and Accelerate fill both in"):
+    with pytest.raises(
+        ConfigError,
+        match="train_batch_size or train_micro_batch_size_per_gpu needs to be provided "
+        r"\(the HF Trainer and Accelerate fill both in",
+    ):
         parse_engine_config({"optimizer": BASE["optimizer"]})
 
 
@@ -91,6 +100,8 @@ def test_adam_without_w_mode_is_l2_adam():
 
 def test_keys_without_meaning_are_reported_once(caplog):
     with caplog.at_level(logging.WARNING):
-        config = parse_engine_config({**BASE, "prescale_gradients": True, "zero_optimization": {"stage": 3, "overlap_comm": True}})
+        config = parse_engine_config(
+            {**BASE, "prescale_gradients": True, "zero_optimization": {"stage": 3, "overlap_comm": True}}
+        )
     assert config.ignored_keys == ("prescale_gradients", "zero_optimization.overlap_comm")
     assert "prescale_gradients, zero_optimization.overlap_comm" in caplog.text

@@ -32,8 +32,11 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def _state(n: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"p": torch.randn(n, generator=gen), "m": 0.1 * torch.randn(n, generator=gen),
-            "v": 0.01 * torch.rand(n, generator=gen)}
+    return {
+        "p": torch.randn(n, generator=gen),
+        "m": 0.1 * torch.randn(n, generator=gen),
+        "v": 0.01 * torch.rand(n, generator=gen),
+    }
 
 
 def _assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
@@ -47,10 +50,18 @@ def kernel() -> DeepSpeedKernel:
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
-@pytest.mark.parametrize("grad_dtype, scale, with_shadow", [
-    (torch.float32, 1.0, False), (torch.float32, 0.37, False), (torch.float32, 0.37, True),
-    (torch.bfloat16, 1.0, True), (torch.bfloat16, 0.37, True), (torch.bfloat16, 0.37, False),
-], ids=["fp32", "fp32-scaled", "fp32-scaled+shadow", "bf16+shadow", "bf16-scaled+shadow", "bf16-scaled"])
+@pytest.mark.parametrize(
+    "grad_dtype, scale, with_shadow",
+    [
+        (torch.float32, 1.0, False),
+        (torch.float32, 0.37, False),
+        (torch.float32, 0.37, True),
+        (torch.bfloat16, 1.0, True),
+        (torch.bfloat16, 0.37, True),
+        (torch.bfloat16, 0.37, False),
+    ],
+    ids=["fp32", "fp32-scaled", "fp32-scaled+shadow", "bf16+shadow", "bf16-scaled+shadow", "bf16-scaled"],
+)
 def test_fused_pass_is_the_unfused_composition_bit_for_bit(kernel, grad_dtype, scale, with_shadow, decoupled):
     ours, theirs = _state(N, 1), _state(N, 1)
     ours["p"][5], ours["p"][6] = float("nan"), float("inf")  # the shadow's NaN and Inf bits
@@ -79,8 +90,16 @@ def test_results_do_not_depend_on_the_thread_count(kernel):
             state = _state(N, 3)
             shadow = torch.empty(N, dtype=torch.bfloat16)
             grad = torch.randn(N, generator=torch.Generator().manual_seed(4)).bfloat16()
-            kernel.step_(state["p"], grad, state["m"], state["v"], shadow, step=1,
-                         hyper=AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True), grad_scale=0.5)
+            kernel.step_(
+                state["p"],
+                grad,
+                state["m"],
+                state["v"],
+                shadow,
+                step=1,
+                hyper=AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True),
+                grad_scale=0.5,
+            )
             results.append({**state, "shadow": shadow})
     finally:
         torch.set_num_threads(previous)
@@ -99,8 +118,16 @@ def test_journaled_update_steps_chunk_by_chunk_after_each_callback(kernel):
         seen.append((start, end))
 
     grad = torch.randn(n, generator=torch.Generator().manual_seed(6))
-    kernel.step_(state["p"], grad, state["m"], state["v"], None, step=1,
-                 hyper=AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True), before_chunk=journal)
+    kernel.step_(
+        state["p"],
+        grad,
+        state["m"],
+        state["v"],
+        None,
+        step=1,
+        hyper=AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True),
+        before_chunk=journal,
+    )
     assert seen == [(0, 1000), (1000, 2000), (2000, 3000), (3000, n)]
     assert not torch.equal(state["p"], before["p"])
 
@@ -120,8 +147,9 @@ def _deepspeed_op_is_built() -> bool:
     return (Path(cpp_extension._get_build_directory("cpu_adam", verbose=False)) / "cpu_adam.so").exists()
 
 
-@pytest.mark.skipif(not _deepspeed_op_is_built(),
-                    reason="DeepSpeed's own cpu_adam op is not built (bench/optimizer.py builds it)")
+@pytest.mark.skipif(
+    not _deepspeed_op_is_built(), reason="DeepSpeed's own cpu_adam op is not built (bench/optimizer.py builds it)"
+)
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 def test_fp32_update_is_deepspeeds_op_bit_for_bit(kernel, decoupled):
     """The engine's blocks give exactly what one call of DeepSpeed's own op gives."""
@@ -129,8 +157,7 @@ def test_fp32_update_is_deepspeeds_op_bit_for_bit(kernel, decoupled):
 
     ours = _state(N, 7)
     param = torch.nn.Parameter(ours["p"].clone())
-    optimizer = DeepSpeedCPUAdam([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
-                                 adamw_mode=decoupled)
+    optimizer = DeepSpeedCPUAdam([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, adamw_mode=decoupled)
     optimizer.state[param] = {"step": 0, "exp_avg": ours["m"].clone(), "exp_avg_sq": ours["v"].clone()}
     hyper = AdamHyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
     gen = torch.Generator().manual_seed(8)

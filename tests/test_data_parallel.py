@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny_models
+import torch
+from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
+
 from megatrain_ds import parse_engine_config
 from megatrain_ds.config import ConfigError
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
-from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
@@ -32,22 +32,28 @@ TIMEOUT_S = 300
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+    }
     env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, **extra)
     return env
 
 
 def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "torchrun") -> None:
-    prefix = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"],
-              "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus"]}[launcher]
+    prefix = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"],
+        "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus"],
+    }[launcher]
     command = [*prefix, str(nproc), "--master_port", str(free_port()), str(WORKER), mode, "--out", str(out), *args]
     result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def reference_training(steps: int, accumulation: int, world_size: int,
-                       length: int = LENGTH) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_training(
+    steps: int, accumulation: int, world_size: int, length: int = LENGTH
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size."""
     torch.manual_seed(0)  # rank 0's model: the engine keeps the node writer's weights
     model = tiny_models.llama(num_layers=4)
@@ -72,6 +78,7 @@ def relative_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor
 
 # -- pure rules (no processes) ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("numel", [1, 63, 64, 1000, 4096 + 17])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 8])
 def test_windows_split_a_state_exactly_on_aligned_bounds(numel: int, ranks: int) -> None:
@@ -92,28 +99,51 @@ def test_layout_window_keeps_the_group_runs_inside_it() -> None:
 
 
 def test_batch_rules_count_every_rank() -> None:
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     assert parse_engine_config(config, world_size=4).train_batch_size == 24
     with pytest.raises(ConfigError, match="torchrun"):
         parse_engine_config({**config, "train_batch_size": 6}, world_size=2)
 
 
 def _rank_on_node(index: int, ranks: int) -> DataParallel:
-    return DataParallel(rank=index, world_size=ranks, node_index=index, node_size=ranks, comm_group=None,
-                        control_group=None, node_group=None, leaders_group=None, shared=None,  # type: ignore[arg-type]
-                        timeout_s=1.0)
+    return DataParallel(
+        rank=index,
+        world_size=ranks,
+        node_index=index,
+        node_size=ranks,
+        comm_group=None,
+        control_group=None,
+        node_group=None,
+        leaders_group=None,
+        shared=None,  # type: ignore[arg-type]
+        timeout_s=1.0,
+    )
 
 
 # -- launched ranks ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("launcher, layout", [("torchrun", "one node"), ("torchrun", "one rank per node"),
-                                              ("deepspeed", "one node")])
-def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_single_thread: None, launcher: str,
-                                                      layout: str) -> None:
+
+@pytest.mark.parametrize(
+    "launcher, layout", [("torchrun", "one node"), ("torchrun", "one rank per node"), ("deepspeed", "one node")]
+)
+def test_two_ranks_match_one_process_with_both_batches(
+    tmp_path: Path, cpu_single_thread: None, launcher: str, layout: str
+) -> None:
     steps, accumulation = 5, 2
-    launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation),
-             *(["--one-rank-per-node"] if layout == "one rank per node" else []), launcher=launcher)
+    launch(
+        "parity",
+        tmp_path,
+        "--steps",
+        str(steps),
+        "--accumulation",
+        str(accumulation),
+        *(["--one-rank-per-node"] if layout == "one rank per node" else []),
+        launcher=launcher,
+    )
     expected, expected_norms = reference_training(steps, accumulation, world_size=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert min(expected_norms) > CLIPPING  # clipping is active in every step
@@ -130,8 +160,20 @@ def test_two_ranks_with_chunked_loss_and_tiled_mlp_match_one_process(tmp_path: P
     ranks still train as one process with both batches does (tolerances as above: chunks and
     tiles only reorder fp32 additions, test_long_context.py)."""
     steps, accumulation, length, chunk, tile = 5, 2, 40, 13, 9
-    launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation), "--length", str(length),
-           "--loss-chunk-tokens", str(chunk), "--mlp-tile-tokens", str(tile))
+    launch(
+        "parity",
+        tmp_path,
+        "--steps",
+        str(steps),
+        "--accumulation",
+        str(accumulation),
+        "--length",
+        str(length),
+        "--loss-chunk-tokens",
+        str(chunk),
+        "--mlp-tile-tokens",
+        str(tile),
+    )
     expected, expected_norms = reference_training(steps, accumulation, world_size=2, length=length)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert min(expected_norms) > CLIPPING
@@ -176,11 +218,23 @@ def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> No
     port = str(free_port())
     processes = []
     for rank in range(2):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-        processes.append(subprocess.Popen([sys.executable, str(WORKER), "die", "--out", str(tmp_path),
-                                           "--timeout", "60"], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+        env = _env(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), "die", "--out", str(tmp_path), "--timeout", "60"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     survivor, victim = processes
     victim.wait(timeout=TIMEOUT_S)
     killed_at = float((tmp_path / "killed").read_text())

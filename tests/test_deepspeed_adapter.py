@@ -4,11 +4,11 @@ import logging
 import re
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds import ConfigError, MegatrainEngine
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import ConfigError, MegatrainEngine
 
 
 @pytest.fixture

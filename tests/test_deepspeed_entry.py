@@ -5,9 +5,8 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
 import tiny_models
+import torch
 from side_by_side import ds_config
 
 
@@ -20,7 +19,8 @@ def test_megatrain_config_is_routed_to_the_engine(tmp_path):
     path.write_text(json.dumps(ds_config()))
     for config in (ds_config(), str(path)):
         engine, optimizer, loader, scheduler = deepspeed.initialize(
-            model=tiny_models.llama(), config=config, training_data=list(range(10)))
+            model=tiny_models.llama(), config=config, training_data=list(range(10))
+        )
         try:
             assert isinstance(engine, megatrain_ds.MegatrainEngine)
             assert optimizer is engine.optimizer and scheduler is None
@@ -39,10 +39,11 @@ def test_other_configs_reach_deepspeed_unchanged():
 
     import megatrain_ds  # noqa: F401  (installs the routing)
 
-    config = {"train_micro_batch_size_per_gpu": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=config,
-                                      model_parameters=None)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=config, model_parameters=None)
     assert type(engine) is DeepSpeedEngine
 
 
@@ -52,15 +53,14 @@ def test_routing_works_whichever_is_imported_first():
             {imports}
             print(getattr(deepspeed.initialize, "__megatrain_original__", None) is not None)
         """)
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                check=True)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
         assert result.stdout.strip().splitlines()[-1] == "True", result.stderr
 
 
 def test_routing_can_be_switched_off(monkeypatch):
     import deepspeed
 
-    import megatrain_ds  # noqa: F401
+    import megatrain_ds
 
     monkeypatch.setenv("MEGATRAIN_DISABLE_HOOK", "1")
     config = ds_config()

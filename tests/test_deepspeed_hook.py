@@ -5,8 +5,8 @@ regular wheel, gives Accelerate's config reader a ZeRO block for the minimal con
 
 import json
 import os
-import site
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -33,8 +33,9 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(python: str = sys.executable, **env: str) -> list[str]:
-    result = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **env}, cwd="/")
+    result = subprocess.run(
+        [python, "-c", PROBE], capture_output=True, text=True, timeout=300, env={**os.environ, **env}, cwd="/"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.split()
 
@@ -70,8 +71,14 @@ PLUGIN_PROBE = textwrap.dedent(f"""
 
 
 def _plugin_probe(**env: str) -> list:
-    result = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **env}, cwd="/")
+    result = subprocess.run(
+        [sys.executable, "-c", PLUGIN_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        cwd="/",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -142,8 +149,23 @@ def test_a_regular_wheel_install_routes(tmp_path):
     (venv_site / "running_interpreter_packages.pth").write_text("\n".join(_running_site_dirs()) + "\n")
     # --target, never --prefix: with --prefix pip uninstalls the copy it finds on sys.path
     # (this environment's editable install) before installing.
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                    "--target", str(venv_site), str(wheel)], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(venv_site),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     # PYTHONPATH (a worktree's checkout) would come before the wheel's copy.
     routed, imported, hook_file = _probe(str(python), PYTHONPATH="")
     assert (routed, imported) == ("True", "True")

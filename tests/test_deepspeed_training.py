@@ -10,11 +10,11 @@ import copy
 import warnings
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds import ConfigError
+import torch
 from side_by_side import relative_weight_error
+
+from megatrain_ds import ConfigError
 
 LR, WEIGHT_DECAY, STEPS = 1e-3, 0.1, 6
 
@@ -60,8 +60,10 @@ def test_config_scheduler_has_deepspeeds_semantics(name):
     torch.manual_seed(0)
     model = tiny_models.llama()
     reference = copy.deepcopy(model)
-    config = _config(optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-                     scheduler={"type": name, "params": params})
+    config = _config(
+        optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        scheduler={"type": name, "params": params},
+    )
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=config)
     try:
         scheduler_class = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name)
@@ -89,8 +91,10 @@ def test_client_optimizer_groups_and_scheduler_are_honoured():
     reference = copy.deepcopy(model)
 
     def groups(m):
-        return [{"params": [p for n, p in m.named_parameters() if "norm" not in n], "weight_decay": WEIGHT_DECAY},
-                {"params": [p for n, p in m.named_parameters() if "norm" in n], "weight_decay": 0.0}]
+        return [
+            {"params": [p for n, p in m.named_parameters() if "norm" not in n], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for n, p in m.named_parameters() if "norm" in n], "weight_decay": 0.0},
+        ]
 
     def schedule(step):
         return [0.5, 1.0, 0.25, 0.1, 1.0, 0.5][step % STEPS]
@@ -104,8 +108,9 @@ def test_client_optimizer_groups_and_scheduler_are_honoured():
         reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, schedule)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            lrs, reference_lrs = _train(engine, reference, reference_optimizer, reference_scheduler,
-                                        user_scheduler=client_scheduler)
+            lrs, reference_lrs = _train(
+                engine, reference, reference_optimizer, reference_scheduler, user_scheduler=client_scheduler
+            )
         assert [str(w.message) for w in caught if "lr_scheduler" in str(w.message)] == []
         assert lrs == reference_lrs
         assert relative_weight_error(engine, reference) < 2e-7
@@ -118,11 +123,15 @@ def test_client_scheduler_wins_over_the_config_block():
     """DeepSpeed's precedence: lr_scheduler= (here its callable form) over "scheduler"."""
     import deepspeed
 
-    config = _config(optimizer={"type": "AdamW", "params": {"lr": LR}},
-                     scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2}})
+    config = _config(
+        optimizer={"type": "AdamW", "params": {"lr": LR}},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+    )
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=tiny_models.llama(), config=config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5))
+        model=tiny_models.llama(),
+        config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5),
+    )
     try:
         assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and scheduler.optimizer is optimizer
         assert engine.lr_scheduler is scheduler and engine.get_lr() == [LR * 0.5]
@@ -130,12 +139,18 @@ def test_client_scheduler_wins_over_the_config_block():
         engine.destroy()
 
 
-@pytest.mark.parametrize("scheduler, message", [
-    ({"type": "WarmupLinear"}, r"scheduler.type 'WarmupLinear' is not a DeepSpeed or torch scheduler; "
-                               r"DeepSpeed's: .*WarmupDecayLR"),
-    ({"type": "Optimizer"}, r"scheduler.type 'Optimizer' is not a DeepSpeed or torch scheduler"),
-    ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, r"scheduler.params do not fit WarmupLR"),
-])
+@pytest.mark.parametrize(
+    "scheduler, message",
+    [
+        (
+            {"type": "WarmupLinear"},
+            r"scheduler.type 'WarmupLinear' is not a DeepSpeed or torch scheduler; "
+            r"DeepSpeed's: .*WarmupDecayLR",
+        ),
+        ({"type": "Optimizer"}, r"scheduler.type 'Optimizer' is not a DeepSpeed or torch scheduler"),
+        ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, r"scheduler.params do not fit WarmupLR"),
+    ],
+)
 def test_bad_scheduler_blocks_are_rejected(scheduler, message):
     import deepspeed
 
@@ -161,8 +176,10 @@ def test_deepspeeds_adam_as_client_follows_its_adam_w_mode():
     stand_in = type("DeepSpeedCPUAdam", (torch.optim.Optimizer,), {"__module__": "deepspeed.ops.adam.cpu_adam"})
     model = tiny_models.llama(num_layers=2)
     for adam_w_mode in (True, False):
-        client = stand_in(model.parameters(), {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8,
-                                               "weight_decay": 0.0, "bias_correction": True})
+        client = stand_in(
+            model.parameters(),
+            {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True},
+        )
         client.adam_w_mode = adam_w_mode
         facade = build_optimizer(model, None, None, client)
         assert facade.decoupled is adam_w_mode and facade.param_groups is client.param_groups

@@ -124,7 +124,9 @@ def test_backticked_repository_paths_exist(doc: Path):
 
 def test_readme_is_a_front_page():
     size = len((REPO / "README.md").read_text(encoding="utf-8"))
-    assert size <= README_MAX_CHARS, f"README.md has {size} characters (at most {README_MAX_CHARS}): move detail to docs/"
+    assert size <= README_MAX_CHARS, (
+        f"README.md has {size} characters (at most {README_MAX_CHARS}): move detail to docs/"
+    )
 
 
 def test_docs_has_pages():
@@ -153,8 +155,11 @@ def map_rows(text: str) -> list[tuple[int, str, set[str]]]:
 
 
 def map_problems(text: str) -> list[str]:
-    expected = [(index, f"{name}/" if (PACKAGE / name).is_dir() else f"{name}.py")
-                for index, names in enumerate(_layers()) for name in names]
+    expected = [
+        (index, f"{name}/" if (PACKAGE / name).is_dir() else f"{name}.py")
+        for index, names in enumerate(_layers())
+        for name in names
+    ]
     rows = map_rows(text)
     problems = []
     if [(layer, module) for layer, module, _ in rows] != expected:
@@ -176,14 +181,18 @@ def test_the_checks_catch_what_they_should():
     """Each checker on made-up text: broken links, missing anchors and missing paths are
     reported; existing ones, external links, placeholders and code blocks are not."""
     readme = REPO / "README.md"
-    good = ("[docs](docs/README.md) [perf](docs/performance.md#host-memory) [self](#two-commands) "
-            "[web](https://example.com/nowhere.md) `megatrain_ds/engine.py` `streaming/weight_streamer.py` "
-            "`bench/results/timeline_<device>.png` `train.py` `~/.cache/megatrain_ds/calibration.json`\n"
-            "```bash\npython bench/nowhere.py  # [x](nowhere.md) `nowhere/at_all.py`\n```\n")
+    good = (
+        "[docs](docs/README.md) [perf](docs/performance.md#host-memory) [self](#two-commands) "
+        "[web](https://example.com/nowhere.md) `megatrain_ds/engine.py` `streaming/weight_streamer.py` "
+        "`bench/results/timeline_<device>.png` `train.py` `~/.cache/megatrain_ds/calibration.json`\n"
+        "```bash\npython bench/nowhere.py  # [x](nowhere.md) `nowhere/at_all.py`\n```\n"
+    )
     assert broken_links(readme, good) == []
     assert missing_paths(readme, good) == []
-    bad = ("[a](docs/nowhere.md) [b](docs/performance.md#no-such-heading) [c](#no-such-heading)\n"
-           "`megatrain_ds/nowhere.py` `streaming/nowhere.py` `bench/nowhere.sh` `configs/nowhere.yaml`\n")
+    bad = (
+        "[a](docs/nowhere.md) [b](docs/performance.md#no-such-heading) [c](#no-such-heading)\n"
+        "`megatrain_ds/nowhere.py` `streaming/nowhere.py` `bench/nowhere.sh` `configs/nowhere.yaml`\n"
+    )
     assert len(broken_links(readme, bad)) == 3
     assert len(missing_paths(readme, bad)) == 4
     assert _slug("Planning a run: `megatrain plan`") == "planning-a-run-megatrain-plan"

@@ -14,31 +14,43 @@ import subprocess
 import sys
 
 import pytest
+import tiny_models
 import torch
 import transformers
-
-import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.config import ConfigError, MegatrainOptions
-from megatrain_ds.planning import recompute_policy
-from megatrain_ds.planning.planner import (FRAGMENT_COPY_OVERHEAD_S, FRAGMENT_GAIN_MARGIN, GPU_HARDWARE, Hardware,
-                                           ModelShape, RunSettings, choose_fragment_bytes, fragment_policies, plan,
-                                           predicted_step_seconds, step_seconds, weight_fill_seconds)
-from megatrain_ds.cli import shape_of
 from side_by_side import ds_config, train_side_by_side
 from test_fragments import _copying
 from test_parity import assert_parity
 from test_planner import CPU
 
+from megatrain_ds.cli import shape_of
+from megatrain_ds.config import ConfigError, MegatrainOptions
+from megatrain_ds.planning import recompute_policy
+from megatrain_ds.planning.planner import (
+    FRAGMENT_COPY_OVERHEAD_S,
+    FRAGMENT_GAIN_MARGIN,
+    GPU_HARDWARE,
+    Hardware,
+    ModelShape,
+    RunSettings,
+    choose_fragment_bytes,
+    fragment_policies,
+    plan,
+    predicted_step_seconds,
+    step_seconds,
+    weight_fill_seconds,
+)
+
 # 1 TFLOP/s, 1 GB/s each way; the optimizer never the bound.
 SLOW_LINK = Hardware("slow-link", 1e12, 1e9, 1e9, 1e15, 1 << 40)
-SMALL = ModelShape(num_blocks=4, block_params=1_000_000, total_block_params=4_000_000, resident_params=100_000,
-                   hidden=100, vocab=1000)
+SMALL = ModelShape(
+    num_blocks=4, block_params=1_000_000, total_block_params=4_000_000, resident_params=100_000, hidden=100, vocab=1000
+)
 
 
 def _llama_shape(layers: int) -> ModelShape:
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                      num_hidden_layers=layers, num_attention_heads=32)
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32
+    )
     with torch.device("meta"):
         return shape_of(transformers.LlamaForCausalLM(config))
 
@@ -55,10 +67,13 @@ def test_whole_blocks_expose_a_block_per_pass_and_fragments_one_piece_by_hand():
     fragmented = RunSettings(seq_len=100, bf16=True, accumulation=2, fragment_bytes=200_000)
     piece = 2e-4 + FRAGMENT_COPY_OVERHEAD_S
     assert weight_fill_seconds(SMALL, fragmented, SLOW_LINK) == pytest.approx(
-        2 * (min(piece, 2e-5) + min(piece - 6e-5, 6e-5)))
+        2 * (min(piece, 2e-5) + min(piece - 6e-5, 6e-5))
+    )
     # Nine more copies per block per crossing, two crossings per micro-batch, on the link.
-    extra = step_seconds(SMALL, fragmented, SLOW_LINK)["host_to_device"] - step_seconds(
-        SMALL, settings, SLOW_LINK)["host_to_device"]
+    extra = (
+        step_seconds(SMALL, fragmented, SLOW_LINK)["host_to_device"]
+        - step_seconds(SMALL, settings, SLOW_LINK)["host_to_device"]
+    )
     assert extra == pytest.approx(2 * 2 * 4 * 9 * FRAGMENT_COPY_OVERHEAD_S)
     # The predicted step is the bounds' plus the fill; a whole-block run pays the fill.
     assert predicted_step_seconds(SMALL, settings, SLOW_LINK) > max(step_seconds(SMALL, settings, SLOW_LINK).values())
@@ -90,7 +105,8 @@ def test_auto_keeps_whole_blocks_where_compute_or_a_fast_link_hides_the_copy(lay
     policies = fragment_policies(shape, settings, hardware)
     assert policies["fragments"]["fragment_bytes"] > 0  # a size was tried, and gains too little
     assert policies["fragments"]["predicted_step_seconds"] > policies["whole"]["predicted_step_seconds"] * (
-        1 - FRAGMENT_GAIN_MARGIN)
+        1 - FRAGMENT_GAIN_MARGIN
+    )
     assert choose_fragment_bytes(shape, settings, hardware) == 0
     assert plan(shape, settings, hardware, 1 << 40).recommended["fragment_bytes"] is None
 
@@ -104,7 +120,8 @@ def test_auto_keeps_whole_blocks_on_the_cpu():
         # Nothing is copied: fragments change nothing the cores do.
         policies = fragment_policies(shape, settings, CPU)
         assert policies["fragments"]["predicted_step_seconds"] == pytest.approx(
-            policies["whole"]["predicted_step_seconds"])
+            policies["whole"]["predicted_step_seconds"]
+        )
 
 
 @pytest.mark.parametrize("value", ["auto", None, 0, 4096, 1 << 20])
@@ -165,9 +182,24 @@ def test_auto_in_the_engine_on_the_cpu_copies_nothing_in_pieces(caplog):
 
 def test_cli_prints_the_step_with_and_without_fragments():
     result = subprocess.run(
-        [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", "configs/models/tiny_llama.json",
-         "--gpu", "h100", "--host-memory", "64GB", "--seq-len", "256"],
-        capture_output=True, text=True, check=True)
+        [
+            sys.executable,
+            "-m",
+            "megatrain_ds.cli",
+            "plan",
+            "--model",
+            "configs/models/tiny_llama.json",
+            "--gpu",
+            "h100",
+            "--host-memory",
+            "64GB",
+            "--seq-len",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("fragmented weight streaming"))
     assert "whole blocks" in lines[header + 1] and "predicted step" in lines[header + 1]

@@ -7,14 +7,13 @@ gradients staged, as on a GPU but with synchronous copies. Parity tolerances as 
 """
 
 import pytest
-import torch
-
 import tiny_models
+from side_by_side import ds_config, train_side_by_side
+from test_parity import assert_parity
+
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
 from megatrain_ds.streaming.weight_fragments import plan_fragments
-from side_by_side import ds_config, train_side_by_side
-from test_parity import assert_parity
 
 
 def test_pieces_cover_the_buffer_in_the_order_parts_are_used():
@@ -43,8 +42,10 @@ def test_fragments_on_and_off_match_pytorch_with_the_same_bytes(family, recomput
     _copying(monkeypatch)
     copied = {}
     for fragment_bytes in (None, 4096):
-        config = ds_config(accumulation=2, megatrain={"recompute": recompute, "checkpoint_interval": 2,
-                                                      "fragment_bytes": fragment_bytes})
+        config = ds_config(
+            accumulation=2,
+            megatrain={"recompute": recompute, "checkpoint_interval": 2, "fragment_bytes": fragment_bytes},
+        )
         engine, reference, trace = train_side_by_side(tiny_models.FAMILIES[family], config)
         try:
             assert_parity(engine, reference, trace)
@@ -71,7 +72,11 @@ def test_the_first_piece_holds_the_first_module_used(monkeypatch):
         parts, order = template.parts_in_use()
         named = [parts[i] for i in order if parts[i]]
         assert [names[0].split(".")[0] for names in named] == [
-            "input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
+            "input_layernorm",
+            "self_attn",
+            "post_attention_layernorm",
+            "mlp",
+        ]
         plan = engine.streamer._plans[0]
         first = engine.states[0].layout.slot("input_layernorm.weight")
         assert plan.ranges[0][0] <= first.offset < plan.ranges[0][1]

@@ -9,13 +9,13 @@ import math
 import time
 
 import pytest
+import tiny_models
 import torch
 import transformers
+from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.model.block_template import BlockTemplate
-from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,7 +49,8 @@ def _train_on_cuda(make_model, config, autocast_reference, steps=5):
 def test_fp32_parity_on_cuda(family):
     """fp32 on CUDA: same tolerances as the CPU parity suite (TF32 disabled by default)."""
     engine, reference, ours, theirs = _train_on_cuda(
-        tiny_models.FAMILIES[family], ds_config(clipping=1.0), autocast_reference=False)
+        tiny_models.FAMILIES[family], ds_config(clipping=1.0), autocast_reference=False
+    )
     try:
         for a, b in zip(ours, theirs):
             assert math.isclose(a, b, rel_tol=1e-5)
@@ -64,7 +65,8 @@ def test_bf16_compute_against_bf16_autocast_reference(family):
     residual adds in bf16 too (autocast keeps some in fp32), so agreement is at bf16
     resolution: per-step loss 1e-2 relative, weights 1e-2 global relative after 5 steps."""
     engine, reference, ours, theirs = _train_on_cuda(
-        tiny_models.FAMILIES[family], ds_config(clipping=1.0, bf16=True), autocast_reference=True)
+        tiny_models.FAMILIES[family], ds_config(clipping=1.0, bf16=True), autocast_reference=True
+    )
     try:
         for a, b in zip(ours, theirs):
             assert math.isclose(a, b, rel_tol=1e-2)
@@ -74,9 +76,15 @@ def test_bf16_compute_against_bf16_autocast_reference(family):
 
 
 def _wide_llama(num_layers: int) -> transformers.PreTrainedModel:
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=4096,
-                                      num_hidden_layers=num_layers, num_attention_heads=8,
-                                      num_key_value_heads=8, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=num_layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -125,7 +133,7 @@ def test_peak_gpu_memory_is_flat_in_depth():
         base = torch.cuda.memory_allocated()
         engine = MegatrainEngine(_wide_llama(depth), parse_engine_config(ds_config(bf16=True)))
         try:
-            for step in range(2):
+            for _step in range(2):
                 ids = torch.randint(0, 256, (2, 128), device="cuda")
                 loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)

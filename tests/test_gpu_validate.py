@@ -20,16 +20,26 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_names_every_step_and_option():
     result = run("--help")
     assert result.returncode == 0, result.stderr
-    for word in [*STEPS, "--dry-run", "--out", "--skip", "--compare-args", "TORCH_CUDA_SANITIZER=1",
-                 "prepare_wheels.sh"]:
+    for word in [
+        *STEPS,
+        "--dry-run",
+        "--out",
+        "--skip",
+        "--compare-args",
+        "TORCH_CUDA_SANITIZER=1",
+        "prepare_wheels.sh",
+    ]:
         assert word in result.stdout, word
 
 
 def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
     result = run("--dry-run", "--out", str(tmp_path), "--skip", "compare", "--compare-args", "--layers 2")
     assert result.returncode == 0, result.stderr
-    planned = [line.split(":")[0].removeprefix("[dry-run] ") for line in result.stdout.splitlines()
-               if line.startswith("[dry-run] ")]
+    planned = [
+        line.split(":")[0].removeprefix("[dry-run] ")
+        for line in result.stdout.splitlines()
+        if line.startswith("[dry-run] ")
+    ]
     expected = [step for step in STEPS if step not in ("compare", "data-parallel")]
     if torch.cuda.device_count() > 1:
         expected.insert(3, "data-parallel")
@@ -52,11 +62,14 @@ def test_a_dry_run_without_out_leaves_the_repository_alone():
     assert set((SCRIPT.parents[1] / "bench" / "results").iterdir()) == before
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--skip", "nope"], "unknown step 'nope'"),
-    (["--out"], "--out needs a directory"),
-    (["--frobnicate"], "unknown argument '--frobnicate'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--skip", "nope"], "unknown step 'nope'"),
+        (["--out"], "--out needs a directory"),
+        (["--frobnicate"], "unknown argument '--frobnicate'"),
+    ],
+)
 def test_bad_arguments_are_named(args, message):
     result = run(*args)
     assert result.returncode == 2 and message in result.stderr

@@ -15,8 +15,21 @@ MIB = 1 << 20
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _glibc() -> ctypes.CDLL:
@@ -56,8 +69,13 @@ def test_free_heap_pages_go_back_to_the_system():
     assert keep_large_transients_mapped()
     # Heap-sized tensors, written so their pages are resident, with a kept one after each:
     # freeing the others leaves holes, which glibc keeps (it can only shrink the heap's top).
-    pairs = [(torch.ones(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8),
-              torch.ones(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8)) for _ in range(32)]
+    pairs = [
+        (
+            torch.ones(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8),
+            torch.ones(MMAP_THRESHOLD_BYTES // 4, dtype=torch.uint8),
+        )
+        for _ in range(32)
+    ]
     kept = [keep for _, keep in pairs]
     freed = sum(hole.numel() for hole, _ in pairs)
     del pairs

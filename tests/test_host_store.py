@@ -3,20 +3,26 @@
 import copy
 
 import pytest
+import tiny_models
 import torch
 import transformers
+from side_by_side import ds_config
 
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
-from side_by_side import ds_config
 
 
 def _mid_llama(num_layers=4):
     """Hidden 64: every tensor is a multiple of the 64-element alignment, so no padding."""
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=num_layers, num_attention_heads=4,
-                                      num_key_value_heads=2, attn_implementation="eager")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -55,17 +61,18 @@ def test_state_dict_reports_fp32_masters_in_bf16_compute():
 @pytest.mark.parametrize(
     "bf16, clipping, accumulation, expected_bytes_per_param",
     [
-        (True, 1.0, 1, 4 + 8 + 2 + 2),   # master, m+v, bf16 shadow, bf16 gradients for the norm
-        (False, 1.0, 1, 4 + 8 + 4),      # fp32 gradients held for the norm
-        (False, 0.0, 1, 4 + 8),          # no clipping: gradients are consumed as they arrive
-        (True, 0.0, 2, 4 + 8 + 2 + 4),   # accumulation: fp32 accumulator
+        (True, 1.0, 1, 4 + 8 + 2 + 2),  # master, m+v, bf16 shadow, bf16 gradients for the norm
+        (False, 1.0, 1, 4 + 8 + 4),  # fp32 gradients held for the norm
+        (False, 0.0, 1, 4 + 8),  # no clipping: gradients are consumed as they arrive
+        (True, 0.0, 2, 4 + 8 + 2 + 4),  # accumulation: fp32 accumulator
     ],
 )
 def test_host_bytes_per_parameter(bf16, clipping, accumulation, expected_bytes_per_param):
     model = _mid_llama()
     num_params = sum(p.numel() for p in model.parameters())
-    engine = MegatrainEngine(model, parse_engine_config(
-        ds_config(bf16=bf16, clipping=clipping, accumulation=accumulation)))
+    engine = MegatrainEngine(
+        model, parse_engine_config(ds_config(bf16=bf16, clipping=clipping, accumulation=accumulation))
+    )
     try:
         total = sum(engine.host_bytes().values())
         assert total == expected_bytes_per_param * num_params
@@ -78,8 +85,9 @@ def test_host_bytes_per_parameter(bf16, clipping, accumulation, expected_bytes_p
 
 
 def test_bf16_master_has_no_shadow_and_is_streamed_directly():
-    engine = MegatrainEngine(_mid_llama(), parse_engine_config(
-        ds_config(bf16=True, megatrain={"master_dtype": "bf16"})))
+    engine = MegatrainEngine(
+        _mid_llama(), parse_engine_config(ds_config(bf16=True, megatrain={"master_dtype": "bf16"}))
+    )
     try:
         state = engine.states[0]
         assert state.master.dtype == torch.bfloat16 and state.shadow is None

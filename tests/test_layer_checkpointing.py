@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
+import tiny_models
 import torch
+from side_by_side import ds_config, train_side_by_side
+from test_parity import assert_parity
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from side_by_side import ds_config, train_side_by_side
-from test_parity import assert_parity
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 STEPS = 3
@@ -32,6 +32,7 @@ def _with_hf_checkpointing(family: str, **kwargs) -> Callable[[], nn.Module]:
         model = tiny_models.FAMILIES[family]()
         model.gradient_checkpointing_enable(**kwargs)
         return model
+
     return make
 
 
@@ -43,18 +44,20 @@ def _train(make_model: Callable[[], nn.Module], config: dict) -> tuple[list[floa
         engine.destroy()
 
 
-@pytest.mark.parametrize(("family", "kwargs"), [
-    ("llama", {}),  # transformers' default: use_reentrant=False
-    ("llama", {"gradient_checkpointing_kwargs": {"use_reentrant": True}}),
-    ("gpt2", {}),  # dropout on: the recompute must replay the forward's masks
-    ("qwen2", {"every_n_layers": 2}),  # the flag differs between blocks of one template
-])
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [
+        ("llama", {}),  # transformers' default: use_reentrant=False
+        ("llama", {"gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+        ("gpt2", {}),  # dropout on: the recompute must replay the forward's masks
+        ("qwen2", {"every_n_layers": 2}),  # the flag differs between blocks of one template
+    ],
+)
 def test_hf_gradient_checkpointing_trains_as_without_it(family, kwargs, caplog) -> None:
     config = ds_config(megatrain={"checkpoint_interval": 2})
     plain_losses, plain_weights = _train(tiny_models.FAMILIES[family], config)
     with caplog.at_level(logging.INFO, logger="megatrain_ds.model.layer_checkpointing"):
-        engine, reference, trace = train_side_by_side(_with_hf_checkpointing(family, **kwargs), config,
-                                                      steps=STEPS)
+        engine, reference, trace = train_side_by_side(_with_hf_checkpointing(family, **kwargs), config, steps=STEPS)
     try:
         # The user's model still says what the user asked; only the templates ignore it.
         assert engine.module.is_activation_checkpointing
@@ -99,10 +102,10 @@ class _UserCheckpointed(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(input_ids)
         for layer in self.layers:
-            hidden = layer(hidden) if self.reentrant is None else checkpoint(
-                layer, hidden, use_reentrant=self.reentrant)
-        logits = (checkpoint(self.head, hidden, use_reentrant=False) if self.checkpoint_head
-                  else self.head(hidden))
+            hidden = (
+                layer(hidden) if self.reentrant is None else checkpoint(layer, hidden, use_reentrant=self.reentrant)
+            )
+        logits = checkpoint(self.head, hidden, use_reentrant=False) if self.checkpoint_head else self.head(hidden)
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 

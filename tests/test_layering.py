@@ -70,8 +70,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 package = module if path.name == "__init__.py" else module.rpartition(".")[0]
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                       for alias in node.names]
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
         for target in targets:
@@ -103,7 +102,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:
@@ -131,9 +130,12 @@ def test_no_import_cycle():
 
 
 def test_no_import_goes_up_the_layers():
-    upward = [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
-              for module, targets in _graph().items() for target in sorted(targets)
-              if _layer(target) > _layer(module)]
+    upward = [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+        for module, targets in _graph().items()
+        for target in sorted(targets)
+        if _layer(target) > _layer(module)
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -173,8 +175,13 @@ def test_only_the_integration_layer_imports_the_frameworks():
         if _layer(module) >= below:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             for name in names:
                 framework = name.split(".")[0] in ("accelerate", "transformers", "trl", "peft")
                 if framework or (name.startswith("deepspeed") and not name.startswith("deepspeed.ops")):

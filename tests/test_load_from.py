@@ -9,15 +9,14 @@ import math
 
 import accelerate
 import pytest
+import tiny_models
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-
-import tiny_models
-from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
-from megatrain_ds.checkpoint import safetensors_source
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
+from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
+from megatrain_ds.checkpoint import safetensors_source
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -43,8 +42,9 @@ def test_meta_model_trains_like_from_pretrained(pretrained, how):
     model = _meta_llama(how)
     assert all(p.is_meta for p in model.parameters())
     engine = MegatrainEngine(model, parse_engine_config(ds_config(megatrain={"load_from": str(pretrained)})))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32,
-                                                                  attn_implementation="eager")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        pretrained, dtype=torch.float32, attn_implementation="eager"
+    )
     try:
         ours, theirs = engine.module.state_dict(), reference.state_dict()
         assert ours.keys() == theirs.keys()
@@ -103,8 +103,9 @@ def test_a_tied_weight_saved_under_its_other_name_is_found(tmp_path):
 def test_big_tensors_are_read_in_pieces(pretrained, monkeypatch):
     """With a piece of 256 bytes every matrix crosses in several pieces; the result is the same."""
     monkeypatch.setattr(safetensors_source, "CHUNK_BYTES", 256)
-    engine = MegatrainEngine(_meta_llama("torch.device"),
-                             parse_engine_config(ds_config(megatrain={"load_from": str(pretrained)})))
+    engine = MegatrainEngine(
+        _meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(pretrained)}))
+    )
     try:
         files = {}
         for path in pretrained.glob("model-*.safetensors"):
@@ -120,17 +121,27 @@ def test_missing_tensor_names_it_and_the_directory(tmp_path):
     source = tiny_models.llama()
     tensors = {n: t.contiguous() for n, t in source.state_dict().items() if n != "model.layers.2.mlp.up_proj.weight"}
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"{tmp_path} has no tensor 'model.layers.2.mlp.up_proj.weight' "
-                                         r"\(this model's has shape \[48, 32\]\)"):
-        MegatrainEngine(_meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)})))
+    with pytest.raises(
+        ValueError,
+        match=rf"{tmp_path} has no tensor 'model.layers.2.mlp.up_proj.weight' "
+        r"\(this model's has shape \[48, 32\]\)",
+    ):
+        MegatrainEngine(
+            _meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)}))
+        )
 
 
 def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
     config = transformers.LlamaConfig(**{**tiny_models._common(4), "intermediate_size": 40})
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight': model.safetensors in .* "
-                                         r"has shape \[40, 32\], this model has \[48, 32\]"):
-        MegatrainEngine(_meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)})))
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model.layers.0.mlp.gate_proj.weight': model.safetensors in .* "
+        r"has shape \[40, 32\], this model has \[48, 32\]",
+    ):
+        MegatrainEngine(
+            _meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)}))
+        )
 
 
 def test_meta_model_without_load_from_is_rejected():
@@ -140,10 +151,14 @@ def test_meta_model_without_load_from_is_rejected():
 
 def test_load_from_must_be_a_directory_of_safetensors(tmp_path):
     with pytest.raises(ConfigError, match=r"megatrain.load_from: .*missing is not a directory"):
-        MegatrainEngine(_meta_llama("torch.device"),
-                        parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path / "missing")})))
+        MegatrainEngine(
+            _meta_llama("torch.device"),
+            parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path / "missing")})),
+        )
     with pytest.raises(ConfigError, match=r"has no model.safetensors.index.json, model.safetensors"):
-        MegatrainEngine(_meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)})))
+        MegatrainEngine(
+            _meta_llama("torch.device"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)}))
+        )
 
 
 def test_unused_tensors_are_reported(tmp_path, caplog):
@@ -152,7 +167,8 @@ def test_unused_tensors_are_reported(tmp_path, caplog):
     tensors["model.layers.9.extra.weight"] = torch.zeros(3)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.WARNING):
-        engine = MegatrainEngine(_meta_llama("init_empty_weights"),
-                                 parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)})))
+        engine = MegatrainEngine(
+            _meta_llama("init_empty_weights"), parse_engine_config(ds_config(megatrain={"load_from": str(tmp_path)}))
+        )
     engine.destroy()
     assert "has 1 tensor(s) this model does not use: model.layers.9.extra.weight" in caplog.text

@@ -13,17 +13,17 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_models
 import torch
 import torch.nn.functional as F
 import transformers
+from side_by_side import ds_config, train_side_by_side
+from test_parity import assert_parity
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import tiny_models
 from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
 from megatrain_ds.model.causal_lm_loss import unsupported_reason
 from megatrain_ds.model.chunked_loss import chunked_linear_cross_entropy
-from side_by_side import ds_config, train_side_by_side
-from test_parity import assert_parity
 
 CHUNK, TILE = 5, 4
 
@@ -71,8 +71,12 @@ def _packed_batch(seed: int) -> dict:
     lengths = [[5, 7], [3, 4, 5]]
     position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
     labels = input_ids.masked_fill(position_ids == 0, -100)
-    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels,
-            "num_items_in_batch": torch.tensor(2 * int((labels[:, 1:] != -100).sum()))}
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "labels": labels,
+        "num_items_in_batch": torch.tensor(2 * int((labels[:, 1:] != -100).sum())),
+    }
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -138,9 +142,16 @@ class _LargestRows(TorchDispatchMode):
 
 
 def _sdpa_llama() -> transformers.PreTrainedModel:
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -151,8 +162,11 @@ def test_no_tokens_by_vocab_or_tokens_by_ffn_tensor(features):
     whole 2 x 64 tokens of each appear (the check can fail)."""
     torch.manual_seed(0)
     chunk, tile = 16, 32  # tile >= hidden: the down projection's weight gradient is 32 x 48
-    options = {"loss_chunk_tokens": chunk, "mlp_tile_tokens": tile} if features else {
-        "loss_chunk_tokens": 0, "mlp_tile_tokens": 0}
+    options = (
+        {"loss_chunk_tokens": chunk, "mlp_tile_tokens": tile}
+        if features
+        else {"loss_chunk_tokens": 0, "mlp_tile_tokens": 0}
+    )
     engine = MegatrainEngine(_sdpa_llama(), parse_engine_config(ds_config(megatrain=options)))
     try:
         engine.train()
@@ -241,14 +255,22 @@ def test_bad_tile_sizes_are_config_errors(key, value):
 def _bench_shape(**changes):
     """The 117M Llama of bench/long_context.py, as ``megatrain plan`` reads it."""
     from megatrain_ds.cli import shape_of
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=8)
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         return shape_of(transformers.LlamaForCausalLM(config))
 
 
 def test_planner_max_sequence_length_is_where_the_step_stops_fitting():
     from megatrain_ds.planning.planner import Hardware, RunSettings, _fits, _with, max_sequence_length, plan
+
     shape = _bench_shape()
     assert shape.intermediate == 2816
     memory = 24 << 30
@@ -265,11 +287,13 @@ def test_planner_max_sequence_length_is_where_the_step_stops_fitting():
     # The memory the plan counts grows by bytes_per_token per token (it is linear in T).
     grown = plan(shape, _with(settings, seq_len=2 * 16384), cpu, memory)
     assert grown.predicted_peak_host_bytes - on.predicted_peak_host_bytes == pytest.approx(
-        16384 * on.bytes_per_token, rel=1e-3)
+        16384 * on.bytes_per_token, rel=1e-3
+    )
 
 
 def test_cli_prints_the_max_sequence_length(capsys):
     from megatrain_ds import cli
+
     cli.main(["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h100", "--seq-len", "4096"])
     out = capsys.readouterr().out
     assert "max sequence length:" in out and "memory per token of sequence:" in out

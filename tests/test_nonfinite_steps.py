@@ -14,13 +14,13 @@ import copy
 import math
 
 import pytest
-import torch
-
 import tiny_models
+import torch
+from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
+
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import NonFiniteGradientError
 from megatrain_ds.optimizer.speculative_step import StepOutcome
-from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -28,9 +28,10 @@ KINDS = ("master", "exp_avg", "exp_avg_sq", "shadow", "grad")
 
 
 def _snapshot(engine):
-    return ([{kind: getattr(s, kind).clone() for kind in KINDS if getattr(s, kind) is not None}
-             for s in engine.states],
-            {k: v.clone() for k, v in engine.module.state_dict().items()})
+    return (
+        [{kind: getattr(s, kind).clone() for kind in KINDS if getattr(s, kind) is not None} for s in engine.states],
+        {k: v.clone() for k, v in engine.module.state_dict().items()},
+    )
 
 
 def _assert_unchanged(engine, snapshot):

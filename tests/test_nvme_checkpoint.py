@@ -13,16 +13,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nvme_worker
 import pytest
 import torch
 
-import nvme_worker
 from megatrain_ds.planning.preflight import InsufficientMemoryError
 from megatrain_ds.state import swap_directory
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
 
 TESTS = Path(__file__).parent
-WORKER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
+WORKER_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])),
+}
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -33,8 +36,11 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("bf16, level", [(False, "optimizer"), (True, "optimizer"), (False, "all"), (True, "all")],
-                         ids=["fp32", "bf16-masters-on-tier", "fp32-weights-on-tier", "bf16-weights-on-tier"])
+@pytest.mark.parametrize(
+    "bf16, level",
+    [(False, "optimizer"), (True, "optimizer"), (False, "all"), (True, "all")],
+    ids=["fp32", "bf16-masters-on-tier", "fp32-weights-on-tier", "bf16-weights-on-tier"],
+)
 def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load(tmp_path, bf16, level):
     """Saved from the tier (moments, and with bf16 compute or the weights on the tier the
     fp32 masters, streamed from the swap files) or from host memory: the same safetensors
@@ -50,7 +56,9 @@ def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load
         names = sorted(p.name for p in (tmp_path / "from_ram" / "t").glob("*.safetensors"))
         assert any(name.startswith("optimizer-") for name in names)
         for name in names:
-            assert (tmp_path / "from_ram" / "t" / name).read_bytes() == (tmp_path / "from_tier" / "t" / name).read_bytes(), name
+            assert (tmp_path / "from_ram" / "t" / name).read_bytes() == (
+                tmp_path / "from_tier" / "t" / name
+            ).read_bytes(), name
         straight = nvme_worker.train(ram, 2)
         expected = nvme_worker.snapshot(ram)
     finally:
@@ -73,16 +81,27 @@ def test_kill_mid_step_then_resume(tmp_path, caplog):
     exactly as an uninterrupted run does."""
     nvme, checkpoints = tmp_path / "nvme", tmp_path / "checkpoints"
     threads = torch.get_num_threads()
-    crashed = subprocess.run([sys.executable, str(TESTS / "nvme_worker.py"), "crash", str(nvme), str(checkpoints),
-                              str(threads)], cwd=TESTS, env=WORKER_ENV, capture_output=True, text=True, timeout=300)
+    crashed = subprocess.run(
+        [sys.executable, str(TESTS / "nvme_worker.py"), "crash", str(nvme), str(checkpoints), str(threads)],
+        cwd=TESTS,
+        env=WORKER_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert crashed.returncode == -9 and "KILLED after writing" in crashed.stdout, crashed.stderr[-2000:]
     left = list(nvme.glob("megatrain-swap-*"))
     assert len(left) == 1 and json.loads((left[0] / "owner.json").read_text())["pid"] != os.getpid()
 
     out = tmp_path / "resumed.pt"
-    resumed = subprocess.run([sys.executable, str(TESTS / "nvme_worker.py"), "resume", str(nvme), str(checkpoints),
-                              str(out), str(threads)], cwd=TESTS, env=WORKER_ENV, capture_output=True, text=True,
-                             timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, str(TESTS / "nvme_worker.py"), "resume", str(nvme), str(checkpoints), str(out), str(threads)],
+        cwd=TESTS,
+        env=WORKER_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "removing the swap directory" in resumed.stderr and str(left[0]) in resumed.stderr
     assert not left[0].exists()
@@ -103,16 +122,35 @@ def test_swap_directories_of_dead_live_and_foreign_owners(tmp_path, caplog):
     """A dead run's directory (its lock free) is removed with a warning; a live run's
     (lock held) and an unknown ``megatrain-swap-*`` entry are left alone; nothing else in
     nvme_path is touched; each run gets its own directory."""
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from megatrain_ds.state.swap_directory import SwapDirectory\n"
-        f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True); time.sleep(60)")],
-        env=WORKER_ENV, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from megatrain_ds.state.swap_directory import SwapDirectory\n"
+                f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True); time.sleep(60)"
+            ),
+        ],
+        env=WORKER_ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         live = Path(holder.stdout.readline().strip())
-        dead = subprocess.run([sys.executable, "-c", (
-            "import os; from megatrain_ds.state.swap_directory import SwapDirectory\n"
-            f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True); os._exit(0)")],
-            env=WORKER_ENV, capture_output=True, text=True, check=True)
+        dead = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import os; from megatrain_ds.state.swap_directory import SwapDirectory\n"
+                    f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True); os._exit(0)"
+                ),
+            ],
+            env=WORKER_ENV,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         dead_path = Path(dead.stdout.strip())
         assert dead_path.exists() and live.exists()
         foreign = tmp_path / "megatrain-swap-not-ours"
@@ -157,12 +195,13 @@ def test_a_full_disk_is_found_before_training(tmp_path, monkeypatch):
 
 
 def test_preflight_suggests_the_tier_when_host_memory_is_short(tmp_path):
-    from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
-    from megatrain_ds.planning.preflight import AvailableMemory, preflight
     import tiny_models
-    from megatrain_ds import parse_engine_config
-    from megatrain_ds.optimizer.facade import build_optimizer
     from side_by_side import ds_config
+
+    from megatrain_ds import parse_engine_config
+    from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+    from megatrain_ds.optimizer.facade import build_optimizer
+    from megatrain_ds.planning.preflight import AvailableMemory, preflight
 
     model = tiny_models.llama()
     config = parse_engine_config(ds_config(megatrain={"nvme_path": str(tmp_path)}))
@@ -193,7 +232,11 @@ def test_disk_full_during_a_step_is_a_clear_error_and_the_checkpoint_survives(tm
             nvme_worker.train(engine, 1)
         chain = [caught.value] + ([caught.value.__cause__] if caught.value.__cause__ else [])
         failure = next(e for e in chain if isinstance(e, DiskSpaceError))
-        assert "the disk is full" in str(failure) and "block" in str(failure) and "last checkpoint is intact" in str(failure)
+        assert (
+            "the disk is full" in str(failure)
+            and "block" in str(failure)
+            and "last checkpoint is intact" in str(failure)
+        )
     finally:
         engine.destroy()
     after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints" / "global_step2").iterdir()}

@@ -5,28 +5,52 @@ import logging
 import time
 
 import pytest
-import torch
-import transformers
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, cli, parse_engine_config
-from megatrain_ds.cli import shape_of
-from megatrain_ds.planning.planner import (DISK_BOUND_SHARE, GPU_HARDWARE, Hardware, RunSettings, _with,
-                                           host_bytes, plan, step_seconds)
-from megatrain_ds.state import swap_io
+import transformers
 from side_by_side import ds_config
 from test_nvme_tier import nvme_options
+
+from megatrain_ds import MegatrainEngine, cli, parse_engine_config
+from megatrain_ds.cli import shape_of
+from megatrain_ds.planning.planner import (
+    DISK_BOUND_SHARE,
+    GPU_HARDWARE,
+    Hardware,
+    RunSettings,
+    _with,
+    host_bytes,
+    plan,
+    step_seconds,
+)
+from megatrain_ds.state import swap_io
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 DISK = dict(disk_read_bytes_per_s=2e9, disk_write_bytes_per_s=1e9)
-CPU = Hardware("cpu", 100e9, 10e9, 10e9, 20e9, 64 << 30, shares_host_memory=True, block_efficiency=0.8,
-               adam_bytes_per_s=40e9, head_flops=50e9, **DISK)
+CPU = Hardware(
+    "cpu",
+    100e9,
+    10e9,
+    10e9,
+    20e9,
+    64 << 30,
+    shares_host_memory=True,
+    block_efficiency=0.8,
+    adam_bytes_per_s=40e9,
+    head_flops=50e9,
+    **DISK,
+)
 
 
 def _llama(layers: int = 4):
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -50,7 +74,7 @@ def test_host_state_with_the_tier_matches_the_engines_accounting(tmp_path):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_host_state_with_the_weights_on_the_tier_matches_the_engines_accounting(tmp_path, bf16):
-    """"all": the blocks' masters (and shadows) leave host memory too; the weight window
+    """ "all": the blocks' masters (and shadows) leave host memory too; the weight window
     comes in (the planner counts no alignment padding: the engine's is under 4 KiB a buffer)."""
     model = _llama()
     shape = shape_of(model)
@@ -61,7 +85,9 @@ def test_host_state_with_the_weights_on_the_tier_matches_the_engines_accounting(
     try:
         measured = engine.host_bytes()
         assert predicted["master"] == measured["master"] == 4 * shape.resident_params
-        assert predicted.get("bf16_shadow", 0) == measured.get("shadow", 0) == (2 * shape.resident_params if bf16 else 0)
+        assert (
+            predicted.get("bf16_shadow", 0) == measured.get("shadow", 0) == (2 * shape.resident_params if bf16 else 0)
+        )
         buffers = 3 * (2 if bf16 else 1)  # two device slots + two read ahead - 1; bf16: and their staging
         assert 0 <= measured["nvme_weights"] - predicted["nvme_weights"] < buffers * 4096
         assert plan(shape, settings, CPU, 64 << 30).disk_bytes == 12 * shape.total_block_params
@@ -123,14 +149,24 @@ def test_cli_plan_nvme_measures_the_disk_once_and_caches_it(tmp_path, monkeypatc
         return measure(directory, 64 << 20)
 
     monkeypatch.setattr(swap_io, "measure_disk_bandwidth", counted)
-    argv = ["plan", "--model", str(tmp_path / "model"), "--gpu", "h100", "--seq-len", "128",
-            "--nvme", str(tmp_path / "nvme"), "--json"]
+    argv = [
+        "plan",
+        "--model",
+        str(tmp_path / "model"),
+        "--gpu",
+        "h100",
+        "--seq-len",
+        "128",
+        "--nvme",
+        str(tmp_path / "nvme"),
+        "--json",
+    ]
     for _ in range(2):
         capsys.readouterr()
         assert cli.main(argv) == 0
     assert calls == [str(tmp_path / "nvme")]
     out = capsys.readouterr().out
-    data = json.loads(out[out.index("{"):])
+    data = json.loads(out[out.index("{") :])
     cached = json.loads((tmp_path / "cache" / "disk_bandwidth.json").read_text())
     (figures,) = cached.values()
     assert data["hardware"]["disk_read_bytes_per_s"] == figures["read"] > 0

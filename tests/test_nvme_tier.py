@@ -12,24 +12,28 @@ as their gradients arrive), accumulation 2 (fp32 held gradients). A 2-block wind
 
 import json
 import logging
-import math
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny_models
+import torch
+from side_by_side import ds_config, train_side_by_side
+from test_parity import assert_parity
+
 from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
 from megatrain_ds.state.nvme_tier import NvmeTier
-from side_by_side import ds_config, relative_weight_error, train_side_by_side
-from test_parity import assert_parity
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 def nvme_options(path, engine: str = "auto", window: int = 2, **more) -> dict:
-    return {"nvme_offload": "optimizer", "nvme_path": str(path), "nvme_window_blocks": window,
-            "nvme_aio": {"engine": engine}, **more}
+    return {
+        "nvme_offload": "optimizer",
+        "nvme_path": str(path),
+        "nvme_window_blocks": window,
+        "nvme_aio": {"engine": engine},
+        **more,
+    }
 
 
 def tier_state_of(engine: MegatrainEngine) -> list[dict[str, torch.Tensor]]:
@@ -88,7 +92,8 @@ def test_parity_and_bit_identical_to_ram_only(tmp_path, case):
         assert tiered.nvme_tier.bytes_written >= 5 * (4 - 2) * block_file
         host = tiered.host_bytes()
         assert host["exp_avg"] == ram.host_bytes()["exp_avg"] - sum(
-            4 * s.layout.numel for s in ram.states[:-1])  # only the resident state's moments in RAM
+            4 * s.layout.numel for s in ram.states[:-1]
+        )  # only the resident state's moments in RAM
         assert host["nvme_window"] == tiered.nvme_tier.window_bytes
     finally:
         ram.destroy()
@@ -99,8 +104,7 @@ def test_parity_and_bit_identical_to_ram_only(tmp_path, case):
 def test_both_io_engines_give_the_same_run(tmp_path, io_engine, caplog):
     """DeepSpeed's async I/O op and the O_DIRECT thread fallback: same results, and the log
     names the engine that ran."""
-    config = ds_config(accumulation=2, clipping=1.0,
-                       megatrain=nvme_options(tmp_path, engine=io_engine, window=3))
+    config = ds_config(accumulation=2, clipping=1.0, megatrain=nvme_options(tmp_path, engine=io_engine, window=3))
     with caplog.at_level(logging.INFO, logger="megatrain_ds"):
         engine, reference, trace = train_side_by_side(lambda: tiny_models.qwen2(num_layers=5), config, steps=3)
     try:
@@ -137,8 +141,9 @@ def test_bf16_compute_is_bit_identical_to_ram_only(tmp_path):
     """bf16 compute: the journal also keeps the shadow; the tier still only moves bytes."""
     config = dict(accumulation=2, clipping=1.0, bf16=True)
     ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**config), steps=3)
-    tiered, _, trace = train_side_by_side(tiny_models.llama, ds_config(**config, megatrain=nvme_options(tmp_path)),
-                                          steps=3)
+    tiered, _, trace = train_side_by_side(
+        tiny_models.llama, ds_config(**config, megatrain=nvme_options(tmp_path)), steps=3
+    )
     try:
         assert tiered.nvme_tier.kinds == ("master", "exp_avg", "exp_avg_sq")
         tiered.nvme_tier.flush()  # the window written back: nothing bound
@@ -169,7 +174,9 @@ def test_with_the_master_on_the_tier_the_fp32_model_is_never_whole_in_host_memor
         return made[-1]
 
     monkeypatch.setattr(engine_module, "migrate_to_host", observed)
-    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(bf16=True, megatrain=nvme_options(tmp_path))))
+    engine = MegatrainEngine(
+        tiny_models.llama(), parse_engine_config(ds_config(bf16=True, megatrain=nvme_options(tmp_path)))
+    )
     try:
         assert len(in_memory_at_each_migration) == 4 and set(in_memory_at_each_migration) == {0}
         param = engine.module.model.layers[2].mlp.up_proj.weight
@@ -189,11 +196,14 @@ def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch
     probe = tiny_models.llama()
     optimizer = build_optimizer(probe, None, config.optimizer, None)
     ram_only = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="none")
-    with_tier = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="optimizer")
+    with_tier = preflight.preflight(
+        probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="optimizer"
+    )
     assert with_tier.host_total < ram_only.host_total
     for available, expected in ((ram_only.host_total + (1 << 20), False), (ram_only.host_total - 1, True)):
-        monkeypatch.setattr(preflight, "available_memory",
-                            lambda device, room=available: preflight.AvailableMemory(host=room))
+        monkeypatch.setattr(
+            preflight, "available_memory", lambda device, room=available: preflight.AvailableMemory(host=room)
+        )
         with caplog.at_level(logging.INFO, logger="megatrain_ds"):
             engine = MegatrainEngine(tiny_models.llama(), config)
         try:
@@ -222,7 +232,9 @@ def test_weights_on_the_tier_match_pytorch_and_are_bit_identical_to_ram_only(tmp
     (fp32; bf16 compute is compared with the RAM-only engine only)."""
     spec = dict(ALL_CASES[case])
     speculative = spec.pop("speculative_blocks", "auto")
-    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**spec, megatrain={"speculative_blocks": speculative}))
+    ram, _, ram_trace = train_side_by_side(
+        tiny_models.llama, ds_config(**spec, megatrain={"speculative_blocks": speculative})
+    )
     options = {**nvme_options(tmp_path), "nvme_offload": "all", "speculative_blocks": speculative}
     tiered, reference, trace = train_side_by_side(tiny_models.llama, ds_config(**spec, megatrain=options))
     try:
@@ -254,17 +266,27 @@ def test_weights_on_the_tier_match_pytorch_and_are_bit_identical_to_ram_only(tmp
 
 
 def test_a_zero_infinity_config_with_offload_param_on_nvme_puts_the_weights_on_the_tier(tmp_path):
-    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}}
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3},
+    }
     config = parse_engine_config({**ds_config(), "zero_optimization": zero})
     assert (config.options.nvme_offload, config.options.nvme_path, config.options.nvme_window_blocks) == (
-        "all", str(tmp_path), 3)
-    only_optimizer = parse_engine_config({**ds_config(), "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+        "all",
+        str(tmp_path),
+        3,
+    )
+    only_optimizer = parse_engine_config(
+        {
+            **ds_config(),
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        }
+    )
     assert only_optimizer.options.nvme_offload == "optimizer"
     shipped = json.loads((Path(__file__).parents[1] / "configs" / "ds_megatrain_zero_infinity.json").read_text())
     assert parse_engine_config(shipped).options.nvme_offload == "all"
-    with pytest.raises(ConfigError, match="offload_param.device is \"nvme\" but no nvme_path"):
+    with pytest.raises(ConfigError, match='offload_param.device is "nvme" but no nvme_path'):
         parse_engine_config({**ds_config(), "zero_optimization": {"offload_param": {"device": "nvme"}}})
     with pytest.raises(ConfigError, match='"none", "optimizer", "all", "auto"'):
         parse_engine_config(ds_config(megatrain={"nvme_offload": "weights", "nvme_path": str(tmp_path)}))
@@ -281,20 +303,31 @@ def test_auto_puts_as_little_on_the_tier_as_host_memory_allows(tmp_path, monkeyp
     from megatrain_ds.planning import preflight
 
     def model() -> torch.nn.Module:  # 16 blocks of 41K parameters
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=tiny_models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=tiny_models.VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=16,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            )
+        )
 
     config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
     probe = model()
     optimizer = build_optimizer(probe, None, config.optimizer, None)
-    needs = {level: preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS,
-                                        nvme=level) for level in ("none", "optimizer", "all")}
+    needs = {
+        level: preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=level)
+        for level in ("none", "optimizer", "all")
+    }
     assert needs["all"].host_total < needs["optimizer"].host_total < needs["none"].host_total
     assert needs["all"].host["nvme_weights"] > 0 and needs["all"].disk > needs["optimizer"].disk
     for room, expected in ((needs["optimizer"].host_total, "optimizer"), (needs["optimizer"].host_total - 1, "all")):
-        monkeypatch.setattr(preflight, "available_memory",
-                            lambda device, room=room: preflight.AvailableMemory(host=room))
+        monkeypatch.setattr(
+            preflight, "available_memory", lambda device, room=room: preflight.AvailableMemory(host=room)
+        )
         engine = MegatrainEngine(model(), config)
         try:
             assert (engine.nvme_weights is not None) is (expected == "all")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -23,8 +23,9 @@ WEIGHT_RTOL = 2e-6
 
 
 def _train_on_device(placement: str, steps: int = 5) -> tuple[list[torch.Tensor], list[float]]:
-    config = ds_config(accumulation=2, clipping=CLIP, megatrain={"optimizer_device": placement,
-                                                                  "speculative_blocks": 4})
+    config = ds_config(
+        accumulation=2, clipping=CLIP, megatrain={"optimizer_device": placement, "speculative_blocks": 4}
+    )
     torch.manual_seed(0)
     engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
     norms = []

@@ -19,16 +19,15 @@ import logging
 import math
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds.optimizer import cpu_adam
-from megatrain_ds.optimizer.adamw_math import AdamHyper
-from megatrain_ds.optimizer.cpu_adam import TorchFusedKernel, TorchKernel, make_cpu_kernel
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
-from megatrain_ds.optimizer.adamw_math import adamw_update_
-from megatrain_ds.optimizer.placement import Calibration, calibrate, device_share, split
+import torch
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
+
+from megatrain_ds.optimizer import cpu_adam
+from megatrain_ds.optimizer.adamw_math import AdamHyper, adamw_update_
+from megatrain_ds.optimizer.cpu_adam import TorchFusedKernel, TorchKernel, make_cpu_kernel
+from megatrain_ds.optimizer.placement import Calibration, calibrate, device_share, split
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -46,13 +45,23 @@ def _assert_parity(engine, reference, trace):
     assert relative_weight_error(engine, reference) < WEIGHT_RTOL
 
 
-@pytest.mark.parametrize("device, kernel", [
-    ("cpu", "auto"), ("cpu", "torch_fused"), ("cpu", "torch"), ("gpu", "auto"), ("auto", "auto"),
-])
+@pytest.mark.parametrize(
+    "device, kernel",
+    [
+        ("cpu", "auto"),
+        ("cpu", "torch_fused"),
+        ("cpu", "torch"),
+        ("gpu", "auto"),
+        ("auto", "auto"),
+    ],
+)
 def test_placements_match_torch_adamw_with_clipping_and_accumulation(device, kernel):
     """Every placement and kernel, speculating on every block, against the reference."""
-    config = ds_config(accumulation=2, clipping=CLIP, megatrain={
-        "optimizer_device": device, "cpu_adam_kernel": kernel, "speculative_blocks": 4})
+    config = ds_config(
+        accumulation=2,
+        clipping=CLIP,
+        megatrain={"optimizer_device": device, "cpu_adam_kernel": kernel, "speculative_blocks": 4},
+    )
     engine, reference, trace = train_side_by_side(tiny_models.llama, config)
     try:
         clipped = [norm > CLIP for norm in trace.reference_norms]
@@ -83,6 +92,7 @@ def test_device_placement_in_bf16_writes_the_shadow():
 
 # -- CPU kernels on one flat range ----------------------------------------------------------
 
+
 def _kernels():
     yield pytest.param(TorchKernel, id="torch")
     yield pytest.param(TorchFusedKernel, id="torch_fused")
@@ -90,25 +100,49 @@ def _kernels():
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
-@pytest.mark.parametrize("grad_dtype, with_shadow", [(torch.float32, False), (torch.bfloat16, True)],
-                         ids=["fp32", "bf16+shadow"])
+@pytest.mark.parametrize(
+    "grad_dtype, with_shadow", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16+shadow"]
+)
 @pytest.mark.parametrize("kernel_cls", _kernels())
 def test_kernel_matches_reference_on_odd_sizes(kernel_cls, grad_dtype, with_shadow, decoupled):
     n = 3 * 1000 + 7  # not a multiple of the chunk (1000) nor of any SIMD width
     kernel = kernel_cls(chunk_numel=1000)
     gen = torch.Generator().manual_seed(3)
-    ours = {"p": torch.randn(n, generator=gen), "m": 0.1 * torch.randn(n, generator=gen),
-            "v": 0.01 * torch.rand(n, generator=gen)}
+    ours = {
+        "p": torch.randn(n, generator=gen),
+        "m": 0.1 * torch.randn(n, generator=gen),
+        "v": 0.01 * torch.rand(n, generator=gen),
+    }
     theirs = {k: t.clone() for k, t in ours.items()}
     shadow = torch.empty(n, dtype=torch.bfloat16) if with_shadow else None
     hyper = AdamHyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
     journaled = []
     for step, scale in ((1, 0.37), (2, 1.0), (3, 0.5)):
         grad = torch.randn(n, generator=gen).to(grad_dtype)
-        kernel.step_(ours["p"], grad, ours["m"], ours["v"], shadow, step=step, hyper=hyper, grad_scale=scale,
-                     before_chunk=lambda a, b: journaled.append((a, b)))
-        adamw_update_(theirs["p"], grad, theirs["m"], theirs["v"], step=step, lr=hyper.lr, betas=hyper.betas,
-                      eps=hyper.eps, weight_decay=hyper.weight_decay, decoupled=decoupled, grad_scale=scale)
+        kernel.step_(
+            ours["p"],
+            grad,
+            ours["m"],
+            ours["v"],
+            shadow,
+            step=step,
+            hyper=hyper,
+            grad_scale=scale,
+            before_chunk=lambda a, b: journaled.append((a, b)),
+        )
+        adamw_update_(
+            theirs["p"],
+            grad,
+            theirs["m"],
+            theirs["v"],
+            step=step,
+            lr=hyper.lr,
+            betas=hyper.betas,
+            eps=hyper.eps,
+            weight_decay=hyper.weight_decay,
+            decoupled=decoupled,
+            grad_scale=scale,
+        )
     assert journaled[:4] == [(0, 1000), (1000, 2000), (2000, 3000), (3000, n)]
     if kernel_cls is TorchKernel:
         for name in ours:
@@ -137,11 +171,19 @@ def test_unavailable_kernel_falls_back_with_a_logged_reason(monkeypatch, caplog)
 
 # -- auto placement -----------------------------------------------------------------------
 
+
 def _calibration(cpu_gbs: float, link_gbs: float | None) -> Calibration:
     gb = 1e9
     link = None if link_gbs is None else link_gbs * gb
-    return Calibration(cpu_kernel="torch_fused", cpu_adam=cpu_gbs * gb, host_copy=2 * cpu_gbs * gb,
-                       h2d=link, d2h=link, device_adam=None if link is None else 2000 * gb, device="test")
+    return Calibration(
+        cpu_kernel="torch_fused",
+        cpu_adam=cpu_gbs * gb,
+        host_copy=2 * cpu_gbs * gb,
+        h2d=link,
+        d2h=link,
+        device_adam=None if link is None else 2000 * gb,
+        device="test",
+    )
 
 
 def test_auto_split_balances_measured_throughputs():

@@ -13,13 +13,13 @@ import math
 from typing import Any
 
 import pytest
-import torch
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config, train_side_by_side
 from test_parity import assert_parity
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -40,8 +40,12 @@ def hand_packed_batch(seed: int, packs: list[list[int]] = PACKS) -> dict[str, to
     rows = [_sequences(seed * 10 + row, lengths) for row, lengths in enumerate(packs)]
     input_ids = torch.stack([torch.cat(row) for row in rows])
     position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in packs])
-    return {"input_ids": input_ids, "position_ids": position_ids,
-            "labels": input_ids.masked_fill(position_ids == 0, -100), "use_cache": False}
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "labels": input_ids.masked_fill(position_ids == 0, -100),
+        "use_cache": False,
+    }
 
 
 def trl_packed_batch(seed: int) -> dict[str, Any]:
@@ -68,8 +72,9 @@ def _separate_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> fl
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 def test_hand_packed_batch_matches_plain_pytorch(family) -> None:
     """Rotary (Llama, Qwen2 with tied embeddings) and learned positions (GPT-2, dropout on)."""
-    engine, reference, trace = train_side_by_side(tiny_models.FAMILIES[family], ds_config(), steps=3,
-                                                  make_batch=hand_packed_batch)
+    engine, reference, trace = train_side_by_side(
+        tiny_models.FAMILIES[family], ds_config(), steps=3, make_batch=hand_packed_batch
+    )
     try:
         assert_parity(engine, reference, trace)
         # The packing is real: each sequence attends only to itself (the row is longer
@@ -105,8 +110,11 @@ def engine():
 
 def test_packed_positions_past_the_models_are_rejected(engine) -> None:
     batch = hand_packed_batch(0, packs=[[30, 70], [50, 50]])
-    with pytest.raises(ValueError, match=r"packs sequences needing 70 positions \(the largest position_ids \+ 1\), "
-                                         r"more than the 64 positions the model has"):
+    with pytest.raises(
+        ValueError,
+        match=r"packs sequences needing 70 positions \(the largest position_ids \+ 1\), "
+        r"more than the 64 positions the model has",
+    ):
         engine(**batch)
 
 
@@ -122,6 +130,9 @@ def test_varlen_keywords_alone_judge_the_length(engine) -> None:
 
 
 def test_an_unsplit_long_row_still_names_the_fix(engine) -> None:
-    with pytest.raises(ValueError, match=r"sequences of 100 tokens, more than the 64 positions the model has.*"
-                                         r"pass position_ids restarting at 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequences of 100 tokens, more than the 64 positions the model has.*"
+        r"pass position_ids restarting at 0",
+    ):
         engine(input_ids=torch.randint(0, tiny_models.VOCAB, (2, 100)))

@@ -10,7 +10,6 @@ last bits. DeepSpeed's own stage-0 engine reaches 2e-7 against this reference; w
 import math
 
 import pytest
-
 import tiny_models
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
 
@@ -30,8 +29,7 @@ def assert_parity(engine, reference, trace):
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("family", sorted(tiny_models.FAMILIES))
 def test_parity_with_clipping(family, accumulation, checkpoint_interval):
-    config = ds_config(accumulation=accumulation, clipping=1.0,
-                       megatrain={"checkpoint_interval": checkpoint_interval})
+    config = ds_config(accumulation=accumulation, clipping=1.0, megatrain={"checkpoint_interval": checkpoint_interval})
     engine, reference, trace = train_side_by_side(tiny_models.FAMILIES[family], config)
     try:
         assert any(norm > 1.0 for norm in trace.reference_norms), "clipping never engaged"
@@ -44,8 +42,9 @@ def test_parity_with_clipping(family, accumulation, checkpoint_interval):
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_parity_without_clipping_steps_blocks_during_backward(accumulation, offload):
     """No clipping: the worker updates each block as soon as its gradient is final."""
-    config = ds_config(accumulation=accumulation, clipping=0.0,
-                       megatrain={"offload_checkpoints": offload, "checkpoint_interval": 3})
+    config = ds_config(
+        accumulation=accumulation, clipping=0.0, megatrain={"offload_checkpoints": offload, "checkpoint_interval": 3}
+    )
     engine, reference, trace = train_side_by_side(tiny_models.llama, config)
     try:
         assert_parity(engine, reference, trace)

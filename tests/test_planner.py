@@ -3,35 +3,56 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
 import transformers
-
-import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds import cli
-from megatrain_ds.cli import parse_size, shape_of
-from megatrain_ds.planning.planner import (GPU_HARDWARE, LOSS_PASSES, Hardware, RunSettings, _fits, _with, gpu_bytes, host_bytes,
-                                  choose_stashed_blocks, min_tokens_to_hide_transfer, plan, stash_bytes_per_block,
-                                  step_seconds)
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, cli, parse_engine_config
+from megatrain_ds.cli import parse_size, shape_of
+from megatrain_ds.planning.planner import (
+    GPU_HARDWARE,
+    LOSS_PASSES,
+    Hardware,
+    RunSettings,
+    _fits,
+    _with,
+    choose_stashed_blocks,
+    gpu_bytes,
+    host_bytes,
+    min_tokens_to_hide_transfer,
+    plan,
+    stash_bytes_per_block,
+    step_seconds,
+)
 
 
 def _mid_llama():
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("bf16, clipping, accumulation", [(True, True, 1), (False, True, 1), (False, False, 1), (True, False, 2)])
+@pytest.mark.parametrize(
+    "bf16, clipping, accumulation", [(True, True, 1), (False, True, 1), (False, False, 1), (True, False, 2)]
+)
 def test_host_state_matches_the_engines_accounting(bf16, clipping, accumulation):
     model = _mid_llama()
     shape = shape_of(model)
     settings = RunSettings(seq_len=12, micro_batch=2, accumulation=accumulation, bf16=bf16, clipping=clipping)
     predicted = host_bytes(shape, settings)
-    engine = MegatrainEngine(model, parse_engine_config(
-        ds_config(bf16=bf16, clipping=1.0 if clipping else 0.0, accumulation=accumulation)))
+    engine = MegatrainEngine(
+        model, parse_engine_config(ds_config(bf16=bf16, clipping=1.0 if clipping else 0.0, accumulation=accumulation))
+    )
     try:
         state = sum(engine.host_bytes().values())
         planned_state = sum(v for k, v in predicted.items() if k not in ("staging", "checkpoints"))
@@ -41,8 +62,18 @@ def test_host_state_matches_the_engines_accounting(bf16, clipping, accumulation)
 
 
 # The CPU as the device: nothing overlaps, blocks are computed on in place (figures made up).
-CPU = Hardware("cpu", 100e9, 10e9, 10e9, 20e9, 64 << 30, shares_host_memory=True, block_efficiency=0.8,
-               adam_bytes_per_s=40e9, head_flops=50e9)
+CPU = Hardware(
+    "cpu",
+    100e9,
+    10e9,
+    10e9,
+    20e9,
+    64 << 30,
+    shares_host_memory=True,
+    block_efficiency=0.8,
+    adam_bytes_per_s=40e9,
+    head_flops=50e9,
+)
 
 
 @pytest.mark.parametrize("offload", [True, False])
@@ -78,8 +109,14 @@ def test_transfer_hiding_batch_follows_the_physics():
 
 
 def test_a_70b_model_plan_is_consistent():
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
-                                      num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         shape = shape_of(transformers.LlamaForCausalLM(config))
     assert 68e9 < shape.params < 70e9
@@ -101,15 +138,43 @@ def test_a_70b_model_plan_is_consistent():
 
 def test_cli_json_has_the_documented_keys():
     result = subprocess.run(
-        [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", "configs/models/tiny_llama.json",
-         "--gpu", "h100", "--host-memory", "64GB", "--seq-len", "256", "--json"],
-        capture_output=True, text=True, check=True)
+        [
+            sys.executable,
+            "-m",
+            "megatrain_ds.cli",
+            "plan",
+            "--model",
+            "configs/models/tiny_llama.json",
+            "--gpu",
+            "h100",
+            "--host-memory",
+            "64GB",
+            "--seq-len",
+            "256",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     data = json.loads(result.stdout)
-    for key in ("params", "host_bytes_total", "gpu_bytes_total", "min_tokens_to_hide_transfer",
-                "predicted_step_seconds", "predicted_tokens_per_second", "max_micro_batch", "recommended"):
+    for key in (
+        "params",
+        "host_bytes_total",
+        "gpu_bytes_total",
+        "min_tokens_to_hide_transfer",
+        "predicted_step_seconds",
+        "predicted_tokens_per_second",
+        "max_micro_batch",
+        "recommended",
+    ):
         assert key in data
-    assert data["params"] == sum(p.numel() for p in transformers.LlamaForCausalLM(
-        transformers.AutoConfig.for_model(**json.load(open("configs/models/tiny_llama.json")))).parameters())
+    assert data["params"] == sum(
+        p.numel()
+        for p in transformers.LlamaForCausalLM(
+            transformers.AutoConfig.for_model(**json.loads(Path("configs/models/tiny_llama.json").read_text()))
+        ).parameters()
+    )
 
 
 def test_parse_size():
@@ -138,8 +203,9 @@ def test_cpu_step_is_the_sum_of_its_parts_by_hand(clipping, accumulation):
     g = 4  # fp32 compute, and fp32 accumulation
     parts = step_seconds(shape, settings, CPU)
     assert parts["blocks"] == pytest.approx(accumulation * 8 * shape.total_block_params * tokens / (100e9 * 0.8))
-    assert parts["head"] == pytest.approx(accumulation * (6 * shape.vocab * shape.hidden * tokens / 50e9
-                                                          + LOSS_PASSES * tokens * shape.vocab * 4 / 20e9))
+    assert parts["head"] == pytest.approx(
+        accumulation * (6 * shape.vocab * shape.hidden * tokens / 50e9 + LOSS_PASSES * tokens * shape.vocab * 4 / 20e9)
+    )
     gradient = accumulation * 2 * w * params + g * params  # staging copies, the norm's read
     if clipping or accumulation > 1:
         gradient += g * params + accumulation * (2 * g + w) * params  # zeroing, accumulating
@@ -157,8 +223,13 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
 
     def fake_measure(config, block_path, seq_len, micro_batch, dtype, seconds):
         measured.append((block_path, seq_len, micro_batch, dtype))
-        return {"flops": 1e11, "head_flops": 5e10, "block_efficiency": 0.5, "copy_bytes_per_s": 1e10,
-                "adam_bytes_per_s": 3e10}
+        return {
+            "flops": 1e11,
+            "head_flops": 5e10,
+            "block_efficiency": 0.5,
+            "copy_bytes_per_s": 1e10,
+            "adam_bytes_per_s": 3e10,
+        }
 
     monkeypatch.setattr(cli, "_measure_profile", fake_measure)
     model = cli.load_meta_model("configs/models/tiny_llama.json")
@@ -178,22 +249,51 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 def test_cpu_profile_measures_a_real_block(tmp_path):
     model = cli.load_meta_model("configs/models/tiny_llama.json")
-    profile = cli.cpu_profile(model.config, "model.layers", RunSettings(seq_len=16, micro_batch=2, bf16=False),
-                              cache=tmp_path / "profile.json", seconds=0.02)
+    profile = cli.cpu_profile(
+        model.config,
+        "model.layers",
+        RunSettings(seq_len=16, micro_batch=2, bf16=False),
+        cache=tmp_path / "profile.json",
+        seconds=0.02,
+    )
     figures = json.loads((tmp_path / "profile.json").read_text())
     (entry,) = figures.values()
     assert entry["tokens"] == 32 and entry["block_seconds"] > 0
-    for value in (profile.flops, profile.head_flops, profile.block_efficiency, profile.adam_bytes_per_s,
-                  profile.host_memory_bytes_per_s):
+    for value in (
+        profile.flops,
+        profile.head_flops,
+        profile.block_efficiency,
+        profile.adam_bytes_per_s,
+        profile.host_memory_bytes_per_s,
+    ):
         assert 0 < value < float("inf")
 
 
 def test_cli_cpu_plan_reports_the_profile_and_peak(tmp_path):
     env = {**__import__("os").environ, "MEGATRAIN_CACHE_DIR": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", "configs/models/tiny_llama.json",
-         "--gpu", "cpu", "--host-memory", "8GB", "--seq-len", "16", "--micro-batch", "2", "--json"],
-        capture_output=True, text=True, check=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "megatrain_ds.cli",
+            "plan",
+            "--model",
+            "configs/models/tiny_llama.json",
+            "--gpu",
+            "cpu",
+            "--host-memory",
+            "8GB",
+            "--seq-len",
+            "16",
+            "--micro-batch",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     data = json.loads(result.stdout)
     assert data["hardware"]["shares_host_memory"] and data["hardware"]["block_efficiency"] > 0
     assert data["gpu_bytes"]["weight_buffers"] == 0 and data["min_tokens_to_hide_transfer"] == 0
@@ -222,8 +322,14 @@ def test_stash_estimate_matches_the_engines_measured_stash():
 
 
 def _shape_8b():
-    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+    config = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         return shape_of(transformers.LlamaForCausalLM(config))
 

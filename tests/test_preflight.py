@@ -8,14 +8,13 @@ import logging
 import pytest
 import torch
 import transformers
+from side_by_side import ds_config
 
-import megatrain_ds.engine
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.planning import preflight
-from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.optimizer.facade import build_optimizer
-from side_by_side import ds_config
+from megatrain_ds.planning import preflight
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 
 GIB = 1 << 30
 
@@ -24,9 +23,15 @@ pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 def _model(num_layers=4):
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,
-                                      num_hidden_layers=num_layers, num_attention_heads=4,
-                                      num_key_value_heads=2, attn_implementation="eager")
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -36,8 +41,15 @@ def _estimate(model, config, device_type="cpu"):
     return preflight.estimate_from_shapes(shapes, config, device_type, STAGING_CHUNK_ELEMENTS)
 
 
-@pytest.mark.parametrize("kwargs", [dict(bf16=True), dict(clipping=0.0), dict(accumulation=2),
-                                    dict(bf16=True, megatrain={"master_dtype": "bf16", "num_buffers": 3})])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(bf16=True),
+        dict(clipping=0.0),
+        dict(accumulation=2),
+        dict(bf16=True, megatrain={"master_dtype": "bf16", "num_buffers": 3}),
+    ],
+)
 def test_estimate_equals_the_engines_allocations(kwargs):
     """Reference: the tensors the built engine holds (host state, staging, CPU weight
     buffers); the estimate adds the one alignment page each host buffer over-allocates."""
@@ -73,9 +85,11 @@ def test_cuda_run_counts_device_buffers_and_pinned_bytes():
 
 
 def _available(monkeypatch, host, device=None, memlock=None):
-    monkeypatch.setattr(preflight, "available_memory",
-                        lambda device_: preflight.AvailableMemory(host=host, host_source="injected",
-                                                                  device=device, memlock=memlock))
+    monkeypatch.setattr(
+        preflight,
+        "available_memory",
+        lambda device_: preflight.AvailableMemory(host=host, host_source="injected", device=device, memlock=memlock),
+    )
 
 
 def test_a_run_that_does_not_fit_fails_before_allocating_with_the_numbers(monkeypatch):

@@ -6,26 +6,29 @@ from the reference than a recomputed one).
 """
 
 import pytest
+import tiny_models
 import torch
+from side_by_side import ds_config, train_side_by_side
+from test_parity import assert_parity
+from test_trace import _spans
 from torch import nn
 
 import megatrain_ds.engine
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.planning import planner, recompute_policy
 from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, PinnedPool
 from megatrain_ds.streaming.activation_stash import ActivationStash
-from side_by_side import ds_config, train_side_by_side
-from test_parity import assert_parity
-from test_trace import _spans
 
 STEPS = 5
 
 
 def _train(family, recompute, accumulation, checkpoint_interval, **megatrain):
-    config = ds_config(accumulation=accumulation, clipping=1.0,
-                       megatrain={"recompute": recompute, "checkpoint_interval": checkpoint_interval, **megatrain})
+    config = ds_config(
+        accumulation=accumulation,
+        clipping=1.0,
+        megatrain={"recompute": recompute, "checkpoint_interval": checkpoint_interval, **megatrain},
+    )
     return train_side_by_side(tiny_models.FAMILIES[family], config, steps=STEPS)
 
 
@@ -71,9 +74,9 @@ def _auto_sees_room_for(monkeypatch, blocks):
 # (GA 2, K 1): each setting, GA 1 and 2, and K 1 and 2 on every family.
 @pytest.mark.parametrize("recompute, accumulation, checkpoint_interval", [("auto", 1, 1), (2, 2, 1)])
 @pytest.mark.parametrize("family", sorted(tiny_models.FAMILIES))
-def test_auto_and_integer_recompute_match_pytorch_on_every_family(family, recompute, accumulation,
-                                                                   checkpoint_interval, monkeypatch,
-                                                                   cpu_single_thread):
+def test_auto_and_integer_recompute_match_pytorch_on_every_family(
+    family, recompute, accumulation, checkpoint_interval, monkeypatch, cpu_single_thread
+):
     """Shown room for 3 blocks' stash, "auto" stashes 3 and recomputes the last block; 2
     recomputes the last two blocks and stashes the first two: stashed and recomputed
     blocks in one model, on every family (GPT-2: dropout, replayed in the recomputed
@@ -107,7 +110,9 @@ def test_stashed_blocks_are_run_once_per_micro_batch():
     block's twice (forward, then recompute in backward)."""
     for recompute, runs_per_block in (("full", 2), ("none", 1)):
         torch.manual_seed(0)
-        engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"recompute": recompute})))
+        engine = MegatrainEngine(
+            tiny_models.llama(), parse_engine_config(ds_config(megatrain={"recompute": recompute}))
+        )
         try:
             runs = []
             for template in {id(t): t for t in engine.blocks.templates}.values():
@@ -194,8 +199,9 @@ def _first_step(recompute, monkeypatch, host_left):
 
 
 @pytest.mark.parametrize("host_left, stashed", [(1 << 40, 4), (1 << 10, 0)])
-def test_auto_stashes_every_block_when_host_memory_is_ample_and_none_when_it_is_not(monkeypatch, host_left,
-                                                                                   stashed, caplog):
+def test_auto_stashes_every_block_when_host_memory_is_ample_and_none_when_it_is_not(
+    monkeypatch, host_left, stashed, caplog
+):
     caplog.set_level("INFO", logger="megatrain_ds.planning.recompute_policy")
     engine = _first_step("auto", monkeypatch, host_left)
     try:
@@ -203,7 +209,8 @@ def test_auto_stashes_every_block_when_host_memory_is_ample_and_none_when_it_is_
         assert sorted(engine.blocks.stash.block_bytes) == list(range(stashed))
         assert engine.recompute_choice.predicted["auto"]["stashed_blocks"] == stashed
         assert [r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage()] == [
-            next(r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage())]
+            next(r.getMessage() for r in caplog.records if "recompute auto" in r.getMessage())
+        ]
         assert f"{stashed} of 4 blocks stash" in caplog.text
     finally:
         engine.destroy()
@@ -221,8 +228,10 @@ def test_stash_traffic_has_its_own_trace_track(tmp_path):
     (before its backward) on the "stash" track, with the bytes the stash measured."""
     path = tmp_path / "trace.json"
     torch.manual_seed(0)
-    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(
-        megatrain={"recompute": 2, "trace": str(path), "trace_steps": 2})))
+    engine = MegatrainEngine(
+        tiny_models.llama(),
+        parse_engine_config(ds_config(megatrain={"recompute": 2, "trace": str(path), "trace_steps": 2})),
+    )
     try:
         for step in range(4):
             engine.backward(engine(**tiny_models.make_batch(step)).loss)

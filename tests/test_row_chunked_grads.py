@@ -9,10 +9,10 @@ must be untouched.
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 from torch import nn
 
-import tiny_models
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.gradients.row_chunked import redirect_row_chunked
 
@@ -116,13 +116,16 @@ def test_no_grad_forward_pushes_nothing():
     assert push.chunks == []
 
 
-@pytest.mark.parametrize("module", [
-    nn.Embedding(8, 4, max_norm=1.0),
-    nn.Embedding(8, 4, scale_grad_by_freq=True),
-    nn.Embedding(8, 4, sparse=True),
-    nn.Bilinear(3, 3, 2),
-    nn.LayerNorm(4),
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.Embedding(8, 4, max_norm=1.0),
+        nn.Embedding(8, 4, scale_grad_by_freq=True),
+        nn.Embedding(8, 4, sparse=True),
+        nn.Bilinear(3, 3, 2),
+        nn.LayerNorm(4),
+    ],
+)
 def test_other_modules_are_left_alone(module):
     assert not redirect_row_chunked(module, 0, PushRecorder(torch.zeros(1)), chunk_elements=8)
     assert "forward" not in module.__dict__
@@ -152,10 +155,16 @@ def test_weight_with_a_tensor_hook_takes_the_plain_path():
 
 
 def _engine(model: nn.Module) -> MegatrainEngine:
-    return MegatrainEngine(model, parse_engine_config({
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    }))
+    return MegatrainEngine(
+        model,
+        parse_engine_config(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_clipping": 1.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            }
+        ),
+    )
 
 
 def test_engine_redirects_untied_head_and_embedding_only():

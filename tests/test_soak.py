@@ -13,11 +13,11 @@ import os
 import threading
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 STEPS, WARM_UP, SAVE_EVERY, LOAD_EVERY = 240, 40, 20, 80
 

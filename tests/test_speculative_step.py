@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-
 import tiny_models
+import torch
+from side_by_side import ds_config
+
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.optimizer.speculative_step import StepOutcome, _unstepped, speculative_block_indices
 from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
-from side_by_side import ds_config
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -65,7 +65,8 @@ def test_speculation_is_bit_exact_through_clipping(bf16):
             assert report.speculated > 0  # something was stepped during backward every time
             assert (report.restored > 0) == (report.outcome is StepOutcome.CLIPPED)
         assert speculating.host_bytes()["journal"] == sum(
-            s.layout.numel * (14 if bf16 else 12) for s in speculating.states[:4])
+            s.layout.numel * (14 if bf16 else 12) for s in speculating.states[:4]
+        )
     finally:
         waiting.destroy()
         speculating.destroy()
@@ -73,6 +74,7 @@ def test_speculation_is_bit_exact_through_clipping(bf16):
 
 def test_a_changed_learning_rate_invalidates_the_speculation():
     """A scheduler (or the user) changing lr between backward and step() forces a redo."""
+
     def halve_lr(engine, step):
         for group in engine.optimizer.param_groups:
             group["lr"] *= 0.5
@@ -128,11 +130,16 @@ UPDATE_SLEEP_PER_ELEMENT = 0.06 / 8000  # ~0.06 s per block update (a block has 
 def _timed_step(speculative_blocks, monkeypatch):
     """Seconds of backward + step with a slow backward and a slow CPU update, both sleeps
     (which release the GIL, as the real work does)."""
-    config = ds_config(clipping=100.0, megatrain={"speculative_blocks": speculative_blocks,
-                                                  "optimizer_device": "cpu",
-                                                  # no back-pressure from the staging pool: a
-                                                  # block's ~9 gradients all fit
-                                                  "num_staging_buffers": 32})
+    config = ds_config(
+        clipping=100.0,
+        megatrain={
+            "speculative_blocks": speculative_blocks,
+            "optimizer_device": "cpu",
+            # no back-pressure from the staging pool: a
+            # block's ~9 gradients all fit
+            "num_staging_buffers": 32,
+        },
+    )
     torch.manual_seed(0)
     engine = MegatrainEngine(tiny_models.llama(num_layers=4), parse_engine_config(config))
     try:

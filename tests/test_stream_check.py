@@ -45,8 +45,16 @@ def test_without_the_variable_the_cpu_runtime_hands_out_no_op_streams(monkeypatc
 
 def test_with_it_streams_are_checked_and_device_memory_is_apart(runtime: DeviceRuntime) -> None:
     assert runtime.checker is not None and not runtime.shares_host_memory
-    names = {stream.agent.name for stream in (runtime.h2d_stream, runtime.d2h_stream, runtime.optimizer_stream,
-                                              runtime.comm_stream, runtime.compute_stream())}
+    names = {
+        stream.agent.name
+        for stream in (
+            runtime.h2d_stream,
+            runtime.d2h_stream,
+            runtime.optimizer_stream,
+            runtime.comm_stream,
+            runtime.compute_stream(),
+        )
+    }
     assert names == {"h2d", "d2h", "optimizer", "comm", "compute"}
 
 
@@ -80,9 +88,8 @@ def test_wait_stream_orders_everything_issued_so_far(runtime: DeviceRuntime) -> 
             device.fill_(2.0)
         runtime.compute_stream().wait_stream(runtime.h2d_stream)
         device.mul_(3.0)
-        with runtime.on(runtime.d2h_stream):
-            with pytest.raises(StreamRaceError):
-                device.add_(1.0)  # d2h never waited for the compute stream's mul_
+        with runtime.on(runtime.d2h_stream), pytest.raises(StreamRaceError):
+            device.add_(1.0)  # d2h never waited for the compute stream's mul_
 
 
 def test_overwriting_a_buffer_another_stream_still_reads_is_a_race(runtime: DeviceRuntime) -> None:
@@ -92,9 +99,8 @@ def test_overwriting_a_buffer_another_stream_still_reads_is_a_race(runtime: Devi
         host.fill_(1.0)
         device = _upload(runtime, host, wait=True)
         device.sum()  # the compute stream reads the slot
-        with runtime.on(runtime.h2d_stream):
-            with pytest.raises(StreamRaceError) as caught:
-                device.copy_(host, non_blocking=True)  # no wait on a "slot free" event
+        with runtime.on(runtime.h2d_stream), pytest.raises(StreamRaceError) as caught:
+            device.copy_(host, non_blocking=True)  # no wait on a "slot free" event
     assert "is not ordered after read by stream 'compute'" in str(caught.value)
 
 
@@ -102,9 +108,8 @@ def test_reads_never_race_and_disjoint_bytes_of_one_buffer_do_not_either(runtime
     with runtime.observe():
         device = runtime.device_empty(16, torch.float32)
         device.fill_(1.0)
-        with runtime.on(runtime.h2d_stream):
-            with pytest.raises(StreamRaceError):
-                device.sum()  # unordered read after the compute stream's write
+        with runtime.on(runtime.h2d_stream), pytest.raises(StreamRaceError):
+            device.sum()  # unordered read after the compute stream's write
         runtime.h2d_stream.wait_stream(runtime.compute_stream())
         with runtime.on(runtime.h2d_stream):
             device.sum()
@@ -129,7 +134,7 @@ def test_a_host_thread_reading_staging_needs_the_host_to_wait_for_the_copy(runti
             if done is not None:
                 done.synchronize()  # type: ignore[attr-defined]
             staging.sum()
-        except BaseException as error:  # noqa: BLE001 - reported to the test thread
+        except BaseException as error:
             errors.append(error)
 
     for wait in (False, True):

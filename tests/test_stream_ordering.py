@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny_models
+import torch
 from side_by_side import ds_config
+from stream_race_scenario import NVME_SCENARIOS, RACE_EXIT, SCENARIOS
+
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.stream_check import CheckedStream
-from stream_race_scenario import NVME_SCENARIOS, RACE_EXIT, SCENARIOS
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatrain_ds"
@@ -46,7 +46,8 @@ EXPECTED_SURVIVORS: dict[str, str] = {
     "streaming/activation_stash.py:block:oldest.synchronize": (
         "Backpressure, not ordering: the host waits for the oldest outstanding stash copy so "
         "that device memory held for copies stays bounded when the link is slower than "
-        "compute. No access depends on it, so there is no race to catch."),
+        "compute. No access depends on it, so there is no race to catch."
+    ),
 }
 """``"file.py:function:call"`` -> why removing that call is not caught.
 
@@ -63,7 +64,8 @@ TIMING_DEPENDENT: dict[str, str] = {
         "(the tier has two, fed from one queue): then removing the wait is caught (the nvme-all "
         "scenario re-reads blocks soon after writing them); when one thread runs both, its own "
         "program order orders them. Which thread takes which transfer is up to timing, so this "
-        "mutant is caught in some runs and survives in others."),
+        "mutant is caught in some runs and survives in others."
+    ),
 }
 """``"file.py:function:call"`` -> why removing that call is caught only in some runs: neither
 listed as a survivor nor required to be caught (it still counts towards :data:`MIN_CAUGHT`)."""
@@ -97,12 +99,19 @@ def sync_sites() -> list[SyncSite]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-                    and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in SYNC_CALLS):
+            if (
+                isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute)
+                and node.value.func.attr in SYNC_CALLS
+            ):
                 enclosing = [f for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
                 function = max(enclosing, key=lambda f: f.lineno).name if enclosing else "<module>"
-                sites.append(SyncSite(relative, node.lineno, node.end_lineno or node.lineno, function,
-                                      ast.unparse(node.value.func)))
+                sites.append(
+                    SyncSite(
+                        relative, node.lineno, node.end_lineno or node.lineno, function, ast.unparse(node.value.func)
+                    )
+                )
     return sites
 
 
@@ -121,11 +130,19 @@ def mutant_package(site: SyncSite, root: Path) -> Path:
 
 
 def _env(package_root: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+    }
     paths = [str(package_root), str(REPO / "triton_kernels"), env.get("PYTHONPATH", "")]
-    env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), MEGATRAIN_STREAM_CHECK="1",
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TRITON_INTERPRET="1")
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in paths if p),
+        MEGATRAIN_STREAM_CHECK="1",
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        TRITON_INTERPRET="1",
+    )
     return env
 
 
@@ -136,9 +153,21 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
         sys.path.insert(0, str(REPO / "integration_tests"))
         from launching import free_port
 
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), str(DATA_PARALLEL_WORKER), "parity",
-                   "--out", str(root / "dp_out"), "--steps", "1"]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(DATA_PARALLEL_WORKER),
+            "parity",
+            "--out",
+            str(root / "dp_out"),
+            "--steps",
+            "1",
+        ]
     else:
         device_optimizer = site is not None and site.path.name == "device_adamw.py"
         scenarios = ["device-optimizer", "device-optimizer-no-clipping"] if device_optimizer else []
@@ -155,6 +184,7 @@ def _caught(result: subprocess.CompletedProcess[str]) -> bool:
 
 
 # -- the engine runs on checked streams ------------------------------------------------------
+
 
 def test_the_engine_runs_on_checked_streams_and_the_checker_sees_its_work(stream_check, cpu_single_thread):
     torch.manual_seed(0)
@@ -180,30 +210,61 @@ def test_the_suites_pass_under_the_checker(tmp_path):
     placements and speculative steps, stashed activations and fragmented weights, models
     that checkpoint their own layers, the NVMe tier and its checkpoints, checkpoints and
     2-rank data parallel, with the checker on."""
-    suites = ["tests/test_parity.py", "tests/test_optimizer_placement.py", "tests/test_speculative_step.py",
-              "tests/test_recompute.py", "tests/test_fragments.py", "tests/test_layer_checkpointing.py",
-              "tests/test_nvme_tier.py", "tests/test_nvme_checkpoint.py",
-              "tests/test_checkpoint.py", "tests/test_nonfinite_steps.py",
-              "tests/test_data_parallel.py::test_two_ranks_match_one_process_with_both_batches",
-              "tests/test_data_parallel.py::test_checkpoint_saved_by_two_ranks_resumes_bit_identically"]
+    suites = [
+        "tests/test_parity.py",
+        "tests/test_optimizer_placement.py",
+        "tests/test_speculative_step.py",
+        "tests/test_recompute.py",
+        "tests/test_fragments.py",
+        "tests/test_layer_checkpointing.py",
+        "tests/test_nvme_tier.py",
+        "tests/test_nvme_checkpoint.py",
+        "tests/test_checkpoint.py",
+        "tests/test_nonfinite_steps.py",
+        "tests/test_data_parallel.py::test_two_ranks_match_one_process_with_both_batches",
+        "tests/test_data_parallel.py::test_checkpoint_saved_by_two_ranks_resumes_bit_identically",
+    ]
     # Not what the checker is for: a timing (the checker slows the host thread down).
     deselected = ["tests/test_speculative_step.py::test_cpu_update_overlaps_backward"]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *suites,
-                             *(f"--deselect={test}" for test in deselected)],
-                            env=_env(REPO), cwd=REPO, capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            *suites,
+            *(f"--deselect={test}" for test in deselected),
+        ],
+        env=_env(REPO),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
 # -- the checker bites -------------------------------------------------------------------------
 
+
 def test_the_sites_are_found():
     sites = sync_sites()
     files = {site.path.as_posix() for site in sites}
-    assert {"streaming/weight_streamer.py", "streaming/activation_offload.py", "gradients/sink.py",
-            "optimizer/device_adamw.py", "distributed/gradient_reducer.py", "state/nvme_tier.py"} <= files, files
+    assert {
+        "streaming/weight_streamer.py",
+        "streaming/activation_offload.py",
+        "gradients/sink.py",
+        "optimizer/device_adamw.py",
+        "distributed/gradient_reducer.py",
+        "state/nvme_tier.py",
+    } <= files, files
     assert len(sites) >= 12
-    assert set(EXPECTED_SURVIVORS) | set(TIMING_DEPENDENT) <= {site.key for site in sites}, \
+    assert set(EXPECTED_SURVIVORS) | set(TIMING_DEPENDENT) <= {site.key for site in sites}, (
         "a listed survivor no longer exists"
+    )
 
 
 def test_the_unmutated_scenarios_run_race_free(tmp_path):
@@ -221,8 +282,10 @@ def test_removing_any_one_synchronisation_is_caught(tmp_path):
         try:
             result = run_under_checker(site, mutant_package(site, tmp_path / f"mutant{index}"))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"mutant {site} hung: removing the call must leave a race, not a deadlock "
-                        "(keep other work out of a synchronisation statement)")
+            pytest.fail(
+                f"mutant {site} hung: removing the call must leave a race, not a deadlock "
+                "(keep other work out of a synchronisation statement)"
+            )
         if not _caught(result) and result.returncode != 0:
             pytest.fail(f"mutant {site} failed without a race:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
         return site, _caught(result), result.stdout[-400:]

@@ -3,11 +3,11 @@
 import copy
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
 
 
 def _engine(model, **megatrain):

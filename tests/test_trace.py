@@ -16,17 +16,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny_models
-from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.runtime import trace as trace_module
-from megatrain_ds.planning import transfer_hiding
-from megatrain_ds.config import ConfigError
-from megatrain_ds.runtime.device_runtime import ClockAnchor, CudaClockEvent, DeviceRuntime
-from megatrain_ds.planning.planner import Hardware
-from megatrain_ds.runtime.trace import NULL_TRACER, WARMUP_STEPS, Tracer
+import torch
 from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.config import ConfigError
+from megatrain_ds.planning import transfer_hiding
+from megatrain_ds.planning.planner import Hardware
+from megatrain_ds.runtime import trace as trace_module
+from megatrain_ds.runtime.device_runtime import ClockAnchor, CudaClockEvent, DeviceRuntime
+from megatrain_ds.runtime.trace import NULL_TRACER, WARMUP_STEPS, Tracer
 
 NUM_BLOCKS = 4
 TRACED = 2
@@ -62,9 +62,11 @@ def traced_run(tmp_path_factory):
     torch.manual_seed(0)
     model = tiny_models.llama(num_layers=NUM_BLOCKS)
     trained = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in model.model.layers]
-    engine = MegatrainEngine(model, parse_engine_config(ds_config(megatrain={"trace": str(path),
-                                                                                 "trace_steps": TRACED})),
-                             device=torch.device("cpu"))
+    engine = MegatrainEngine(
+        model,
+        parse_engine_config(ds_config(megatrain={"trace": str(path), "trace_steps": TRACED})),
+        device=torch.device("cpu"),
+    )
     try:
         steps = WARMUP_STEPS + TRACED + 1
         _train(engine, steps)
@@ -74,8 +76,14 @@ def traced_run(tmp_path_factory):
     finally:
         engine.destroy()
         torch.set_num_threads(threads)
-    return dict(path=path, trained=trained, transfers=transfers, steps=steps,
-                written_before_destroy=written_before_destroy, tracer_after=tracer_after)
+    return dict(
+        path=path,
+        trained=trained,
+        transfers=transfers,
+        steps=steps,
+        written_before_destroy=written_before_destroy,
+        tracer_after=tracer_after,
+    )
 
 
 def test_trace_is_chrome_json_with_one_named_thread_per_track(traced_run):
@@ -108,6 +116,7 @@ def test_every_block_appears_on_every_track_in_each_traced_step(traced_run):
     blocks = set(range(NUM_BLOCKS))
     per_step_copies = {block: count // traced_run["steps"] for block, count in traced_run["transfers"].items()}
     for step in range(WARMUP_STEPS, WARMUP_STEPS + TRACED):
+
         def of(track, step=step):
             return [e for e in spans[track] if e["args"]["step"] == step]
 
@@ -127,8 +136,9 @@ def test_every_block_appears_on_every_track_in_each_traced_step(traced_run):
         updated = defaultdict(list)
         for event in of("optimizer worker"):
             if event["name"].startswith("adamw"):
-                updated[event["args"]["state"]].append((event["args"]["offset"],
-                                                        event["args"]["offset"] + event["args"]["numel"]))
+                updated[event["args"]["state"]].append(
+                    (event["args"]["offset"], event["args"]["offset"] + event["args"]["numel"])
+                )
         for block in blocks:
             assert _union(updated[block]) >= traced_run["trained"][block]
 
@@ -158,7 +168,9 @@ def test_spans_are_in_schedule_order(traced_run):
             for event in (forward, recompute, backward, *grads):
                 assert step_span["ts"] <= event["ts"] and _end(event) <= _end(step_span)
         # The worker consumes a chunk only after its copy is done.
-        copies_by_chunk = {(e["args"]["state"], e["args"]["offset"]): e for e in spans["d2h"] if e["args"]["step"] == step}
+        copies_by_chunk = {
+            (e["args"]["state"], e["args"]["offset"]): e for e in spans["d2h"] if e["args"]["step"] == step
+        }
         for event in spans["optimizer worker"]:
             if event["args"]["step"] == step and event["name"].startswith("consume"):
                 assert event["ts"] >= _end(copies_by_chunk[(event["args"]["state"], event["args"]["offset"])])
@@ -190,8 +202,10 @@ def test_trace_is_written_atomically(tmp_path, monkeypatch):
 
 def test_destroy_writes_a_trace_cut_short(tmp_path):
     path = tmp_path / "short.json"
-    engine = MegatrainEngine(tiny_models.llama(num_layers=2),
-                             parse_engine_config(ds_config(megatrain={"trace": str(path), "trace_steps": 5})))
+    engine = MegatrainEngine(
+        tiny_models.llama(num_layers=2),
+        parse_engine_config(ds_config(megatrain={"trace": str(path), "trace_steps": 5})),
+    )
     try:
         _train(engine, WARMUP_STEPS + 1)
         assert not path.exists()
@@ -236,6 +250,7 @@ def test_tracing_off_writes_nothing_and_never_builds_a_tracer(tmp_path, monkeypa
 
 def test_device_span_times_are_read_relative_to_the_anchor():
     """CUDA path without CUDA: an event's host time is the anchor's plus elapsed_time (ms)."""
+
     class FakeCudaEvent:
         def __init__(self, ms):
             self.ms = ms
@@ -253,8 +268,10 @@ def test_device_span_times_are_read_relative_to_the_anchor():
     assert event(3.5).host_ns(anchor) == 1_000_000_000 + 1_500_000
 
 
-@pytest.mark.parametrize("options, key", [({"trace": 5}, "trace"), ({"trace_steps": 0}, "trace_steps"),
-                                          ({"trace_steps": True}, "trace_steps")])
+@pytest.mark.parametrize(
+    "options, key",
+    [({"trace": 5}, "trace"), ({"trace_steps": 0}, "trace_steps"), ({"trace_steps": True}, "trace_steps")],
+)
 def test_bad_trace_options_name_the_key(options, key):
     with pytest.raises(ConfigError, match=f"megatrain.{key}"):
         parse_engine_config(ds_config(megatrain=options))
@@ -288,10 +305,11 @@ def test_compare_reports_each_steps_time_outside_block_compute(traced_run, monke
         busy = sum(e["dur"] for e in spans["compute"] if e["args"]["step"] == step)
         expected.append((length - busy) / 1e6)  # trace-event times are microseconds
     assert idle == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    assert all(0 < seconds for seconds in idle)
+    assert all(seconds > 0 for seconds in idle)
 
 
 # -- the warning ------------------------------------------------------------------------------
+
 
 def _hardware_needing(tokens):
     """fp32 (w = 4) figures for which the planner's break-even is exactly ``tokens``:
@@ -353,15 +371,18 @@ def test_tokens_are_counted_from_ids_or_embeddings():
 
 # -- on a real GPU ------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trace_shows_weight_copies_overlapping_compute(tmp_path):
     """Device spans come from CUDA events: one stream's spans do not overlap, and the copy
     of block i+1 runs during block i's forward (the prefetch), by device time."""
     path = tmp_path / "cuda.json"
-    engine = MegatrainEngine(tiny_models.llama(num_layers=NUM_BLOCKS),
-                             parse_engine_config(ds_config(megatrain={"trace": str(path), "trace_steps": 1})),
-                             device=torch.device("cuda"))
+    engine = MegatrainEngine(
+        tiny_models.llama(num_layers=NUM_BLOCKS),
+        parse_engine_config(ds_config(megatrain={"trace": str(path), "trace_steps": 1})),
+        device=torch.device("cuda"),
+    )
     try:
         for step in range(WARMUP_STEPS + 1):
             batch = {k: v.cuda() for k, v in tiny_models.make_batch(step).items()}

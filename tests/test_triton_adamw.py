@@ -81,8 +81,9 @@ def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _assert_state_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], context: str) -> None:
     for name, (rtol, atol) in TOLERANCES.items():
-        torch.testing.assert_close(ours[name], theirs[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{name} {context}: {m}")
+        torch.testing.assert_close(
+            ours[name], theirs[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name} {context}: {m}"
+        )
 
 
 def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -115,8 +116,9 @@ def test_matches_reference(n, grad_dtype, decoupled, weight_decay, grad_scale, w
         grad_before = grad.clone()
         kwargs = dict(HYPER, weight_decay=weight_decay, step=step, grad_scale=grad_scale, decoupled=decoupled)
         adamw_step_(ours["param"], grad, ours["exp_avg"], ours["exp_avg_sq"], shadow=ours.get("shadow"), **kwargs)
-        adamw_step_reference_(theirs["param"], grad, theirs["exp_avg"], theirs["exp_avg_sq"],
-                              shadow=theirs.get("shadow"), **kwargs)
+        adamw_step_reference_(
+            theirs["param"], grad, theirs["exp_avg"], theirs["exp_avg_sq"], shadow=theirs.get("shadow"), **kwargs
+        )
         assert torch.equal(grad, grad_before), "the gradient must be read only"
         _assert_state_close(ours, theirs, f"after step {step}")
         if with_shadow:
@@ -143,11 +145,14 @@ def _emulate_numpy(state, grad, *, lr, betas, eps, weight_decay, step, grad_scal
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
-@pytest.mark.parametrize("n, betas", [
-    pytest.param(2048, (0.9, 0.999), id="2048-full_blocks"),
-    pytest.param(4097, (0.9, 0.999), id="4097-masked_tail"),
-    pytest.param(4097, (0.3, 0.99), id="4097-beta1_0.3"),  # lerp weight >= 0.5: torch's other formula
-])
+@pytest.mark.parametrize(
+    "n, betas",
+    [
+        pytest.param(2048, (0.9, 0.999), id="2048-full_blocks"),
+        pytest.param(4097, (0.9, 0.999), id="4097-masked_tail"),
+        pytest.param(4097, (0.3, 0.99), id="4097-beta1_0.3"),  # lerp weight >= 0.5: torch's other formula
+    ],
+)
 def test_bit_exact_operation_order(n, betas, decoupled, grad_dtype):
     """Kernel == numpy, bit for bit, compiled or interpreted: the order of operations is pinned."""
     state = _state(n, seed=3)
@@ -205,8 +210,17 @@ def test_reference_is_torch_adamw(decoupled):
         grad = grad.cpu()
         param.grad = grad * 0.37
         optimizer.step()
-        adamw_step_reference_(state["param"], grad, state["exp_avg"], state["exp_avg_sq"], **HYPER,
-                              weight_decay=0.1, step=step, grad_scale=0.37, decoupled=decoupled)
+        adamw_step_reference_(
+            state["param"],
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            **HYPER,
+            weight_decay=0.1,
+            step=step,
+            grad_scale=0.37,
+            decoupled=decoupled,
+        )
     torch_state = optimizer.state[param]
     assert torch.equal(state["param"], param.detach())
     assert torch.equal(state["exp_avg"], torch_state["exp_avg"])
@@ -234,8 +248,18 @@ def test_gpu_matches_torch_optim(grad_dtype, n, decoupled):
     for step, grad in enumerate(_grads(n, grad_dtype, 5, seed=10), start=1):
         param.grad = grad.float() * 0.37
         optimizer.step()
-        adamw_step_(state["param"], grad, state["exp_avg"], state["exp_avg_sq"], **HYPER, weight_decay=0.1,
-                    step=step, grad_scale=0.37, decoupled=decoupled, shadow=shadow)
+        adamw_step_(
+            state["param"],
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            **HYPER,
+            weight_decay=0.1,
+            step=step,
+            grad_scale=0.37,
+            decoupled=decoupled,
+            shadow=shadow,
+        )
     torch_state = optimizer.state[param]
     torch.testing.assert_close(state["param"], param.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state["exp_avg"], torch_state["exp_avg"], rtol=1e-5, atol=1e-6)
@@ -249,38 +273,67 @@ def test_empty_is_a_no_op():
 
 
 def _valid(n: int = 8) -> dict:
-    return dict(param=torch.zeros(n, device=DEVICE), grad=torch.zeros(n, device=DEVICE),
-                exp_avg=torch.zeros(n, device=DEVICE), exp_avg_sq=torch.zeros(n, device=DEVICE),
-                shadow=torch.zeros(n, dtype=torch.bfloat16, device=DEVICE))
+    return dict(
+        param=torch.zeros(n, device=DEVICE),
+        grad=torch.zeros(n, device=DEVICE),
+        exp_avg=torch.zeros(n, device=DEVICE),
+        exp_avg_sq=torch.zeros(n, device=DEVICE),
+        shadow=torch.zeros(n, dtype=torch.bfloat16, device=DEVICE),
+    )
 
 
-@pytest.mark.parametrize("name, bad, match", [
-    ("param", torch.zeros(8, dtype=torch.float64), "param must be float32"),
-    ("exp_avg_sq", torch.zeros(8, dtype=torch.bfloat16), "exp_avg_sq must be float32"),
-    ("grad", torch.zeros(8, dtype=torch.float16), "grad must be float32 or bfloat16"),
-    ("shadow", torch.zeros(8), "shadow must be bfloat16"),
-    ("grad", torch.zeros(9), "grad has 9 elements, param has 8"),
-    ("exp_avg", torch.zeros(2, 4), "exp_avg must be 1-D"),
-    ("grad", torch.zeros(16)[::2], "grad must be contiguous"),
-    ("shadow", torch.zeros(7, dtype=torch.bfloat16), "shadow has 7 elements"),
-])
+@pytest.mark.parametrize(
+    "name, bad, match",
+    [
+        ("param", torch.zeros(8, dtype=torch.float64), "param must be float32"),
+        ("exp_avg_sq", torch.zeros(8, dtype=torch.bfloat16), "exp_avg_sq must be float32"),
+        ("grad", torch.zeros(8, dtype=torch.float16), "grad must be float32 or bfloat16"),
+        ("shadow", torch.zeros(8), "shadow must be bfloat16"),
+        ("grad", torch.zeros(9), "grad has 9 elements, param has 8"),
+        ("exp_avg", torch.zeros(2, 4), "exp_avg must be 1-D"),
+        ("grad", torch.zeros(16)[::2], "grad must be contiguous"),
+        ("shadow", torch.zeros(7, dtype=torch.bfloat16), "shadow has 7 elements"),
+    ],
+)
 def test_rejects_bad_inputs(name, bad, match):
     tensors = _valid()
     tensors[name] = bad.to(DEVICE)
     with pytest.raises(ValueError, match=match):
-        adamw_step_(tensors.pop("param"), tensors.pop("grad"), tensors.pop("exp_avg"), tensors.pop("exp_avg_sq"),
-                    **HYPER, weight_decay=0.0, step=1, **tensors)
+        adamw_step_(
+            tensors.pop("param"),
+            tensors.pop("grad"),
+            tensors.pop("exp_avg"),
+            tensors.pop("exp_avg_sq"),
+            **HYPER,
+            weight_decay=0.0,
+            step=1,
+            **tensors,
+        )
 
 
 def test_rejects_step_zero():
     tensors = _valid()
     with pytest.raises(ValueError, match="step must be >= 1"):
-        adamw_step_(tensors["param"], tensors["grad"], tensors["exp_avg"], tensors["exp_avg_sq"],
-                    **HYPER, weight_decay=0.0, step=0)
+        adamw_step_(
+            tensors["param"],
+            tensors["grad"],
+            tensors["exp_avg"],
+            tensors["exp_avg_sq"],
+            **HYPER,
+            weight_decay=0.0,
+            step=0,
+        )
 
 
 def test_rejects_mixed_devices():
     tensors = _valid()
     with pytest.raises(ValueError, match="exp_avg is on meta"):
-        adamw_step_(tensors["param"], tensors["grad"], tensors["exp_avg"].to("meta"), tensors["exp_avg_sq"],
-                    **HYPER, weight_decay=0.0, step=1)
+        adamw_step_(
+            tensors["param"],
+            tensors["grad"],
+            tensors["exp_avg"].to("meta"),
+            tensors["exp_avg_sq"],
+            **HYPER,
+            weight_decay=0.0,
+            step=1,
+        )

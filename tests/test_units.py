@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
-from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, FROZEN_GROUP, build_flat_layout, intersect_runs
 from megatrain_ds.gradients.sink import GradientSink
 from megatrain_ds.optimizer.adamw_math import adamw_update_
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, FROZEN_GROUP, build_flat_layout, intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
@@ -16,8 +16,14 @@ CPU = DeviceRuntime.create(torch.device("cpu"))
 
 
 def test_layout_orders_by_group_aligns_and_splits():
-    layout = build_flat_layout([("a", torch.Size([3, 5]), 1), ("b", torch.Size([7]), 0),
-                                ("c", torch.Size([64]), FROZEN_GROUP), ("d", torch.Size([2]), 1)])
+    layout = build_flat_layout(
+        [
+            ("a", torch.Size([3, 5]), 1),
+            ("b", torch.Size([7]), 0),
+            ("c", torch.Size([64]), FROZEN_GROUP),
+            ("d", torch.Size([2]), 1),
+        ]
+    )
     assert [s.name for s in layout.slots] == ["c", "b", "a", "d"]
     assert all(s.offset % ALIGN_ELEMENTS == 0 for s in layout.slots)
     assert layout.numel % ALIGN_ELEMENTS == 0
@@ -41,8 +47,9 @@ def test_host_adamw_matches_torch_bit_for_bit(decoupled):
         grad = torch.randn(1000)
         param.grad = grad.clone()
         reference.step()
-        adamw_update_(master, grad, m, v, step=step, lr=3e-3, betas=(0.8, 0.95), eps=1e-7,
-                      weight_decay=0.2, decoupled=decoupled)
+        adamw_update_(
+            master, grad, m, v, step=step, lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.2, decoupled=decoupled
+        )
     assert torch.equal(master, param.detach())
 
 

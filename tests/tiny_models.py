@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -11,9 +11,16 @@ VOCAB = 96
 
 
 def _common(num_layers: int) -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                attn_implementation="eager")
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
 
 
 def llama(num_layers: int = 4) -> transformers.PreTrainedModel:
@@ -31,9 +38,17 @@ def mistral(num_layers: int = 4) -> transformers.PreTrainedModel:
 
 def gpt2(num_layers: int = 4) -> transformers.PreTrainedModel:
     """Conv1D projections, learned positions, dropout on (replayed exactly in recompute)."""
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=num_layers, n_head=4,
-                                     n_positions=64, attn_implementation="eager",
-                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=num_layers,
+        n_head=4,
+        n_positions=64,
+        attn_implementation="eager",
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -43,7 +58,11 @@ def mixtral(num_layers: int = 4) -> transformers.PreTrainedModel:
 
 
 FAMILIES: dict[str, Callable[..., transformers.PreTrainedModel]] = {
-    "llama": llama, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "mixtral": mixtral,
+    "llama": llama,
+    "qwen2": qwen2,
+    "mistral": mistral,
+    "gpt2": gpt2,
+    "mixtral": mixtral,
 }
 
 
@@ -84,8 +103,13 @@ def qwen3(num_layers: int = 4) -> transformers.PreTrainedModel:
 
 def qwen2_moe(num_layers: int = 4) -> transformers.PreTrainedModel:
     """Routed experts plus a gated shared expert."""
-    config = transformers.Qwen2MoeConfig(**_common(num_layers), num_experts=4, num_experts_per_tok=2,
-                                         moe_intermediate_size=24, shared_expert_intermediate_size=32)
+    config = transformers.Qwen2MoeConfig(
+        **_common(num_layers),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=32,
+    )
     return transformers.Qwen2MoeForCausalLM(config)
 
 

@@ -76,7 +76,7 @@ def make_temp_dir(save_dir: Path, tag: str) -> Path:
     for stale in save_dir.glob(f"{_TMP_PREFIX}{LATEST_FILE}-*"):
         stale.unlink(missing_ok=True)  # an interrupted update of ``latest``
     for aside in save_dir.glob(f"{_REPLACED_PREFIX}*"):
-        tag_name = aside.name[len(_REPLACED_PREFIX):].rsplit("-", 1)[0]
+        tag_name = aside.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
         if (save_dir / tag_name / MANIFEST_FILE).is_file():
             shutil.rmtree(aside, ignore_errors=True)  # its replacement is complete
     path = save_dir / f"{_TMP_PREFIX}{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -130,11 +130,16 @@ def resolve_tag_dir(load_dir: Path, tag: str) -> Path:
     path = load_dir / tag
     if path.is_dir():
         return path
-    aside = sorted((p for p in load_dir.glob(f"{_REPLACED_PREFIX}{tag}-*") if (p / MANIFEST_FILE).is_file()),
-                   key=lambda p: int(p.name.rsplit("-", 1)[1]))  # newest last
+    aside = sorted(
+        (p for p in load_dir.glob(f"{_REPLACED_PREFIX}{tag}-*") if (p / MANIFEST_FILE).is_file()),
+        key=lambda p: int(p.name.rsplit("-", 1)[1]),
+    )  # newest last
     if aside:
-        logger.warning("megatrain: %s is missing (a save of the same tag was interrupted); "
-                       "loading the previous copy %s", path, aside[-1])
+        logger.warning(
+            "megatrain: %s is missing (a save of the same tag was interrupted); loading the previous copy %s",
+            path,
+            aside[-1],
+        )
         return aside[-1]
     raise CheckpointError(f"checkpoint directory {path} does not exist")
 
@@ -158,8 +163,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if zlib.crc32(json.dumps(body, sort_keys=True).encode()) != recorded:
         raise CheckpointError(f"{path}: corrupted manifest (checksum mismatch)")
     if body.get("format") != FORMAT_NAME or body.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {body.get('format')!r} version {body.get('version')!r} "
-                              f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path}: format {body.get('format')!r} version {body.get('version')!r} "
+            f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}"
+        )
     return body
 
 
@@ -179,7 +186,7 @@ def checked_digest(directory: Path, manifest: dict[str, Any], name: str) -> File
 
 
 def _owner_pid(path: Path) -> int | None:
-    parts = path.name[len(_TMP_PREFIX):].rsplit("-", 2)
+    parts = path.name[len(_TMP_PREFIX) :].rsplit("-", 2)
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -56,17 +56,22 @@ class SafetensorsSource:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.file_of = {name: self.directory / file for name, file in weight_map.items()}
         else:
-            files = [self.directory / SINGLE_FILE] if (self.directory / SINGLE_FILE).is_file() else \
-                sorted(self.directory.glob("*.safetensors"))
+            files = (
+                [self.directory / SINGLE_FILE]
+                if (self.directory / SINGLE_FILE).is_file()
+                else sorted(self.directory.glob("*.safetensors"))
+            )
             if not files:
-                raise ConfigError(f"megatrain.load_from: {self.directory} has no {INDEX_FILE}, "
-                                  f"{SINGLE_FILE} or other *.safetensors file")
+                raise ConfigError(
+                    f"megatrain.load_from: {self.directory} has no {INDEX_FILE}, "
+                    f"{SINGLE_FILE} or other *.safetensors file"
+                )
             for file in files:
                 with safe_open(file, framework="pt") as handle:
-                    self.file_of.update((name, file) for name in handle.keys())
+                    self.file_of.update((name, file) for name in handle.keys())  # noqa: SIM118 (safe_open is no dict)
         self._used: set[str] = set()
 
-    def scoped(self, prefix: str) -> "_ScopedSource":
+    def scoped(self, prefix: str) -> _ScopedSource:
         """The same source for names relative to ``prefix`` (a block's parameters)."""
         return _ScopedSource(self, prefix)
 
@@ -81,14 +86,18 @@ class SafetensorsSource:
         """Fill ``out`` with the tensor ``name``, converted to ``out.dtype``."""
         saved = self.find(name)
         if saved is None:
-            raise ValueError(f"megatrain.load_from: {self.directory} has no tensor {name!r} "
-                             f"(this model's has shape {list(out.shape)})")
+            raise ValueError(
+                f"megatrain.load_from: {self.directory} has no tensor {name!r} "
+                f"(this model's has shape {list(out.shape)})"
+            )
         path = self.file_of[saved]
         with safe_open(path, framework="pt") as handle:
             shape = list(handle.get_slice(saved).get_shape())
         if shape != list(out.shape):
-            raise ValueError(f"tensor {saved!r}: {path.name} in {self.directory} has shape {shape}, "
-                             f"this model has {list(out.shape)}: load_from holds a different model")
+            raise ValueError(
+                f"tensor {saved!r}: {path.name} in {self.directory} has shape {shape}, "
+                f"this model has {list(out.shape)}: load_from holds a different model"
+            )
         self._used.add(saved)
         if out.numel() == 0:
             return
@@ -108,8 +117,12 @@ class SafetensorsSource:
         """Warn about saved tensors that are neither loaded nor known to the model."""
         unused = sorted(set(self.file_of) - self._used - set(known))
         if unused:
-            logger.warning("megatrain: load_from %s has %d tensor(s) this model does not use: %s",
-                           self.directory, len(unused), ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""))
+            logger.warning(
+                "megatrain: load_from %s has %d tensor(s) this model does not use: %s",
+                self.directory,
+                len(unused),
+                ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""),
+            )
 
 
 class _ScopedSource:
@@ -138,7 +151,8 @@ def open_source(model: nn.Module, load_from: str | None) -> SafetensorsSource | 
         if meta is not None:
             raise ConfigError(
                 f"parameter {meta} is on the meta device (the model was built without weights): "
-                'set "megatrain": {"load_from": "<directory of safetensors shards>"} to fill it')
+                'set "megatrain": {"load_from": "<directory of safetensors shards>"} to fill it'
+            )
         return None
     return SafetensorsSource(load_from, parameter_aliases(model))
 
@@ -153,8 +167,11 @@ def materialize_meta_buffers(model: nn.Module, source: SafetensorsSource | None)
                 continue
             full = f"{module_name}.{name}" if module_name else name
             # NaN marks "not computed yet", so a buffer no one fills is caught below.
-            value = torch.full(buffer.shape, math.nan, dtype=buffer.dtype) if buffer.is_floating_point() \
+            value = (
+                torch.full(buffer.shape, math.nan, dtype=buffer.dtype)
+                if buffer.is_floating_point()
                 else torch.zeros(buffer.shape, dtype=buffer.dtype)
+            )
             if source is not None and source.find(full) is not None:
                 source.copy_into(full, value)
             elif module not in to_init:
@@ -172,4 +189,5 @@ def materialize_meta_buffers(model: nn.Module, source: SafetensorsSource | None)
             raise ConfigError(
                 f"buffer {full} is on the meta device, is not in load_from, and the model cannot "
                 "recompute it: build the model with accelerate.init_empty_weights(), which keeps "
-                "buffers real")
+                "buffers real"
+            )

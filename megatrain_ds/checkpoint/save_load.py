@@ -39,19 +39,34 @@ import os
 import random
 import shutil
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from megatrain_ds.checkpoint.directories import (
-    FORMAT_NAME, FORMAT_VERSION, check_tag, checked_digest, make_temp_dir,
-    publish_dir, read_latest, read_manifest, report_leftovers, resolve_tag_dir, write_bytes_durably,
-    write_latest, write_manifest,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    check_tag,
+    checked_digest,
+    make_temp_dir,
+    publish_dir,
+    read_latest,
+    read_manifest,
+    report_leftovers,
+    resolve_tag_dir,
+    write_bytes_durably,
+    write_latest,
+    write_manifest,
 )
 from megatrain_ds.checkpoint.tensor_files import (
-    CheckpointError, FileDigest, SafetensorsFile, file_digest, write_safetensors,
+    CheckpointError,
+    FileDigest,
+    SafetensorsFile,
+    file_digest,
+    write_safetensors,
 )
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
@@ -197,10 +212,16 @@ def _quiesce(engine: CheckpointedEngine) -> None:
 
 # -- save ---------------------------------------------------------------------------------
 
-def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None,
-                    client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> bool:
+
+def save_checkpoint(
+    engine: CheckpointedEngine,
+    save_dir: str,
+    tag: Any = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> bool:
     """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring.
 
     With data parallel every rank calls this (as with DeepSpeed); rank 0 writes the whole
@@ -210,6 +231,7 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None,
     """
     _quiesce(engine)
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+
     def save() -> None:
         _save_tag(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, max_shard_bytes)
 
@@ -220,19 +242,36 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None,
     return True
 
 
-def _save_tag(engine: CheckpointedEngine, root: Path, tag: str, client_state: Mapping[str, Any] | None,
-              save_latest: bool, exclude_frozen_parameters: bool, max_shard_bytes: int) -> None:
+def _save_tag(
+    engine: CheckpointedEngine,
+    root: Path,
+    tag: str,
+    client_state: Mapping[str, Any] | None,
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+    max_shard_bytes: int,
+) -> None:
     temp = make_temp_dir(root, tag)
     try:
         files = _write_tag_dir(engine, temp, client_state or {}, exclude_frozen_parameters, max_shard_bytes)
-        write_manifest(temp, {
-            "format": FORMAT_NAME, "version": FORMAT_VERSION, "tag": tag,
-            "exclude_frozen_parameters": exclude_frozen_parameters,
-            "global_steps": engine.global_steps,
-            "files": {name: {"bytes": d.nbytes, "crc32": d.crc32,
-                             **({"header_crc32": d.header_crc32} if d.header_crc32 is not None else {})}
-                      for name, d in sorted(files.items())},
-        })
+        write_manifest(
+            temp,
+            {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "tag": tag,
+                "exclude_frozen_parameters": exclude_frozen_parameters,
+                "global_steps": engine.global_steps,
+                "files": {
+                    name: {
+                        "bytes": d.nbytes,
+                        "crc32": d.crc32,
+                        **({"header_crc32": d.header_crc32} if d.header_crc32 is not None else {}),
+                    }
+                    for name, d in sorted(files.items())
+                },
+            },
+        )
         publish_dir(temp, root / tag)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)  # a failed save leaves the directory as it was
@@ -242,8 +281,9 @@ def _save_tag(engine: CheckpointedEngine, root: Path, tag: str, client_state: Ma
     logger.info("megatrain: saved checkpoint %s (%d files)", root / tag, len(files) + 1)
 
 
-def _write_tag_dir(engine: CheckpointedEngine, temp: Path, client_state: Mapping[str, Any],
-                   exclude_frozen: bool, max_shard_bytes: int) -> dict[str, FileDigest]:
+def _write_tag_dir(
+    engine: CheckpointedEngine, temp: Path, client_state: Mapping[str, Any], exclude_frozen: bool, max_shard_bytes: int
+) -> dict[str, FileDigest]:
     files: dict[str, FileDigest] = {}
     groups = _entries_by_state(engine)
     shards = _shards(groups, max_shard_bytes)
@@ -254,8 +294,12 @@ def _write_tag_dir(engine: CheckpointedEngine, temp: Path, client_state: Mapping
     with _state_tensors(engine) as flat_of:
         for number, members in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{count:05d}.safetensors"
-            tensors = [(e.name, e.view(flat_of(e.state, "master"))) for i in members for e in groups[i]
-                       if e.trained or not exclude_frozen]
+            tensors = [
+                (e.name, e.view(flat_of(e.state, "master")))
+                for i in members
+                for e in groups[i]
+                if e.trained or not exclude_frozen
+            ]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
             files[name] = write_safetensors(temp / name, tensors, {"format": "pt"})
@@ -312,8 +356,9 @@ def _inside_accumulation_window(engine: CheckpointedEngine) -> bool:
 def _trainer_state(engine: CheckpointedEngine, client_state: Mapping[str, Any], mid_window: bool) -> dict[str, Any]:
     scheduler = engine.lr_scheduler
     return {
-        "counters": {name: getattr(engine, name) for name in _ENGINE_COUNTERS + _OPTIMIZER_COUNTERS
-                     if hasattr(engine, name)},
+        "counters": {
+            name: getattr(engine, name) for name in _ENGINE_COUNTERS + _OPTIMIZER_COUNTERS if hasattr(engine, name)
+        },
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
         "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "rng": _capture_rng(),
@@ -346,19 +391,30 @@ def _restore_rng(state: Mapping[str, Any]) -> None:
     if state.get("cuda") is not None and torch.cuda.is_available():
         devices = torch.cuda.device_count()
         if len(state["cuda"]) != devices:
-            logger.warning("megatrain: the checkpoint has RNG states of %d CUDA devices, this process "
-                           "sees %d; restoring the first %d", len(state["cuda"]), devices,
-                           min(devices, len(state["cuda"])))
+            logger.warning(
+                "megatrain: the checkpoint has RNG states of %d CUDA devices, this process "
+                "sees %d; restoring the first %d",
+                len(state["cuda"]),
+                devices,
+                min(devices, len(state["cuda"])),
+            )
         for index, device_state in enumerate(state["cuda"][:devices]):
             torch.cuda.set_rng_state(device_state, index)
 
 
 # -- load ---------------------------------------------------------------------------------
 
-def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
-                    load_module_strict: bool = True, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+
+def load_checkpoint(
+    engine: CheckpointedEngine,
+    load_dir: str,
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    custom_load_fn: Any = None,
+) -> tuple[str | None, dict[str, Any] | None]:
     """Load ``<load_dir>/<tag>`` (``tag=None``: the one ``latest`` names) into ``engine``.
 
     Returns ``(tag directory, client_state)``, or ``(None, None)`` when ``load_dir`` has
@@ -371,8 +427,9 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
     if tag is None:
         tag = read_latest(root)
         if tag is None:
-            logger.warning("megatrain: no 'latest' file in %s, so no checkpoint was loaded; "
-                           "pass tag= to load a specific one", root)
+            logger.warning(
+                "megatrain: no 'latest' file in %s, so no checkpoint was loaded; pass tag= to load a specific one", root
+            )
             return None, None
     path = resolve_tag_dir(root, check_tag(tag))
     manifest = read_manifest(path)
@@ -398,8 +455,10 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
         with _state_tensors(engine) as flat_of:
             for file in model_files.values():
                 wanted_weights = model_targets.get(file.path, {})
-                file.read_into({name: entry.view(flat_of(entry.state, "master")) for name, entry in wanted_weights.items()},
-                               checked_digest(path, manifest, Path(file.path).name))
+                file.read_into(
+                    {name: entry.view(flat_of(entry.state, "master")) for name, entry in wanted_weights.items()},
+                    checked_digest(path, manifest, Path(file.path).name),
+                )
                 flat_of.release()  # one file's masters mapped at a time
             for state in engine.states:
                 if state.shadow is not None:
@@ -411,8 +470,10 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None,
                         state.grad.zero_()  # overwritten below when saved inside an accumulation window
                 for file in optimizer_files.values():
                     wanted = optimizer_targets.get(file.path, {})
-                    file.read_into({name: entry.view(flat_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
-                                   checked_digest(path, manifest, Path(file.path).name))
+                    file.read_into(
+                        {name: entry.view(flat_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
+                        checked_digest(path, manifest, Path(file.path).name),
+                    )
                     flat_of.release()  # one file's moments mapped at a time
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
@@ -448,7 +509,8 @@ def _check_shape(name: str, file: SafetensorsFile, record: Any, entry: _Entry, p
     if _shape(record.shape) != _shape(entry.slot.shape):
         raise CheckpointError(
             f"tensor {name!r}: the checkpoint ({Path(file.path).name}) has shape {_shape(record.shape)}, "
-            f"this model has {_shape(entry.slot.shape)}: {path} is a checkpoint of a different model")
+            f"this model has {_shape(entry.slot.shape)}: {path} is a checkpoint of a different model"
+        )
 
 
 def _shape(shape: Any) -> list[int]:
@@ -459,8 +521,14 @@ def _index_records(files: Mapping[str, SafetensorsFile]) -> dict[str, tuple[Safe
     return {name: (file, record) for file in files.values() for name, record in file.records.items()}
 
 
-def _match_weights(engine: CheckpointedEngine, path: Path, files: Mapping[str, SafetensorsFile],
-                   entries: list[_Entry], required: list[_Entry], strict: bool) -> dict[str, dict[str, _Entry]]:
+def _match_weights(
+    engine: CheckpointedEngine,
+    path: Path,
+    files: Mapping[str, SafetensorsFile],
+    entries: list[_Entry],
+    required: list[_Entry],
+    strict: bool,
+) -> dict[str, dict[str, _Entry]]:
     """``file path -> {tensor name -> entry whose master it fills}``; raises on the first
     mismatch, in the model's parameter order."""
     found = _index_records(files)
@@ -479,13 +547,18 @@ def _match_weights(engine: CheckpointedEngine, path: Path, files: Mapping[str, S
                 raise CheckpointError(
                     f"{path}: the checkpoint has no tensor {name!r} (this model's has shape "
                     f"{_shape(entry.slot.shape)}): is it a checkpoint of a different model? "
-                    "load_module_strict=False keeps this model's own value")
+                    "load_module_strict=False keeps this model's own value"
+                )
             continue
         file, record = found[hit]
         _check_shape(hit, file, record, entry, path)
         if record.dtype != entry.state.master.dtype:
-            logger.warning("megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
-                           hit, record.dtype, entry.state.master.dtype)
+            logger.warning(
+                "megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
+                hit,
+                record.dtype,
+                entry.state.master.dtype,
+            )
         targets.setdefault(file.path, {})[hit] = entry
         used.update(aliases[id(param)])
     if strict:
@@ -494,27 +567,36 @@ def _match_weights(engine: CheckpointedEngine, path: Path, files: Mapping[str, S
         if extra is not None:
             raise CheckpointError(
                 f"tensor {extra!r} of {Path(found[extra][0].path).name} does not exist in this model: "
-                f"{path} is a checkpoint of a different model (load_module_strict=False ignores it)")
+                f"{path} is a checkpoint of a different model (load_module_strict=False ignores it)"
+            )
     return targets
 
 
 def _check_optimizer_groups(engine: CheckpointedEngine, trainer_state: Mapping[str, Any]) -> None:
     saved, current = len(trainer_state["param_groups"]), len(engine.optimizer.param_groups)
     if saved != current:
-        raise CheckpointError(f"the checkpoint has {saved} optimizer parameter groups, this engine has "
-                              f"{current}; pass load_optimizer_states=False to load the weights only")
+        raise CheckpointError(
+            f"the checkpoint has {saved} optimizer parameter groups, this engine has "
+            f"{current}; pass load_optimizer_states=False to load the weights only"
+        )
     if trainer_state["mid_window_gradients"]:
         saved_steps = trainer_state["gradient_accumulation_steps"]
         if saved_steps != engine.gradient_accumulation_steps():
             raise CheckpointError(
                 f"the checkpoint was saved inside an accumulation window of {saved_steps} micro-batches "
                 f"(micro step {trainer_state['counters'].get('micro_steps')}); this engine accumulates "
-                f"{engine.gradient_accumulation_steps()}: resume with gradient_accumulation_steps={saved_steps}")
+                f"{engine.gradient_accumulation_steps()}: resume with gradient_accumulation_steps={saved_steps}"
+            )
 
 
-def _match_optimizer(engine: CheckpointedEngine, path: Path, files: Mapping[str, SafetensorsFile],
-                     entries: list[_Entry], trainer_state: Mapping[str, Any],
-                     strict: bool) -> dict[str, dict[str, tuple[_Entry, str]]]:
+def _match_optimizer(
+    engine: CheckpointedEngine,
+    path: Path,
+    files: Mapping[str, SafetensorsFile],
+    entries: list[_Entry],
+    trainer_state: Mapping[str, Any],
+    strict: bool,
+) -> dict[str, dict[str, tuple[_Entry, str]]]:
     """``file path -> {tensor name -> (entry, kind)}`` of the optimizer state to read."""
     found = _index_records(files)
     targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
@@ -527,11 +609,14 @@ def _match_optimizer(engine: CheckpointedEngine, path: Path, files: Mapping[str,
                 raise CheckpointError(
                     f"{path} was saved inside a gradient accumulation window and holds accumulated "
                     "gradients, but this engine keeps none (its gradient_clipping and "
-                    "gradient_accumulation_steps differ from the saved run's)")
+                    "gradient_accumulation_steps differ from the saved run's)"
+                )
             if name not in found:
                 if strict:
-                    raise CheckpointError(f"{path}: the checkpoint has no optimizer state {name!r} "
-                                          "(was this parameter frozen when it was saved?)")
+                    raise CheckpointError(
+                        f"{path}: the checkpoint has no optimizer state {name!r} "
+                        "(was this parameter frozen when it was saved?)"
+                    )
                 continue
             file, record = found[name]
             _check_shape(name, file, record, entry, path)
@@ -539,8 +624,9 @@ def _match_optimizer(engine: CheckpointedEngine, path: Path, files: Mapping[str,
     return targets
 
 
-def _apply_trainer_state(engine: CheckpointedEngine, state: Mapping[str, Any], with_optimizer: bool,
-                         with_scheduler: bool, module_only: bool) -> None:
+def _apply_trainer_state(
+    engine: CheckpointedEngine, state: Mapping[str, Any], with_optimizer: bool, with_scheduler: bool, module_only: bool
+) -> None:
     if module_only:
         return
     counters = state["counters"]

@@ -17,17 +17,24 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
 from megatrain_ds.runtime.stream_check import declare_access
 
 DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
@@ -68,16 +75,20 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]],
-                      metadata: Mapping[str, str] | None = None) -> FileDigest:
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None
+) -> FileDigest:
     """Write ``tensors`` (contiguous CPU tensors, e.g. views of a flat buffer) to ``path``,
     fsync it, and return its digest. Nothing is copied: each view's bytes go to the file."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {})}
     offset = 0
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the library pads the header to 8 bytes too
@@ -114,16 +125,24 @@ class SafetensorsFile:
             (length,) = struct.unpack("<Q", raw_length)
             if length > min(_MAX_HEADER_BYTES, size - 8):
                 raise CheckpointError(
-                    f"{self.path}: corrupted or truncated header (says {length} bytes, file has {size})")
+                    f"{self.path}: corrupted or truncated header (says {length} bytes, file has {size})"
+                )
             self.prefix = raw_length + handle.read(length)
         if header_crc32 is not None and zlib.crc32(self.prefix) != header_crc32:
             raise CheckpointError(f"{self.path}: corrupted header (checksum mismatch)")
         try:
             header = json.loads(self.prefix[8:])
             self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
-            records = [TensorRecord(name, DTYPES_BY_CODE[info["dtype"]], tuple(info["shape"]),
-                                    8 + length + info["data_offsets"][0], 8 + length + info["data_offsets"][1])
-                       for name, info in header.items()]
+            records = [
+                TensorRecord(
+                    name,
+                    DTYPES_BY_CODE[info["dtype"]],
+                    tuple(info["shape"]),
+                    8 + length + info["data_offsets"][0],
+                    8 + length + info["data_offsets"][1],
+                )
+                for name, info in header.items()
+            ]
         except (ValueError, KeyError, TypeError, IndexError) as error:
             raise CheckpointError(f"{self.path}: corrupted header ({type(error).__name__}: {error})") from None
         records.sort(key=lambda record: record.start)
@@ -131,8 +150,10 @@ class SafetensorsFile:
         for record in records:
             expected = _numel(record.shape) * _itemsize(record.dtype)
             if record.start != position or record.end - record.start != expected:
-                raise CheckpointError(f"{self.path}: corrupted header (tensor {record.name} has "
-                                      f"offsets [{record.start}, {record.end}), expected {expected} bytes at {position})")
+                raise CheckpointError(
+                    f"{self.path}: corrupted header (tensor {record.name} has "
+                    f"offsets [{record.start}, {record.end}), expected {expected} bytes at {position})"
+                )
             position = record.end
         if position != size:
             state = "truncated" if position > size else "longer than its header says"
@@ -140,8 +161,7 @@ class SafetensorsFile:
         self.nbytes = size
         self.records: dict[str, TensorRecord] = {record.name: record for record in records}
 
-    def read_into(self, destinations: Mapping[str, torch.Tensor | None],
-                  expected: FileDigest | None = None) -> None:
+    def read_into(self, destinations: Mapping[str, torch.Tensor | None], expected: FileDigest | None = None) -> None:
         """Read every tensor named in ``destinations`` into its tensor (same shape, any
         dtype: converted in bounded pieces), in file order, checking the CRC of the whole
         file against ``expected``. Tensors not named (or mapped to ``None``) are read only
@@ -173,7 +193,8 @@ class SafetensorsFile:
         if expected is not None and crc != expected.crc32:
             raise CheckpointError(
                 f"{self.path}: checksum mismatch (CRC-32 {crc:#010x}, the manifest recorded "
-                f"{expected.crc32:#010x}): the file is corrupted")
+                f"{expected.crc32:#010x}): the file is corrupted"
+            )
 
     def _read_exactly(self, handle, data: memoryview, record: TensorRecord) -> None:  # type: ignore[no-untyped-def]
         done = 0

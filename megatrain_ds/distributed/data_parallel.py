@@ -35,14 +35,15 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 
 T = TypeVar("T")
 
@@ -87,7 +88,7 @@ class DataParallel:
     timeout_s: float
 
     @classmethod
-    def join(cls, use_cuda: bool, timeout_s: float) -> "DataParallel | None":
+    def join(cls, use_cuda: bool, timeout_s: float) -> DataParallel | None:
         """The data-parallel context of this process, or ``None`` when it trains alone.
 
         Uses the default process group if the launcher (Accelerate, DeepSpeed) made one,
@@ -97,8 +98,9 @@ class DataParallel:
         if not dist.is_initialized():
             if _process_group_env() <= 1:
                 return None
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
         world_size = dist.get_world_size()
         if world_size == 1:
             return None
@@ -123,10 +125,18 @@ class DataParallel:
         leaders_group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout) if len(leaders) > 1 else None
         mine = nodes[names[rank]]
         assert node_group is not None
-        return cls(rank=rank, world_size=world_size, node_index=mine.index(rank), node_size=len(mine),
-                   comm_group=comm_group, control_group=control_group, node_group=node_group,
-                   leaders_group=leaders_group if rank in leaders else None,
-                   shared=NodeSharedMemory(node_group, writer=mine[0], rank=rank), timeout_s=timeout_s)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            node_index=mine.index(rank),
+            node_size=len(mine),
+            comm_group=comm_group,
+            control_group=control_group,
+            node_group=node_group,
+            leaders_group=leaders_group if rank in leaders else None,
+            shared=NodeSharedMemory(node_group, writer=mine[0], rank=rank),
+            timeout_s=timeout_s,
+        )
 
     @property
     def is_node_writer(self) -> bool:
@@ -134,9 +144,11 @@ class DataParallel:
 
     def window(self, numel: int) -> tuple[int, int]:
         """``[start, end)``: the elements of a ``numel``-element state this rank owns."""
+
         def bound(index: int) -> int:
             even = numel * index // self.node_size
             return min(numel, -(-even // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)  # rounded up: aligned SIMD
+
         return bound(self.node_index), bound(self.node_index + 1)
 
     # -- collectives (each wrapped so a peer's failure reads as one) ---------------------
@@ -154,13 +166,21 @@ class DataParallel:
 
     def node_barrier(self, what: str) -> None:
         """Wait for every rank of the node; names the ranks that do not arrive."""
-        self._guard(what, lambda: dist.monitored_barrier(
-            group=self.node_group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True))
+        self._guard(
+            what,
+            lambda: dist.monitored_barrier(
+                group=self.node_group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True
+            ),
+        )
 
     def world_barrier(self, what: str) -> None:
         """Wait for every rank; names the ranks that do not arrive."""
-        self._guard(what, lambda: dist.monitored_barrier(
-            group=self.control_group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True))
+        self._guard(
+            what,
+            lambda: dist.monitored_barrier(
+                group=self.control_group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True
+            ),
+        )
 
     def on_rank0(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on global rank 0 only; every rank returns once it is done, and
@@ -181,8 +201,9 @@ class DataParallel:
         """Give every node's copy the first node's values (node writers only)."""
         if self.leaders_group is not None:
             leader = dist.get_global_rank(self.leaders_group, 0)
-            self._guard("the initial weight broadcast",
-                        lambda: dist.broadcast(tensor, src=leader, group=self.leaders_group))
+            self._guard(
+                "the initial weight broadcast", lambda: dist.broadcast(tensor, src=leader, group=self.leaders_group)
+            )
 
     def _guard(self, what: str, collective: Callable[[], T]) -> T:
         start = time.monotonic()
@@ -193,4 +214,5 @@ class DataParallel:
                 f"megatrain: rank {self.rank} of {self.world_size}: {what} failed after "
                 f"{time.monotonic() - start:.1f} s; another rank died or stopped responding "
                 f"(collectives wait at most {self.timeout_s:g} s, megatrain.collective_timeout_s). "
-                f"Look for the first error in the other ranks' logs. Cause: {error}") from error
+                f"Look for the first error in the other ranks' logs. Cause: {error}"
+            ) from error

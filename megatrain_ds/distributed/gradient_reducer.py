@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from megatrain_ds.distributed.data_parallel import DataParallel
-from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 from megatrain_ds.gradients.sink import GradientSink
+from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 
 
 @dataclass
@@ -64,8 +64,14 @@ class GradientReducer:
             runs it while backward computes); each more costs a block of gradients.
     """
 
-    def __init__(self, runtime: DeviceRuntime, data_parallel: DataParallel, sink: GradientSink,
-                 windows: Sequence[tuple[int, int]], max_in_flight: int = 1) -> None:
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        data_parallel: DataParallel,
+        sink: GradientSink,
+        windows: Sequence[tuple[int, int]],
+        max_in_flight: int = 1,
+    ) -> None:
         self._runtime = runtime
         self._dp = data_parallel
         self._sink = sink
@@ -138,8 +144,9 @@ class GradientReducer:
             if self.on_all_reduce is not None:
                 self.on_all_reduce(job.index)
             for offset, grad in job.pieces:
-                with runtime.tracer.device_span(f"all-reduce {job.index}", "comm", stream=runtime.comm_stream,
-                                                numel=grad.numel()):
+                with runtime.tracer.device_span(
+                    f"all-reduce {job.index}", "comm", stream=runtime.comm_stream, numel=grad.numel()
+                ):
                     self._dp.all_reduce_mean_(grad)
                 lo, hi = max(offset, start), min(offset + grad.numel(), end)
                 if lo < hi:

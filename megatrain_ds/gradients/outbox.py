@@ -18,7 +18,7 @@ block.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -55,8 +55,10 @@ class GradientOutbox:
 
     def hook(self, offset: int) -> Callable[[torch.Tensor], None]:
         """A post-accumulate-grad hook for the parameter leaf at state ``offset``."""
+
         def take_gradient(leaf: torch.Tensor) -> None:
             grad, leaf.grad = leaf.grad, None  # the outbox holds the only reference now
             assert grad is not None
             self.add(offset, grad.reshape(-1))
+
         return take_gradient

@@ -23,7 +23,8 @@ two places, which autograd must add up before anything is pushed.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,9 @@ class _ProjectionFn(torch.autograd.Function):
     """``x @ W^T`` whose weight gradient goes to ``push`` in row chunks."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offset: int, push: PushFn,
-                rows_per_chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, offset: int, push: PushFn, rows_per_chunk: int
+    ) -> torch.Tensor:
         # Autocast is applied by hand and then turned off, so backward computes in exactly
         # the dtypes forward did without depending on the autocast state it runs under.
         dtype = _autocast_dtype(x.device.type)
@@ -73,8 +75,15 @@ class _EmbeddingFn(torch.autograd.Function):
     """``weight[ids]`` whose weight gradient goes to ``push`` in row chunks."""
 
     @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, offset: int,
-                push: PushFn, rows_per_chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        ids: torch.Tensor,
+        weight: torch.Tensor,
+        padding_idx: int | None,
+        offset: int,
+        push: PushFn,
+        rows_per_chunk: int,
+    ) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.shape, ctx.dtype = weight.shape, weight.dtype
         ctx.padding_idx, ctx.offset, ctx.push, ctx.rows_per_chunk = padding_idx, offset, push, rows_per_chunk
@@ -99,8 +108,12 @@ class _EmbeddingFn(torch.autograd.Function):
 
 
 def _is_plain_embedding(module: nn.Module) -> bool:
-    return (isinstance(module, nn.Embedding) and module.max_norm is None
-            and not module.scale_grad_by_freq and not module.sparse)
+    return (
+        isinstance(module, nn.Embedding)
+        and module.max_norm is None
+        and not module.scale_grad_by_freq
+        and not module.sparse
+    )
 
 
 def _has_tensor_hooks(weight: torch.Tensor) -> bool:
@@ -158,8 +171,7 @@ class RowChunkedModule:
         self.module.__dict__.pop("forward", None)
 
 
-def redirect_row_chunked(module: nn.Module, offset: int, push: PushFn,
-                         chunk_elements: int) -> RowChunkedModule | None:
+def redirect_row_chunked(module: nn.Module, offset: int, push: PushFn, chunk_elements: int) -> RowChunkedModule | None:
     """Send ``module.weight``'s gradient to ``push`` in chunks of about ``chunk_elements``,
     if ``module`` is a plain ``nn.Embedding`` or ``nn.Linear``; ``offset`` is the weight's
     offset in the flat state ``push`` writes to. Returns ``None`` when it does not qualify.

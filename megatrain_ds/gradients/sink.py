@@ -22,8 +22,9 @@ the same pool bounds the chunks in flight (no staging buffers, no copy).
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -69,8 +70,9 @@ class GradientSink:
         consume: called on the worker thread for every chunk, in push order.
     """
 
-    def __init__(self, runtime: DeviceRuntime, staging_numel: int, dtype: torch.dtype,
-                 num_staging: int, consume: ConsumeFn) -> None:
+    def __init__(
+        self, runtime: DeviceRuntime, staging_numel: int, dtype: torch.dtype, num_staging: int, consume: ConsumeFn
+    ) -> None:
         self._runtime = runtime
         self._staging_numel = staging_numel
         self._consume = consume
@@ -98,8 +100,14 @@ class GradientSink:
             done = self._runtime.event()
             with self._runtime.on(self._runtime.d2h_stream):
                 self._runtime.d2h_stream.wait_event(produced)
-                with self._runtime.tracer.device_span(f"grads {state_index}", "d2h", self._runtime.d2h_stream,
-                                                      state=state_index, offset=offset + start, numel=piece.numel()):
+                with self._runtime.tracer.device_span(
+                    f"grads {state_index}",
+                    "d2h",
+                    self._runtime.d2h_stream,
+                    state=state_index,
+                    offset=offset + start,
+                    numel=piece.numel(),
+                ):
                     if staging is None:  # the device computes on host memory: nothing to copy
                         host = piece
                     else:
@@ -140,9 +148,14 @@ class GradientSink:
                 chunk.done.synchronize()  # the staging buffer is valid only after the copy
                 if self._error is None:
                     assert chunk.host is not None
-                    with self._runtime.tracer.span(f"consume {chunk.state_index}", "optimizer worker",
-                                                   state=chunk.state_index, offset=chunk.offset,
-                                                   numel=chunk.host.numel(), final=chunk.final):
+                    with self._runtime.tracer.span(
+                        f"consume {chunk.state_index}",
+                        "optimizer worker",
+                        state=chunk.state_index,
+                        offset=chunk.offset,
+                        numel=chunk.host.numel(),
+                        final=chunk.final,
+                    ):
                         self._consume(chunk.state_index, chunk.offset, chunk.host, chunk.final)
             except BaseException as error:  # surfaced on the main thread by drain()/push()
                 self._error = error

@@ -24,7 +24,8 @@ what this engine has.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from deepspeed.runtime import lr_schedules
@@ -45,7 +46,7 @@ _CHECKPOINT_METHODS = ("save_checkpoint", "load_checkpoint")
 class _DeepSpeedEngineBase(DeepSpeedEngine):
     """``DeepSpeedEngine`` as a base class only: construction stops at ``nn.Module``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         del args, kwargs
         nn.Module.__init__(self)
 
@@ -78,8 +79,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         with self._timed(FORWARD_TIMER):
             return super().forward(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
-                 scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         with self._timed(BACKWARD_TIMER):
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
@@ -91,8 +91,10 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             return
         every = self.config.steps_per_print
         if every is not None and self.global_steps % every == 0:
-            log_dist(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-                     f"mom={self.get_mom()}", ranks=[0])
+            log_dist(
+                f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}",
+                ranks=[0],
+            )
         if self.config.wall_clock_breakdown:
             names = [FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER]
             self._wall_clock_timers = {n: self.timers(n).elapsed(reset=False) for n in names}
@@ -104,8 +106,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         return [group["betas"] for group in self.optimizer.param_groups]
 
     def get_batch_info(self) -> tuple[int, int, int]:
-        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
-                self.gradient_accumulation_steps())
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps())
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -137,8 +138,13 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         """True: there is nothing to gather, so a full state dict is always available."""
         return True
 
-    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
-                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, Any]:
         """The model's state dict: fp32 masters (see ``MegatrainEngine``), except the blocks'
         weights while the NVMe tier holds their masters (bf16 compute): those show the bf16
         copy that is trained on, as DeepSpeed's bf16 module does; ``save_checkpoint`` writes
@@ -168,7 +174,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
             "megatrain: engine.compile is not supported: blocks run from streamed buffers "
-            "through their own autograd function (use torch.compile on parts of the model instead)")
+            "through their own autograd function (use torch.compile on parts of the model instead)"
+        )
 
 
 def build_lr_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> Any:
@@ -180,11 +187,14 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) ->
     else:
         scheduler_class = getattr(torch.optim.lr_scheduler, spec.type, None)
     torch_schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if not (isinstance(scheduler_class, type) and (spec.type in lr_schedules.VALID_LR_SCHEDULES
-                                                   or issubclass(scheduler_class, torch_schedulers))):
+    if not (
+        isinstance(scheduler_class, type)
+        and (spec.type in lr_schedules.VALID_LR_SCHEDULES or issubclass(scheduler_class, torch_schedulers))
+    ):
         raise ConfigError(
             f"scheduler.type {spec.type!r} is not a DeepSpeed or torch scheduler; DeepSpeed's: "
-            f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}, or any class of torch.optim.lr_scheduler")
+            f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}, or any class of torch.optim.lr_scheduler"
+        )
     try:
         return scheduler_class(optimizer, **spec.params)
     except TypeError as error:
@@ -196,9 +206,11 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) ->
 
 def _not_available(name: str) -> Callable[..., Any]:
     if name in _CHECKPOINT_METHODS:
-        message = (f"megatrain: engine.{name} is not available in this version (checkpoint "
-                   "save/resume is in progress); save the model with save_pretrained, or with the "
-                   "HF Trainer use save_only_model=True")
+        message = (
+            f"megatrain: engine.{name} is not available in this version (checkpoint "
+            "save/resume is in progress); save the model with save_pretrained, or with the "
+            "HF Trainer use save_only_model=True"
+        )
     else:
         message = f"megatrain: DeepSpeedEngine.{name} is not supported by the megatrain engine"
 

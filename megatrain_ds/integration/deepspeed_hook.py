@@ -30,8 +30,9 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from megatrain_ds.config import AUTO, is_megatrain_config, load_config_dict
 

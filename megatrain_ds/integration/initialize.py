@@ -9,7 +9,8 @@ Accelerate) pass them.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ def initialize(
     mesh_param: Any = None,
     config_params: Mapping[str, Any] | None = None,
     **unused: Any,
-) -> tuple["MegatrainDeepSpeedEngine", torch.optim.Optimizer, Any, Any]:
+) -> tuple[MegatrainDeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
     """Build the engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``
     like ``deepspeed.initialize``.
 
@@ -61,11 +62,12 @@ def initialize(
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         # With a stage-3 config the HF Trainer and Accelerate build the model under
         # deepspeed.zero.Init, which has already partitioned every parameter away.
-        raise ConfigError("the model's parameters were partitioned by deepspeed.zero.Init (a "
-                          'zero_optimization.stage 3 config): set "zero_optimization": {"stage": 0} '
-                          "for the megatrain engine, which keeps whole parameters in host memory")
-    engine = MegatrainDeepSpeedEngine(model, engine_config, model_parameters=model_parameters,
-                                      optimizer=optimizer)
+        raise ConfigError(
+            "the model's parameters were partitioned by deepspeed.zero.Init (a "
+            'zero_optimization.stage 3 config): set "zero_optimization": {"stage": 0} '
+            "for the megatrain engine, which keeps whole parameters in host memory"
+        )
+    engine = MegatrainDeepSpeedEngine(model, engine_config, model_parameters=model_parameters, optimizer=optimizer)
     try:
         if lr_scheduler is not None:
             if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -79,7 +81,9 @@ def initialize(
     dataloader = None
     if training_data is not None:
         dataloader = torch.utils.data.DataLoader(
-            training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
-            shuffle=True, collate_fn=collate_fn,
+            training_data,
+            batch_size=engine.train_micro_batch_size_per_gpu(),
+            shuffle=True,
+            collate_fn=collate_fn,
         )
     return engine, engine.optimizer, dataloader, lr_scheduler

@@ -9,7 +9,8 @@ positions past a learned position table, silently reads garbage on some devices.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,10 +46,13 @@ def check_batch(model: nn.Module, device: torch.device, args: tuple, kwargs: Map
         if value.device != device:
             raise ValueError(
                 f"batch tensor {name!r} is on {value.device}, but the engine computes on {device}: "
-                f"move the batch there first (tensor.to({str(device)!r}))")
+                f"move the batch there first (tensor.to({str(device)!r}))"
+            )
         if name in _INDEX_ARGUMENTS and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-            raise ValueError(f"batch tensor {name!r} has dtype {value.dtype}; it holds token indices and "
-                             "must be an integer tensor (torch.long)")
+            raise ValueError(
+                f"batch tensor {name!r} has dtype {value.dtype}; it holds token indices and "
+                "must be an integer tensor (torch.long)"
+            )
         if name == "inputs_embeds" and not value.is_floating_point():
             raise ValueError(f"batch tensor 'inputs_embeds' has dtype {value.dtype}; it must be floating point")
     limit = max_positions(model)
@@ -64,14 +68,18 @@ def check_batch(model: nn.Module, device: torch.device, args: tuple, kwargs: Map
     packed = packed_positions(named)
     if packed is None:
         cached = f" after {past_length} cached" if past_length else ""
-        raise ValueError(f"the batch has sequences of {length} tokens{cached}, more than the "
-                         f"{limit} positions the model has (config.max_position_embeddings / n_positions); "
-                         "if each row packs several sequences, pass position_ids restarting at 0 for each "
-                         "(or cu_seq_lens_q/cu_seq_lens_k)")
+        raise ValueError(
+            f"the batch has sequences of {length} tokens{cached}, more than the "
+            f"{limit} positions the model has (config.max_position_embeddings / n_positions); "
+            "if each row packs several sequences, pass position_ids restarting at 0 for each "
+            "(or cu_seq_lens_q/cu_seq_lens_k)"
+        )
     needed, source = packed
     if needed > limit:
-        raise ValueError(f"the batch packs sequences needing {needed} positions ({source}), more than the "
-                         f"{limit} positions the model has (config.max_position_embeddings / n_positions)")
+        raise ValueError(
+            f"the batch packs sequences needing {needed} positions ({source}), more than the "
+            f"{limit} positions the model has (config.max_position_embeddings / n_positions)"
+        )
 
 
 def packed_positions(named: Mapping[str, Any]) -> tuple[int, str] | None:

@@ -38,8 +38,7 @@ def find_blocks(model: nn.Module, block_path: str | None = None) -> tuple[str, n
             module = model.get_submodule(block_path)
         except AttributeError as error:
             raise BlockDiscoveryError(
-                f'megatrain.block_path "{block_path}" does not name a submodule of '
-                f"{type(model).__name__}: {error}"
+                f'megatrain.block_path "{block_path}" does not name a submodule of {type(model).__name__}: {error}'
             ) from None
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             raise BlockDiscoveryError(

@@ -10,7 +10,8 @@ structure (``layer_idx``, a sliding-window flag) are set on the template before 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,11 @@ def _scalar_attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
         for attr, value in vars(module).items():
             # ``training`` is set from the live block on every call (see ``run``); the
             # checkpointing flag stays off ([Note: layer checkpointing]).
-            if (not attr.startswith("_") and attr not in ("training", layer_checkpointing.FLAG)
-                    and isinstance(value, _SCALAR_TYPES)):
+            if (
+                not attr.startswith("_")
+                and attr not in ("training", layer_checkpointing.FLAG)
+                and isinstance(value, _SCALAR_TYPES)
+            ):
                 found[(path, attr)] = value
     return found
 

@@ -27,7 +27,8 @@ the instance (TRL's fused LM head), run the model unchanged.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,12 +75,15 @@ class ChunkedCausalLMLoss:
             or ``None``; asked at every call.
     """
 
-    def __init__(self, model: nn.Module, chunk_tokens: int,
-                 push_weight_grad: Callable[[], WeightGradPush | None] = lambda: None) -> None:
+    def __init__(
+        self, model: nn.Module, chunk_tokens: int, push_weight_grad: Callable[[], WeightGradPush | None] = lambda: None
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"megatrain.loss_chunk_tokens: the chunked loss cannot run on this model: {reason}; "
-                             'set "loss_chunk_tokens": 0')
+            raise ValueError(
+                f"megatrain.loss_chunk_tokens: the chunked loss cannot run on this model: {reason}; "
+                'set "loss_chunk_tokens": 0'
+            )
         self.model = model
         self.head: nn.Linear = model.get_output_embeddings()
         self.chunk_tokens = chunk_tokens
@@ -95,9 +99,11 @@ class ChunkedCausalLMLoss:
         if "forward" in vars(self.model):
             if not self._logged_patched_forward:
                 self._logged_patched_forward = True
-                logger.info("megatrain: the model's forward was replaced by another library (%s); its labelled "
-                            "calls run it unchanged, without the chunked loss",
-                            getattr(vars(self.model)["forward"], "__qualname__", "unknown"))
+                logger.info(
+                    "megatrain: the model's forward was replaced by another library (%s); its labelled "
+                    "calls run it unchanged, without the chunked loss",
+                    getattr(vars(self.model)["forward"], "__qualname__", "unknown"),
+                )
             return False
         return True
 
@@ -123,18 +129,28 @@ class ChunkedCausalLMLoss:
             else:
                 self.head.forward = own_forward
         if len(captured) != 1:
-            raise ValueError(f"megatrain.loss_chunk_tokens: the model called its output embedding {len(captured)} "
-                             'times in one forward, not once; set "loss_chunk_tokens": 0')
+            raise ValueError(
+                f"megatrain.loss_chunk_tokens: the model called its output embedding {len(captured)} "
+                'times in one forward, not once; set "loss_chunk_tokens": 0'
+            )
         hidden, placeholder = captured[0]
         output, found = _without_logits(output, placeholder)
         if not found:
-            raise ValueError("megatrain.loss_chunk_tokens: the model changes its logits after the output "
-                             "projection, which the chunked loss cannot reproduce; set \"loss_chunk_tokens\": 0")
+            raise ValueError(
+                "megatrain.loss_chunk_tokens: the model changes its logits after the output "
+                'projection, which the chunked loss cannot reproduce; set "loss_chunk_tokens": 0'
+            )
         loss = self.loss(hidden, labels, **loss_kwargs)
         return _with_loss(output, loss)
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None,
-             ignore_index: int = -100, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hugging Face's ``ForCausalLMLoss`` of ``lm_head(hidden)``, in chunks."""
         if shift_labels is None:  # tokens < n predict n; the last predicts nothing
             labels = labels.to(hidden.device)
@@ -147,8 +163,15 @@ class ChunkedCausalLMLoss:
         else:
             denominator = torch.tensor(float(num_items_in_batch), device=hidden.device)
         return chunked_linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), self.head.weight, self.head.bias, targets, denominator,
-            self.chunk_tokens, ignore_index, self._push_weight_grad())
+            hidden.reshape(-1, hidden.shape[-1]),
+            self.head.weight,
+            self.head.bias,
+            targets,
+            denominator,
+            self.chunk_tokens,
+            ignore_index,
+            self._push_weight_grad(),
+        )
 
 
 def _without_logits(output: Any, placeholder: torch.Tensor) -> tuple[Any, bool]:

@@ -29,7 +29,8 @@ through autograd.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +47,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """See the module docstring; inputs ``(hidden, weight, bias, targets, denominator, ...)``."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, denominator: torch.Tensor, chunk_tokens: int, ignore_index: int,
-                push_weight_grad: WeightGradPush | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        denominator: torch.Tensor,
+        chunk_tokens: int,
+        ignore_index: int,
+        push_weight_grad: WeightGradPush | None,
+    ) -> torch.Tensor:
         # Autocast is applied by hand (as it would be to the projection) and turned off.
         dtype = _autocast_dtype(hidden.device.type) or weight.dtype
         w = weight.to(dtype)
@@ -68,8 +77,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits = F.linear(h, w, b).float()  # Hugging Face upcasts the logits, as here
                 with torch.enable_grad():
                     logits.requires_grad_(wants_grad)
-                    loss = F.cross_entropy(logits, targets[start:end], ignore_index=ignore_index,
-                                           reduction="sum") * scale
+                    loss = (
+                        F.cross_entropy(logits, targets[start:end], ignore_index=ignore_index, reduction="sum") * scale
+                    )
                     grad = torch.autograd.grad(loss, logits)[0].to(dtype) if wants_grad else None
                 total += loss.detach()
                 del logits, loss
@@ -107,10 +117,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                 targets: torch.Tensor, denominator: torch.Tensor | float, chunk_tokens: int,
-                                 ignore_index: int = -100,
-                                 push_weight_grad: WeightGradPush | None = None) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    denominator: torch.Tensor | float,
+    chunk_tokens: int,
+    ignore_index: int = -100,
+    push_weight_grad: WeightGradPush | None = None,
+) -> torch.Tensor:
     """``sum CE(hidden @ weight^T + bias, targets) / denominator`` in chunks of ``chunk_tokens``
     rows (see the module docstring); a 0-dim fp32 loss.
 
@@ -123,12 +139,14 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bia
             then receives none through autograd).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not match: "
-                         "expected N x H and N")
+        raise ValueError(
+            f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not match: expected N x H and N"
+        )
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if not isinstance(denominator, torch.Tensor):
         denominator = torch.tensor(float(denominator))
     denominator = denominator.to(device=hidden.device)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets.to(hidden.device), denominator,
-                                            chunk_tokens, ignore_index, push_weight_grad)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, bias, targets.to(hidden.device), denominator, chunk_tokens, ignore_index, push_weight_grad
+    )

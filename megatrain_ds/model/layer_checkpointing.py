@@ -60,10 +60,14 @@ def log_if_requested(blocks: nn.ModuleList, block_path: str) -> bool:
     returns whether it does."""
     requested = sum(1 for block in blocks if checkpointing_modules(block))
     if requested:
-        logger.info("megatrain: the model's gradient checkpointing is skipped inside the %d of %d blocks at %s "
-                    "that request it: the engine already checkpoints every streamed block and recomputes it in "
-                    "backward (numerics unchanged; modules outside the blocks keep theirs)",
-                    requested, len(blocks), block_path)
+        logger.info(
+            "megatrain: the model's gradient checkpointing is skipped inside the %d of %d blocks at %s "
+            "that request it: the engine already checkpoints every streamed block and recomputes it in "
+            "backward (numerics unchanged; modules outside the blocks keep theirs)",
+            requested,
+            len(blocks),
+            block_path,
+        )
     return bool(requested)
 
 
@@ -80,7 +84,10 @@ class ReentrantRerunNotice:
         if self.noticed or torch._C._current_graph_task_id() == -1:
             return
         self.noticed = True
-        logger.warning("megatrain: block %d ran again inside backward: a torch.utils.checkpoint with "
-                       "use_reentrant=True wraps it. Gradients are unchanged, but its weights are streamed "
-                       "once more per step; the engine already checkpoints every block, so remove the wrapper "
-                       "or pass use_reentrant=False (a no-op here)", index)
+        logger.warning(
+            "megatrain: block %d ran again inside backward: a torch.utils.checkpoint with "
+            "use_reentrant=True wraps it. Gradients are unchanged, but its weights are streamed "
+            "once more per step; the engine already checkpoints every block, so remove the wrapper "
+            "or pass use_reentrant=False (a no-op here)",
+            index,
+        )

@@ -16,8 +16,8 @@ kernel are all tested against it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -36,7 +36,6 @@ class AdamHyper:
     weight_decay: float
     decoupled: bool
     """AdamW (True) or Adam with L2 regularisation folded into the gradient (False)."""
-
 
 
 def adamw_update_(

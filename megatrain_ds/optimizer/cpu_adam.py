@@ -87,6 +87,7 @@ the shadow of 16K elements (352 KiB) stay in one core's L2 (512 KiB on EPYC) fro
 step to the next. On a quiet 2-core EPYC VM bf16+shadow ran 4% faster with 16K blocks
 than with 32K and 8% faster than with 64K; the per-block team (0.7 us) is 3% of a block."""
 
+
 class CpuAdamKernel:
     """AdamW on a contiguous 1-D fp32 range; subclasses supply :meth:`_update`.
 
@@ -104,9 +105,19 @@ class CpuAdamKernel:
         self.chunk_numel = chunk_numel
         self._scratch = torch.empty(0)
 
-    def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
+    def step_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        shadow: torch.Tensor | None,
+        *,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float = 1.0,
+        before_chunk: BeforeChunk | None = None,
+    ) -> None:
         """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (fp32) and ``shadow`` in place.
 
         ``grad`` (fp32 or bf16) is read only. ``step`` is the step count after incrementing.
@@ -123,8 +134,9 @@ class CpuAdamKernel:
             if before_chunk is not None:
                 before_chunk(start, end)
             chunk = param[start:end]
-            self._update(chunk, self._fp32(grad[start:end], grad_scale), exp_avg[start:end],
-                         exp_avg_sq[start:end], step, hyper)
+            self._update(
+                chunk, self._fp32(grad[start:end], grad_scale), exp_avg[start:end], exp_avg_sq[start:end], step, hyper
+            )
             if shadow is not None:
                 shadow[start:end].copy_(chunk)  # round to nearest even, from cache
 
@@ -141,8 +153,15 @@ class CpuAdamKernel:
             scratch.mul_(scale)
         return scratch
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper) -> None:
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: int,
+        hyper: AdamHyper,
+    ) -> None:
         raise NotImplementedError
 
 
@@ -160,14 +179,34 @@ class TorchFusedKernel(CpuAdamKernel):
         if not bool(torch.isfinite(probe[0]).all()):
             raise RuntimeError("torch._fused_adamw_ gave non-finite results on zeros")
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper) -> None:
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: int,
+        hyper: AdamHyper,
+    ) -> None:
         if step not in self._steps:  # the op reads the count from a tensor (it does not increment it)
             self._steps = {step: torch.tensor(float(step))}
         op = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
         beta1, beta2 = hyper.betas
-        op([param], [grad], [exp_avg], [exp_avg_sq], [], [self._steps[step]], lr=hyper.lr, beta1=beta1,
-           beta2=beta2, weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)
+        op(
+            [param],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [self._steps[step]],
+            lr=hyper.lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
+            amsgrad=False,
+            maximize=False,
+        )
 
 
 _DEEPSPEED_IDS = itertools.count(1 << 20)
@@ -315,18 +354,26 @@ def load_deepspeed_op() -> Any:
     builder = CPUAdamBuilder()
     if not builder.is_compatible(verbose=False):
         raise RuntimeError(f"DeepSpeed's cpu_adam op cannot build here: {builder.error_log}")
-    kernel_dirs = {os.path.dirname(os.path.abspath(builder.deepspeed_src_path(path))) for path in builder.sources()
-                   if path.endswith("_impl.cpp")}  # the binding includes cpu_adam_impl.cpp from there
+    kernel_dirs = {
+        os.path.dirname(os.path.abspath(builder.deepspeed_src_path(path)))
+        for path in builder.sources()
+        if path.endswith("_impl.cpp")
+    }  # the binding includes cpu_adam_impl.cpp from there
     binding = build_dir / "binding.cpp"
     binding.write_text(_BINDING)
     logger.info("megatrain: building DeepSpeed's CPU Adam kernel (once, 25-110 s) in %s", build_dir)
     return cpp_extension.load(
-        name=name, sources=[str(binding)],
-        extra_include_paths=[*(os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.include_paths()),
-                             *sorted(kernel_dirs)],
+        name=name,
+        sources=[str(binding)],
+        extra_include_paths=[
+            *(os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.include_paths()),
+            *sorted(kernel_dirs),
+        ],
         extra_cflags=[*builder.strip_empty_entries(builder.cxx_args()), "-UC10_USE_GLOG"],
         extra_ldflags=builder.strip_empty_entries(builder.extra_ldflags()),
-        build_directory=str(build_dir), verbose=False)
+        build_directory=str(build_dir),
+        verbose=False,
+    )
 
 
 class DeepSpeedKernel(CpuAdamKernel):
@@ -350,9 +397,19 @@ class DeepSpeedKernel(CpuAdamKernel):
             for opt_id in self._ids.values():
                 op.destroy_adam(opt_id)
 
-    def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
+    def step_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        shadow: torch.Tensor | None,
+        *,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float = 1.0,
+        before_chunk: BeforeChunk | None = None,
+    ) -> None:
         """Same contract as :meth:`CpuAdamKernel.step_`: one call of the op for the range, or
         one per ``chunk_numel`` chunk when ``before_chunk`` must run in between (the journal's
         copies then leave the chunk in cache for the update)."""
@@ -365,20 +422,61 @@ class DeepSpeedKernel(CpuAdamKernel):
         for start in range(0, n, self.chunk_numel):
             end = min(start + self.chunk_numel, n)
             before_chunk(start, end)
-            self._fused(param[start:end], grad[start:end], exp_avg[start:end], exp_avg_sq[start:end],
-                        None if shadow is None else shadow[start:end], step, hyper, grad_scale)
+            self._fused(
+                param[start:end],
+                grad[start:end],
+                exp_avg[start:end],
+                exp_avg_sq[start:end],
+                None if shadow is None else shadow[start:end],
+                step,
+                hyper,
+                grad_scale,
+            )
 
-    def _fused(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               shadow: torch.Tensor | None, step: int, hyper: AdamHyper, grad_scale: float) -> None:
+    def _fused(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        shadow: torch.Tensor | None,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float,
+    ) -> None:
         beta1, beta2 = hyper.betas
         # The C++ kernel reads and writes through raw pointers, unseen by aten: tell the race checker.
-        declare_access(reads=(grad,), writes=(param, exp_avg, exp_avg_sq, *(() if shadow is None else (shadow,))),
-                       what="DeepSpeed's CPU Adam kernel")
-        self._op.adam_step(self._ids[hyper.decoupled], step, hyper.lr, beta1, beta2, hyper.eps, hyper.weight_decay,
-                           param, grad, exp_avg, exp_avg_sq, shadow, grad_scale, self.block_numel)
+        declare_access(
+            reads=(grad,),
+            writes=(param, exp_avg, exp_avg_sq, *(() if shadow is None else (shadow,))),
+            what="DeepSpeed's CPU Adam kernel",
+        )
+        self._op.adam_step(
+            self._ids[hyper.decoupled],
+            step,
+            hyper.lr,
+            beta1,
+            beta2,
+            hyper.eps,
+            hyper.weight_decay,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            shadow,
+            grad_scale,
+            self.block_numel,
+        )
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper) -> None:
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: int,
+        hyper: AdamHyper,
+    ) -> None:
         self._fused(param, grad, exp_avg, exp_avg_sq, None, step, hyper, 1.0)
 
 
@@ -388,10 +486,27 @@ class TorchKernel(CpuAdamKernel):
     name = "torch"
     whole_range_ok = False  # chunks bound the temporaries it allocates
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper) -> None:
-        adamw_update_(param, grad, exp_avg, exp_avg_sq, step=step, lr=hyper.lr, betas=hyper.betas,
-                      eps=hyper.eps, weight_decay=hyper.weight_decay, decoupled=hyper.decoupled)
+    def _update(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: int,
+        hyper: AdamHyper,
+    ) -> None:
+        adamw_update_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=hyper.lr,
+            betas=hyper.betas,
+            eps=hyper.eps,
+            weight_decay=hyper.weight_decay,
+            decoupled=hyper.decoupled,
+        )
 
 
 CPU_KERNELS: dict[str, type[CpuAdamKernel]] = {
@@ -414,8 +529,9 @@ def make_cpu_kernel(choice: str = "auto") -> CpuAdamKernel:
             failures.append(f"{name}: {type(error).__name__}: {error}")
             continue
         if failures:
-            logger.warning("megatrain: CPU AdamW kernel %r unavailable (%s); using %r",
-                           order[0], "; ".join(failures), name)
+            logger.warning(
+                "megatrain: CPU AdamW kernel %r unavailable (%s); using %r", order[0], "; ".join(failures), name
+            )
         else:
             logger.info("megatrain: CPU AdamW kernel %r", name)
         return kernel

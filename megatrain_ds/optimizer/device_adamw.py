@@ -66,8 +66,13 @@ class DeviceAdamW:
 
     name = "gpu"
 
-    def __init__(self, runtime: DeviceRuntime, grad_dtype: torch.dtype = torch.float32,
-                 chunk_numel: int = CHUNK_ELEMENTS, num_sets: int = NUM_SETS) -> None:
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        grad_dtype: torch.dtype = torch.float32,
+        chunk_numel: int = CHUNK_ELEMENTS,
+        num_sets: int = NUM_SETS,
+    ) -> None:
         from megatrain_triton import adamw_step_  # imports triton: only when this placement is used
 
         self._kernel = adamw_step_
@@ -78,8 +83,15 @@ class DeviceAdamW:
             return runtime.device_empty(chunk_numel, dtype)
 
         self._sets = [
-            _BufferSet(empty(torch.float32), empty(torch.float32), empty(torch.float32), empty(torch.bfloat16),
-                       {grad_dtype: empty(grad_dtype)}, runtime.event(), runtime.event())
+            _BufferSet(
+                empty(torch.float32),
+                empty(torch.float32),
+                empty(torch.float32),
+                empty(torch.bfloat16),
+                {grad_dtype: empty(grad_dtype)},
+                runtime.event(),
+                runtime.event(),
+            )
             for _ in range(num_sets)
         ]
         self._next = 0
@@ -87,12 +99,25 @@ class DeviceAdamW:
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._sets
-                   for t in (s.param, s.exp_avg, s.exp_avg_sq, s.shadow, *s.grads.values()))
+        return sum(
+            t.numel() * t.element_size()
+            for s in self._sets
+            for t in (s.param, s.exp_avg, s.exp_avg_sq, s.shadow, *s.grads.values())
+        )
 
-    def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
+    def step_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        shadow: torch.Tensor | None,
+        *,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float = 1.0,
+        before_chunk: BeforeChunk | None = None,
+    ) -> None:
         """Queue the update of a host range (same contract as ``CpuAdamKernel.step_``);
         results land in host memory by :meth:`flush`."""
         runtime = self.runtime
@@ -113,11 +138,25 @@ class DeviceAdamW:
                 for device_tensor, host_tensor in zip((dev_p, dev_m, dev_v, dev_g), (*host, grad[start:end])):
                     device_tensor.copy_(host_tensor, non_blocking=True)
                 # Triton launches (and its CPU interpreter) bypass aten: tell the race checker.
-                declare_access(reads=(dev_g,), writes=(dev_p, dev_m, dev_v, *((dev_s,) if shadow is not None else ())),
-                               what="the Triton AdamW kernel")
-                self._kernel(dev_p, dev_g, dev_m, dev_v, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
-                             weight_decay=hyper.weight_decay, step=step, grad_scale=grad_scale,
-                             decoupled=hyper.decoupled, shadow=dev_s if shadow is not None else None)
+                declare_access(
+                    reads=(dev_g,),
+                    writes=(dev_p, dev_m, dev_v, *((dev_s,) if shadow is not None else ())),
+                    what="the Triton AdamW kernel",
+                )
+                self._kernel(
+                    dev_p,
+                    dev_g,
+                    dev_m,
+                    dev_v,
+                    lr=hyper.lr,
+                    betas=hyper.betas,
+                    eps=hyper.eps,
+                    weight_decay=hyper.weight_decay,
+                    step=step,
+                    grad_scale=grad_scale,
+                    decoupled=hyper.decoupled,
+                    shadow=dev_s if shadow is not None else None,
+                )
                 buffers.computed.record(runtime.optimizer_stream)
             with runtime.on(runtime.d2h_stream):
                 runtime.d2h_stream.wait_event(buffers.computed)
@@ -130,6 +169,6 @@ class DeviceAdamW:
 
     def flush(self) -> None:
         """Wait until every queued write-back has landed in host memory."""
-        for event in self._pending[-len(self._sets):]:  # one stream: the last ones imply the rest
+        for event in self._pending[-len(self._sets) :]:  # one stream: the last ones imply the rest
             event.synchronize()
         self._pending.clear()

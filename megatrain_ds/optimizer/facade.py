@@ -19,7 +19,8 @@ a step. The engine's update reads the hyperparameters from the shared groups.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +43,13 @@ class MegatrainOptimizer(torch.optim.Optimizer):
     clears, so ``zero_grad`` has nothing to clear.
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any],
-                 decoupled: bool, client: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+        decoupled: bool,
+        client: torch.optim.Optimizer | None = None,
+    ) -> None:
         super().__init__(param_groups, defaults)
         self.decoupled = decoupled
         self.client = client
@@ -78,9 +84,12 @@ def _groups_from(model: nn.Module, model_parameters: Iterable[Any] | None) -> li
     raise ConfigError("model_parameters must be parameters or parameter-group dicts")
 
 
-def build_optimizer(model: nn.Module, model_parameters: Iterable[Any] | None,
-                    spec: OptimizerSpec | None, client: torch.optim.Optimizer | None
-                    ) -> MegatrainOptimizer:
+def build_optimizer(
+    model: nn.Module,
+    model_parameters: Iterable[Any] | None,
+    spec: OptimizerSpec | None,
+    client: torch.optim.Optimizer | None,
+) -> MegatrainOptimizer:
     """The engine's optimizer from the config's ``optimizer`` block or a client optimizer.
 
     A client ``torch.optim.AdamW``/``Adam`` contributes its groups (the same dicts, so
@@ -90,8 +99,7 @@ def build_optimizer(model: nn.Module, model_parameters: Iterable[Any] | None,
         decoupled = _client_decoupled(client)
         for group in client.param_groups:
             if group.get("amsgrad") or group.get("maximize") or not group.get("bias_correction", True):
-                raise ConfigError("client optimizer options amsgrad/maximize/bias_correction=False "
-                                  "are not supported")
+                raise ConfigError("client optimizer options amsgrad/maximize/bias_correction=False are not supported")
         facade = MegatrainOptimizer([{"params": []}], dict(client.defaults), decoupled, client)
         facade.param_groups = client.param_groups  # shared: the client's scheduler drives us
         return facade
@@ -131,5 +139,4 @@ def group_index_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[n
             if param in index:
                 raise ConfigError("a parameter appears in more than one optimizer group")
             index[param] = number
-    return {p: (index.get(p, FROZEN_GROUP) if p.requires_grad else FROZEN_GROUP)
-            for p in model.parameters()}
+    return {p: (index.get(p, FROZEN_GROUP) if p.requires_grad else FROZEN_GROUP) for p in model.parameters()}

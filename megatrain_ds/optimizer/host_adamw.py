@@ -7,7 +7,8 @@ which compute the arithmetic of ``adamw_math.py``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -24,9 +25,19 @@ class Placement(Protocol):
 
     name: str
 
-    def step_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, shadow: torch.Tensor | None, *, step: int, hyper: AdamHyper,
-              grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None: ...
+    def step_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        shadow: torch.Tensor | None,
+        *,
+        step: int,
+        hyper: AdamHyper,
+        grad_scale: float = 1.0,
+        before_chunk: BeforeChunk | None = None,
+    ) -> None: ...
 
 
 class HostAdamW:
@@ -45,8 +56,9 @@ class HostAdamW:
             ``state/nvme_tier.py``; by default everything is in host memory).
     """
 
-    def __init__(self, param_groups: Sequence[dict[str, Any]], decoupled: bool = True,
-                 cpu: CpuAdamKernel | None = None) -> None:
+    def __init__(
+        self, param_groups: Sequence[dict[str, Any]], decoupled: bool = True, cpu: CpuAdamKernel | None = None
+    ) -> None:
         self.param_groups = param_groups
         self.decoupled = decoupled
         self.cpu: CpuAdamKernel = cpu if cpu is not None else TorchKernel()
@@ -67,11 +79,24 @@ class HostAdamW:
         """Group ``group``'s hyperparameters as they are now."""
         values = self.param_groups[group]
         beta1, beta2 = values["betas"]
-        return AdamHyper(lr=float(values["lr"]), betas=(float(beta1), float(beta2)), eps=float(values["eps"]),
-                         weight_decay=float(values["weight_decay"]), decoupled=self.decoupled)
+        return AdamHyper(
+            lr=float(values["lr"]),
+            betas=(float(beta1), float(beta2)),
+            eps=float(values["eps"]),
+            weight_decay=float(values["weight_decay"]),
+            decoupled=self.decoupled,
+        )
 
-    def update_range(self, state: HostFlatState, offset: int, grad: torch.Tensor, *,
-                     step: int, grad_scale: float = 1.0, before_chunk: BeforeChunk | None = None) -> None:
+    def update_range(
+        self,
+        state: HostFlatState,
+        offset: int,
+        grad: torch.Tensor,
+        *,
+        step: int,
+        grad_scale: float = 1.0,
+        before_chunk: BeforeChunk | None = None,
+    ) -> None:
         """Step elements ``[offset, offset + grad.numel())`` of ``state`` with ``grad``.
 
         Adam is elementwise, so any range may be stepped on its own as soon as its
@@ -85,9 +110,15 @@ class HostAdamW:
             lo, hi = run.start, run.end
             journal = None if before_chunk is None else _shifted(before_chunk, lo)
             placement.step_(
-                state.master[lo:hi], grad[lo - offset : hi - offset], state.exp_avg[lo:hi],
-                state.exp_avg_sq[lo:hi], state.shadow[lo:hi] if state.shadow is not None else None,
-                step=step, hyper=self.hyper(run.group), grad_scale=grad_scale, before_chunk=journal,
+                state.master[lo:hi],
+                grad[lo - offset : hi - offset],
+                state.exp_avg[lo:hi],
+                state.exp_avg_sq[lo:hi],
+                state.shadow[lo:hi] if state.shadow is not None else None,
+                step=step,
+                hyper=self.hyper(run.group),
+                grad_scale=grad_scale,
+                before_chunk=journal,
             )
 
     def flush(self) -> None:

@@ -29,17 +29,17 @@ import platform
 import socket
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.optimizer.cpu_adam import CpuAdamKernel, make_cpu_kernel
+from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.measurement_cache import cache_dir, cached_measurement
-from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.state.host_store import HostFlatState
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ def split(numels: Sequence[int], share: float) -> list[str]:
 
 # -- calibration --------------------------------------------------------------------------
 
+
 def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeats: int = 3) -> float:
     fn()
     sync()
@@ -115,6 +116,7 @@ def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeats: i
 
 def measure(runtime: DeviceRuntime, kernel: CpuAdamKernel, n: int = CALIBRATION_ELEMENTS) -> Calibration:
     """Measure the numbers :func:`device_share` needs (about a second in all)."""
+
     def nothing() -> None:
         pass
 
@@ -132,9 +134,13 @@ def measure(runtime: DeviceRuntime, kernel: CpuAdamKernel, n: int = CALIBRATION_
     h2d = 4 * n / _median_seconds(lambda: dev.copy_(pinned, non_blocking=True), sync)
     d2h = 4 * n / _median_seconds(lambda: pinned.copy_(dev, non_blocking=True), sync)
     dp, dg, dm, dv = (runtime.device_empty(n, torch.float32).uniform_() for _ in range(4))
-    device_adam = 28 * n / _median_seconds(
-        lambda: adamw_step_(dp, dg, dm, dv, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=10),
-        sync)
+    device_adam = (
+        28
+        * n
+        / _median_seconds(
+            lambda: adamw_step_(dp, dg, dm, dv, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=10), sync
+        )
+    )
     return Calibration(kernel.name, cpu, copy, h2d, d2h, device_adam, torch.cuda.get_device_name(runtime.device))
 
 
@@ -144,22 +150,39 @@ def cache_path() -> Path:
 
 def _machine_key(runtime: DeviceRuntime, kernel: CpuAdamKernel) -> str:
     device = torch.cuda.get_device_name(runtime.device) if runtime.is_cuda else "cpu"
-    return "|".join([socket.gethostname(), platform.processor() or platform.machine(), str(os.cpu_count()),
-                     str(torch.get_num_threads()), device, torch.__version__, kernel.name])
+    return "|".join(
+        [
+            socket.gethostname(),
+            platform.processor() or platform.machine(),
+            str(os.cpu_count()),
+            str(torch.get_num_threads()),
+            device,
+            torch.__version__,
+            kernel.name,
+        ]
+    )
 
 
 def calibrate(runtime: DeviceRuntime, kernel: CpuAdamKernel, path: Path | None = None) -> Calibration:
     """The cached calibration of this machine, measured (and cached) the first time."""
-    figures = cached_measurement(path or cache_path(), _machine_key(runtime, kernel),
-                                 lambda: asdict(measure(runtime, kernel)))
+    figures = cached_measurement(
+        path or cache_path(), _machine_key(runtime, kernel), lambda: asdict(measure(runtime, kernel))
+    )
     return Calibration(**figures)
 
 
 # -- building the engine's optimizer ------------------------------------------------------
 
-def build_host_adamw(param_groups: Sequence[dict], decoupled: bool, states: Sequence[HostFlatState],
-                     runtime: DeviceRuntime, placement: str, cpu_kernel: str,
-                     grad_dtype: torch.dtype) -> HostAdamW:
+
+def build_host_adamw(
+    param_groups: Sequence[dict],
+    decoupled: bool,
+    states: Sequence[HostFlatState],
+    runtime: DeviceRuntime,
+    placement: str,
+    cpu_kernel: str,
+    grad_dtype: torch.dtype,
+) -> HostAdamW:
     """The engine's :class:`HostAdamW`, each state placed as ``placement`` says (logged)."""
     kernel = make_cpu_kernel(cpu_kernel)
     adamw = HostAdamW(param_groups, decoupled, kernel)
@@ -171,8 +194,10 @@ def build_host_adamw(param_groups: Sequence[dict], decoupled: bool, states: Sequ
         from megatrain_triton import INTERPRETED
 
         if not INTERPRETED:
-            raise ValueError('"optimizer_device": "gpu" without CUDA needs Triton\'s interpreter: set '
-                             "TRITON_INTERPRET=1 before triton is first imported (tests do), or use \"cpu\"")
+            raise ValueError(
+                '"optimizer_device": "gpu" without CUDA needs Triton\'s interpreter: set '
+                'TRITON_INTERPRET=1 before triton is first imported (tests do), or use "cpu"'
+            )
     from megatrain_ds.optimizer.device_adamw import DeviceAdamW
 
     device = DeviceAdamW(runtime, grad_dtype)
@@ -180,7 +205,7 @@ def build_host_adamw(param_groups: Sequence[dict], decoupled: bool, states: Sequ
     order = list(range(len(states) - 2, -1, -1)) + [len(states) - 1]
     if placement == "gpu":
         targets = ["gpu"] * len(states)
-        logger.info("megatrain: optimizer on the device (\"optimizer_device\": \"gpu\")")
+        logger.info('megatrain: optimizer on the device ("optimizer_device": "gpu")')
     else:
         calibration = calibrate(runtime, kernel)
         shadow_bytes = 2 if states[0].shadow is not None else 0
@@ -193,10 +218,18 @@ def build_host_adamw(param_groups: Sequence[dict], decoupled: bool, states: Sequ
         logger.info(
             "megatrain: optimizer placement auto: %d state(s) on the device, %d on the CPU (device share %.2f); "
             "measured CPU AdamW %.1f GB/s (%s), host memcpy %.1f GB/s, h2d %.1f GB/s, d2h %.1f GB/s, "
-            "device AdamW %.0f GB/s (%s)", targets.count("gpu"), targets.count("cpu"), share,
-            calibration.cpu_adam / gb, calibration.cpu_kernel, calibration.host_copy / gb,
-            (calibration.h2d or 0) / gb, (calibration.d2h or 0) / gb, (calibration.device_adam or 0) / gb,
-            calibration.device)
+            "device AdamW %.0f GB/s (%s)",
+            targets.count("gpu"),
+            targets.count("cpu"),
+            share,
+            calibration.cpu_adam / gb,
+            calibration.cpu_kernel,
+            calibration.host_copy / gb,
+            (calibration.h2d or 0) / gb,
+            (calibration.d2h or 0) / gb,
+            (calibration.device_adam or 0) / gb,
+            calibration.device,
+        )
     for state, target in zip(states, targets):
         if target == "gpu":
             adamw.place(state, device)

@@ -53,17 +53,19 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper
-from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.runtime.trace import NULL_TRACER
+from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
-from megatrain_ds.runtime.trace import NULL_TRACER
 
 if TYPE_CHECKING:
     from megatrain_ds.runtime.device_runtime import DeviceRuntime
@@ -118,8 +120,13 @@ class Journal:
         self.states = states
         # Ordinary (unpinned) host memory: only the CPU ever reads it.
         self._slots = {
-            index: _Slot({kind: torch.empty(states[index].layout.numel, dtype=getattr(states[index], kind).dtype)
-                          for kind in _JOURNALED if getattr(states[index], kind) is not None})
+            index: _Slot(
+                {
+                    kind: torch.empty(states[index].layout.numel, dtype=getattr(states[index], kind).dtype)
+                    for kind in _JOURNALED
+                    if getattr(states[index], kind) is not None
+                }
+            )
             for index in indices
         }
 
@@ -183,10 +190,17 @@ class OptimizerStepper:
         runtime: whose tracer times each range update (``runtime/trace.py``); none: untraced.
     """
 
-    def __init__(self, states: Sequence[HostFlatState], adamw: HostAdamW, *, clipping: float,
-                 journal_indices: Sequence[int], holds_gradients: bool,
-                 sum_over_ranks: Callable[[float], float] | None = None,
-                 runtime: DeviceRuntime | None = None) -> None:
+    def __init__(
+        self,
+        states: Sequence[HostFlatState],
+        adamw: HostAdamW,
+        *,
+        clipping: float,
+        journal_indices: Sequence[int],
+        holds_gradients: bool,
+        sum_over_ranks: Callable[[float], float] | None = None,
+        runtime: DeviceRuntime | None = None,
+    ) -> None:
         self.states = states
         self._runtime = runtime
         self.adamw = adamw
@@ -225,11 +239,12 @@ class OptimizerStepper:
         for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
             self._hyper_read.setdefault(run.group, self.adamw.hyper(run.group))
         with self._span(index, offset, grad.numel(), speculative=True):
-            self.adamw.update_range(state, offset, grad, step=step,
-                                    before_chunk=lambda start, end: self.journal.save(index, start, end))
+            self.adamw.update_range(
+                state, offset, grad, step=step, before_chunk=lambda start, end: self.journal.save(index, start, end)
+            )
         self._speculated += grad.numel()
 
-    def _span(self, index: int, offset: int, numel: int, **args: object) -> ContextManager[None]:
+    def _span(self, index: int, offset: int, numel: int, **args: object) -> AbstractContextManager[None]:
         """Times one range update on the ``optimizer worker`` track (whichever thread runs it)."""
         tracer = self._runtime.tracer if self._runtime is not None else NULL_TRACER
         return tracer.span(f"adamw {index}", "optimizer worker", state=index, offset=offset, numel=numel, **args)
@@ -265,8 +280,9 @@ class OptimizerStepper:
                     self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
             outcome = StepOutcome.CLIPPED if scale != 1.0 else StepOutcome.APPLIED
         else:
-            pending = [(index, state, _unstepped(state, self.journal.ranges(index)))
-                       for index, state in enumerate(self.states)]
+            pending = [
+                (index, state, _unstepped(state, self.journal.ranges(index))) for index, state in enumerate(self.states)
+            ]
             self.adamw.residency.expect([state for _, state, ranges in pending if ranges])
             for index, state, ranges in pending:
                 assert state.grad is not None
@@ -281,8 +297,12 @@ class OptimizerStepper:
                 state.grad.zero_()
         report = StepReport(outcome, norm, scale, self._speculated, restored)
         if restored:
-            logger.debug("megatrain: speculation refuted (%s, norm %s): %d elements restored and redone",
-                         outcome.value, norm, restored)
+            logger.debug(
+                "megatrain: speculation refuted (%s, norm %s): %d elements restored and redone",
+                outcome.value,
+                norm,
+                restored,
+            )
         self.speculate_next = outcome is StepOutcome.APPLIED and scale == 1.0
         self._begin_step()
         self.adamw.residency.step_done()
@@ -318,18 +338,22 @@ def _unstepped(state: HostFlatState, stepped: list[tuple[int, int]]) -> list[tup
     return [(run.start, run.end) for lo, hi in gaps for run in intersect_runs(state.layout.trained_runs(), lo, hi)]
 
 
-def speculative_block_indices(states: Sequence[HostFlatState], num_blocks: int, setting: int | str,
-                              budget_bytes_per_param: float) -> list[int]:
+def speculative_block_indices(
+    states: Sequence[HostFlatState], num_blocks: int, setting: int | str, budget_bytes_per_param: float
+) -> list[int]:
     """The journal blocks: the last ``setting`` blocks, or with ``"auto"`` as many as fit
     in ``budget_bytes_per_param`` times the number of parameters."""
-    costs = [sum(getattr(state, kind).element_size() for kind in _JOURNALED if getattr(state, kind) is not None)
-             * state.layout.numel for state in states[:num_blocks]]
-    return choose_journal_blocks(costs, sum(state.layout.numel for state in states), setting,
-                                 budget_bytes_per_param)
+    costs = [
+        sum(getattr(state, kind).element_size() for kind in _JOURNALED if getattr(state, kind) is not None)
+        * state.layout.numel
+        for state in states[:num_blocks]
+    ]
+    return choose_journal_blocks(costs, sum(state.layout.numel for state in states), setting, budget_bytes_per_param)
 
 
-def choose_journal_blocks(block_costs: Sequence[int], total_numel: int, setting: int | str,
-                          budget_bytes_per_param: float) -> list[int]:
+def choose_journal_blocks(
+    block_costs: Sequence[int], total_numel: int, setting: int | str, budget_bytes_per_param: float
+) -> list[int]:
     """Pure selection rule (shared with preflight): ``block_costs`` are journal bytes per block."""
     blocks = list(range(len(block_costs) - 1, -1, -1))  # backward finishes the last block first
     if setting != "auto":

@@ -49,9 +49,15 @@ def choose_fragments(run: tuple[ModelShape, RunSettings, Hardware]) -> FragmentC
     elif not best["fragment_bytes"]:
         reason = "a block is too small to cut"
     else:
-        reason = (f"best fragment {best['fragment_bytes'] / 2**20:.3g} MiB: predicted step "
-                  f"{best['predicted_step_seconds']:.4g} s, whole blocks {whole['predicted_step_seconds']:.4g} s")
-    logger.info("megatrain: fragment_bytes auto: %s on %s at %d tokens per weight pass (%s)",
-                f"{choice.fragment_bytes} bytes" if choice.fragment_bytes else "whole blocks", hardware.name,
-                settings.tokens_per_pass, reason)
+        reason = (
+            f"best fragment {best['fragment_bytes'] / 2**20:.3g} MiB: predicted step "
+            f"{best['predicted_step_seconds']:.4g} s, whole blocks {whole['predicted_step_seconds']:.4g} s"
+        )
+    logger.info(
+        "megatrain: fragment_bytes auto: %s on %s at %d tokens per weight pass (%s)",
+        f"{choice.fragment_bytes} bytes" if choice.fragment_bytes else "whole blocks",
+        hardware.name,
+        settings.tokens_per_pass,
+        reason,
+    )
     return choice

@@ -70,7 +70,11 @@ def choose_mlp_tile_tokens(ffn: int, compute_bytes: int, free_bytes: int) -> int
 def ffn_width(block: nn.Module) -> int:
     """The widest intermediate of ``block``'s token-wise MLP (0 without one): the largest
     dimension of its weight matrices (for stacked experts, of one expert's)."""
-    widths = [max(param.shape[-2:]) for name in TOKEN_WISE_NAMES
-              if isinstance(getattr(block, name, None), nn.Module)
-              for param in getattr(block, name).parameters() if param.dim() >= 2]
+    widths = [
+        max(param.shape[-2:])
+        for name in TOKEN_WISE_NAMES
+        if isinstance(getattr(block, name, None), nn.Module)
+        for param in getattr(block, name).parameters()
+        if param.dim() >= 2
+    ]
     return max(widths, default=0)

@@ -86,9 +86,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+from megatrain_ds.planning.long_context import (
+    choose_loss_chunk_tokens,
+    choose_mlp_tile_tokens,
+    loss_chunk_bytes_per_token,
+    mlp_tile_bytes_per_token,
+)
 from megatrain_ds.state.nvme_weights import weight_window_buffers
-from megatrain_ds.planning.long_context import (choose_loss_chunk_tokens, choose_mlp_tile_tokens,
-                                                loss_chunk_bytes_per_token, mlp_tile_bytes_per_token)
 
 GIB = 1 << 30
 
@@ -209,6 +213,7 @@ class ModelShape:
 def sizes_from_config(config: Any) -> dict[str, int]:
     """``hidden``, ``vocab``, ``intermediate`` and ``kv_hidden`` of a Hugging Face model
     config (:class:`ModelShape`'s names; 0 where the config does not say)."""
+
     def first(*names: str) -> int:
         for name in names:
             value = getattr(config, name, None)
@@ -220,9 +225,12 @@ def sizes_from_config(config: Any) -> dict[str, int]:
     heads = first("num_attention_heads", "n_head")
     head_dim = first("head_dim") or (hidden // heads if heads else 0)
     kv_heads = first("num_key_value_heads")
-    return {"hidden": hidden, "vocab": first("vocab_size"),
-            "intermediate": first("intermediate_size", "n_inner"),
-            "kv_hidden": kv_heads * head_dim if kv_heads and head_dim else 0}
+    return {
+        "hidden": hidden,
+        "vocab": first("vocab_size"),
+        "intermediate": first("intermediate_size", "n_inner"),
+        "kv_hidden": kv_heads * head_dim if kv_heads and head_dim else 0,
+    }
 
 
 @dataclass(frozen=True)
@@ -326,11 +334,11 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
         result["adam_m_v"] = 8 * shape.resident_params
         if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
             result["master"] = 4 * shape.resident_params
-        result["nvme_window"] = (min(settings.nvme_window_blocks, shape.num_blocks) * _tier_bytes_per_param(settings)
-                                 * shape.block_params)
+        result["nvme_window"] = (
+            min(settings.nvme_window_blocks, shape.num_blocks) * _tier_bytes_per_param(settings) * shape.block_params
+        )
     if settings.nvme and settings.nvme_weights:
-        buffers = weight_window_buffers(settings.num_buffers, settings.checkpoint_interval,
-                                        settings.nvme_window_blocks)
+        buffers = weight_window_buffers(settings.num_buffers, settings.checkpoint_interval, settings.nvme_window_blocks)
         staging = 4 if settings.weight_bytes != 4 else 0
         result["nvme_weights"] = buffers * (settings.weight_bytes + staging) * shape.block_params
     if settings.bf16:
@@ -341,8 +349,7 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     journal = _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
     if journal:
         result["journal"] = journal
-    result["staging"] = (settings.num_staging_buffers * min(shape.block_params, 1 << 22)
-                         * settings.weight_bytes)
+    result["staging"] = settings.num_staging_buffers * min(shape.block_params, 1 << 22) * settings.weight_bytes
     if settings.offload_checkpoints:
         result["checkpoints"] = _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
     if settings.stashed_blocks:
@@ -353,8 +360,11 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
 def stash_bytes_per_block(shape: ModelShape, settings: RunSettings) -> int:
     """Host bytes one stashed block holds between its forward and backward (an estimate for
     Llama-like blocks, see :data:`STASH_HIDDEN_VALUES`; the engine measures its own)."""
-    values = (STASH_HIDDEN_VALUES * shape.hidden + STASH_KV_VALUES * (shape.kv_hidden or shape.hidden)
-              + STASH_INTERMEDIATE_VALUES * (shape.intermediate or 4 * shape.hidden))
+    values = (
+        STASH_HIDDEN_VALUES * shape.hidden
+        + STASH_KV_VALUES * (shape.kv_hidden or shape.hidden)
+        + STASH_INTERMEDIATE_VALUES * (shape.intermediate or 4 * shape.hidden)
+    )
     return values * settings.tokens_per_pass * settings.weight_bytes
 
 
@@ -391,7 +401,6 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
     """Device memory of the run, by component (host memory where the device is the host:
     there weights and resident parameters are used in place and cost nothing here)."""
     w = settings.weight_bytes
-    tokens = settings.tokens_per_pass
     in_place = hardware is not None and hardware.shares_host_memory
     slots = settings.num_buffers + settings.checkpoint_interval - 1
     checkpoints_on_device = slots if settings.offload_checkpoints else _num_checkpoints(shape, settings)
@@ -424,8 +433,11 @@ def _activation_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardwa
         chunk = choose_loss_chunk_tokens(shape.vocab, w, free)
         # A chunk's logits and their fp32 copies, the hidden states' gradient and the
         # output projection's fp32 weight-gradient accumulator (model/chunked_loss.py).
-        result["logits"] = (min(tokens, chunk) * loss_chunk_bytes_per_token(shape.vocab, w)
-                            + tokens * shape.hidden * w + shape.vocab * shape.hidden * 4)
+        result["logits"] = (
+            min(tokens, chunk) * loss_chunk_bytes_per_token(shape.vocab, w)
+            + tokens * shape.hidden * w
+            + shape.vocab * shape.hidden * 4
+        )
     else:
         # Hugging Face upcasts logits to fp32 for the loss: compute-dtype logits, their
         # fp32 copy and its gradient.
@@ -473,16 +485,17 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
     tokens = settings.tokens_per_pass
     passes = settings.accumulation
     w = settings.weight_bytes
-    checkpoint_traffic = (_checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
-                          if settings.offload_checkpoints else 0)
+    checkpoint_traffic = (
+        _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings) if settings.offload_checkpoints else 0
+    )
     compute_flops = _block_flops(shape, settings) + 6 * shape.vocab * shape.hidden * tokens
     stash_traffic = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
     bounds = {
         "compute": passes * compute_flops / hardware.flops,
-        "host_to_device": passes * (2 * w * shape.total_block_params + checkpoint_traffic + stash_traffic)
+        "host_to_device": passes
+        * (2 * w * shape.total_block_params + checkpoint_traffic + stash_traffic)
         / hardware.h2d_bytes_per_s,
-        "device_to_host": passes * (w * shape.params + checkpoint_traffic + stash_traffic)
-        / hardware.d2h_bytes_per_s,
+        "device_to_host": passes * (w * shape.params + checkpoint_traffic + stash_traffic) / hardware.d2h_bytes_per_s,
         "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
     }
     if settings.fragment_bytes:
@@ -527,13 +540,16 @@ def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware
         gradient_bytes += g * params + passes * (2 * g + w) * params  # zeroing; accumulating
     journal_bytes = 2 * _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
     adam_rate = hardware.adam_bytes_per_s or hardware.host_memory_bytes_per_s
-    checkpoints = (4 * _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
-                   if settings.offload_checkpoints else 0)
+    checkpoints = (
+        4 * _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+        if settings.offload_checkpoints
+        else 0
+    )
     head_flops = 6 * shape.vocab * shape.hidden * tokens
     return {
         "blocks": passes * _block_flops(shape, settings) / (hardware.flops * hardware.block_efficiency),
-        "head": passes * (head_flops / (hardware.head_flops or hardware.flops)
-                          + LOSS_PASSES * tokens * shape.vocab * 4 / bandwidth),
+        "head": passes
+        * (head_flops / (hardware.head_flops or hardware.flops) + LOSS_PASSES * tokens * shape.vocab * 4 / bandwidth),
         "gradient_path": (gradient_bytes + journal_bytes) / bandwidth,
         "checkpoints": passes * checkpoints / bandwidth,
         "optimizer": (24 + g + shadow) * params / adam_rate,
@@ -552,8 +568,9 @@ def _predicted_step(by_bound: dict[str, float], shape: ModelShape, hardware: Har
 
 
 def predicted_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    return (_predicted_step(step_seconds(shape, settings, hardware), shape, hardware)
-            + weight_fill_seconds(shape, settings, hardware))
+    return _predicted_step(step_seconds(shape, settings, hardware), shape, hardware) + weight_fill_seconds(
+        shape, settings, hardware
+    )
 
 
 def choose_fragment_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> int:
@@ -572,10 +589,12 @@ def _best_fragment(shape: ModelShape, settings: RunSettings, hardware: Hardware)
     step, and that step; ``(0, whole blocks' step)`` when a block is too small to cut."""
     block = settings.weight_bytes * shape.block_params
     sizes = [MIN_FRAGMENT_BYTES << k for k in range(64) if MIN_FRAGMENT_BYTES << k < block]
-    steps = [(size, predicted_step_seconds(shape, _with(settings, fragment_bytes=size), hardware))
-             for size in sizes]
-    return min(steps, key=lambda step: step[1], default=(0, predicted_step_seconds(
-        shape, _with(settings, fragment_bytes=0), hardware)))
+    steps = [(size, predicted_step_seconds(shape, _with(settings, fragment_bytes=size), hardware)) for size in sizes]
+    return min(
+        steps,
+        key=lambda step: step[1],
+        default=(0, predicted_step_seconds(shape, _with(settings, fragment_bytes=0), hardware)),
+    )
 
 
 def fragment_policies(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, dict[str, float]]:
@@ -583,14 +602,14 @@ def fragment_policies(shape: ModelShape, settings: RunSettings, hardware: Hardwa
     whole = predicted_step_seconds(shape, _with(settings, fragment_bytes=0), hardware)
     size, seconds = _best_fragment(shape, settings, hardware)
     chosen = choose_fragment_bytes(shape, settings, hardware)
-    return {"whole": {"fragment_bytes": 0, "predicted_step_seconds": whole},
-            "fragments": {"fragment_bytes": size, "predicted_step_seconds": seconds},
-            "chosen": {"fragment_bytes": chosen,
-                       "predicted_step_seconds": seconds if chosen else whole}}
+    return {
+        "whole": {"fragment_bytes": 0, "predicted_step_seconds": whole},
+        "fragments": {"fragment_bytes": size, "predicted_step_seconds": seconds},
+        "chosen": {"fragment_bytes": chosen, "predicted_step_seconds": seconds if chosen else whole},
+    }
 
 
-def choose_stashed_blocks(shape: ModelShape, settings: RunSettings, hardware: Hardware,
-                          host_memory_left: int) -> int:
+def choose_stashed_blocks(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_left: int) -> int:
     """``"recompute": "auto"``: how many blocks stash their activations.
 
     The number with the shortest predicted step (fewest blocks among equals, within
@@ -605,31 +624,36 @@ def choose_stashed_blocks(shape: ModelShape, settings: RunSettings, hardware: Ha
         budget -= sum(gpu_bytes(shape, settings, hardware).values())
     per_block = stash_bytes_per_block(shape, settings)
     most = min(shape.num_blocks, int(budget // per_block) if per_block > 0 and budget > 0 else 0)
-    steps = [predicted_step_seconds(shape, _with(settings, stashed_blocks=stashed), hardware)
-             for stashed in range(most + 1)]
+    steps = [
+        predicted_step_seconds(shape, _with(settings, stashed_blocks=stashed), hardware) for stashed in range(most + 1)
+    ]
     # Within STASH_GAIN_TOLERANCE of the shortest counts as equal: a stash that gains less
     # than that (e.g. only a shorter last backward block at the weight pipeline's end,
     # [Note: the weight pipeline]) is not worth its memory.
-    return next(stashed for stashed, seconds in enumerate(steps)
-                if seconds <= min(steps) * (1 + STASH_GAIN_TOLERANCE))
+    return next(stashed for stashed, seconds in enumerate(steps) if seconds <= min(steps) * (1 + STASH_GAIN_TOLERANCE))
 
 
-def recompute_policies(shape: ModelShape, settings: RunSettings, hardware: Hardware,
-                       host_memory_left: int) -> dict[str, dict[str, float]]:
+def recompute_policies(
+    shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_left: int
+) -> dict[str, dict[str, float]]:
     """``full``, ``none`` and ``auto`` side by side: blocks stashed, stash bytes, step seconds."""
-    choices = {"full": 0, "none": shape.num_blocks,
-               "auto": choose_stashed_blocks(shape, settings, hardware, host_memory_left)}
+    choices = {
+        "full": 0,
+        "none": shape.num_blocks,
+        "auto": choose_stashed_blocks(shape, settings, hardware, host_memory_left),
+    }
     result = {}
     for name, stashed in choices.items():
         with_stash = _with(settings, stashed_blocks=stashed)
-        result[name] = {"stashed_blocks": stashed,
-                        "stash_bytes": stashed * stash_bytes_per_block(shape, with_stash),
-                        "predicted_step_seconds": predicted_step_seconds(shape, with_stash, hardware)}
+        result[name] = {
+            "stashed_blocks": stashed,
+            "stash_bytes": stashed * stash_bytes_per_block(shape, with_stash),
+            "predicted_step_seconds": predicted_step_seconds(shape, with_stash, hardware),
+        }
     return result
 
 
-def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
-         host_memory_bytes: int) -> Plan:
+def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> Plan:
     """Memory, speed and recommendations for ``settings`` on ``hardware``."""
     by_bound = step_seconds(shape, settings, hardware)
     fill = weight_fill_seconds(shape, settings, hardware)
@@ -651,11 +675,13 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware,
         "num_buffers": 2,
         "recompute": _recompute_value(policies["auto"]["stashed_blocks"], shape.num_blocks),
         "fragment_bytes": int(fragments["chosen"]["fragment_bytes"]) or None,
-        "optimizer_device": "gpu" if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s
-        and not hardware.shares_host_memory else "cpu",
+        "optimizer_device": "gpu"
+        if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s and not hardware.shares_host_memory
+        else "cpu",
     }
     per_token = _total_bytes(shape, _with(settings, seq_len=2 * settings.seq_len), hardware) - _total_bytes(
-        shape, settings, hardware)
+        shape, settings, hardware
+    )
     if disk > DISK_BOUND_SHARE * step:
         recommended["bottleneck"] = "disk"
         recommended["gradient_accumulation_steps"] = _accumulation_hiding_disk(shape, settings, hardware)
@@ -692,12 +718,12 @@ def _total_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
 
 def max_sequence_length(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> int:
     """The longest sequence (at ``settings.micro_batch``) whose step fits (0: none does)."""
-    return _largest(lambda length: _fits(shape, _with(settings, seq_len=length), hardware, host_memory_bytes),
-                    limit=1 << 30)
+    return _largest(
+        lambda length: _fits(shape, _with(settings, seq_len=length), hardware, host_memory_bytes), limit=1 << 30
+    )
 
 
-def _accumulation_hiding_disk(shape: ModelShape, settings: RunSettings, hardware: Hardware,
-                              limit: int = 256) -> int:
+def _accumulation_hiding_disk(shape: ModelShape, settings: RunSettings, hardware: Hardware, limit: int = 256) -> int:
     """The fewest micro-batches per optimizer step for which the disk's share of the step
     falls to :data:`DISK_BOUND_SHARE`: the optimizer state moves once per optimizer step,
     so accumulating spreads it over more weight passes."""
@@ -718,11 +744,12 @@ def _fits(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_mem
     return device <= DEVICE_MEMORY_HEADROOM * hardware.device_memory_bytes and host <= host_memory_bytes
 
 
-def _max_micro_batch(shape: ModelShape, settings: RunSettings, hardware: Hardware,
-                     host_memory_bytes: int) -> int:
+def _max_micro_batch(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> int:
     """Largest micro-batch that fits (0 when not even one sequence does)."""
+
     def fits(micro: int) -> bool:
         return _fits(shape, _with(settings, micro_batch=micro), hardware, host_memory_bytes)
+
     return _largest(fits, limit=1 << 20)
 
 

@@ -32,23 +32,24 @@ import itertools
 import logging
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.config import NVME_OFFLOAD_LEVELS, EngineConfig
+from megatrain_ds.model.block_discovery import find_blocks
+from megatrain_ds.optimizer.facade import group_index_of
+from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import build_flat_layout
 from megatrain_ds.state.nvme_tier import WITH_MASTER, swap_file_bytes, tier_kinds
 from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.state.swap_directory import check_free_space
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
-from megatrain_ds.optimizer.facade import group_index_of
-from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,9 @@ def _host_buffer(numel: int, itemsize: int) -> int:
 def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer) -> _Shapes:
     _, blocks = find_blocks(model, config.options.block_path)
     group_of = group_index_of(model, optimizer)
-    block_numels = [build_flat_layout([(n, p.shape, group_of[p]) for n, p in block.named_parameters()]).numel
-                    for block in blocks]
+    block_numels = [
+        build_flat_layout([(n, p.shape, group_of[p]) for n, p in block.named_parameters()]).numel for block in blocks
+    ]
     block_ids = {id(p) for p in blocks.parameters()}
     resident = [(n, p.shape, group_of[p]) for n, p in model.named_parameters() if id(p) not in block_ids]
     resident_numel = build_flat_layout(resident).numel if resident else 0
@@ -126,23 +128,28 @@ def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optim
     return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"])
 
 
-def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str,
-                         staging_chunk: int) -> MemoryNeed:
+def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str, staging_chunk: int) -> MemoryNeed:
     """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc)."""
     options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
     streamed = compute if config.compute_dtype != config.master_dtype else master
     numels = [*shapes.block_numels, shapes.resident_numel]
-    host = {"master": sum(_host_buffer(n, master) for n in numels),
-            "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels)}
+    host = {
+        "master": sum(_host_buffer(n, master) for n in numels),
+        "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels),
+    }
     disk = 0
     weights_on_disk = options.nvme_offload == "all"
     if options.nvme_offload in ("optimizer", "all"):
         # The blocks' m and v (and fp32 master, unless it is what is streamed from host
         # memory) in swap files, a window of them in host memory (state/nvme_tier.py).
         alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
-        kinds = WITH_MASTER if weights_on_disk else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype)
+        kinds = (
+            WITH_MASTER
+            if weights_on_disk
+            else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype)
+        )
         files = [swap_file_bytes(n, alignment, len(kinds)) for n in shapes.block_numels]
         disk = sum(files)
         host["adam_m_v"] = 2 * _host_buffer(shapes.resident_numel, 4)
@@ -153,8 +160,9 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
             # The weight window (state/nvme_weights.py): each buffer the largest block in the
             # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
             per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
-            buffers = weight_window_buffers(options.num_buffers, options.checkpoint_interval,
-                                            options.nvme_window_blocks)
+            buffers = weight_window_buffers(
+                options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks
+            )
             host["nvme_weights"] = buffers * per_buffer
     if config.compute_dtype != config.master_dtype:
         host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
@@ -165,8 +173,7 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
         # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.
         per_element = master + 8 + (compute if config.compute_dtype != config.master_dtype else 0)
         costs = [per_element * n for n in shapes.block_numels]
-        chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks,
-                                       AUTO_JOURNAL_BYTES_PER_PARAM)
+        chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM)
         if chosen:
             host["journal"] = sum(costs[i] for i in chosen)
     largest = max(shapes.block_numels)
@@ -194,8 +201,9 @@ def available_memory(device: torch.device) -> AvailableMemory:
     if device.type == "cuda":
         free_device, _ = torch.cuda.mem_get_info(device)
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return AvailableMemory(host=host, host_source=source, device=free_device,
-                           memlock=None if soft == resource.RLIM_INFINITY else soft)
+    return AvailableMemory(
+        host=host, host_source=source, device=free_device, memlock=None if soft == resource.RLIM_INFINITY else soft
+    )
 
 
 def _meminfo_available() -> int:
@@ -210,9 +218,10 @@ def _meminfo_available() -> int:
 
 def _cgroup_room() -> int | None:
     """Limit minus usage of this process's memory cgroup (v2, else v1), if limited."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit = Path(limit_file).read_text().strip()
             usage = int(Path(usage_file).read_text().strip())
@@ -229,29 +238,56 @@ def _cgroup_room() -> int | None:
 # applied in this order, so one that opens another (accumulation 1 lets clipping go
 # without keeping gradients) comes first.
 _ALTERNATIVES: list[tuple[str, Callable[[EngineConfig], EngineConfig | None]]] = [
-    ('"megatrain": {"num_staging_buffers": 1}',
-     lambda c: _options(c, num_staging_buffers=1) if c.options.num_staging_buffers > 1 else None),
-    ('"megatrain": {"num_buffers": 2, "checkpoint_interval": 1}',
-     lambda c: _options(c, num_buffers=2, checkpoint_interval=1)
-     if c.options.num_buffers + c.options.checkpoint_interval > 3 else None),
-    ('"gradient_accumulation_steps": 1 with a larger micro-batch (no fp32 gradient accumulator)',
-     lambda c: dataclasses.replace(c, gradient_accumulation_steps=1)
-     if c.gradient_accumulation_steps > 1 else None),
-    ('"gradient_clipping": 0 (gradients are then applied as they arrive, never held)',
-     lambda c: dataclasses.replace(c, gradient_clipping=0.0)
-     if c.gradient_clipping > 0 and c.gradient_accumulation_steps == 1 else None),
-    ('"bf16": {"enabled": true} (bf16 compute: half-size streamed weights and gradients)',
-     lambda c: dataclasses.replace(c, bf16=True) if not c.bf16 else None),
-    ('"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/local_nvme/..."} (Adam m and v, and '
-     "with bf16 compute the fp32 master, in swap files on a local disk: 8 or 12 bytes/param less host memory)",
-     lambda c: _options(c, nvme_offload="optimizer", nvme_path=c.options.nvme_path or "/")
-     if c.options.nvme_offload in ("none", "auto") else None),
-    ('"megatrain": {"nvme_offload": "all", "nvme_path": "/local_nvme/..."} (the weights too: only '
-     "held gradients and a window of blocks stay in host memory; forward and backward read the disk)",
-     lambda c: _options(c, nvme_offload="all", nvme_path=c.options.nvme_path or "/")
-     if c.options.nvme_offload != "all" else None),
-    ('"megatrain": {"master_dtype": "bf16"} (rounds small updates away: a last resort)',
-     lambda c: _options(c, master_dtype="bf16") if c.options.master_dtype != "bf16" else None),
+    (
+        '"megatrain": {"num_staging_buffers": 1}',
+        lambda c: _options(c, num_staging_buffers=1) if c.options.num_staging_buffers > 1 else None,
+    ),
+    (
+        '"megatrain": {"num_buffers": 2, "checkpoint_interval": 1}',
+        lambda c: (
+            _options(c, num_buffers=2, checkpoint_interval=1)
+            if c.options.num_buffers + c.options.checkpoint_interval > 3
+            else None
+        ),
+    ),
+    (
+        '"gradient_accumulation_steps": 1 with a larger micro-batch (no fp32 gradient accumulator)',
+        lambda c: dataclasses.replace(c, gradient_accumulation_steps=1) if c.gradient_accumulation_steps > 1 else None,
+    ),
+    (
+        '"gradient_clipping": 0 (gradients are then applied as they arrive, never held)',
+        lambda c: (
+            dataclasses.replace(c, gradient_clipping=0.0)
+            if c.gradient_clipping > 0 and c.gradient_accumulation_steps == 1
+            else None
+        ),
+    ),
+    (
+        '"bf16": {"enabled": true} (bf16 compute: half-size streamed weights and gradients)',
+        lambda c: dataclasses.replace(c, bf16=True) if not c.bf16 else None,
+    ),
+    (
+        '"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/local_nvme/..."} (Adam m and v, and '
+        "with bf16 compute the fp32 master, in swap files on a local disk: 8 or 12 bytes/param less host memory)",
+        lambda c: (
+            _options(c, nvme_offload="optimizer", nvme_path=c.options.nvme_path or "/")
+            if c.options.nvme_offload in ("none", "auto")
+            else None
+        ),
+    ),
+    (
+        '"megatrain": {"nvme_offload": "all", "nvme_path": "/local_nvme/..."} (the weights too: only '
+        "held gradients and a window of blocks stay in host memory; forward and backward read the disk)",
+        lambda c: (
+            _options(c, nvme_offload="all", nvme_path=c.options.nvme_path or "/")
+            if c.options.nvme_offload != "all"
+            else None
+        ),
+    ),
+    (
+        '"megatrain": {"master_dtype": "bf16"} (rounds small updates away: a last resort)',
+        lambda c: _options(c, master_dtype="bf16") if c.options.master_dtype != "bf16" else None,
+    ),
 ]
 
 
@@ -266,16 +302,21 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
-          available: AvailableMemory) -> MemoryNeed:
+def check(
+    need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig, available: AvailableMemory
+) -> MemoryNeed:
     """Raise :class:`InsufficientMemoryError` when ``need_of(config)`` does not fit."""
     need = need_of(config)
     if need.pinned and available.memlock is not None and need.pinned > available.memlock:
         # The NVIDIA driver pins cudaHostRegister'ed pages without charging RLIMIT_MEMLOCK,
         # so this is a hint for when registration fails, not a reason to stop.
-        logger.warning("megatrain preflight: %s of host memory will be pinned but ulimit -l is %s; "
-                       "if pinning fails, raise it (ulimit -l unlimited) or set "
-                       '"megatrain": {"pin_memory": false}', format_bytes(need.pinned), format_bytes(available.memlock))
+        logger.warning(
+            "megatrain preflight: %s of host memory will be pinned but ulimit -l is %s; "
+            "if pinning fails, raise it (ulimit -l unlimited) or set "
+            '"megatrain": {"pin_memory": false}',
+            format_bytes(need.pinned),
+            format_bytes(available.memlock),
+        )
     problems = []
     if need.host_total > available.host:
         problems.append(("host", need.host_total, available.host, available.host_source))
@@ -283,17 +324,26 @@ def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
         problems.append(("device", need.device_total, available.device, "free device memory"))
     if not problems:
         if need.host_total > 0.9 * available.host:
-            logger.warning("megatrain preflight: the run needs %s of the %s of host memory available; "
-                           "activations come on top", format_bytes(need.host_total), format_bytes(available.host))
+            logger.warning(
+                "megatrain preflight: the run needs %s of the %s of host memory available; activations come on top",
+                format_bytes(need.host_total),
+                format_bytes(available.host),
+            )
         return need
     lines = []
     for kind, needed, have, source in problems:
         items = need.host if kind == "host" else need.device
         parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in items.items())
-        freed = f" minus {format_bytes(need.host_freed)} of the model's weights that migration frees" \
-            if kind == "host" and need.host_freed else ""
-        lines.append(f"{kind} memory: needs {format_bytes(needed)} ({parts}{freed}), {format_bytes(have)} available "
-                     f"({source}); short by {format_bytes(needed - have)}")
+        freed = (
+            f" minus {format_bytes(need.host_freed)} of the model's weights that migration frees"
+            if kind == "host" and need.host_freed
+            else ""
+        )
+        lines.append(
+            f"{kind} memory: needs {format_bytes(needed)} ({parts}{freed}), {format_bytes(have)} available "
+            f"({source}); short by {format_bytes(needed - have)}"
+        )
+
     def fits(candidate: EngineConfig) -> MemoryNeed | None:
         other = need_of(candidate)
         if other.host_total <= available.host and (available.device is None or other.device_total <= available.device):
@@ -302,7 +352,8 @@ def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
 
     def needs(other: MemoryNeed) -> str:
         return f"needs {format_bytes(other.host_total)} host" + (
-            f", {format_bytes(other.device_total)} device" if available.device is not None else "")
+            f", {format_bytes(other.device_total)} device" if available.device is not None else ""
+        )
 
     fixes = []
     for description, change in _ALTERNATIVES:
@@ -324,18 +375,32 @@ def check(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
             if result is not None:
                 break
         if result is not None:
-            advice = "no single setting fits; these together would:\n" + "\n".join(
-                f"  {d}" for d in applied) + f"\n  ({needs(result)})"
+            advice = (
+                "no single setting fits; these together would:\n"
+                + "\n".join(f"  {d}" for d in applied)
+                + f"\n  ({needs(result)})"
+            )
         else:
             advice = "no combination of settings makes it fit: use a machine with more memory or a smaller model"
-    raise InsufficientMemoryError("megatrain preflight: the run does not fit\n  " + "\n  ".join(lines)
-                                  + "\n" + advice + "\n(activations come on top; "
-                                  '"megatrain": {"preflight": false} skips this check)')
+    raise InsufficientMemoryError(
+        "megatrain preflight: the run does not fit\n  "
+        + "\n  ".join(lines)
+        + "\n"
+        + advice
+        + "\n(activations come on top; "
+        '"megatrain": {"preflight": false} skips this check)'
+    )
 
 
-def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
-              device: torch.device, staging_chunk: int,
-              available: AvailableMemory | None = None, nvme: str | None = None) -> MemoryNeed:
+def preflight(
+    model: nn.Module,
+    config: EngineConfig,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    staging_chunk: int,
+    available: AvailableMemory | None = None,
+    nvme: str | None = None,
+) -> MemoryNeed:
     """Check that the run fits before anything is allocated; returns the estimate.
 
     ``nvme``: what the NVMe tier holds, "none", "optimizer" or "all" (default:
@@ -355,26 +420,47 @@ def preflight(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Opt
     return need
 
 
-def wants_nvme_tier(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
-                    device: torch.device, staging_chunk: int, available: AvailableMemory | None = None) -> str:
+def wants_nvme_tier(
+    model: nn.Module,
+    config: EngineConfig,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    staging_chunk: int,
+    available: AvailableMemory | None = None,
+) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
     with which the run's host state fits in the available host memory ("all" when none does)."""
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
-    return _wants_nvme(_shapes(model, config, optimizer), config, device, staging_chunk,
-                       available if available is not None else available_memory(device))
+    return _wants_nvme(
+        _shapes(model, config, optimizer),
+        config,
+        device,
+        staging_chunk,
+        available if available is not None else available_memory(device),
+    )
 
 
-def _wants_nvme(shapes: _Shapes, config: EngineConfig, device: torch.device, staging_chunk: int,
-                have: AvailableMemory) -> str:
+def _wants_nvme(
+    shapes: _Shapes, config: EngineConfig, device: torch.device, staging_chunk: int, have: AvailableMemory
+) -> str:
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
-    needs = {level: estimate_from_shapes(shapes, _options(config, nvme_offload=level), device.type,
-                                         staging_chunk).host_total for level in NVME_OFFLOAD_LEVELS}
+    needs = {
+        level: estimate_from_shapes(shapes, _options(config, nvme_offload=level), device.type, staging_chunk).host_total
+        for level in NVME_OFFLOAD_LEVELS
+    }
     level = next((level for level in NVME_OFFLOAD_LEVELS if needs[level] <= have.host), "all")
-    where = {"none": "nothing goes to NVMe", "optimizer": "the optimizer state goes to NVMe",
-             "all": "the blocks' weights and optimizer state go to NVMe"}[level]
-    logger.info('megatrain: nvme_offload "auto": %s (host state with nothing, the optimizer state, everything '
-                "on the tier: %s; available %s)", where, ", ".join(format_bytes(needs[n]) for n in NVME_OFFLOAD_LEVELS),
-                format_bytes(have.host))
+    where = {
+        "none": "nothing goes to NVMe",
+        "optimizer": "the optimizer state goes to NVMe",
+        "all": "the blocks' weights and optimizer state go to NVMe",
+    }[level]
+    logger.info(
+        'megatrain: nvme_offload "auto": %s (host state with nothing, the optimizer state, everything '
+        "on the tier: %s; available %s)",
+        where,
+        ", ".join(format_bytes(needs[n]) for n in NVME_OFFLOAD_LEVELS),
+        format_bytes(have.host),
+    )
     return level

@@ -28,8 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain_ds.config import EngineConfig
-from megatrain_ds.planning.planner import (Hardware, ModelShape, RunSettings, recompute_policies,
-                                           sizes_from_config, stash_bytes_per_block)
+from megatrain_ds.planning.planner import (
+    Hardware,
+    ModelShape,
+    RunSettings,
+    recompute_policies,
+    sizes_from_config,
+    stash_bytes_per_block,
+)
 from megatrain_ds.planning.preflight import InsufficientMemoryError, available_memory
 from megatrain_ds.planning.transfer_hiding import hardware_of
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
@@ -63,19 +69,31 @@ class RecomputeChoice:
     """:func:`~megatrain_ds.planning.planner.recompute_policies` for this run."""
 
 
-def planned_run(runtime: DeviceRuntime, config: EngineConfig, model: Any, block_numels: list[int],
-                resident_numel: int, tokens: int) -> tuple[ModelShape, RunSettings, Hardware]:
+def planned_run(
+    runtime: DeviceRuntime, config: EngineConfig, model: Any, block_numels: list[int], resident_numel: int, tokens: int
+) -> tuple[ModelShape, RunSettings, Hardware]:
     """The planner's view of this run at ``tokens`` tokens per weight pass: the model's
     shape, the settings, and this device with its host<->device copy rates measured."""
     options = config.options
     sizes = sizes_from_config(getattr(model, "config", None))
-    shape = ModelShape(num_blocks=len(block_numels), block_params=max(block_numels),
-                       total_block_params=sum(block_numels), resident_params=resident_numel, **sizes)
-    settings = RunSettings(seq_len=tokens, micro_batch=1, accumulation=config.gradient_accumulation_steps,
-                           bf16=config.bf16, clipping=config.gradient_clipping > 0,
-                           checkpoint_interval=options.checkpoint_interval, num_buffers=options.num_buffers,
-                           offload_checkpoints=options.offload_checkpoints,
-                           fragment_bytes=options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
+    shape = ModelShape(
+        num_blocks=len(block_numels),
+        block_params=max(block_numels),
+        total_block_params=sum(block_numels),
+        resident_params=resident_numel,
+        **sizes,
+    )
+    settings = RunSettings(
+        seq_len=tokens,
+        micro_batch=1,
+        accumulation=config.gradient_accumulation_steps,
+        bf16=config.bf16,
+        clipping=config.gradient_clipping > 0,
+        checkpoint_interval=options.checkpoint_interval,
+        num_buffers=options.num_buffers,
+        offload_checkpoints=options.offload_checkpoints,
+        fragment_bytes=options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0,
+    )
     hardware, _ = hardware_of(runtime)
     rates = runtime.measure_copy_rates()
     if rates is not None:
@@ -83,8 +101,12 @@ def planned_run(runtime: DeviceRuntime, config: EngineConfig, model: Any, block_
     return shape, settings, hardware
 
 
-def choose_recompute(runtime: DeviceRuntime, config: EngineConfig, run: tuple[ModelShape, RunSettings, Hardware],
-                     host_memory_left: int | None = None) -> RecomputeChoice:
+def choose_recompute(
+    runtime: DeviceRuntime,
+    config: EngineConfig,
+    run: tuple[ModelShape, RunSettings, Hardware],
+    host_memory_left: int | None = None,
+) -> RecomputeChoice:
     """Decide (``"auto"``) or check (``"none"``, an integer) how many blocks stash, for the
     weight pass :func:`planned_run` describes; ``host_memory_left`` defaults to what the
     machine has free now. Raises :class:`InsufficientMemoryError` when a stash asked for
@@ -107,7 +129,8 @@ def choose_recompute(runtime: DeviceRuntime, config: EngineConfig, run: tuple[Mo
                 f"megatrain.recompute={options.recompute!r} stashes {stashed} blocks' activations, about "
                 f"{per_block / GIB:.2f} GiB each at {tokens} tokens per micro-batch ({stashed * per_block / GIB:.2f} "
                 f"GiB), but only {host_memory_left / GIB:.2f} GiB of host memory is left; stash at most {fits} "
-                f'blocks ("recompute": {shape.num_blocks - fits}), or set "recompute": "auto"')
+                f'blocks ("recompute": {shape.num_blocks - fits}), or set "recompute": "auto"'
+            )
     choice = RecomputeChoice(stashed, per_block, host_memory_left, predicted)
     if options.recompute == "auto":
         _log(choice, shape.num_blocks, tokens, hardware.name)
@@ -115,10 +138,18 @@ def choose_recompute(runtime: DeviceRuntime, config: EngineConfig, run: tuple[Mo
 
 
 def _log(choice: RecomputeChoice, num_blocks: int, tokens: int, device: str) -> None:
-    times = ", ".join(f"{name} {policy['predicted_step_seconds']:.3g} s"
-                      for name, policy in choice.predicted.items())
-    logger.info("megatrain: recompute auto: %d of %d blocks stash their activations (%.1f MiB each at %d tokens, "
-                "%.2f GiB of host memory per micro-batch; %.1f GiB left), the other %d are recomputed; "
-                "predicted step on %s: %s", choice.stashed_blocks, num_blocks, choice.stash_bytes_per_block / 2**20,
-                tokens, choice.stashed_blocks * choice.stash_bytes_per_block / GIB, choice.host_memory_left / GIB,
-                num_blocks - choice.stashed_blocks, device, times)
+    times = ", ".join(f"{name} {policy['predicted_step_seconds']:.3g} s" for name, policy in choice.predicted.items())
+    logger.info(
+        "megatrain: recompute auto: %d of %d blocks stash their activations (%.1f MiB each at %d tokens, "
+        "%.2f GiB of host memory per micro-batch; %.1f GiB left), the other %d are recomputed; "
+        "predicted step on %s: %s",
+        choice.stashed_blocks,
+        num_blocks,
+        choice.stash_bytes_per_block / 2**20,
+        tokens,
+        choice.stashed_blocks * choice.stash_bytes_per_block / GIB,
+        choice.host_memory_left / GIB,
+        num_blocks - choice.stashed_blocks,
+        device,
+        times,
+    )

@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.planning.planner import GPU_HARDWARE, Hardware, min_tokens_to_hide_transfer
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +93,20 @@ def _rate(work: Any, seconds: float) -> float:
     return count / (time.perf_counter() - started)
 
 
-def transfer_advice(sequences: int, tokens: int, hardware: Hardware, source: str, bf16: bool,
-                    accumulation: int) -> str | None:
+def transfer_advice(
+    sequences: int, tokens: int, hardware: Hardware, source: str, bf16: bool, accumulation: int
+) -> str | None:
     """The warning for a micro-batch of ``tokens``, or ``None`` when it is not far too small."""
     needed = min_tokens_to_hide_transfer(hardware, bf16)
     if tokens >= EXPOSED_FRACTION * needed:
         return None
     length = max(tokens // max(sequences, 1), 1)
     wanted_micro = -(-needed // length)
-    accumulation_note = (f" (this run accumulates over {accumulation} micro-batches, and each streams "
-                         "every block again)" if accumulation > 1 else "")
+    accumulation_note = (
+        f" (this run accumulates over {accumulation} micro-batches, and each streams every block again)"
+        if accumulation > 1
+        else ""
+    )
     return (
         f"megatrain: a micro-batch of {tokens} tokens ({sequences} x {length}) is far too small to hide the "
         f"weight transfers on {hardware.name}: block compute covers the host-to-device copies from about "
@@ -109,11 +114,13 @@ def transfer_advice(sequences: int, tokens: int, hardware: Hardware, source: str
         f"F={hardware.flops / 1e12:.3g} TFLOP/s, B={hardware.h2d_bytes_per_s / 1e9:.3g} GB/s; {source}), "
         f"so the device waits for copies for most of the step. Raise train_micro_batch_size_per_gpu "
         f"(about {wanted_micro} at this sequence length) or the sequence length; gradient accumulation "
-        f"does not help{accumulation_note}.")
+        f"does not help{accumulation_note}."
+    )
 
 
-def warn_if_transfers_exposed(runtime: DeviceRuntime, args: tuple, kwargs: Mapping[str, Any], *, bf16: bool,
-                              accumulation: int) -> str | None:
+def warn_if_transfers_exposed(
+    runtime: DeviceRuntime, args: tuple, kwargs: Mapping[str, Any], *, bf16: bool, accumulation: int
+) -> str | None:
     """Log :func:`transfer_advice` for this batch (the engine calls it once); returns it."""
     counted = tokens_per_pass(args, kwargs)
     if counted is None:

@@ -25,8 +25,10 @@ import platform
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterator, Protocol
+from typing import Protocol
 
 import torch
 
@@ -87,7 +89,7 @@ class HostClockEvent:
     def synchronize(self) -> None:
         pass
 
-    def host_ns(self, anchor: "ClockAnchor") -> int:
+    def host_ns(self, anchor: ClockAnchor) -> int:
         del anchor
         return self.ns
 
@@ -104,7 +106,7 @@ class CudaClockEvent:
     def synchronize(self) -> None:
         self.event.synchronize()
 
-    def host_ns(self, anchor: "ClockAnchor") -> int:
+    def host_ns(self, anchor: ClockAnchor) -> int:
         """Needs both events complete; ``elapsed_time`` is in milliseconds (~0.5 us resolution)."""
         return anchor.host_ns + round(anchor.event.event.elapsed_time(self.event) * 1e6)
 
@@ -147,7 +149,7 @@ class DeviceRuntime:
     """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
 
     @classmethod
-    def create(cls, device: torch.device, pin_memory: bool = True) -> "DeviceRuntime":
+    def create(cls, device: torch.device, pin_memory: bool = True) -> DeviceRuntime:
         """Streams for ``device``; pinned host memory only where CUDA can use it."""
         if device.type == "cuda":
             # Created once here; every other module refers to these two by purpose.
@@ -161,9 +163,15 @@ class DeviceRuntime:
             )
         if stream_check.requested():
             checker = StreamChecker()
-            return cls(device=device, h2d_stream=checker.stream("h2d"), d2h_stream=checker.stream("d2h"),
-                       optimizer_stream=checker.stream("optimizer"), comm_stream=checker.stream("comm"),
-                       pin_memory=False, checker=checker)
+            return cls(
+                device=device,
+                h2d_stream=checker.stream("h2d"),
+                d2h_stream=checker.stream("d2h"),
+                optimizer_stream=checker.stream("optimizer"),
+                comm_stream=checker.stream("comm"),
+                pin_memory=False,
+                checker=checker,
+            )
         # The step's transients will be host memory: keep the large ones out of glibc's heap.
         keep_large_transients_mapped()
         return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
@@ -228,12 +236,12 @@ class DeviceRuntime:
 
     # -- host threads and what they share (the race checker sees these handoffs) -----------
 
-    def observe(self) -> ContextManager[None]:
+    def observe(self) -> AbstractContextManager[None]:
         """Run the enclosed engine call with its tensor accesses checked (a no-op unless
         the race checker is on; re-entrant)."""
         return self.checker.observe() if self.checker is not None else contextlib.nullcontext()
 
-    def host_work(self) -> ContextManager[None]:
+    def host_work(self) -> AbstractContextManager[None]:
         """The enclosed ops are host code on host buffers, run by the calling thread (the
         optimizer's end of step): for the race checker, not work queued on a stream."""
         return self.checker.host_work() if self.checker is not None else contextlib.nullcontext()
@@ -373,7 +381,7 @@ class PinnedPool:
     step (tokens routed to an expert) reuse buffers instead of pinning new ones.
     """
 
-    def __init__(self, runtime: "DeviceRuntime") -> None:
+    def __init__(self, runtime: DeviceRuntime) -> None:
         self.runtime = runtime
         self._free: dict[int, list[torch.Tensor]] = {}
         self._sizes: list[int] = []

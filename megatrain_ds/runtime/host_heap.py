@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -13,21 +13,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
     """``$MEGATRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/megatrain_ds`` (``~/.cache/megatrain_ds``)."""
-    root = os.environ.get("MEGATRAIN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
-                                                          "megatrain_ds")
+    root = os.environ.get("MEGATRAIN_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "megatrain_ds"
+    )
     return Path(root)
 
 
-def cached_measurement(path: Path, key: str, measure: Callable[[], dict[str, Any]],
-                       recalibrate: bool = False) -> dict[str, Any]:
+def cached_measurement(
+    path: Path, key: str, measure: Callable[[], dict[str, Any]], recalibrate: bool = False
+) -> dict[str, Any]:
     """``path``'s entry ``key``, from ``measure()`` (and stored) when absent or ``recalibrate``."""
     try:
         known = json.loads(path.read_text())
@@ -41,6 +44,7 @@ def cached_measurement(path: Path, key: str, measure: Callable[[], dict[str, Any
             temp.write_text(json.dumps(known, indent=2) + "\n")
             temp.replace(path)  # atomic: concurrent runs never read half a file
         except OSError as error:
-            logger.warning("megatrain: could not cache a measurement at %s (%s); it is measured again next time",
-                           path, error)
+            logger.warning(
+                "megatrain: could not cache a measurement at %s (%s); it is measured again next time", path, error
+            )
     return known[key]

@@ -55,8 +55,9 @@ import queue
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -136,12 +137,19 @@ class _ThreadState(threading.local):
 
 _thread = _ThreadState()
 
-_ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
-                torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+_ALLOCATIONS = {
+    torch.ops.aten.empty,
+    torch.ops.aten.empty_like,
+    torch.ops.aten.empty_strided,
+    torch.ops.aten.new_empty,
+    torch.ops.aten.new_empty_strided,
+}
 """Ops that only allocate: their outputs are new memory, not yet written."""
 
-_SKIP_FILES = (os.sep + "torch" + os.sep, *(os.sep + name for name in (
-    "stream_check.py", "device_runtime.py", "contextlib.py", "threading.py", "queue.py")))
+_SKIP_FILES = (
+    os.sep + "torch" + os.sep,
+    *(os.sep + name for name in ("stream_check.py", "device_runtime.py", "contextlib.py", "threading.py", "queue.py")),
+)
 
 
 def _call_site() -> str:
@@ -152,8 +160,10 @@ def _call_site() -> str:
         filename = frame.f_code.co_filename
         if not any(part in filename for part in _SKIP_FILES):
             marker = filename.rfind(os.sep + "megatrain_ds" + os.sep)
-            here = f"{filename[marker + 1:] if marker >= 0 else os.path.basename(filename)}:" \
-                   f"{frame.f_lineno} ({frame.f_code.co_name})"
+            here = (
+                f"{filename[marker + 1 :] if marker >= 0 else os.path.basename(filename)}:"
+                f"{frame.f_lineno} ({frame.f_code.co_name})"
+            )
             if marker >= 0:
                 return here
             fallback = fallback or here
@@ -187,15 +197,15 @@ def _shape(tensor: torch.Tensor) -> str:
 class CheckedStream:
     """A virtual stream (``torch.cuda.Stream``'s interface, as the engine uses it)."""
 
-    def __init__(self, checker: "StreamChecker", name: str) -> None:
+    def __init__(self, checker: StreamChecker, name: str) -> None:
         self._checker = checker
         self.agent = checker._new_agent(name, is_stream=True)
 
-    def wait_event(self, event: "CheckedEvent") -> None:
+    def wait_event(self, event: CheckedEvent) -> None:
         """Later work on this stream happens after the work ``event`` captured."""
         self._checker._stream_waits(self, event.clock)
 
-    def wait_stream(self, stream: "CheckedStream") -> None:
+    def wait_stream(self, stream: CheckedStream) -> None:
         """Later work on this stream happens after the work issued to ``stream`` so far."""
         event = CheckedEvent(self._checker)
         event.record(stream)
@@ -212,7 +222,7 @@ class CheckedStream:
 class CheckedEvent:
     """A virtual event (``torch.cuda.Event``'s interface, as the engine uses it)."""
 
-    def __init__(self, checker: "StreamChecker") -> None:
+    def __init__(self, checker: StreamChecker) -> None:
         self._checker = checker
         self.clock: Clock = {}
         """The work captured by the last ``record`` (none: the event is complete)."""
@@ -230,7 +240,7 @@ class CheckedEvent:
 class _AccessMode(TorchDispatchMode):
     """Reports every aten op of one thread to the checker."""
 
-    def __init__(self, checker: "StreamChecker") -> None:
+    def __init__(self, checker: StreamChecker) -> None:
         super().__init__()
         self._checker = checker
 
@@ -245,7 +255,7 @@ class CheckedQueue(queue.Queue):
     """A ``queue.Queue`` that carries happens-before between host threads: ``get`` is
     ordered after its ``put``, ``join`` after every ``task_done``."""
 
-    def __init__(self, checker: "StreamChecker") -> None:
+    def __init__(self, checker: StreamChecker) -> None:
         super().__init__()
         self._checker = checker
         self._done: Clock = {}
@@ -271,7 +281,7 @@ class CheckedQueue(queue.Queue):
 class _ObservedThread(threading.Thread):
     """A daemon host thread whose accesses the checker observes (``start_thread``)."""
 
-    def __init__(self, checker: "StreamChecker", target: Callable[[], None], name: str) -> None:
+    def __init__(self, checker: StreamChecker, target: Callable[[], None], name: str) -> None:
         super().__init__(name=name, daemon=True)
         self._checker = checker
         self._work = target
@@ -520,8 +530,9 @@ class StreamChecker:
                 if not record.accesses:
                     record.host, record.allocated_by = not agent.is_stream, agent if agent.is_stream else None
 
-    def _access(self, reads: list[torch.Tensor], writes: list[torch.Tensor], fresh: list[torch.Tensor],
-                what: str) -> _Agent:
+    def _access(
+        self, reads: list[torch.Tensor], writes: list[torch.Tensor], fresh: list[torch.Tensor], what: str
+    ) -> _Agent:
         with self._lock:
             self._judge_frees()
             agent = self._agent_for(reads + writes)
@@ -543,12 +554,19 @@ class StreamChecker:
         kept: list[_Access] = []
         for earlier in record.accesses:
             overlaps = earlier.start < access.end and access.start < earlier.end
-            if overlaps and earlier.agent is not access.agent and (earlier.is_write or access.is_write) \
-                    and clock.get(earlier.agent.id, 0) < earlier.tick:
+            if (
+                overlaps
+                and earlier.agent is not access.agent
+                and (earlier.is_write or access.is_write)
+                and clock.get(earlier.agent.id, 0) < earlier.tick
+            ):
                 self._race(earlier, access)
             superseded = overlaps and access.is_write and access.start <= earlier.start and earlier.end <= access.end
-            same = (earlier.agent is access.agent and earlier.is_write == access.is_write
-                    and (earlier.start, earlier.end) == (access.start, access.end))
+            same = (
+                earlier.agent is access.agent
+                and earlier.is_write == access.is_write
+                and (earlier.start, earlier.end) == (access.start, access.end)
+            )
             if not (superseded or same):
                 kept.append(earlier)
         kept.append(access)
@@ -563,16 +581,28 @@ class StreamChecker:
                 continue
             stream = record.allocated_by
             by = thread.describe() if thread is not None else "an unobserved thread"
-            free = _Access(0, 1 << 62, True, stream, clock.get(stream.id, 0),
-                           f"the free of its memory (last reference dropped by {by})")
+            free = _Access(
+                0,
+                1 << 62,
+                True,
+                stream,
+                clock.get(stream.id, 0),
+                f"the free of its memory (last reference dropped by {by})",
+            )
             for earlier in record.accesses:
                 if earlier.agent is not stream and clock.get(earlier.agent.id, 0) < earlier.tick:
-                    self._race(earlier, free, hint="name the stream with runtime.used_on(tensor, stream) "
-                                                   "(record_stream) before the last reference goes")
+                    self._race(
+                        earlier,
+                        free,
+                        hint="name the stream with runtime.used_on(tensor, stream) "
+                        "(record_stream) before the last reference goes",
+                    )
 
     def _race(self, earlier: _Access, later: _Access, hint: str | None = None) -> None:
-        message = (f"stream race: {later.describe()}\n  is not ordered after {earlier.describe()}\n"
-                   f"  ({hint or 'add the wait that orders them: stream.wait_event(event), event.synchronize() or a handoff'})")
+        message = (
+            f"stream race: {later.describe()}\n  is not ordered after {earlier.describe()}\n"
+            f"  ({hint or 'add the wait that orders them: stream.wait_event(event), event.synchronize() or a handoff'})"
+        )
         self.races.append(message)
         raise StreamRaceError(message)
 

@@ -17,8 +17,8 @@ and chrome://tracing open; ``bench/timeline.py`` draws one step of it. Tracks (:
 - ``optimizer worker``: the gradient worker consuming each chunk (accumulate, norm,
   speculative AdamW), each AdamW range, and the step finish (main thread, worker drained);
 - ``nvme read``, ``nvme write``: the NVMe tier's swap transfers on its I/O threads (a
-  block's m and v, and fp32 master with bf16 compute, with the bytes and the I/O engine); ``nvme wait``: a training thread
-  waiting for one (``state/nvme_tier.py``).
+  block's m and v, and fp32 master with bf16 compute, with the bytes and the I/O engine);
+  ``nvme wait``: a training thread waiting for one (``state/nvme_tier.py``).
 
 Every span's args carry the ``step`` it belongs to, so a step's device work that runs on
 after the host has moved on is still found.
@@ -56,9 +56,11 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ WARMUP_STEPS = 1
 """Untraced steps first: the first step pays one-off costs (allocator growth, JIT builds)."""
 
 _PID = 1
-_NO_SPAN: ContextManager[None] = contextlib.nullcontext()
+_NO_SPAN: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 class Anchor(Protocol):
@@ -91,7 +93,7 @@ class TracedDevice(Protocol):
     """What tracing needs of the device (``DeviceRuntime`` is one; this module sits below
     the runtime, which installs a tracer on itself)."""
 
-    tracer: "NullTracer | Tracer"
+    tracer: NullTracer | Tracer
 
     @property
     def device_name(self) -> str: ...
@@ -122,10 +124,10 @@ class NullTracer:
     enabled = False
     step: int | None = None
 
-    def span(self, name: str, track: str, **args: Any) -> ContextManager[None]:
+    def span(self, name: str, track: str, **args: Any) -> AbstractContextManager[None]:
         return _NO_SPAN
 
-    def device_span(self, name: str, track: str, stream: object = None, **args: Any) -> ContextManager[None]:
+    def device_span(self, name: str, track: str, stream: object = None, **args: Any) -> AbstractContextManager[None]:
         return _NO_SPAN
 
 
@@ -201,15 +203,18 @@ class Tracer:
     def end_step(self) -> None:
         """The step's host work is done: record its span on the ``step`` track."""
         if self.step is not None:
-            self._host.append(Span(f"step {self.step}", "step", self._step_start_ns, time.perf_counter_ns(),
-                                   {"step": self.step}))
+            self._host.append(
+                Span(f"step {self.step}", "step", self._step_start_ns, time.perf_counter_ns(), {"step": self.step})
+            )
         self.step = None
 
     def spans(self) -> list[Span]:
         """Every span so far, by start time (synchronizes the device to read its events)."""
         self._runtime.synchronize()
-        device = [Span(name, track, start.host_ns(self._anchor), end.host_ns(self._anchor), args)
-                  for name, track, start, end, args in self._device]
+        device = [
+            Span(name, track, start.host_ns(self._anchor), end.host_ns(self._anchor), args)
+            for name, track, start, end, args in self._device
+        ]
         return sorted(self._host + device, key=lambda span: (span.start_ns, -span.end_ns))
 
     def chrome_trace(self, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -218,18 +223,32 @@ class Tracer:
         tracks = list(TRACKS) + sorted({s.track for s in spans} - set(TRACKS))
         tid = {track: index + 1 for index, track in enumerate(tracks)}
         events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": _PID, "tid": 0, "args": {"name": "megatrain"}}]
+            {"ph": "M", "name": "process_name", "pid": _PID, "tid": 0, "args": {"name": "megatrain"}}
+        ]
         for track in tracks:
             events.append({"ph": "M", "name": "thread_name", "pid": _PID, "tid": tid[track], "args": {"name": track}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": _PID, "tid": tid[track],
-                           "args": {"sort_index": tid[track]}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": _PID,
+                    "tid": tid[track],
+                    "args": {"sort_index": tid[track]},
+                }
+            )
         for span in spans:
-            events.append({
-                "name": span.name, "cat": span.track, "ph": "X", "pid": _PID, "tid": tid[span.track],
-                "ts": (span.start_ns - self.origin_ns) / 1e3,
-                "dur": max(span.end_ns - span.start_ns, 0) / 1e3,
-                "args": span.args,
-            })
+            events.append(
+                {
+                    "name": span.name,
+                    "cat": span.track,
+                    "ph": "X",
+                    "pid": _PID,
+                    "tid": tid[span.track],
+                    "ts": (span.start_ns - self.origin_ns) / 1e3,
+                    "dur": max(span.end_ns - span.start_ns, 0) / 1e3,
+                    "args": span.args,
+                }
+            )
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(metadata or {})}
 
     def write(self, path: str | os.PathLike[str], metadata: dict[str, Any] | None = None) -> Path:
@@ -261,8 +280,13 @@ class TraceSchedule:
         metadata: written as the trace's ``otherData`` (model, device, settings).
     """
 
-    def __init__(self, runtime: TracedDevice, path: str | os.PathLike[str] | None, num_steps: int,
-                 metadata: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        runtime: TracedDevice,
+        path: str | os.PathLike[str] | None,
+        num_steps: int,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         self._runtime = runtime
         self.path = Path(path) if path is not None else None
         self.num_steps = num_steps
@@ -298,8 +322,16 @@ class TraceSchedule:
             return
         self._runtime.tracer = NULL_TRACER
         self.written = True
-        metadata = {**self.metadata, "device": self._runtime.device_name, "warmup_steps": WARMUP_STEPS,
-                    "trace_steps": self.num_steps}
+        metadata = {
+            **self.metadata,
+            "device": self._runtime.device_name,
+            "warmup_steps": WARMUP_STEPS,
+            "trace_steps": self.num_steps,
+        }
         self.tracer.write(self.path, metadata)
-        logger.info("megatrain: wrote a trace of %d step(s) to %s (open it at https://ui.perfetto.dev "
-                    "or draw a step with bench/timeline.py)", self.num_steps, self.path)
+        logger.info(
+            "megatrain: wrote a trace of %d step(s) to %s (open it at https://ui.perfetto.dev "
+            "or draw a step with bench/timeline.py)",
+            self.num_steps,
+            self.path,
+        )

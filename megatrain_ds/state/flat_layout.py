@@ -8,8 +8,8 @@ optimizer group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -62,11 +62,12 @@ class FlatLayout:
     def trained_runs(self) -> tuple[GroupRun, ...]:
         return tuple(run for run in self.runs if run.group != FROZEN_GROUP)
 
-    def window(self, start: int, end: int) -> "FlatLayout":
+    def window(self, start: int, end: int) -> FlatLayout:
         """Elements ``[start, end)`` as a layout of their own, for the optimizer: group runs
         only, shifted to start at 0 (a data-parallel rank's share, ``distributed/data_parallel.py``)."""
-        runs = tuple(GroupRun(run.group, run.start - start, run.end - start)
-                     for run in intersect_runs(self.runs, start, end))
+        runs = tuple(
+            GroupRun(run.group, run.start - start, run.end - start) for run in intersect_runs(self.runs, start, end)
+        )
         return FlatLayout(slots=(), numel=end - start, runs=runs, split_sizes=())
 
 

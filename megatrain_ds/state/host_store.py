@@ -9,15 +9,16 @@ without a second copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
-from megatrain_ds.state.flat_layout import FlatLayout, build_flat_layout
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.state.flat_layout import FlatLayout, build_flat_layout
 
 
 @dataclass
@@ -54,19 +55,32 @@ class HostFlatState:
 
     def nbytes_by_kind(self) -> dict[str, int]:
         """Host bytes held, by kind (for memory accounting and tests)."""
-        tensors = {"master": self.master, "shadow": self.shadow, "exp_avg": self.exp_avg,
-                   "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
-        return {kind: t.numel() * t.element_size() for kind, t in tensors.items()
-                if t is not None and not t.is_meta}  # meta: a moment on the NVMe tier
+        tensors = {
+            "master": self.master,
+            "shadow": self.shadow,
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+            "grad": self.grad,
+        }
+        return {
+            kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None and not t.is_meta
+        }  # meta: a moment on the NVMe tier
 
-    def window(self, start: int, end: int) -> "HostFlatState":
+    def window(self, start: int, end: int) -> HostFlatState:
         """Views of elements ``[start, end)`` of every buffer, with the matching layout
         (:meth:`FlatLayout.window`): the part of this state one data-parallel rank steps."""
+
         def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor[start:end]
-        return HostFlatState(layout=self.layout.window(start, end), master=self.master[start:end],
-                             shadow=part(self.shadow), exp_avg=self.exp_avg[start:end],
-                             exp_avg_sq=self.exp_avg_sq[start:end], grad=part(self.grad))
+
+        return HostFlatState(
+            layout=self.layout.window(start, end),
+            master=self.master[start:end],
+            shadow=part(self.shadow),
+            exp_avg=self.exp_avg[start:end],
+            exp_avg_sq=self.exp_avg_sq[start:end],
+            grad=part(self.grad),
+        )
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Re-point the user's parameters at their slots of ``flat`` (the shadow while the
@@ -175,9 +189,11 @@ def migrate_to_host(
         layout=layout,
         master=master,
         shadow=shadow,
-        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared) if moments_on_host
+        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared)
+        if moments_on_host
         else absent_on_host(layout.numel),
-        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared) if moments_on_host
+        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared)
+        if moments_on_host
         else absent_on_host(layout.numel),
         params=params,
     )

@@ -82,8 +82,9 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -175,6 +176,7 @@ class _Slot:
 @dataclass
 class PendingTransfer:
     """A transfer into a buffer outside the window (:meth:`NvmeTier.read_master`), awaited like a slot's."""
+
     pending: _Transfer | None
 
 
@@ -210,8 +212,9 @@ class NvmeTier:
             once the optimizer exists; runs before any slot is written back.
     """
 
-    def __init__(self, numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime,
-                 options: MegatrainOptions) -> None:
+    def __init__(
+        self, numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime, options: MegatrainOptions
+    ) -> None:
         self.kinds = tuple(kinds)
         self.states: list[HostFlatState] = []
         self.runtime = runtime
@@ -221,8 +224,9 @@ class NvmeTier:
         self._pad = [aligned_bytes(numel * FP32, self.io.alignment) // FP32 for numel in self._numels]
         names = [f"block{index:05d}.swap" for index in range(len(self._numels))]
         try:
-            self.directory = SwapDirectory(options.nvme_path or "", {
-                name: len(self.kinds) * pad * FP32 for name, pad in zip(names, self._pad)})
+            self.directory = SwapDirectory(
+                options.nvme_path or "", {name: len(self.kinds) * pad * FP32 for name, pad in zip(names, self._pad)}
+            )
         except BaseException:
             self.io.close()
             raise
@@ -253,9 +257,17 @@ class NvmeTier:
         self._step_mark: tuple[float, float, int] | None = None  # (time, wait_seconds, bytes moved)
         self._warned = False
         what = "the fp32 master, Adam m and v" if "master" in self.kinds else "Adam m and v"
-        logger.info("megatrain: NVMe tier: %s of %d blocks (%.2f GiB) in %s, %d-block window "
-                    "(%.2f GiB of host memory), I/O engine %s", what, len(self._numels), self.directory.nbytes / 2**30,
-                    self.directory.path, window, self.window_bytes / 2**30, self.io.name)
+        logger.info(
+            "megatrain: NVMe tier: %s of %d blocks (%.2f GiB) in %s, %d-block window "
+            "(%.2f GiB of host memory), I/O engine %s",
+            what,
+            len(self._numels),
+            self.directory.nbytes / 2**30,
+            self.directory.path,
+            window,
+            self.window_bytes / 2**30,
+            self.io.name,
+        )
 
     def adopt(self, state: HostFlatState) -> None:
         """Take the next block's state (see [Note: adopting blocks one by one]): with the
@@ -263,8 +275,10 @@ class NvmeTier:
         file's zeros), its host buffer freed and the block's parameters pointed at the shadow."""
         index = len(self.states)
         if index >= len(self._numels) or state.layout.numel != self._numels[index]:
-            raise ValueError(f"block {index} has {state.layout.numel} elements, the tier was made for "
-                             f"{self._numels[index] if index < len(self._numels) else 'no more blocks'}")
+            raise ValueError(
+                f"block {index} has {state.layout.numel} elements, the tier was made for "
+                f"{self._numels[index] if index < len(self._numels) else 'no more blocks'}"
+            )
         if "master" in self.kinds:
             slot = self._slots[0]
             assert slot.index is None and slot.pending is None, "blocks are adopted before any access"
@@ -350,20 +364,23 @@ class NvmeTier:
             slot.dirty |= write
             self._bind(index, slot)
 
-    def await_transfer(self, slot: "_Slot | PendingTransfer", index: int) -> None:
+    def await_transfer(self, slot: _Slot | PendingTransfer, index: int) -> None:
         """The training thread waits for ``slot``'s transfer of block ``index`` (traced as
         ``nvme wait`` when it is not done yet), then raises what failed on the I/O threads."""
         if slot.pending is not None:
             began, waiting = time.perf_counter(), not slot.pending.done()
-            with self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index) \
-                    if waiting else contextlib.nullcontext():
+            with (
+                self.runtime.tracer.span(f"nvme wait {index}", "nvme wait", block=index)
+                if waiting
+                else contextlib.nullcontext()
+            ):
                 # Also when done: the handoff orders this thread's use of the buffer after the transfer.
                 slot.pending.synchronize()
             self.wait_seconds += time.perf_counter() - began
         self._raise_failure()
         slot.pending = None
 
-    def read_master(self, index: int, into: torch.Tensor, staging: torch.Tensor | None) -> "PendingTransfer":
+    def read_master(self, index: int, into: torch.Tensor, staging: torch.Tensor | None) -> PendingTransfer:
         """Start reading block ``index``'s newest master into ``into`` (its first ``numel``
         elements, in ``into``'s dtype; through ``staging``, an fp32 buffer of the I/O
         engine's alignment, when that is not fp32); :meth:`await_transfer` the result before
@@ -388,8 +405,9 @@ class NvmeTier:
 
             def task() -> None:
                 self._after_write(written)
-                self._transfer(target, index, writing=False, slot=None, tracer=tracer, step=step,
-                               kinds=1, what="weights")
+                self._transfer(
+                    target, index, writing=False, slot=None, tracer=tracer, step=step, kinds=1, what="weights"
+                )
                 if staging is not None:
                     into[:numel].copy_(staging[:numel])
 
@@ -411,8 +429,13 @@ class NvmeTier:
                     "for swap reads (%.2f GB moved at %.2f GB/s, %s). The disk is the bottleneck: raise "
                     "gradient_accumulation_steps (the optimizer state moves once per optimizer step, so "
                     "more micro-batches per step amortise it), put nvme_path on a faster disk (or several), "
-                    "or keep the optimizer state in host memory if it fits", waited, step,
-                    (moved - moved_before) / 1e9, (moved - moved_before) / 1e9 / step, self.io.name)
+                    "or keep the optimizer state in host memory if it fits",
+                    waited,
+                    step,
+                    (moved - moved_before) / 1e9,
+                    (moved - moved_before) / 1e9 / step,
+                    self.io.name,
+                )
         self._step_mark = (now, self.wait_seconds, moved)
 
     def flush(self) -> None:
@@ -488,8 +511,9 @@ class NvmeTier:
                 self.flush()
                 for index, state in enumerate(self.states):
                     pad, numel = self._pad[index], state.layout.numel
-                    mapped = torch.from_file(self._paths[index], shared=False, size=len(self.kinds) * pad,
-                                             dtype=torch.float32)
+                    mapped = torch.from_file(
+                        self._paths[index], shared=False, size=len(self.kinds) * pad, dtype=torch.float32
+                    )
                     state.master = mapped[:numel]
                     state.point_params_at(state.master)
         finally:
@@ -519,11 +543,13 @@ class NvmeTier:
         """A slot to load into: an empty one, else the one whose block is needed last
         (not at all first); for a prefetch only an idle slot whose block is not protected."""
         upcoming = list(self._schedule)
+
         def rank(slot: _Slot) -> tuple[int, int, int]:
             if slot.index is None:
                 return (0, 0, 0)
             later = upcoming.index(slot.index) if slot.index in upcoming else len(upcoming)
             return (1, -later, int(slot.dirty))
+
         candidates = [slot for slot in self._slots if slot.index not in protect and slot.index != self._current]
         if not demand:
             candidates = [slot for slot in candidates if slot.pending is None or slot.pending.done()]
@@ -591,7 +617,7 @@ class NvmeTier:
         self._tasks.put(slot.pending)
 
     @staticmethod
-    def _after_write(written: "_Transfer | None") -> None:
+    def _after_write(written: _Transfer | None) -> None:
         """On an I/O thread, before reading a block's file: its last write, queued earlier
         (perhaps on the other I/O thread), has reached the disk."""
         if written is not None:
@@ -599,21 +625,33 @@ class NvmeTier:
             if written.error is not None:
                 raise written.error  # the file holds older bytes than the window had
 
-    def _transfer(self, buffer: torch.Tensor, index: int, writing: bool, slot: _Slot | None,
-                  tracer: NullTracer | Tracer, step: dict[str, int], kinds: int | None = None,
-                  what: str = "optimizer state") -> None:
+    def _transfer(
+        self,
+        buffer: torch.Tensor,
+        index: int,
+        writing: bool,
+        slot: _Slot | None,
+        tracer: NullTracer | Tracer,
+        step: dict[str, int],
+        kinds: int | None = None,
+        what: str = "optimizer state",
+    ) -> None:
         """Move the first ``kinds`` kinds (all by default) of block ``index`` between ``buffer`` and its file."""
         nbytes = (kinds or len(self.kinds)) * self._pad[index] * FP32
         part = buffer[: nbytes // FP32]
         track = "nvme write" if writing else "nvme read"
         file = self._file_tokens[index]
         try:
-            with tracer.span(f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name,
-                             state=what, **step):
+            with tracer.span(
+                f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name, state=what, **step
+            ):
                 # The engine moves the bytes by raw pointer (libaio or preadv): no aten op the
                 # race checker could see, so the access is declared, the file's bytes as its token.
-                declare_access(reads=(part,) if writing else (file,), writes=(file,) if writing else (part,),
-                               what=f"{track} of {self._paths[index]}")
+                declare_access(
+                    reads=(part,) if writing else (file,),
+                    writes=(file,) if writing else (part,),
+                    what=f"{track} of {self._paths[index]}",
+                )
                 (self.io.write if writing else self.io.read)(part, self._paths[index], 0)
         except BaseException as error:
             # No lock here: the training thread may hold it while waiting for this task.
@@ -635,22 +673,31 @@ class NvmeTier:
 def _explained(error: BaseException, path: str, nbytes: int, writing: bool, what: str) -> BaseException:
     """The error the training thread raises for a failed swap transfer."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskSpaceError(error.errno, f"the disk is full: writing {nbytes} bytes of {what} "
-                                           "failed. The step is incomplete; the last checkpoint is intact: "
-                                           "free space there and resume from it", path)
+        return DiskSpaceError(
+            error.errno,
+            f"the disk is full: writing {nbytes} bytes of {what} "
+            "failed. The step is incomplete; the last checkpoint is intact: "
+            "free space there and resume from it",
+            path,
+        )
     if isinstance(error, OSError):
-        return SwapIOError(error.errno or errno.EIO, f"{'writing' if writing else 'reading'} {nbytes} bytes "
-                                                     f"of {what} failed: {error.strerror or error}", path)
+        return SwapIOError(
+            error.errno or errno.EIO,
+            f"{'writing' if writing else 'reading'} {nbytes} bytes of {what} failed: {error.strerror or error}",
+            path,
+        )
     return error
 
 
-def open_nvme_tier(numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime,
-                   options: MegatrainOptions) -> NvmeTier:
+def open_nvme_tier(
+    numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime, options: MegatrainOptions
+) -> NvmeTier:
     """The tier for blocks of these flat sizes; a clear error when the swap directory cannot be made."""
     try:
         return NvmeTier(numels, kinds, runtime, options)
     except (DiskSpaceError, SwapIOError):
         raise
     except OSError as error:
-        raise SwapIOError(error.errno or errno.EIO, f"cannot set up the NVMe tier's swap files: {error}",
-                          str(options.nvme_path)) from error
+        raise SwapIOError(
+            error.errno or errno.EIO, f"cannot set up the NVMe tier's swap files: {error}", str(options.nvme_path)
+        ) from error

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -95,8 +95,7 @@ class NvmeWeights:
     @property
     def nbytes(self) -> int:
         """Host memory of the window's buffers."""
-        return sum(t.numel() * t.element_size() for b in self._buffers
-                   for t in (b.weights, b.staging) if t is not None)
+        return sum(t.numel() * t.element_size() for b in self._buffers for t in (b.weights, b.staging) if t is not None)
 
     def numel(self, block: int) -> int:
         return self.tier.numels[block]
@@ -117,8 +116,10 @@ class NvmeWeights:
             if buffer is None:
                 buffer = self._victim(protect=set(), demand=True)
                 if buffer is None:
-                    raise RuntimeError(f"no free weight buffer for block {block}: all {len(self._buffers)} are "
-                                       "held (the window must have more buffers than the streamer's slots)")
+                    raise RuntimeError(
+                        f"no free weight buffer for block {block}: all {len(self._buffers)} are "
+                        "held (the window must have more buffers than the streamer's slots)"
+                    )
                 self._read(buffer, block)
             self._read_ahead()
             if buffer.read is not None:

@@ -32,8 +32,8 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ def check_free_space(nvme_path: str | os.PathLike[str], needed: int) -> None:
             f"the NVMe tier needs {needed / 2**30:.2f} GiB of swap files but only {free / 2**30:.2f} GiB "
             f"are free: free {(needed - free) / 2**30:.2f} GiB there, point megatrain.nvme_path "
             "(or offload_optimizer.nvme_path) at a larger disk, or keep the optimizer state in host memory",
-            str(nvme_path))
+            str(nvme_path),
+        )
 
 
 def clear_stale(nvme_path: Path) -> list[Path]:
@@ -69,19 +70,32 @@ def clear_stale(nvme_path: Path) -> list[Path]:
     for entry in sorted(nvme_path.glob(PREFIX + "*")):
         owner = _read_owner(entry)
         if owner is None:
-            logger.warning("megatrain: %s looks like a swap directory but has no readable %s: not ours "
-                           "(or damaged); left alone and not used", entry, OWNER_FILE)
+            logger.warning(
+                "megatrain: %s looks like a swap directory but has no readable %s: not ours "
+                "(or damaged); left alone and not used",
+                entry,
+                OWNER_FILE,
+            )
             continue
         lock = _try_lock(entry / LOCK_FILE)
         if lock is None:
-            logger.info("megatrain: %s belongs to a live run (pid %s on %s); left alone", entry,
-                        owner.get("pid"), owner.get("host"))
+            logger.info(
+                "megatrain: %s belongs to a live run (pid %s on %s); left alone",
+                entry,
+                owner.get("pid"),
+                owner.get("host"),
+            )
             continue
         try:
-            logger.warning("megatrain: removing the swap directory %s of a run that is gone (pid %s on %s, "
-                           "started %s): swap files are working state, never resumed from; resume from a "
-                           "checkpoint", entry, owner.get("pid"), owner.get("host"),
-                           time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("created", 0))))
+            logger.warning(
+                "megatrain: removing the swap directory %s of a run that is gone (pid %s on %s, "
+                "started %s): swap files are working state, never resumed from; resume from a "
+                "checkpoint",
+                entry,
+                owner.get("pid"),
+                owner.get("host"),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("created", 0))),
+            )
             shutil.rmtree(entry)
             removed.append(entry)
         finally:
@@ -107,9 +121,17 @@ class SwapDirectory:
         self.path.mkdir()
         self._lock = _try_lock(self.path / LOCK_FILE)
         assert self._lock is not None, "a fresh directory's lock is free"
-        (self.path / OWNER_FILE).write_text(json.dumps({
-            "format": FORMAT, "pid": os.getpid(), "host": socket.gethostname(), "created": time.time(),
-            "files": dict(files)}))
+        (self.path / OWNER_FILE).write_text(
+            json.dumps(
+                {
+                    "format": FORMAT,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "created": time.time(),
+                    "files": dict(files),
+                }
+            )
+        )
         self.files = {name: str(self.path / name) for name in files}
         try:
             for name, size in files.items():
@@ -135,9 +157,13 @@ def preallocate(path: str, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskSpaceError(error.errno, f"the disk filled while preallocating {size} bytes of swap "
-                                              "file: free space there or point megatrain.nvme_path at a "
-                                              "larger disk", path) from None
+            raise DiskSpaceError(
+                error.errno,
+                f"the disk filled while preallocating {size} bytes of swap "
+                "file: free space there or point megatrain.nvme_path at a "
+                "larger disk",
+                path,
+            ) from None
         raise
     finally:
         os.close(fd)

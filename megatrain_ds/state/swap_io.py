@@ -85,13 +85,16 @@ class AioEngine:
 
         builder = AsyncIOBuilder()
         if not builder.is_compatible(verbose=False):
-            raise RuntimeError("DeepSpeed's async_io op is not compatible with this machine "
-                               "(libaio missing: apt-get install libaio-dev)")
+            raise RuntimeError(
+                "DeepSpeed's async_io op is not compatible with this machine "
+                "(libaio missing: apt-get install libaio-dev)"
+            )
         self._module = builder.load(verbose=False)
         _warn_about_write_endurance_here()
         s = self.settings
-        self._handle = self._module.aio_handle(s.block_size, s.queue_depth, s.single_submit, s.overlap_events,
-                                               s.thread_count)
+        self._handle = self._module.aio_handle(
+            s.block_size, s.queue_depth, s.single_submit, s.overlap_events, s.thread_count
+        )
         # A handle's wait() waits for all of its requests: one request at a time on it.
         self._turn = threading.Lock()
         self._locked: list[torch.Tensor] = []
@@ -101,15 +104,17 @@ class AioEngine:
         with self._turn:  # waiting here releases the GIL, as the transfer does
             failed = self._handle.sync_pread(buffer, path, offset) < 0
         if failed:
-            raise SwapIOError(errno.EIO, f"reading {buffer.nbytes} bytes at offset {offset} failed "
-                                         "(DeepSpeed async_io)", path)
+            raise SwapIOError(
+                errno.EIO, f"reading {buffer.nbytes} bytes at offset {offset} failed (DeepSpeed async_io)", path
+            )
 
     def write(self, buffer: torch.Tensor, path: str, offset: int) -> None:
         with self._turn:
             failed = self._handle.sync_pwrite(buffer, path, offset) < 0
         if failed:
-            raise SwapIOError(errno.EIO, f"writing {buffer.nbytes} bytes at offset {offset} failed "
-                                         "(DeepSpeed async_io)", path)
+            raise SwapIOError(
+                errno.EIO, f"writing {buffer.nbytes} bytes at offset {offset} failed (DeepSpeed async_io)", path
+            )
 
     def buffer(self, numel: int) -> torch.Tensor:
         if self.runtime.pin_memory:
@@ -132,8 +137,10 @@ def _warn_about_write_endurance_here() -> None:
     utils = sys.modules.get("deepspeed.utils")  # loaded by deepspeed.ops; not imported from here
     marker = "_deepspeed_nvme_write_warning_emitted"
     if utils is not None and not getattr(utils, marker, False):
-        logger.warning("megatrain: the NVMe tier rewrites the optimizer state every step: on consumer SSDs "
-                       "this wears the drive's rated write endurance (TBW); prefer datacenter SSDs")
+        logger.warning(
+            "megatrain: the NVMe tier rewrites the optimizer state every step: on consumer SSDs "
+            "this wears the drive's rated write endurance (TBW); prefer datacenter SSDs"
+        )
         setattr(utils, marker, True)
 
 
@@ -165,11 +172,17 @@ class ThreadedDirectEngine:
             share = aligned_bytes(-(-len(view) // self.settings.thread_count), DIRECT_ALIGNMENT)
             piece = max(self.settings.block_size, share)
             starts = range(0, len(view), piece)
-            done = list(self._pool.map(lambda start: _transfer_piece(fd, view[start : start + piece],
-                                                                     offset + start, write), starts))
+            done = list(
+                self._pool.map(
+                    lambda start: _transfer_piece(fd, view[start : start + piece], offset + start, write), starts
+                )
+            )
             if sum(done) != len(view):
-                raise SwapIOError(errno.EIO, f"short {'write' if write else 'read'}: {sum(done)} of "
-                                             f"{len(view)} bytes at offset {offset}", path)
+                raise SwapIOError(
+                    errno.EIO,
+                    f"short {'write' if write else 'read'}: {sum(done)} of {len(view)} bytes at offset {offset}",
+                    path,
+                )
         finally:
             os.close(fd)
 
@@ -198,8 +211,12 @@ def open_direct(path: str, write: bool) -> int:
         return os.open(path, flags)
     except OSError as error:
         if error.errno == errno.EINVAL:
-            raise SwapIOError(errno.EINVAL, "the filesystem does not support O_DIRECT (tmpfs does not); "
-                                            "put nvme_path on a local disk filesystem (ext4, xfs)", path) from None
+            raise SwapIOError(
+                errno.EINVAL,
+                "the filesystem does not support O_DIRECT (tmpfs does not); "
+                "put nvme_path on a local disk filesystem (ext4, xfs)",
+                path,
+            ) from None
         raise
 
 
@@ -208,12 +225,16 @@ def open_swap_io(settings: AioSettings, runtime: DeviceRuntime) -> SwapIO:
     if settings.engine in ("auto", "aio"):
         try:
             return AioEngine(settings, runtime)
-        except Exception as error:  # noqa: BLE001  (any build failure means: use the fallback)
+        except Exception as error:
             if settings.engine == "aio":
-                raise RuntimeError(f'megatrain.nvme_aio.engine is "aio" but DeepSpeed\'s async_io op '
-                                   f"cannot be used: {error}") from error
-            logger.warning("megatrain: DeepSpeed's async_io op cannot be used (%s); the NVMe tier uses "
-                           "O_DIRECT reads and writes on a thread pool instead", error)
+                raise RuntimeError(
+                    f'megatrain.nvme_aio.engine is "aio" but DeepSpeed\'s async_io op cannot be used: {error}'
+                ) from error
+            logger.warning(
+                "megatrain: DeepSpeed's async_io op cannot be used (%s); the NVMe tier uses "
+                "O_DIRECT reads and writes on a thread pool instead",
+                error,
+            )
     return ThreadedDirectEngine(settings, runtime)
 
 
@@ -267,6 +288,7 @@ def cached_disk_bandwidth(directory: str, cache: Path, recalibrate: bool = False
     machine and filesystem and kept in ``cache`` (JSON; ``recalibrate`` measures again)."""
     os.makedirs(directory, exist_ok=True)
     key = f"{socket.gethostname()}|dev {os.stat(directory).st_dev}"
+
     def measure() -> dict:
         measured = measure_disk_bandwidth(directory)
         return {"read": measured.read, "write": measured.write, "measured_in": directory}

@@ -74,8 +74,7 @@ class ActivationOffloader:
         checkpoint.ready = runtime.event()
         with runtime.on(runtime.h2d_stream):
             runtime.h2d_stream.wait_event(checkpoint.copied)  # the host copy is complete
-            checkpoint.device = torch.empty(checkpoint.host.shape, dtype=checkpoint.host.dtype,
-                                            device=runtime.device)
+            checkpoint.device = torch.empty(checkpoint.host.shape, dtype=checkpoint.host.dtype, device=runtime.device)
             checkpoint.device.copy_(checkpoint.host, non_blocking=True)
             checkpoint.ready.record(runtime.h2d_stream)
         self.device_bytes_in_flight += checkpoint.nbytes

@@ -50,8 +50,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ class _WeightView:
 class BlockStash:
     """What one block's forward saved for its backward, on its way to and from the host."""
 
-    def __init__(self, owner: "ActivationStash", block: int, weights: torch.Tensor) -> None:
+    def __init__(self, owner: ActivationStash, block: int, weights: torch.Tensor) -> None:
         self.owner = owner
         self.block = block
         self._weights_storage = weights.untyped_storage().data_ptr()
@@ -128,10 +129,10 @@ class BlockStash:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device != self.owner.runtime.device:
             return tensor  # e.g. a CPU scalar of a GPU run: nothing to move
-        if (tensor.dtype == self._weights_dtype
-                and tensor.untyped_storage().data_ptr() == self._weights_storage):
-            return _WeightView(tensor.storage_offset() - self._weights_offset, tuple(tensor.shape),
-                               tuple(tensor.stride()))
+        if tensor.dtype == self._weights_dtype and tensor.untyped_storage().data_ptr() == self._weights_storage:
+            return _WeightView(
+                tensor.storage_offset() - self._weights_offset, tuple(tensor.shape), tuple(tensor.stride())
+            )
         # Tensors saved by several ops, or views of one another (a norm's output, and its
         # flattened view that q, k and v read), share a storage: it moves once, whole. The
         # address is unique while the block runs: ``_Stashed`` holds the storage alive.
@@ -153,8 +154,12 @@ class BlockStash:
         produced = runtime.event()
         produced.record(runtime.compute_stream())
         self.copied = runtime.event()
-        with runtime.on(runtime.d2h_stream), runtime.tracer.device_span(
-                f"stash {self.block}", "stash", runtime.d2h_stream, block=self.block, bytes=self.nbytes):
+        with (
+            runtime.on(runtime.d2h_stream),
+            runtime.tracer.device_span(
+                f"stash {self.block}", "stash", runtime.d2h_stream, block=self.block, bytes=self.nbytes
+            ),
+        ):
             runtime.d2h_stream.wait_event(produced)
             for entry in self._entries:
                 tensor = entry.tensor
@@ -179,8 +184,12 @@ class BlockStash:
         runtime, in_place = self.owner.runtime, self.owner.in_place
         assert self.copied is not None, "a block's stash is brought back before it was stashed"
         self.ready = runtime.event()
-        with runtime.on(runtime.h2d_stream), runtime.tracer.device_span(
-                f"unstash {self.block}", "stash", runtime.h2d_stream, block=self.block, bytes=self.nbytes):
+        with (
+            runtime.on(runtime.h2d_stream),
+            runtime.tracer.device_span(
+                f"unstash {self.block}", "stash", runtime.h2d_stream, block=self.block, bytes=self.nbytes
+            ),
+        ):
             runtime.h2d_stream.wait_event(self.copied)
             for entry in self._entries:
                 assert entry.host is not None

@@ -18,15 +18,15 @@ visible only at ``refresh_device`` (after the optimizer step).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
-from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
-from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.gradients.row_chunked import PushFn, RowChunkedModule, redirect_row_chunked
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
 
 
 class ResidentParams:
@@ -42,12 +42,19 @@ class ResidentParams:
             the node's writer has filled the state and :meth:`refresh_device` ran.
     """
 
-    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]],
-                 group_of: dict[nn.Parameter, int], runtime: DeviceRuntime,
-                 master_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 source: TensorSource | None = None, shared: NodeSharedMemory | None = None) -> None:
-        self.state: HostFlatState = migrate_to_host(named_params, group_of, runtime, master_dtype,
-                                                    compute_dtype, source=source, shared=shared)
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        group_of: dict[nn.Parameter, int],
+        runtime: DeviceRuntime,
+        master_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        source: TensorSource | None = None,
+        shared: NodeSharedMemory | None = None,
+    ) -> None:
+        self.state: HostFlatState = migrate_to_host(
+            named_params, group_of, runtime, master_dtype, compute_dtype, source=source, shared=shared
+        )
         streamed = self.state.streamed
         if runtime.shares_host_memory:
             # The CPU is its own device: the streamed host buffer is the device copy.
@@ -114,8 +121,9 @@ class ResidentParams:
         return {id(p): self.state.master_view(i) for i, p in enumerate(self.state.params)}
 
 
-def _make_gradient_hook(push: PushFn, offset: int, name: str,
-                        redirected: RowChunkedModule | None) -> Callable[[torch.Tensor], None]:
+def _make_gradient_hook(
+    push: PushFn, offset: int, name: str, redirected: RowChunkedModule | None
+) -> Callable[[torch.Tensor], None]:
     """The post-accumulate-grad hook that sends a finished gradient to ``push``.
 
     A row-chunked weight has sent its gradient from its module's backward already; autograd
@@ -123,6 +131,7 @@ def _make_gradient_hook(push: PushFn, offset: int, name: str,
     a gradient the chunks do not include, and which, sent on its own, the optimizer would
     take for a second, separate gradient: that fails instead.
     """
+
     def hook(param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None  # the device copy is freed once the sink's copy is done
         if grad is None:
@@ -131,6 +140,8 @@ def _make_gradient_hook(push: PushFn, offset: int, name: str,
             raise RuntimeError(
                 f"parameter {name!r} received a gradient from outside its own module; megatrain sends this "
                 "weight's gradient from the module's backward in row chunks and cannot add one from "
-                "elsewhere. Use the weight only through its module (or tie it, as tied embeddings are)")
+                "elsewhere. Use the weight only through its module (or tie it, as tied embeddings are)"
+            )
         push(offset, grad.reshape(-1))
+
     return hook

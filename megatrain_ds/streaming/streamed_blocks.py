@@ -28,22 +28,23 @@ embedding backward -- the runtime may hand cached transient memory back
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from megatrain_ds.streaming.activation_offload import ActivationOffloader, HostCheckpoint
-from megatrain_ds.streaming.activation_stash import ActivationStash, BlockStash
+from megatrain_ds.gradients.outbox import GradientOutbox
+from megatrain_ds.gradients.sink import GradientPort
 from megatrain_ds.model.block_template import BlockTemplate
 from megatrain_ds.model.layer_checkpointing import ReentrantRerunNotice
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP
-from megatrain_ds.gradients.outbox import GradientOutbox
-from megatrain_ds.gradients.sink import GradientPort
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.streaming.activation_offload import ActivationOffloader, HostCheckpoint
+from megatrain_ds.streaming.activation_stash import ActivationStash, BlockStash
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 
@@ -57,7 +58,7 @@ class _ReplayState:
     autocast_dtype: torch.dtype
 
     @classmethod
-    def capture(cls, runtime: DeviceRuntime) -> "_ReplayState":
+    def capture(cls, runtime: DeviceRuntime) -> _ReplayState:
         device_type = runtime.device.type
         return cls(
             cpu_rng=torch.get_rng_state(),
@@ -73,8 +74,7 @@ class _ReplayState:
             torch.set_rng_state(self.cpu_rng)
             if self.device_rng is not None:
                 torch.cuda.set_rng_state(self.device_rng, runtime.device)
-            with torch.autocast(runtime.device.type, dtype=self.autocast_dtype,
-                                enabled=self.autocast_enabled):
+            with torch.autocast(runtime.device.type, dtype=self.autocast_dtype, enabled=self.autocast_enabled):
                 yield
 
 
@@ -114,8 +114,14 @@ class _StreamedBlockFn(torch.autograd.Function):
     """Autograd node of one streamed block; see the module docstring."""
 
     @staticmethod
-    def forward(ctx: Any, runner: "StreamedBlocks", segment: _Segment, call: _BlockCall,
-                anchor: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        runner: StreamedBlocks,
+        segment: _Segment,
+        call: _BlockCall,
+        anchor: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         del anchor  # only makes the outputs require grad when no input does
         ctx.runner, ctx.segment, ctx.call = runner, segment, call
         ctx.set_materialize_grads(False)
@@ -169,13 +175,21 @@ class StreamedBlocks:
         stashes: whether block ``i`` is stashed (asked at each forward; needs ``stash``).
     """
 
-    def __init__(self, blocks: nn.ModuleList, templates: Sequence[BlockTemplate],
-                 states: Sequence[HostFlatState], streamer: WeightStreamer, sink: GradientPort,
-                 runtime: DeviceRuntime, checkpoint_interval: int,
-                 offloader: ActivationOffloader | None,
-                 is_final_micro_batch: Callable[[], bool], gradient_bucket_elements: int,
-                 stash: ActivationStash | None = None,
-                 stashes: Callable[[int], bool] = lambda index: False) -> None:
+    def __init__(
+        self,
+        blocks: nn.ModuleList,
+        templates: Sequence[BlockTemplate],
+        states: Sequence[HostFlatState],
+        streamer: WeightStreamer,
+        sink: GradientPort,
+        runtime: DeviceRuntime,
+        checkpoint_interval: int,
+        offloader: ActivationOffloader | None,
+        is_final_micro_batch: Callable[[], bool],
+        gradient_bucket_elements: int,
+        stash: ActivationStash | None = None,
+        stashes: Callable[[int], bool] = lambda index: False,
+    ) -> None:
         self.blocks = blocks
         self.templates = templates
         self.states = states
@@ -219,6 +233,7 @@ class StreamedBlocks:
     def _make_forward(self, index: int) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._forward_block(index, args, kwargs)
+
         return forward
 
     # -- passes -----------------------------------------------------------------------
@@ -267,8 +282,15 @@ class StreamedBlocks:
 
     # -- forward ------------------------------------------------------------------------
 
-    def _run(self, index: int, training: bool, leaves: list[Any], spec: Any,
-             params: list[torch.Tensor] | None = None, phase: str | None = None) -> Any:
+    def _run(
+        self,
+        index: int,
+        training: bool,
+        leaves: list[Any],
+        spec: Any,
+        params: list[torch.Tensor] | None = None,
+        phase: str | None = None,
+    ) -> Any:
         """Run block ``index``; without ``params`` its weights are acquired and released here."""
         args, kwargs = tree_unflatten(leaves, spec)
         layout = self.states[index].layout
@@ -278,8 +300,9 @@ class StreamedBlocks:
         # Given weights: the backward's recompute, unless the caller says otherwise.
         phase = phase or ("forward" if release else "recompute")
         with self.runtime.tracer.device_span(f"{phase} {index}", "compute", block=index, phase=phase):
-            outputs = self.templates[index].run(params, layout, self._overrides[index], training, args, kwargs,
-                                                before_part=self._part_waiter(index))
+            outputs = self.templates[index].run(
+                params, layout, self._overrides[index], training, args, kwargs, before_part=self._part_waiter(index)
+            )
         if release:
             self.streamer.release(index)
         return outputs
@@ -330,10 +353,14 @@ class StreamedBlocks:
             for position in checkpointed:
                 kept[position] = self.offloader.offload(leaves[position])
         call = _BlockCall(
-            index=index, spec=spec, leaves=kept, tensor_positions=tensor_positions,
+            index=index,
+            spec=spec,
+            leaves=kept,
+            tensor_positions=tensor_positions,
             from_previous=from_previous,
             requires_grad={p: leaves[p].requires_grad for p in tensor_positions},
-            replay=_ReplayState.capture(self.runtime), training=training,
+            replay=_ReplayState.capture(self.runtime),
+            training=training,
         )
         segment.calls.append(call)
         if self.offloader is None:
@@ -342,8 +369,7 @@ class StreamedBlocks:
             self.live_checkpoint_bytes += added
             self._note_peak()
 
-        tensors = _StreamedBlockFn.apply(self, segment, call, self._anchor,
-                                         *[leaves[p] for p in tensor_positions])
+        tensors = _StreamedBlockFn.apply(self, segment, call, self._anchor, *[leaves[p] for p in tensor_positions])
         out_leaves, out_spec = self._pending_structure  # type: ignore[misc]
         self._pending_structure = None
         tensor_iter = iter(tensors)
@@ -369,8 +395,10 @@ class StreamedBlocks:
         # One leaf per parameter (sharing the buffer): each gets its gradient from its
         # own AccumulateGrad node, so it can leave as soon as it is complete.
         layout = self.states[call.index].layout
-        call.param_views = [view.detach().requires_grad_(slot.group != FROZEN_GROUP)
-                            for slot, view in zip(layout.slots, BlockTemplate.bind(weights, layout))]
+        call.param_views = [
+            view.detach().requires_grad_(slot.group != FROZEN_GROUP)
+            for slot, view in zip(layout.slots, BlockTemplate.bind(weights, layout))
+        ]
         return leaves
 
     def _run_stashed(self, call: _BlockCall, leaves: list[Any]) -> Any:
@@ -379,8 +407,7 @@ class StreamedBlocks:
         weights = self.streamer.acquire(call.index)
         leaves = self._make_graph_leaves(call, leaves, weights)
         with self.stash.block(call.index, weights) as stash, torch.enable_grad():
-            outputs = self._run(call.index, call.training, leaves, call.spec, params=call.param_views,
-                                phase="forward")
+            outputs = self._run(call.index, call.training, leaves, call.spec, params=call.param_views, phase="forward")
         self.streamer.release(call.index)  # the forward's kernels are queued; backward re-acquires
         call.stash = stash
         call.outputs = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
@@ -422,12 +449,15 @@ class StreamedBlocks:
         segment.recomputed = True
         self.live_checkpoint_bytes -= segment.checkpoint_bytes
 
-    def _backward_call(self, segment: _Segment, call: _BlockCall,
-                       grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        pairs = [(out, grad) for out, grad in zip(call.outputs, grad_outputs)
-                 if grad is not None and out.requires_grad]
-        trained = [(slot, leaf) for slot, leaf in zip(self.states[call.index].layout.slots, call.param_views)
-                   if leaf.requires_grad]
+    def _backward_call(
+        self, segment: _Segment, call: _BlockCall, grad_outputs: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        pairs = [(out, grad) for out, grad in zip(call.outputs, grad_outputs) if grad is not None and out.requires_grad]
+        trained = [
+            (slot, leaf)
+            for slot, leaf in zip(self.states[call.index].layout.slots, call.param_views)
+            if leaf.requires_grad
+        ]
         outbox = GradientOutbox(self.sink, call.index, self._is_final_micro_batch(), self.gradient_bucket_elements)
         # Each parameter's gradient goes to the sink from its AccumulateGrad hook, while
         # backward goes on through the block: at most a bucket of the block's gradients
@@ -437,8 +467,9 @@ class StreamedBlocks:
             leaf.register_post_accumulate_grad_hook(outbox.hook(slot.offset))
         inputs = [leaf for _, leaf in trained] + list(call.input_leaves.values())
         if pairs and inputs:
-            with self.runtime.tracer.device_span(f"backward {call.index}", "compute", block=call.index,
-                                                 phase="backward"):
+            with self.runtime.tracer.device_span(
+                f"backward {call.index}", "compute", block=call.index, phase="backward"
+            ):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=inputs)
         # An unused parameter contributes zeros, so every range of the block reaches
         # the worker in every micro-batch (norm and update coverage stay complete).

@@ -30,7 +30,8 @@ has returned, so it binds the same tensors again itself.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ class _TiledFn(torch.autograd.Function):
     """``module(hidden)`` tile by tile, recomputed tile by tile in backward."""
 
     @staticmethod
-    def forward(ctx: Any, tiled: "TiledTokenWise", hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, tiled: TiledTokenWise, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.tiled = tiled
         ctx.autocast = (torch.is_autocast_enabled(hidden.device.type), torch.get_autocast_dtype(hidden.device.type))
         ctx.save_for_backward(hidden, *params)
@@ -69,8 +70,7 @@ class _TiledFn(torch.autograd.Function):
         for start, end in tiled.tiles(flat.shape[0]):
             with torch.enable_grad(), torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
                 x = flat[start:end].detach().requires_grad_(want_hidden)
-                y = functional_call(tiled.module, dict(zip(tiled.names, params)), (x.unsqueeze(0),),
-                                    tie_weights=False)
+                y = functional_call(tiled.module, dict(zip(tiled.names, params)), (x.unsqueeze(0),), tie_weights=False)
                 inputs = ([x] if want_hidden else []) + [params[i] for i in wanted]
                 grads = torch.autograd.grad(y, inputs, grad_flat[start:end].unsqueeze(0), allow_unused=True)
             del y
@@ -109,8 +109,10 @@ class TiledTokenWise:
         for start, end in self.tiles(flat.shape[0]):
             part = self.whole(flat[start:end].unsqueeze(0))
             if not isinstance(part, torch.Tensor) or part.shape[:-1] != (1, end - start):
-                raise ValueError(f"megatrain.mlp_tile_tokens: {type(self.module).__name__} does not map each token "
-                                 'to one output row; set "mlp_tile_tokens": 0')
+                raise ValueError(
+                    f"megatrain.mlp_tile_tokens: {type(self.module).__name__} does not map each token "
+                    'to one output row; set "mlp_tile_tokens": 0'
+                )
             if out is None:
                 out = part.new_empty(flat.shape[0], part.shape[-1])
             out[start:end] = part[0]
@@ -119,8 +121,13 @@ class TiledTokenWise:
         return out.view(*hidden.shape[:-1], out.shape[-1])
 
     def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        if (args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2
-                or hidden.numel() <= self.tile_tokens * hidden.shape[-1]):
+        if (
+            args
+            or kwargs
+            or not isinstance(hidden, torch.Tensor)
+            or hidden.dim() < 2
+            or hidden.numel() <= self.tile_tokens * hidden.shape[-1]
+        ):
             return self.whole(hidden, *args, **kwargs)
         if not torch.is_grad_enabled():
             return self.run_tiles(hidden)
@@ -137,7 +144,9 @@ def tile_token_wise(block: nn.Module, tile_tokens: int) -> list[str]:
         if not isinstance(module, nn.Module):
             continue
         if _has_active_dropout(module):
-            logger.info("megatrain: %s.%s has dropout; it runs whole, not in sequence tiles", type(block).__name__, name)
+            logger.info(
+                "megatrain: %s.%s has dropout; it runs whole, not in sequence tiles", type(block).__name__, name
+            )
             continue
         module.forward = TiledTokenWise(module, tile_tokens)
         redirected.append(name)

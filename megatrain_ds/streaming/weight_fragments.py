@@ -22,8 +22,8 @@ Whether to cut blocks at all is ``"fragment_bytes": "auto"``'s question
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, FlatLayout
 
@@ -38,8 +38,9 @@ class FragmentPlan:
     """For each part, the indices into ``ranges`` holding its parameters."""
 
 
-def plan_fragments(layout: FlatLayout, parts: Sequence[Sequence[str]], fragment_elements: int,
-                   part_order: Sequence[int] = ()) -> FragmentPlan:
+def plan_fragments(
+    layout: FlatLayout, parts: Sequence[Sequence[str]], fragment_elements: int, part_order: Sequence[int] = ()
+) -> FragmentPlan:
     """Cut ``layout``'s buffer into pieces of ``fragment_elements`` (rounded up to whole
     alignment units) and order them by the first part that needs them, parts taken in
     ``part_order`` (the order the block uses them; default: as numbered); pieces no part
@@ -60,5 +61,7 @@ def plan_fragments(layout: FlatLayout, parts: Sequence[Sequence[str]], fragment_
         order.extend(index for index in needed[part] if index not in order)
     order.extend(index for index in range(len(pieces)) if index not in order)
     position = {piece: at for at, piece in enumerate(order)}
-    return FragmentPlan(ranges=tuple(pieces[piece] for piece in order),
-                        part_fragments=tuple(tuple(sorted(position[i] for i in indices)) for indices in needed))
+    return FragmentPlan(
+        ranges=tuple(pieces[piece] for piece in order),
+        part_fragments=tuple(tuple(sorted(position[i] for i in indices)) for indices in needed),
+    )

@@ -43,8 +43,9 @@ slot *is* the host buffer, the slot's ``free``.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -205,7 +206,7 @@ class WeightStreamer:
         if not (self._in_flight and self._in_flight[0][0] == block):
             upcoming = [planned for planned, _ in self._in_flight] + list(self._plan)
             if block in upcoming:
-                self._replan(upcoming[upcoming.index(block):])
+                self._replan(upcoming[upcoming.index(block) :])
             elif upcoming:
                 self._replan([block, *upcoming])
             elif self._descending:
@@ -213,9 +214,7 @@ class WeightStreamer:
             else:
                 self._replan(range(block, len(self.states)))
             if not self._in_flight:
-                raise RuntimeError(
-                    f"no free device buffer for block {block}: all {self.num_slots} are held"
-                )
+                raise RuntimeError(f"no free device buffer for block {block}: all {self.num_slots} are held")
         _, slot = self._in_flight.popleft()
         # The device waits for the copy (see [Note: buffer ordering]); the host goes on.
         # A fragmented copy is waited on part by part instead (wait_for_part).

@@ -76,22 +76,67 @@ def _adamw_kernel(
         # Full block, no mask: loads and stores become 128-bit whatever n is. With a mask
         # they vectorise only when Triton can prove n % 16 == 0, and flat ranges have
         # arbitrary lengths.
-        _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr, offsets, None,
-                     grad_scale, decay_factor, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
-                     neg_step_size, bias_correction2_sqrt, eps, DECOUPLED, HAS_SHADOW)
+        _adamw_block(
+            param_ptr,
+            grad_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            shadow_ptr,
+            offsets,
+            None,
+            grad_scale,
+            decay_factor,
+            weight_decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            neg_step_size,
+            bias_correction2_sqrt,
+            eps,
+            DECOUPLED,
+            HAS_SHADOW,
+        )
     else:
-        _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr, offsets, offsets < n,
-                     grad_scale, decay_factor, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
-                     neg_step_size, bias_correction2_sqrt, eps, DECOUPLED, HAS_SHADOW)
+        _adamw_block(
+            param_ptr,
+            grad_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            shadow_ptr,
+            offsets,
+            offsets < n,
+            grad_scale,
+            decay_factor,
+            weight_decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            neg_step_size,
+            bias_correction2_sqrt,
+            eps,
+            DECOUPLED,
+            HAS_SHADOW,
+        )
 
 
 @triton.jit
 def _adamw_block(
-    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr,
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    shadow_ptr,
     offsets,  # int64 [BLOCK_SIZE]
     mask,  # bool [BLOCK_SIZE], or None for a full block
-    grad_scale, decay_factor, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
-    neg_step_size, bias_correction2_sqrt, eps,
+    grad_scale,
+    decay_factor,
+    weight_decay,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    neg_step_size,
+    bias_correction2_sqrt,
+    eps,
     DECOUPLED: tl.constexpr,
     HAS_SHADOW: tl.constexpr,
 ):
@@ -108,7 +153,7 @@ def _adamw_block(
     # g - (g - m) * (1 - w) (so beta1 = 0 gives m = g exactly);
     # addcmul(v * b2, g, g, value=1 - b2) = v * b2 + ((1 - b2) * g) * g;
     # addcdiv(p, m, denom, value=-s) = p + (-s * m) / denom.
-    if one_minus_beta1 < 0.5:
+    if one_minus_beta1 < 0.5:  # noqa: SIM108 (a Triton branch, kept as the reference writes it)
         m = m + one_minus_beta1 * (g - m)
     else:
         m = g - (g - m) * (1.0 - one_minus_beta1)
@@ -172,7 +217,12 @@ def adamw_step_(
     if weight_decay == 0.0:
         decoupled = True
     _launch(
-        param, grad, exp_avg, exp_avg_sq, shadow, n,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        shadow,
+        n,
         grad_scale=float(grad_scale),
         decay_factor=1.0 - lr * weight_decay,
         weight_decay=float(weight_decay),
@@ -212,12 +262,21 @@ def _launch(
     # Triton launches on the current device; make it the tensors' one.
     with torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext():
         _adamw_kernel[grid](
-            param, grad, exp_avg, exp_avg_sq,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
             shadow if shadow is not None else param,  # never dereferenced without a shadow
             n,
-            grad_scale, decay_factor, weight_decay,
-            one_minus_beta1, beta2, one_minus_beta2,
-            neg_step_size, bias_correction2_sqrt, eps,
+            grad_scale,
+            decay_factor,
+            weight_decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            neg_step_size,
+            bias_correction2_sqrt,
+            eps,
             DECOUPLED=decoupled,
             HAS_SHADOW=shadow is not None,
             BLOCK_SIZE=block_size,
