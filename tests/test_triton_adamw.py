@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from megatrain_triton import INTERPRETED, adamw_step_, adamw_step_reference_
+from megatrain_triton import adamw as adamw_module
 
 HAS_CUDA = torch.cuda.is_available()
 # CPU tensors only run under the interpreter, which is what the conftest selects without
@@ -267,9 +268,80 @@ def test_gpu_matches_torch_optim(grad_dtype, n, decoupled):
     assert torch.equal(shadow, state["param"].to(torch.bfloat16)), "round to nearest even on the GPU"
 
 
-def test_empty_is_a_no_op():
+def test_empty_is_a_no_op(monkeypatch):
+    """A zero-length step launches nothing and writes nothing; its neighbours still step.
+
+    The empty tensors are zero-length views in the middle of real buffers, so a launch that
+    ignored ``n`` (or a grid rounded up to one block) would overwrite the elements around
+    them: every buffer must stay bit for bit as it was. A spy on ``_launch`` proves the
+    shortcut is taken, and a non-empty step over the elements right after the empty range,
+    on the same buffers, must then match the reference and leave the rest untouched.
+    """
+    launches: list[int] = []  # the ``n`` of every kernel launch
+    real_launch = adamw_module._launch
+
+    def spy(*args, **kwargs):
+        launches.append(args[5])
+        real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(adamw_module, "_launch", spy)
+    n, cut, width = 64, 17, 9
+    state = _state(n, seed=3)
+    state["shadow"] = torch.zeros(n, dtype=torch.bfloat16, device=DEVICE)
+    grad = _grads(n, torch.float32, 1, seed=4)[0]
+    before = {name: t.clone() for name, t in state.items()}
+    empty = {name: t[cut:cut] for name, t in state.items()}
+    # A view into the buffer (an empty tensor's data_ptr() reads 0, its storage does not).
+    assert empty["param"]._base is state["param"] and empty["param"].storage_offset() == cut
+    adamw_step_(
+        empty["param"],
+        grad[cut:cut],
+        empty["exp_avg"],
+        empty["exp_avg_sq"],
+        shadow=empty["shadow"],
+        **HYPER,
+        weight_decay=0.1,
+        step=1,
+    )
+    assert launches == [], "an empty step must not launch the kernel"
+    for name, tensor in state.items():
+        assert torch.equal(tensor, before[name]), f"{name} changed by an empty step"
+
+    window = slice(cut, cut + width)
+    reference = {name: t[window].clone() for name, t in state.items()}
+    adamw_step_(
+        state["param"][window],
+        grad[window],
+        state["exp_avg"][window],
+        state["exp_avg_sq"][window],
+        shadow=state["shadow"][window],
+        **HYPER,
+        weight_decay=0.1,
+        step=1,
+    )
+    adamw_step_reference_(
+        reference["param"],
+        grad[window],
+        reference["exp_avg"],
+        reference["exp_avg_sq"],
+        shadow=reference["shadow"],
+        **HYPER,
+        weight_decay=0.1,
+        step=1,
+    )
+    assert launches == [width]
+    _assert_state_close({name: t[window] for name, t in state.items()}, reference, "next to an empty step")
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[window] = False
+    for name, tensor in state.items():
+        assert torch.equal(tensor[outside.to(DEVICE)], before[name][outside.to(DEVICE)]), f"{name} outside the window"
+
+
+def test_empty_is_still_checked():
+    """The empty shortcut comes after the input checks: a wrong dtype is an error at any length."""
     empty = torch.empty(0, device=DEVICE)
-    adamw_step_(empty, empty, empty.clone(), empty.clone(), **HYPER, weight_decay=0.1, step=1)
+    with pytest.raises(ValueError, match="param must be float32"):
+        adamw_step_(empty.double(), empty, empty.clone(), empty.clone(), **HYPER, weight_decay=0.1, step=1)
 
 
 def _valid(n: int = 8) -> dict:
