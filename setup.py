@@ -10,7 +10,8 @@ module). ``build_py`` writes the file to the root of what becomes the wheel:
   ``build_lib`` (modules are mapped to the checkout) but packs its ``install_lib``, the
   unpacked wheel, into the wheel, so the file goes there.
 
-``tests/test_deepspeed_packaging.py`` builds both kinds and checks the file is at the root.
+``tests/test_deepspeed_hook.py`` (``test_both_wheel_kinds_ship_the_pth_at_their_root``) builds
+both kinds and checks the file is at the root.
 """
 
 from pathlib import Path

@@ -40,8 +40,6 @@ from megatrain_ds.engine import MegatrainEngine
 # DeepSpeed's names for the per-step wall-clock timers (deepspeed/utils/timer.py).
 FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER = "fwd", "bwd", "step"
 
-_CHECKPOINT_METHODS = ("save_checkpoint", "load_checkpoint")
-
 
 class _DeepSpeedEngineBase(DeepSpeedEngine):
     """``DeepSpeedEngine`` as a base class only: construction stops at ``nn.Module``."""
@@ -205,14 +203,7 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) ->
 
 
 def _not_available(name: str) -> Callable[..., Any]:
-    if name in _CHECKPOINT_METHODS:
-        message = (
-            f"megatrain: engine.{name} is not available in this version (checkpoint "
-            "save/resume is in progress); save the model with save_pretrained, or with the "
-            "HF Trainer use save_only_model=True"
-        )
-    else:
-        message = f"megatrain: DeepSpeedEngine.{name} is not supported by the megatrain engine"
+    message = f"megatrain: DeepSpeedEngine.{name} is not supported by the megatrain engine"
 
     def unavailable(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(message)
