@@ -2,23 +2,29 @@
 ``scripts/train.sh`` launches it: ``accelerate launch --config_file configs/accelerate_megatrain.yaml``.
 
 Checks that Accelerate got this engine from ``deepspeed.initialize``, that the model learns
-(held-out loss falls), that the loss plot is a PNG, and that the saved model is the
-trained one: reloaded with plain ``transformers`` it gives the engine's final eval loss.
+(held-out loss falls), that the loss plot shows the logged losses (read back from the PNG's
+pixels), and that the saved model is the trained one: reloaded with plain ``transformers``
+it gives the engine's final eval loss.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import sys
 
+import matplotlib.image
+import numpy as np
 import pytest
 import torch
 import transformers
 from launching import REPO_ROOT, Run, run_side_by_side
+from matplotlib.colors import to_rgb
 
 SCRIPT = REPO_ROOT / "examples" / "train_clm.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+COLOR_TOLERANCE = 0.02  # per RGB channel in [0, 1]: the line's core pixels, not its blended edges
 ARGS = [
     "--steps",
     "30",
@@ -64,11 +70,75 @@ def test_eval_loss_falls(run) -> None:
     assert run["eval_steps"] == [0, 15, 30]
 
 
-def test_loss_plot_is_png(run) -> None:
+def _pixels_of(image: np.ndarray, color: str) -> np.ndarray:
+    """Where the RGB image is ``color`` (within antialiasing's faint edge): bool [rows, cols]."""
+    return (np.abs(image[..., :3] - np.array(to_rgb(color))) <= COLOR_TOLERANCE).all(axis=-1)
+
+
+def _blobs(mask: np.ndarray) -> list[tuple[float, float]]:
+    """Centres (column, row) of the solid discs in ``mask``: pixels whose whole 5x5
+    neighbourhood is set (lines, 2.5 px wide, vanish; the 10 px markers keep their core),
+    grouped into 8-connected components."""
+    padded = np.pad(mask, 2)
+    core = np.lib.stride_tricks.sliding_window_view(padded, (5, 5)).all(axis=(-2, -1))
+    left = {(int(r), int(c)) for r, c in zip(*np.nonzero(core))}
+    centres = []
+    while left:
+        stack, members = [left.pop()], []
+        while stack:
+            r, c = stack.pop()
+            members.append((r, c))
+            for near in [(r + dr, c + dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)]:
+                if near in left:
+                    left.remove(near)
+                    stack.append(near)
+        rows, cols = zip(*members)
+        centres.append((sum(cols) / len(cols), sum(rows) / len(rows)))
+    return centres
+
+
+def _axes_from_eval_markers(run, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel column = a + b * step and pixel row = c + d * loss, fitted to the eval markers
+    found in the picture: of the orange discs (the legend shows one more), the ones that
+    lie where metrics.json's eval steps and losses put them, linearly, within 1.5 px."""
+    steps, losses = np.array(run["eval_steps"], float), np.array(run["eval_losses"], float)
+    best = None
+    for chosen in itertools.combinations(sorted(_blobs(_pixels_of(image, "tab:orange"))), len(steps)):
+        cols, rows = np.array(chosen).T
+        x_fit, y_fit = np.polyfit(steps, cols, 1), np.polyfit(losses, rows, 1)
+        error = max(np.abs(np.polyval(x_fit, steps) - cols).max(), np.abs(np.polyval(y_fit, losses) - rows).max())
+        if best is None or error < best[0]:
+            best = (error, x_fit, y_fit)
+    assert best is not None and best[0] <= 1.5, f"no orange markers where the eval losses are: {best}"
+    return best[1], best[2]
+
+
+def test_loss_plot_shows_the_logged_losses(run) -> None:
+    """Read the PNG itself: its eval markers sit at metrics.json's eval losses (which fixes
+    the axes' pixel scale), higher loss is higher up, and the smoothed training curve
+    (solid tab:blue) passes within 3 px of the EMA of every logged step's loss, from step 1
+    to the last logged step and no further: the falling curve of exactly those points."""
     with open(run["plot_path"], "rb") as handle:
-        data = handle.read()
-    assert data.startswith(PNG_SIGNATURE)
-    assert len(data) > 1000
+        assert handle.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
+    image = matplotlib.image.imread(run["plot_path"])
+    x_fit, y_fit = _axes_from_eval_markers(run, image)
+    assert x_fit[0] > 0 and y_fit[0] < 0, "steps run left to right, loss bottom to top"
+    losses = run["losses"]
+    smoothed = [losses[0]]
+    for loss in losses:
+        smoothed.append(0.9 * smoothed[-1] + 0.1 * loss)
+    smoothed = smoothed[1:]  # the script's EMA, seeded with the first loss
+    assert smoothed[-1] < smoothed[0] - 0.5, "the run's smoothed loss falls"
+    blue = _pixels_of(image, "tab:blue")
+
+    def blue_near(step: float, loss: float) -> bool:
+        col, row = round(np.polyval(x_fit, step)), round(np.polyval(y_fit, loss))
+        return bool(blue[row - 3 : row + 4, col].any())
+
+    on_curve = [blue_near(step, loss) for step, loss in enumerate(smoothed, start=1)]
+    assert all(on_curve), f"steps off the plotted curve: {[i + 1 for i, on in enumerate(on_curve) if not on]}"
+    # The line ends at the first and last logged steps: nothing half a step beyond either end.
+    assert not blue_near(0.5, smoothed[0]) and not blue_near(len(smoothed) + 0.5, smoothed[-1])
 
 
 def test_saved_model_matches_engine(run) -> None:
