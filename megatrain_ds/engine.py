@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megatrain_ds.checkpoint import save_load
-from megatrain_ds.checkpoint.safetensors_source import materialize_meta_buffers, open_source
+from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
 from megatrain_ds.config import ConfigError, EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
@@ -51,6 +51,7 @@ from megatrain_ds.planning.preflight import available_memory, preflight, wants_n
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
 from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.trace import TraceSchedule
 from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
 from megatrain_ds.state.nvme_tier import WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
@@ -138,6 +139,39 @@ class MegatrainEngine(nn.Module):
     # -- construction --------------------------------------------------------------------
 
     def _build(self, model: nn.Module) -> None:
+        """Take ``model`` over, in the order of the pipeline it then runs: check that the run
+        fits, find the blocks, move their state to the host, then the resident parameters,
+        the optimizer over that state, the streams that carry weights and gradients, and the
+        streamed blocks that run forward and backward from them."""
+        nvme = self._check_before_allocating(model)
+        blocks = self._discover_blocks(model)
+        # load_from: values come from safetensors shards, one tensor at a time, so a model
+        # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
+        source = open_source(model, self.config.options.load_from)
+        materialize_meta_buffers(model, source)
+        group_of = group_index_of(model, self.optimizer)
+        dp = self.data_parallel
+        shared = dp.shared if dp is not None else None  # one host copy per node
+        templates = self._build_host_state(blocks, group_of, source, shared, nvme)
+        resident, block_modules = self._build_resident(model, blocks, group_of, source, shared)
+        self._build_optimizer(shared)
+        self._build_streams(templates, nvme)
+        self._build_streamed_blocks(model, blocks, templates, block_modules)
+        self._build_long_context(model, list(dict.fromkeys(templates)))
+        # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
+        model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
+        logger.info(
+            "megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
+            len(blocks),
+            self.block_path,
+            self.num_templates,
+            len(resident),
+            self.runtime.device,
+        )
+
+    def _check_before_allocating(self, model: nn.Module) -> str:
+        """Where the NVMe tier comes in (``"none"``, ``"auto"``'s choice or ``"all"``), after
+        checking that the run is supported and fits: nothing is allocated before this."""
         # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
         # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
         nvme = wants_nvme_tier(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
@@ -149,25 +183,32 @@ class MegatrainEngine(nn.Module):
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, nvme=nvme)
         _reject_unsupported_outputs(model)
-        options = self.config.options
-        path, blocks = find_blocks(model, options.block_path)
-        check_blocks_own_their_params(model, blocks)
-        # load_from: values come from safetensors shards, one tensor at a time, so a model
-        # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
-        source = open_source(model, options.load_from)
-        materialize_meta_buffers(model, source)
-        self.block_path = path
-        group_of = group_index_of(model, self.optimizer)
-        master, compute = self.config.master_dtype, self.config.compute_dtype
-        dp = self.data_parallel
-        shared = dp.shared if dp is not None else None  # one host copy per node
+        return nvme
 
+    def _discover_blocks(self, model: nn.Module) -> nn.ModuleList:
+        """The model's repeated blocks (``block_path`` names where they were found)."""
+        path, blocks = find_blocks(model, self.config.options.block_path)
+        check_blocks_own_their_params(model, blocks)
+        self.block_path = path
+        return blocks
+
+    def _build_host_state(
+        self,
+        blocks: nn.ModuleList,
+        group_of: dict[nn.Parameter, int],
+        source: SafetensorsSource | None,
+        shared: NodeSharedMemory | None,
+        nvme: str,
+    ) -> list[BlockTemplate]:
+        """Each block's flat host state (``self.states``, migrated one block at a time, into
+        the NVMe tier where it has one) and its weightless template, one per structure."""
+        master, compute = self.config.master_dtype, self.config.compute_dtype
         if nvme != "none":  # opened first, to take each block as it is migrated (state/nvme_tier.py)
             self.nvme_tier = open_nvme_tier(
                 [flat_numel(list(block.named_parameters()), group_of) for block in blocks],
                 WITH_MASTER if nvme == "all" else tier_kinds(master_is_streamed=compute == master),
                 self.runtime,
-                options,
+                self.config.options,
             )
 
         templates_by_key: dict[tuple, BlockTemplate] = {}
@@ -189,7 +230,7 @@ class MegatrainEngine(nn.Module):
                     self.runtime,
                     master,
                     compute,
-                    source=source.scoped(f"{path}.{index}.") if source is not None else None,
+                    source=source.scoped(f"{self.block_path}.{index}.") if source is not None else None,
                     shared=shared,
                     moments_on_host=nvme == "none",
                     shadow_on_host=nvme != "all",
@@ -198,9 +239,22 @@ class MegatrainEngine(nn.Module):
             if self.nvme_tier is not None:
                 self.nvme_tier.adopt(self.states[-1])
         self.num_templates = len(templates_by_key)
+        return templates
 
+    def _build_resident(
+        self,
+        model: nn.Module,
+        blocks: nn.ModuleList,
+        group_of: dict[nn.Parameter, int],
+        source: SafetensorsSource | None,
+        shared: NodeSharedMemory | None,
+    ) -> tuple[list[tuple[str, nn.Parameter]], set[int]]:
+        """The parameters outside the blocks (embeddings, final norm, head), their state last
+        in ``self.states``, and the buffers outside the blocks on the device. Returns the
+        resident parameters and the ids of the blocks' modules."""
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
+        master, compute = self.config.master_dtype, self.config.compute_dtype
         self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source, shared=shared)
         if source is not None:
             source.report_unused(name for name, _ in model.named_buffers())
@@ -212,7 +266,12 @@ class MegatrainEngine(nn.Module):
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         module._buffers[name] = buffer.to(self.runtime.device)
+        return resident, block_modules
 
+    def _build_optimizer(self, shared: NodeSharedMemory | None) -> None:
+        """Gradient buffers, each rank's window of the state, the host AdamW over it and the
+        stepper (norm, clipping, speculative steps), attached to the client optimizer."""
+        options, compute, dp = self.config.options, self.config.compute_dtype, self.data_parallel
         if self.config.holds_gradients:
             grad_dtype = torch.float32 if self.config.gradient_accumulation_steps > 1 else compute
             for state in self.states:
@@ -253,6 +312,12 @@ class MegatrainEngine(nn.Module):
             self.adamw.residency = self.nvme_tier
             self.stepper.plan_access()
         self.optimizer.attach(self._finish_optimizer_step)
+
+    def _build_streams(self, templates: list[BlockTemplate], nvme: str) -> None:
+        """What crosses between host and device: gradients out (the sink, behind the
+        reducer with data parallel) and weights in (the streamer, from the NVMe tier's
+        weight window where the weights live there)."""
+        options, compute = self.config.options, self.config.compute_dtype
         largest = max(state.layout.numel for state in self.states[: self._resident_index])
         sink = GradientSink(
             self.runtime,
@@ -261,8 +326,10 @@ class MegatrainEngine(nn.Module):
             options.num_staging_buffers,
             self._consume_gradient,
         )
+        dp = self.data_parallel
         self.sink: GradientPort = sink if dp is None else GradientReducer(self.runtime, dp, sink, self.windows)
         if nvme == "all":  # forward and backward read the blocks' weights from the tier
+            assert self.nvme_tier is not None
             self.nvme_weights = NvmeWeights(
                 self.nvme_tier,
                 compute,
@@ -278,6 +345,13 @@ class MegatrainEngine(nn.Module):
             // compute.itemsize,
             parts_of=lambda block: templates[block].parts_in_use(),
         )
+
+    def _build_streamed_blocks(
+        self, model: nn.Module, blocks: nn.ModuleList, templates: list[BlockTemplate], block_modules: set[int]
+    ) -> None:
+        """The blocks run from streamed weights (checkpointed, recomputed or stashed), and the
+        resident parameters' gradients hooked into the sink."""
+        options = self.config.options
         # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
         # last ones are recomputed (planning/recompute_policy.py); "auto" decides at the
         # first training forward and recomputes every block until then.
@@ -308,17 +382,6 @@ class MegatrainEngine(nn.Module):
             ),
             (m for m in model.modules() if id(m) not in block_modules),
             STAGING_CHUNK_ELEMENTS,
-        )
-        self._build_long_context(model, list(templates_by_key.values()))
-        # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
-        model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
-        logger.info(
-            "megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
-            len(blocks),
-            path,
-            self.num_templates,
-            len(resident),
-            self.runtime.device,
         )
 
     def _build_long_context(self, model: nn.Module, templates: list[BlockTemplate]) -> None:
