@@ -427,7 +427,7 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", ["model:1", "optimizer:0", "trainer_state.pt"])
+@pytest.mark.parametrize("name", ["model:1", "optimizer:0", "engine_state.json", "engine_state.safetensors"])
 def test_truncated_file_is_named(damaged, fresh_engine, name):
     path = _file(damaged, name)
     os.truncate(path, path.stat().st_size - 100)
@@ -441,7 +441,8 @@ def test_truncated_file_is_named(damaged, fresh_engine, name):
         ("model:2", "data", "checksum mismatch"),
         ("model:0", "header", r"corrupted header \(checksum mismatch\)"),
         ("optimizer:1", "data", "checksum mismatch"),
-        ("trainer_state.pt", "data", "checksum mismatch"),
+        ("engine_state.json", "data", "checksum mismatch"),
+        ("engine_state.safetensors", "data", "checksum mismatch"),
     ],
 )
 def test_flipped_bytes_are_named(damaged, fresh_engine, name, where, message):

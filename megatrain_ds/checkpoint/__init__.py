@@ -1,7 +1,10 @@
 """Checkpoints that are also Hugging Face model directories, and loading weights from them.
 
 - ``tensor_files``: safetensors written from views of host buffers and read back into them.
-- ``directories``: crash-safe tag directories, manifests, ``latest``.
+- ``directories``: crash-safe tag directories, manifests, ``latest``, names confined to them.
+- ``json_tensors``: nested values as JSON plus named tensors (state saved without pickle).
+- ``rng_state``: the RNG states of Python, NumPy, the CPU and CUDA, validated before restoring.
+- ``trainer_state``: counters, hyperparameters, scheduler, RNG, client_state; old pickles read safely.
 - ``save_load``: the engine's ``save_checkpoint``/``load_checkpoint`` (DeepSpeed's API).
 - ``safetensors_source``: ``load_from``, parameters filled straight from HF shards.
 

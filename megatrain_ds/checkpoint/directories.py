@@ -25,6 +25,7 @@ import shutil
 import time
 import uuid
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +36,36 @@ logger = logging.getLogger(__name__)
 LATEST_FILE = "latest"
 MANIFEST_FILE = "megatrain_checkpoint.json"
 FORMAT_NAME = "megatrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by every save. 2: the trainer state as JSON + safetensors (``trainer_state.py``);
+1: as a pickle, ``trainer_state.pt`` (read safely, never written)."""
+READABLE_VERSIONS = (1, 2)
+_MAX_TAG_BYTES = 4096
 _TMP_PREFIX = ".tmp-"
 _REPLACED_PREFIX = ".replaced-"
 
 
-def check_tag(tag: str) -> str:
+def check_tag(tag: Any) -> str:
+    """``tag`` as a string, if it names a directory inside the save directory.
+
+    Raises:
+        ValueError: a tag with a path separator, or starting with ``.`` (``..``, hidden).
+    """
     tag = str(tag)
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
+    if not is_plain_name(tag) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
     return tag
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` is a file name that stays inside the directory it is joined to: a
+    non-empty string, not ``.`` or ``..``, with no path separator (so not absolute) and no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in ("/", "\\", os.sep, "\0"))
+        and not os.path.isabs(name)
+    )
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -116,12 +137,23 @@ def write_latest(save_dir: Path, tag: str) -> None:
 
 
 def read_latest(load_dir: Path) -> str | None:
+    """The tag ``latest`` names (checked to be a directory inside ``load_dir``), or ``None``."""
     path = load_dir / LATEST_FILE
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    with open(path, "rb") as handle:
+        data = handle.read(_MAX_TAG_BYTES + 1)
+    try:
+        tag = data.decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text: corrupted; pass tag= to load_checkpoint") from None
     if not tag:
         raise CheckpointError(f"{path} is empty; pass tag= to load_checkpoint")
+    if len(data) > _MAX_TAG_BYTES or not is_plain_name(tag) or tag.startswith("."):
+        raise CheckpointError(
+            f"{path} names {tag[:80]!r}, not a tag directory inside {load_dir} (a plain name: no '/', "
+            "not '..' or absolute, not starting with '.'); pass tag= to load_checkpoint"
+        )
     return tag
 
 
@@ -157,20 +189,51 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is missing: {directory} is not a complete megatrain checkpoint")
     try:
         document = json.loads(path.read_bytes())
-        body, recorded = document["body"], int(document["crc32"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{path}: corrupted manifest ({error})") from None
-    if zlib.crc32(json.dumps(body, sort_keys=True).encode()) != recorded:
+        body, recorded = document["body"], document["crc32"]
+        if type(recorded) is not int:
+            raise TypeError(f"crc32 is {recorded!r:.40}")
+        text = json.dumps(body, sort_keys=True)
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise CheckpointError(f"{path}: corrupted manifest ({type(error).__name__}: {error})") from None
+    if zlib.crc32(text.encode()) != recorded:
         raise CheckpointError(f"{path}: corrupted manifest (checksum mismatch)")
-    if body.get("format") != FORMAT_NAME or body.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format {body.get('format')!r} version {body.get('version')!r} "
-            f"is not {FORMAT_NAME!r} version {FORMAT_VERSION}"
-        )
+    _check_manifest_body(path, body)
     return body
 
 
-def checked_digest(directory: Path, manifest: dict[str, Any], name: str) -> FileDigest:
+def _check_manifest_body(path: Path, body: Any) -> None:
+    """What loading reads of the manifest, checked: a forged one passes its checksum."""
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path}: not a {FORMAT_NAME!r} manifest")
+    version = body.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{path}: format version {version!r:.40} is not one this megatrain_ds reads ({READABLE_VERSIONS}): "
+            "a checkpoint of a newer release?"
+        )
+    if not isinstance(body.get("exclude_frozen_parameters"), bool):
+        raise CheckpointError(f"{path}: 'exclude_frozen_parameters' must be true or false")
+    files = body.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: 'files' must map file names to their sizes and checksums")
+    for name, record in files.items():
+        if not is_plain_name(name):
+            raise CheckpointError(
+                f"{path}: file entry {name[:80]!r} is not a plain file name inside the tag directory "
+                "(no '/', not '..', not absolute): refusing the checkpoint"
+            )
+        fields = {"bytes": record.get("bytes"), "crc32": record.get("crc32")} if isinstance(record, dict) else {}
+        if isinstance(record, dict) and "header_crc32" in record:
+            fields["header_crc32"] = record["header_crc32"]
+        if not fields or set(record) != set(fields) or not all(_is_u32_or_size(k, v) for k, v in fields.items()):
+            raise CheckpointError(f"{path}: the entry of {name!r} must hold 'bytes', 'crc32' (and 'header_crc32') ints")
+
+
+def _is_u32_or_size(key: str, value: Any) -> bool:
+    return type(value) is int and value >= 0 and (key == "bytes" or value < 1 << 32)
+
+
+def checked_digest(directory: Path, manifest: Mapping[str, Any], name: str) -> FileDigest:
     """The recorded digest of ``name``, after checking the file exists with that size."""
     record = manifest["files"].get(name)
     path = directory / name

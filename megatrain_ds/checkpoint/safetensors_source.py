@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from megatrain_ds.checkpoint.directories import is_plain_name
 from megatrain_ds.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,7 @@ class SafetensorsSource:
         self.file_of: dict[str, Path] = {}
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: self.directory / file for name, file in weight_map.items()}
+            self.file_of = {name: self.directory / file for name, file in _weight_map(index).items()}
         else:
             files = (
                 [self.directory / SINGLE_FILE]
@@ -123,6 +123,26 @@ class SafetensorsSource:
                 len(unused),
                 ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""),
             )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``, every shard a plain file name beside the index: the
+    directory may be downloaded, and a name like ``../x`` must not reach outside it."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise ConfigError(
+            f"megatrain.load_from: {index} is not a valid index ({type(error).__name__}: {error})"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"megatrain.load_from: {index}: 'weight_map' must map tensor names to shard file names")
+    for name, file in weight_map.items():
+        if not is_plain_name(file):
+            raise ConfigError(
+                f"megatrain.load_from: {index} puts tensor {name!r} in {str(file)[:80]!r}, not a plain file name "
+                f"inside {index.parent} (no '/', not '..', not absolute): refusing the directory"
+            )
+    return weight_map
 
 
 class _ScopedSource:

@@ -8,8 +8,9 @@ A checkpoint is a directory ``<save_dir>/<tag>`` (``tag`` defaults to
     config.json, generation_config.json    the model's own, when it has them
     optimizer-0000k-of-0000n.safetensors   Adam m and v per trained parameter (and the gradient
                                            accumulators, when saved inside an accumulation window)
-    trainer_state.pt                       step counters, optimizer hyperparameters, lr scheduler,
-                                           RNG states (Python, NumPy, CPU, every CUDA device), client_state
+    engine_state.json                      step counters, optimizer hyperparameters, lr scheduler,
+    engine_state.safetensors               RNG states (Python, NumPy, CPU, every CUDA device), client_state:
+                                           JSON plus the tensors it references (``trainer_state.py``)
     megatrain_checkpoint.json              manifest: size and CRC-32 of every file, written last
 
 and ``<save_dir>/latest`` names the newest complete tag. See ``directories.py`` for
@@ -21,9 +22,11 @@ files straight into them (``tensor_files.py``), so neither holds a second copy o
 tensor: the extra host memory is one 16 MiB scratch buffer, used only for dtype
 conversion and for checksumming bytes that are not loaded.
 
-Loading checks everything it can before it touches the engine: the manifest, every
-file's size, every header, every tensor's name and shape against this model (the first
-mismatch is named with both shapes) and the trainer state's checksum. Each shard's
+Loading checks everything it can before it touches the engine: the manifest (every file
+name in it a plain name inside the tag directory), every file's size, every header, every
+tensor's name and shape against this model (the first mismatch is named with both shapes)
+and the trainer state (checksum, then every field's type). Nothing is unpickled: a
+checkpoint is data, whoever wrote it (see docs/checkpoints.md, "Untrusted checkpoints"). Each shard's
 CRC-32 is verified as it is read into the engine's buffers; a mismatch then raises with
 the file named, leaving the engine partly loaded (load another checkpoint).
 """
@@ -32,13 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import json
 import logging
 import os
-import random
 import shutil
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatrain_ds.checkpoint import trainer_state as trainer_states
 from megatrain_ds.checkpoint.directories import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -83,12 +84,6 @@ logger = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 2 << 30
 """Blocks are grouped into weight shards of at most this size (a block is never split)."""
 MODEL_INDEX = "model.safetensors.index.json"
-TRAINER_STATE = "trainer_state.pt"
-
-# Engine counters restored unless load_module_only; optimizer_steps is the Adam step
-# count (bias correction), so it belongs to the optimizer state.
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-_OPTIMIZER_COUNTERS = ("optimizer_steps",)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -231,9 +226,12 @@ def save_checkpoint(
     """
     _quiesce(engine)
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    # Encoded first: a client_state value a checkpoint cannot hold fails before anything is written.
+    state = trainer_states.capture(engine, client_state or {}, _inside_accumulation_window(engine))
+    encoded = trainer_states.encode(state)
 
     def save() -> None:
-        _save_tag(engine, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters, max_shard_bytes)
+        _save_tag(engine, Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes)
 
     if engine.data_parallel is not None:
         engine.data_parallel.on_rank0(f"saving checkpoint {tag!r}", save)
@@ -246,14 +244,14 @@ def _save_tag(
     engine: CheckpointedEngine,
     root: Path,
     tag: str,
-    client_state: Mapping[str, Any] | None,
+    encoded: trainer_states.EncodedTrainerState,
     save_latest: bool,
     exclude_frozen_parameters: bool,
     max_shard_bytes: int,
 ) -> None:
     temp = make_temp_dir(root, tag)
     try:
-        files = _write_tag_dir(engine, temp, client_state or {}, exclude_frozen_parameters, max_shard_bytes)
+        files = _write_tag_dir(engine, temp, encoded, exclude_frozen_parameters, max_shard_bytes)
         write_manifest(
             temp,
             {
@@ -282,7 +280,11 @@ def _save_tag(
 
 
 def _write_tag_dir(
-    engine: CheckpointedEngine, temp: Path, client_state: Mapping[str, Any], exclude_frozen: bool, max_shard_bytes: int
+    engine: CheckpointedEngine,
+    temp: Path,
+    encoded: trainer_states.EncodedTrainerState,
+    exclude_frozen: bool,
+    max_shard_bytes: int,
 ) -> dict[str, FileDigest]:
     files: dict[str, FileDigest] = {}
     groups = _entries_by_state(engine)
@@ -322,9 +324,10 @@ def _write_tag_dir(
             del tensors
             flat_of.release()  # one shard's moments mapped at a time
 
-    buffer = io.BytesIO()
-    torch.save(_trainer_state(engine, client_state, mid_window), buffer)
-    files[TRAINER_STATE] = write_bytes_durably(temp / TRAINER_STATE, buffer.getvalue())
+    files[trainer_states.ENGINE_STATE] = write_bytes_durably(temp / trainer_states.ENGINE_STATE, encoded.document)
+    files[trainer_states.ENGINE_TENSORS] = write_safetensors(
+        temp / trainer_states.ENGINE_TENSORS, encoded.tensors, {"format": "megatrain-state"}
+    )
     return files
 
 
@@ -351,55 +354,6 @@ def _write_model_config(engine: CheckpointedEngine, temp: Path) -> dict[str, Fil
 
 def _inside_accumulation_window(engine: CheckpointedEngine) -> bool:
     return engine.micro_steps % engine.gradient_accumulation_steps() != 0
-
-
-def _trainer_state(engine: CheckpointedEngine, client_state: Mapping[str, Any], mid_window: bool) -> dict[str, Any]:
-    scheduler = engine.lr_scheduler
-    return {
-        "counters": {
-            name: getattr(engine, name) for name in _ENGINE_COUNTERS + _OPTIMIZER_COUNTERS if hasattr(engine, name)
-        },
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
-        "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "rng": _capture_rng(),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "mid_window_gradients": mid_window,
-        "client_state": dict(client_state),
-    }
-
-
-def _capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "cpu": torch.get_rng_state()}
-    try:
-        import numpy
-
-        state["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _restore_rng(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["cpu"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        devices = torch.cuda.device_count()
-        if len(state["cuda"]) != devices:
-            logger.warning(
-                "megatrain: the checkpoint has RNG states of %d CUDA devices, this process "
-                "sees %d; restoring the first %d",
-                len(state["cuda"]),
-                devices,
-                min(devices, len(state["cuda"])),
-            )
-        for index, device_state in enumerate(state["cuda"][:devices]):
-            torch.cuda.set_rng_state(device_state, index)
 
 
 # -- load ---------------------------------------------------------------------------------
@@ -436,15 +390,16 @@ def load_checkpoint(
     with_optimizer = load_optimizer_states and not load_module_only
 
     # Everything that can be checked is checked before the engine is touched.
-    trainer_state = _read_trainer_state(path, manifest)
+    trainer_state = trainer_states.read(path, manifest)
     groups = _entries_by_state(engine)
     entries = [e for group in groups for e in group]
     model_files = _open_shards(path, manifest, "model-")
     required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
     model_targets = _match_weights(engine, path, model_files, entries, required, load_module_strict)
     optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
+    if not load_module_only:
+        trainer_states.check_compatible(engine, trainer_state, path, with_optimizer, load_lr_scheduler_states)
     if with_optimizer:
-        _check_optimizer_groups(engine, trainer_state)
         optimizer_files = _open_shards(path, manifest, "optimizer-")
         optimizer_targets = _match_optimizer(engine, path, optimizer_files, entries, trainer_state, load_module_strict)
 
@@ -478,19 +433,10 @@ def load_checkpoint(
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
     engine.resident.refresh_device()
-    _apply_trainer_state(engine, trainer_state, with_optimizer, load_lr_scheduler_states, load_module_only)
+    if not load_module_only:
+        trainer_states.apply_trainer_state(engine, trainer_state, with_optimizer, load_lr_scheduler_states)
     logger.info("megatrain: loaded checkpoint %s", path)
-    return str(path), trainer_state["client_state"]
-
-
-def _read_trainer_state(path: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
-    digest = checked_digest(path, manifest, TRAINER_STATE)
-    data = (path / TRAINER_STATE).read_bytes()
-    if zlib.crc32(data) != digest.crc32:
-        raise CheckpointError(f"{path / TRAINER_STATE}: checksum mismatch: the file is corrupted")
-    # The user's own checkpoint (as trusted as DeepSpeed's, which also unpickles):
-    # client_state and scheduler states may hold arbitrary objects.
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return str(path), trainer_state.client_state
 
 
 def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:
@@ -572,35 +518,18 @@ def _match_weights(
     return targets
 
 
-def _check_optimizer_groups(engine: CheckpointedEngine, trainer_state: Mapping[str, Any]) -> None:
-    saved, current = len(trainer_state["param_groups"]), len(engine.optimizer.param_groups)
-    if saved != current:
-        raise CheckpointError(
-            f"the checkpoint has {saved} optimizer parameter groups, this engine has "
-            f"{current}; pass load_optimizer_states=False to load the weights only"
-        )
-    if trainer_state["mid_window_gradients"]:
-        saved_steps = trainer_state["gradient_accumulation_steps"]
-        if saved_steps != engine.gradient_accumulation_steps():
-            raise CheckpointError(
-                f"the checkpoint was saved inside an accumulation window of {saved_steps} micro-batches "
-                f"(micro step {trainer_state['counters'].get('micro_steps')}); this engine accumulates "
-                f"{engine.gradient_accumulation_steps()}: resume with gradient_accumulation_steps={saved_steps}"
-            )
-
-
 def _match_optimizer(
     engine: CheckpointedEngine,
     path: Path,
     files: Mapping[str, SafetensorsFile],
     entries: list[_Entry],
-    trainer_state: Mapping[str, Any],
+    trainer_state: trainer_states.TrainerState,
     strict: bool,
 ) -> dict[str, dict[str, tuple[_Entry, str]]]:
     """``file path -> {tensor name -> (entry, kind)}`` of the optimizer state to read."""
     found = _index_records(files)
     targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
-    kinds = list(_MOMENTS) + (["grad"] if trainer_state["mid_window_gradients"] else [])
+    kinds = list(_MOMENTS) + (["grad"] if trainer_state.mid_window_gradients else [])
     for entry in (e for e in entries if e.trained):
         for kind in kinds:
             name = f"{entry.name}.{kind}"
@@ -622,21 +551,3 @@ def _match_optimizer(
             _check_shape(name, file, record, entry, path)
             targets.setdefault(file.path, {})[name] = (entry, kind)
     return targets
-
-
-def _apply_trainer_state(
-    engine: CheckpointedEngine, state: Mapping[str, Any], with_optimizer: bool, with_scheduler: bool, module_only: bool
-) -> None:
-    if module_only:
-        return
-    counters = state["counters"]
-    for name in _ENGINE_COUNTERS + (_OPTIMIZER_COUNTERS if with_optimizer else ()):
-        if name in counters and hasattr(engine, name):
-            setattr(engine, name, counters[name])
-    if with_optimizer:
-        for group, saved in zip(engine.optimizer.param_groups, state["param_groups"]):
-            group.update(saved)
-    scheduler = engine.lr_scheduler
-    if with_scheduler and scheduler is not None and state["lr_scheduler"] is not None:
-        scheduler.load_state_dict(state["lr_scheduler"])
-    _restore_rng(state["rng"])

@@ -132,18 +132,19 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: corrupted header (checksum mismatch)")
         try:
             header = json.loads(self.prefix[8:])
+            if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+                raise TypeError("the header is not a JSON object of tensors (and a __metadata__ object)")
             self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
             records = [
                 TensorRecord(
                     name,
                     DTYPES_BY_CODE[info["dtype"]],
-                    tuple(info["shape"]),
-                    8 + length + info["data_offsets"][0],
-                    8 + length + info["data_offsets"][1],
+                    _counts(info["shape"], None),
+                    *(8 + length + offset for offset in _counts(info["data_offsets"], 2)),
                 )
                 for name, info in header.items()
             ]
-        except (ValueError, KeyError, TypeError, IndexError) as error:
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as error:
             raise CheckpointError(f"{self.path}: corrupted header ({type(error).__name__}: {error})") from None
         records.sort(key=lambda record: record.start)
         position = 8 + length
@@ -213,6 +214,15 @@ def file_digest(path: str | os.PathLike[str]) -> FileDigest:
             crc = zlib.crc32(block, crc)
             size += len(block)
     return FileDigest(size, crc)
+
+
+def _counts(value: object, length: int | None) -> tuple[int, ...]:
+    """A header's list of non-negative ints (a shape, offsets); a forged header may hold anything."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        raise ValueError(f"expected a list of {length or 'any number of'} ints, found {value!r:.60}")
+    if not all(type(item) is int and item >= 0 for item in value):
+        raise ValueError(f"expected non-negative ints, found {value!r:.60}")
+    return tuple(value)
 
 
 def _numel(shape: Sequence[int]) -> int:
