@@ -71,6 +71,7 @@ from megatrain_ds.checkpoint.tensor_files import (
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.gradients.sink import GradientPort
+from megatrain_ds.optimizer.loss_scaling import LossScaling
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, ParamSlot
 from megatrain_ds.state.host_store import HostFlatState
@@ -114,6 +115,8 @@ class CheckpointedEngine(Protocol):
     block_path: str
     global_steps: int
     micro_steps: int
+    loss_scaling: LossScaling
+    """fp16's loss scaler: its running state is saved and restored with the optimizer's."""
 
     def gradient_accumulation_steps(self) -> int: ...
 
@@ -360,6 +363,8 @@ def _trainer_state(engine: CheckpointedEngine, client_state: Mapping[str, Any], 
             name: getattr(engine, name) for name in _ENGINE_COUNTERS + _OPTIMIZER_COUNTERS if hasattr(engine, name)
         },
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
+        # fp16: the loss scaler's running state, plain numbers (optimizer/loss_scaling.py); {} without fp16.
+        "loss_scaler": engine.loss_scaling.state_dict(),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "rng": _capture_rng(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
@@ -636,6 +641,9 @@ def _apply_trainer_state(
     if with_optimizer:
         for group, saved in zip(engine.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
+        # DeepSpeed restores its loss scaler with the optimizer state; checkpoints from before
+        # fp16 support have no entry.
+        engine.loss_scaling.load_state_dict(state.get("loss_scaler", {}))
     scheduler = engine.lr_scheduler
     if with_scheduler and scheduler is not None and state["lr_scheduler"] is not None:
         scheduler.load_state_dict(state["lr_scheduler"])
