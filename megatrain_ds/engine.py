@@ -405,7 +405,11 @@ class MegatrainEngine(nn.Module):
             self._batch_checked = True
             log_layer_checkpointing(self.blocks.blocks, self.block_path)
             warn_if_transfers_exposed(
-                self.runtime, args, kwargs, bf16=self.config.bf16, accumulation=self.gradient_accumulation_steps()
+                self.runtime,
+                args,
+                kwargs,
+                bf16=self.config.compute_dtype.itemsize == 2,  # 2-byte weights cross: fp16 as bf16
+                accumulation=self.gradient_accumulation_steps(),
             )
             self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
