@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import tiny_models
@@ -118,11 +119,20 @@ def test_overflow_is_exposed_as_deepspeed_does(caplog):
     engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
     engine.lr_scheduler = scheduler
+    from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+
+    # Accelerate's own property on what its wrapper holds (the wrapper itself needs an Accelerator).
+    wrapped = SimpleNamespace(optimizer=engine.optimizer, __has_overflow__=hasattr(engine.optimizer, "overflow"))
+
+    def accelerate_says_skipped() -> bool:
+        return DeepSpeedOptimizerWrapper.step_was_skipped.fget(wrapped)
+
     try:
         assert engine.optimizer.loss_scale == engine.optimizer.cur_scale == 2.0**40
         with caplog.at_level(logging.INFO, logger="megatrain_ds.engine"):
             _step(engine, 0)
         assert engine.optimizer.overflow and not engine.was_step_applied()
+        assert accelerate_says_skipped()
         assert engine.skipped_steps == 1 and engine.global_steps == 1 and engine.optimizer_steps == 0
         assert engine.optimizer.loss_scale == 2.0**39
         assert not math.isfinite(engine.get_global_grad_norm())
@@ -131,6 +141,7 @@ def test_overflow_is_exposed_as_deepspeed_does(caplog):
         engine.optimizer.cur_scale = 2.0**10  # DeepSpeed's setter
         _step(engine, 1)
         assert not engine.optimizer.overflow and engine.optimizer_steps == 1 and scheduler.last_epoch == 1
+        assert not accelerate_says_skipped()
         assert math.isfinite(engine.get_global_grad_norm())
     finally:
         engine.destroy()
