@@ -8,8 +8,10 @@ valid choices. The DeepSpeed keys this engine gives a meaning to are read into
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -498,6 +500,91 @@ class SchedulerSpec:
         return cls(type=kind, params=dict(params))
 
 
+# DeepSpeed's "fp16" keys and defaults (DeepSpeedFP16Config, deepspeed/runtime/precision_config.py,
+# DeepSpeed 0.19; tests/test_fp16.py checks them against it).
+_FP16_KEYS = ("enabled", "auto_cast", "fp16_master_weights_and_grads")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp16Options:
+    """The ``"fp16"`` block when enabled: fp16 compute, fp32 masters, loss scaling.
+
+    The scaling rules are DeepSpeed's own loss scalers' (``optimizer/loss_scaling.py``);
+    these are the values they are built from.
+    """
+
+    loss_scale: float = 0.0
+    """0: dynamic loss scaling; any other value: this static scale."""
+    initial_scale_power: int = 16
+    """The dynamic scale starts at ``2**initial_scale_power``."""
+    loss_scale_window: int = 1000
+    """Steps without an overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows (each a skipped step) before the dynamic scale halves (DeepSpeed's delayed shift)."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without an overflow (else only when the scale grows)."""
+    min_loss_scale: int = 1
+    """The dynamic scale's floor: an overflow there raises DeepSpeed's error."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any]) -> Fp16Options:
+        """Validate an enabled ``"fp16"`` block (DeepSpeed's checks, and hysteresis >= 1)."""
+        known = _FP16_KEYS + tuple(f.name for f in fields(cls))
+        unknown = sorted(set(block) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown fp16 key(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+        _reject_auto({k: v for k, v in block.items() if k != "enabled"}, "fp16")
+        for key in ("auto_cast", "fp16_master_weights_and_grads"):
+            if block.get(key, False) is not False:
+                raise ConfigError(
+                    f"fp16.{key} must be false with this engine (its masters are fp32 and the model "
+                    f"computes in fp16 already), got {block[key]!r}"
+                )
+        options = cls(**{k: v for k, v in block.items() if k not in _FP16_KEYS})
+        scale = options.loss_scale
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale < 0:
+            raise ConfigError(f"fp16.loss_scale must be a finite number >= 0 (0: dynamic loss scaling), got {scale!r}")
+        if not isinstance(options.consecutive_hysteresis, bool):
+            raise ConfigError(
+                f"fp16.consecutive_hysteresis must be true or false, got {options.consecutive_hysteresis!r}"
+            )
+        # Window and floor only matter with dynamic scaling, and DeepSpeed checks them only then.
+        minimum = 1 if options.dynamic else -math.inf
+        for key, least in (
+            ("initial_scale_power", -math.inf),
+            ("loss_scale_window", minimum),
+            ("hysteresis", 1),
+            ("min_loss_scale", minimum),
+        ):
+            value = getattr(options, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                bound = "" if least == -math.inf else f" >= {least}"
+                raise ConfigError(f"fp16.{key} must be an integer{bound}, got {value!r}")
+        return dataclasses.replace(options, loss_scale=float(scale))
+
+
+def _fp16_options(config: Mapping[str, Any], bf16_enabled: Any) -> Fp16Options | None:
+    """The ``"fp16"`` block: ``None`` unless enabled (``"auto"`` counts as off until the HF
+    Trainer's ``--fp16`` or Accelerate's ``mixed_precision`` fills it in, as for bf16)."""
+    block = config.get("fp16") or {}
+    if not isinstance(block, Mapping):
+        raise ConfigError(f'"fp16" must be an object like {{"enabled": true}}, got {block!r}')
+    enabled = block.get("enabled", False)
+    if enabled not in (True, False, AUTO):
+        raise ConfigError(f'fp16.enabled must be true, false or "auto", got {enabled!r}')
+    if enabled is not True:
+        return None
+    if bf16_enabled:
+        raise ConfigError(
+            "fp16.enabled and bf16.enabled are both true: enable one of them (bf16 needs no loss scaling)"
+        )
+    return Fp16Options.from_dict(block)
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     """Everything the engine reads from the DeepSpeed JSON."""
@@ -505,6 +592,8 @@ class EngineConfig:
     options: MegatrainOptions = field(default_factory=MegatrainOptions)
     bf16: bool = False
     """Compute (and stream) in bf16; master weights and optimizer state stay fp32."""
+    fp16: Fp16Options | None = None
+    """Compute (and stream) in fp16 with loss scaling; master weights and optimizer state stay fp32."""
     gradient_clipping: float = 0.0
     """Global-norm clipping threshold; 0 disables clipping."""
     gradient_accumulation_steps: int = 1
@@ -529,6 +618,8 @@ class EngineConfig:
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        if self.fp16 is not None:
+            return torch.float16
         return torch.bfloat16 if self.bf16 else torch.float32
 
     @property
@@ -542,7 +633,17 @@ class EngineConfig:
             self.gradient_clipping > 0
             or self.gradient_accumulation_steps > 1
             or self.options.non_finite_steps == "skip"
+            or self.fp16 is not None  # an overflow skips the step: nothing may be applied before
         )
+
+    @property
+    def held_gradient_dtype(self) -> torch.dtype:
+        """Dtype of the held gradients: fp32 to accumulate micro-batches, and with fp16, where
+        gradients are unscaled as they arrive (an unscaled fp16 gradient would underflow);
+        else the compute dtype."""
+        if self.gradient_accumulation_steps > 1 or self.fp16 is not None:
+            return torch.float32
+        return self.compute_dtype
 
     @property
     def skips_non_finite(self) -> bool:
@@ -631,11 +732,6 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
     """
     if world_size is None:
         world_size = launcher_world_size()
-    if (config.get("fp16") or {}).get("enabled") not in (None, False, AUTO):
-        raise ConfigError(
-            "fp16.enabled is not supported: this engine trains with fp32 master weights; "
-            'use "bf16": {"enabled": true} for bf16 compute (no loss scaling needed)'
-        )
     train, micro, accumulation = _batch_sizes(config, world_size)
     clipping = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     if clipping == AUTO:  # what Accelerate fills in, and the HF Trainer's max_grad_norm default
@@ -648,6 +744,7 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
     bf16_enabled = bf16.get("enabled", False)
     if bf16_enabled == AUTO:  # Accelerate's and the HF Trainer's default: no mixed precision
         bf16_enabled = False
+    fp16 = _fp16_options(config, bf16_enabled)
     optimizer = config.get("optimizer")
     steps_per_print = config.get("steps_per_print")
     if steps_per_print == float("inf"):  # what Accelerate sets to silence DeepSpeed
@@ -669,9 +766,13 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
     ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL)) + zero.ignored
     if ignored:
         logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s", ", ".join(ignored))
+    engine_options = MegatrainOptions.from_dict(options)
+    if fp16 is not None:
+        _check_fp16_options(engine_options)
     return EngineConfig(
-        options=MegatrainOptions.from_dict(options),
+        options=engine_options,
         bf16=bool(bf16_enabled),
+        fp16=fp16,
         gradient_clipping=float(clipping),
         gradient_accumulation_steps=accumulation,
         train_micro_batch_size_per_gpu=micro,
@@ -683,3 +784,19 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         wall_clock_breakdown=wall_clock_breakdown,
         source=config,
     )
+
+
+def _check_fp16_options(options: MegatrainOptions) -> None:
+    """Engine options that cannot go with fp16 compute."""
+    if options.non_finite_steps == "raise":
+        raise ConfigError(
+            'megatrain.non_finite_steps "raise" cannot go with fp16: an overflow of the loss scale is '
+            'a skipped step by design; use "auto" or "skip"'
+        )
+    if options.optimizer_device == "gpu":
+        raise ConfigError(
+            'megatrain.optimizer_device "gpu" does not support fp16 yet (its kernel writes bf16 copies); '
+            'use "cpu" or "auto"'
+        )
+    if options.master_dtype != "fp32":
+        raise ConfigError('megatrain.master_dtype must be "fp32" with fp16 compute')

@@ -37,6 +37,7 @@ from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_r
 from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.optimizer.loss_scaling import LossScaling
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.optimizer.speculative_step import (
     AUTO_JOURNAL_BYTES_PER_PARAM,
@@ -111,6 +112,9 @@ class MegatrainEngine(nn.Module):
         )
         self.runtime = DeviceRuntime.create(device or default_device(), config.options.pin_memory)
         self.optimizer: MegatrainOptimizer = build_optimizer(model, model_parameters, config.optimizer, optimizer)
+        self.loss_scaling = LossScaling(config.fp16)
+        """fp16: DeepSpeed's loss scaler, applied in backward and at the step (optimizer/loss_scaling.py)."""
+        self.optimizer.loss_scaling = self.loss_scaling  # optimizer.loss_scale/cur_scale, as DeepSpeed's
         self.lr_scheduler = lr_scheduler
         self.module = model
         self.global_steps = 0
@@ -273,7 +277,7 @@ class MegatrainEngine(nn.Module):
         stepper (norm, clipping, speculative steps), attached to the client optimizer."""
         options, compute, dp = self.config.options, self.config.compute_dtype, self.data_parallel
         if self.config.holds_gradients:
-            grad_dtype = torch.float32 if self.config.gradient_accumulation_steps > 1 else compute
+            grad_dtype = self.config.held_gradient_dtype
             for state in self.states:
                 state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype, shared)
         if dp is not None:
@@ -464,7 +468,11 @@ class MegatrainEngine(nn.Module):
             self._batch_checked = True
             log_layer_checkpointing(self.blocks.blocks, self.block_path)
             warn_if_transfers_exposed(
-                self.runtime, args, kwargs, bf16=self.config.bf16, accumulation=self.gradient_accumulation_steps()
+                self.runtime,
+                args,
+                kwargs,
+                bf16=self.config.compute_dtype.itemsize == 2,  # 2-byte weights cross: fp16 as bf16
+                accumulation=self.gradient_accumulation_steps(),
             )
             self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
@@ -504,11 +512,12 @@ class MegatrainEngine(nn.Module):
             self._tracing.metadata["fragments"] = {"setting": "auto", **dataclasses.asdict(self.fragment_choice)}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate ``loss`` divided by the accumulation steps (DeepSpeed semantics)."""
+        """Backpropagate ``loss`` divided by the accumulation steps, and with fp16 times the
+        loss scale (DeepSpeed semantics: the scale multiplies the divided loss)."""
         with self.runtime.observe():
             self.blocks.begin_backward()
             scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-            scaled.backward(retain_graph=retain_graph)
+            self.loss_scaling.scale_loss(scaled).backward(retain_graph=retain_graph)
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -603,10 +612,13 @@ class MegatrainEngine(nn.Module):
         offset -= self.windows[index][0]
         step = self.optimizer_steps + 1
         if state.grad is None:  # nothing held (no clipping, accumulation or skipping): final
+            assert not self.loss_scaling.enabled, "fp16 holds gradients (EngineConfig.holds_gradients)"
             self.stepper.consume_final(index, offset, grad, step)
             return
         accumulated = state.grad[offset : offset + grad.numel()]
-        accumulated.add_(grad)
+        # fp16: divided by the scale here, in fp32; the scale changes only between steps,
+        # after the worker has drained (optimizer/loss_scaling.py).
+        self.loss_scaling.unscale_into_(accumulated, grad)
         if final:
             self.stepper.consume_final(index, offset, accumulated, step)
 
@@ -621,6 +633,10 @@ class MegatrainEngine(nn.Module):
         self.last_step_report = report
         self._global_grad_norm = report.norm
         self._step_applied = report.outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED)
+        self.optimizer.overflow = not self._step_applied  # DeepSpeed's flag (Accelerate reads it)
+        # fp16: the scaler hears of the step after it is settled (an overflow's is undone), as
+        # in DeepSpeed's ZeRO optimizer; at its minimum scale it raises DeepSpeed's error.
+        self.loss_scaling.after_step(overflow=not self._step_applied)
         if self._step_applied:
             self._consecutive_skips = 0
             self.optimizer_steps += 1
@@ -636,6 +652,13 @@ class MegatrainEngine(nn.Module):
             )
         self.skipped_steps += 1
         self._consecutive_skips += 1
+        if self.loss_scaling.dynamic:  # an overflow: the scaler judges (it lowered the scale)
+            logger.info(
+                "megatrain: fp16 overflow in optimizer step %d: skipped; loss scale now %s",
+                self.optimizer_steps + 1,
+                self.loss_scaling.scale,
+            )
+            return
         logger.warning(
             "megatrain: skipped optimizer step %d: global gradient norm %s (%d skipped in a row, "
             "%d in all); weights and optimizer state unchanged",

@@ -149,6 +149,29 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     engine.destroy()
 
 
+def run_fp16(args: argparse.Namespace, rank: int, world_size: int) -> None:
+    """Dynamic loss scaling; at step ``--poison-at`` only rank 1's loss is made infinite:
+    every rank must skip that step and lower the scale (the overflow agreed on)."""
+    torch.manual_seed(0)
+    fp16 = {"enabled": True, "initial_scale_power": 15, "hysteresis": 1}
+    engine = MegatrainEngine(
+        tiny_models.llama(num_layers=4), parse_engine_config({**config(1, world_size), "fp16": fp16})
+    )
+    skipped, scales = [], []
+    for step in range(args.steps):
+        batch = global_batch(step, MICRO * world_size)
+        loss = engine(**{key: value[rank * MICRO : (rank + 1) * MICRO] for key, value in batch.items()}).loss
+        if step == args.poison_at and rank == 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        skipped.append(not engine.was_step_applied())
+        scales.append(engine.optimizer.loss_scale)
+    state = {key: value.clone() for key, value in engine.module.state_dict().items()}
+    torch.save({"state_dict": state, "skipped": skipped, "scales": scales}, Path(args.out) / f"rank{rank}.pt")
+    engine.destroy()
+
+
 def run_order(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     engine = MegatrainEngine(SleepyModel(), parse_engine_config(config(1, world_size)))
@@ -184,7 +207,7 @@ def run_die(args: argparse.Namespace, rank: int, world_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["parity", "order", "die"])
+    parser.add_argument("mode", choices=["parity", "order", "die", "fp16"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--accumulation", type=int, default=2)
@@ -194,6 +217,7 @@ def main() -> None:
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")
     parser.add_argument("--save-to", help="parity: save a checkpoint here before step --save-at")
     parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--poison-at", type=int, default=4, help="fp16: the step whose loss rank 1 makes infinite")
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
     parser.add_argument(
         "--one-rank-per-node",
@@ -207,7 +231,7 @@ def main() -> None:
         import megatrain_ds.distributed.data_parallel as data_parallel
 
         data_parallel.node_name = lambda: f"node-{rank}"
-    {"parity": run_parity, "order": run_order, "die": run_die}[args.mode](args, rank, world_size)
+    {"parity": run_parity, "order": run_order, "die": run_die, "fp16": run_fp16}[args.mode](args, rank, world_size)
 
 
 if __name__ == "__main__":

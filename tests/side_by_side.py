@@ -7,9 +7,11 @@ accumulation steps as DeepSpeed's ``engine.backward`` does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import tiny_models
@@ -91,4 +93,122 @@ def train_side_by_side(
             trace.engine_norms.append(float(engine.get_global_grad_norm()))
         optimizer.step()
         optimizer.zero_grad()
+    return engine, reference, trace
+
+
+# -- fp16 with loss scaling --------------------------------------------------------------------
+
+
+@dataclass
+class Fp16Trace:
+    """Per optimizer step: whether it was skipped, and the loss scale after it."""
+
+    engine_skipped: list[bool] = field(default_factory=list)
+    reference_skipped: list[bool] = field(default_factory=list)
+    engine_scales: list[float] = field(default_factory=list)
+    reference_scales: list[float] = field(default_factory=list)
+    engine_losses: list[float] = field(default_factory=list)
+    reference_losses: list[float] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _deepspeed_rank_zero() -> Iterator[None]:
+    """DeepSpeed's scaler asks ``deepspeed.comm.get_rank()`` (to log on rank 0), which asserts
+    before DeepSpeed's backend is initialised: answer 0 for the reference's calls."""
+    from deepspeed import comm
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    saved = loss_scaler.dist
+    if not comm.is_initialized():
+        loss_scaler.dist = SimpleNamespace(get_rank=lambda group=None: 0)
+    try:
+        yield
+    finally:
+        loss_scaler.dist = saved
+
+
+class Fp16Reference:
+    """Plain PyTorch mixed precision as DeepSpeed's fp16 ZeRO optimizer does it: fp32 master
+    weights (the model, deep-copied) trained by ``torch.optim.AdamW``, an fp16 compute copy
+    (parameters only: buffers keep their dtype, as in the engine), the loss divided by the
+    accumulation steps and multiplied by DeepSpeed's own scaler's scale, gradients summed in
+    fp32 divided by the scale, a step with any non-finite gradient skipped, then
+    ``update_scale(overflow)``. The scaler is built from DeepSpeed's own config model
+    (``DeepSpeedFP16Config(**block).dynamic_loss_scale_args()``), not from the engine's parsing."""
+
+    def __init__(self, model: torch.nn.Module, config: dict[str, Any]) -> None:
+        from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+        from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+        block = DeepSpeedFP16Config(**config["fp16"])
+        self.scaler = CreateLossScaler(
+            torch.float16, block.loss_scale, block.loss_scale == 0, block.dynamic_loss_scale_args()
+        )
+        self.master = copy.deepcopy(model)
+        self.compute = copy.deepcopy(model)
+        for param in self.compute.parameters():
+            param.data = param.data.half()
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        self.accumulation = config["gradient_accumulation_steps"]
+        self.clipping = config["gradient_clipping"]
+        self.sums = [torch.zeros_like(p) for p in self.master.parameters()]
+
+    def micro_step(self, batch: dict[str, Any]) -> float:
+        loss = self.compute(**batch).loss
+        self.scaler.scale_loss(loss / self.accumulation).backward()
+        for total, param in zip(self.sums, self.compute.parameters()):
+            if param.grad is not None:
+                total += param.grad.float() / self.scaler.loss_scale
+            param.grad = None
+        return loss.item()
+
+    def step(self) -> bool:
+        """The optimizer step; True when it was skipped for an overflow."""
+        overflow = not all(bool(torch.isfinite(total).all()) for total in self.sums)
+        if not overflow:
+            for param, total in zip(self.master.parameters(), self.sums):
+                param.grad = total.clone()
+            if self.clipping > 0:
+                torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.clipping)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            with torch.no_grad():
+                for ours, master in zip(self.compute.parameters(), self.master.parameters()):
+                    ours.copy_(master)  # rounded to fp16 (nearest even), as the engine's shadow
+        for total in self.sums:
+            total.zero_()
+        with _deepspeed_rank_zero():
+            self.scaler.update_scale(overflow)
+        return overflow
+
+
+def train_fp16_side_by_side(
+    make_model: Callable[[], torch.nn.Module],
+    config: dict[str, Any],
+    steps: int = 6,
+    make_batch: Callable[[int], dict[str, Any]] = tiny_models.make_batch,
+) -> tuple[MegatrainEngine, Fp16Reference, Fp16Trace]:
+    """``steps`` optimizer steps of an fp16 engine and :class:`Fp16Reference` on the same batches."""
+    torch.manual_seed(0)
+    model = make_model()
+    reference = Fp16Reference(model, config)
+    engine = MegatrainEngine(model, parse_engine_config(config))
+    engine.train()
+    reference.compute.train()
+    trace = Fp16Trace()
+    for step in range(steps):
+        for micro in range(reference.accumulation):
+            seed = step * reference.accumulation + micro
+            batch = make_batch(seed)
+            torch.manual_seed(1000 + seed)  # same dropout masks for both
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            trace.engine_losses.append(loss.item())
+            torch.manual_seed(1000 + seed)
+            trace.reference_losses.append(reference.micro_step(batch))
+        trace.engine_skipped.append(not engine.was_step_applied())
+        trace.engine_scales.append(engine.optimizer.loss_scale)
+        trace.reference_skipped.append(reference.step())
+        trace.reference_scales.append(reference.scaler.loss_scale)
     return engine, reference, trace

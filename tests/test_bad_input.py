@@ -35,9 +35,9 @@ def test_invalid_choice_lists_the_valid_ones():
         _initialize(ds_config(megatrain={"master_dtype": "fp16"}))
 
 
-def test_fp16_is_rejected_with_the_alternative():
-    with pytest.raises(ConfigError, match=r"fp16.enabled is not supported.*\"bf16\": \{\"enabled\": true\}"):
-        _initialize({**ds_config(), "fp16": {"enabled": True}})
+def test_fp16_and_bf16_together_are_rejected():
+    with pytest.raises(ConfigError, match=r"fp16.enabled and bf16.enabled are both true"):
+        _initialize({**ds_config(bf16=True), "fp16": {"enabled": True}})
 
 
 def test_unsupported_optimizers_are_named():

@@ -75,9 +75,9 @@ def test_bad_megatrain_options_name_the_key(megatrain, message):
         parse_engine_config({**BASE, "megatrain": megatrain})
 
 
-def test_fp16_is_rejected_with_the_bf16_alternative():
-    with pytest.raises(ConfigError, match=r"fp16.enabled is not supported.*bf16"):
-        parse_engine_config({**BASE, "fp16": {"enabled": True}})
+def test_fp16_with_bf16_is_rejected():
+    with pytest.raises(ConfigError, match=r"fp16.enabled and bf16.enabled are both true"):
+        parse_engine_config({**BASE, "bf16": {"enabled": True}, "fp16": {"enabled": True}})
 
 
 @pytest.mark.parametrize(

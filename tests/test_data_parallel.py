@@ -190,6 +190,23 @@ def test_two_ranks_with_chunked_loss_and_tiled_mlp_match_one_process(tmp_path: P
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 
+@pytest.mark.parametrize("layout", ["one node", "one rank per node"])
+def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path: Path, layout: str) -> None:
+    """Only rank 1's gradients overflow at step 4; every rank skips it, lowers the scale the
+    same way and keeps the same weights (the gradient all-reduce spreads the inf, and the
+    norm the skip is decided on is summed over the ranks)."""
+    launch(
+        "fp16", tmp_path, "--steps", "7", "--poison-at", "4", *(["--one-rank-per-node"] if layout != "one node" else [])
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] and ranks[0]["scales"] == ranks[1]["scales"]
+    skipped, scales = ranks[0]["skipped"], ranks[0]["scales"]
+    assert skipped[4] and not skipped[3] and not skipped[5], skipped
+    assert scales[4] == scales[3] / 2, scales
+    for key, value in ranks[0]["state_dict"].items():
+        assert torch.equal(value, ranks[1]["state_dict"][key]), key
+
+
 def test_checkpoint_saved_by_two_ranks_resumes_bit_identically(tmp_path: Path) -> None:
     straight, resumed, checkpoint = tmp_path / "straight", tmp_path / "resumed", tmp_path / "checkpoint"
     for directory in (straight, resumed):

@@ -20,6 +20,7 @@ Whatever was read is validated (:func:`validated`) and checked against the engin
 from __future__ import annotations
 
 import io
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,11 +45,20 @@ ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_ste
 OPTIMIZER_COUNTERS = ("optimizer_steps",)
 
 
+class LossScalerState(Protocol):
+    """fp16's loss scaler (``optimizer/loss_scaling.py``): its running state as plain numbers."""
+
+    def state_dict(self) -> dict[str, float | int]: ...
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None: ...
+
+
 class TrainerStateOwner(Protocol):
     """What the trainer state is taken from and restored into (``MegatrainEngine``)."""
 
     optimizer: Any
     lr_scheduler: Any
+    loss_scaling: LossScalerState
 
     def gradient_accumulation_steps(self) -> int: ...
 
@@ -60,6 +70,8 @@ class TrainerState:
     counters: dict[str, int]
     param_groups: list[dict[str, Any]]
     """Each optimizer parameter group's hyperparameters (no ``"params"``)."""
+    loss_scaler: dict[str, float | int]
+    """fp16's loss scale and hysteresis (empty without fp16, and in format version 1)."""
     lr_scheduler: dict[str, Any] | None
     rng: RngState
     gradient_accumulation_steps: int
@@ -76,6 +88,7 @@ def capture(engine: TrainerStateOwner, client_state: Mapping[Any, Any], mid_wind
             name: getattr(engine, name) for name in ENGINE_COUNTERS + OPTIMIZER_COUNTERS if hasattr(engine, name)
         },
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups],
+        loss_scaler=engine.loss_scaling.state_dict(),
         lr_scheduler=scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         rng=capture_rng(),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
@@ -99,6 +112,7 @@ def encode(state: TrainerState) -> EncodedTrainerState:
     fields = {
         "counters": state.counters,
         "param_groups": state.param_groups,
+        "loss_scaler": state.loss_scaler,
         "lr_scheduler": state.lr_scheduler,
         "rng": rng_to_saved(state.rng),
         "gradient_accumulation_steps": state.gradient_accumulation_steps,
@@ -116,7 +130,10 @@ def read(path: Path, manifest: Mapping[str, Any]) -> TrainerState:
         CheckpointError: a missing, damaged or forged file, named.
     """
     if manifest["version"] == 1:
-        return validated(_read_legacy(path, manifest), str(path / LEGACY_TRAINER_STATE))
+        legacy = _read_legacy(path, manifest)
+        if isinstance(legacy, dict):
+            legacy.setdefault("loss_scaler", {})  # version 1 predates fp16
+        return validated(legacy, str(path / LEGACY_TRAINER_STATE))
     source = str(path / ENGINE_STATE)
     document = json_tensors.loads(_checked_bytes(path, manifest, ENGINE_STATE), source)
     digest = checked_digest(path, manifest, ENGINE_TENSORS)
@@ -179,6 +196,7 @@ def _numpy_rng_globals() -> list[Any]:
 _FIELDS = (
     "counters",
     "param_groups",
+    "loss_scaler",
     "lr_scheduler",
     "rng",
     "gradient_accumulation_steps",
@@ -198,6 +216,11 @@ def validated(raw: Any, source: str) -> TrainerState:
         raise CheckpointError(f"{source}: 'counters' must map counter names to non-negative ints")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" not in g for g in groups):
         raise CheckpointError(f"{source}: 'param_groups' must be a list of hyperparameter dicts (without 'params')")
+    scaler = raw["loss_scaler"]
+    if not isinstance(scaler, dict) or not all(
+        isinstance(k, str) and type(v) in (int, float) and math.isfinite(v) and v >= 0 for k, v in scaler.items()
+    ):
+        raise CheckpointError(f"{source}: 'loss_scaler' must map names to finite non-negative numbers")
     if scheduler is not None and not (isinstance(scheduler, dict) and all(isinstance(k, str) for k in scheduler)):
         raise CheckpointError(f"{source}: 'lr_scheduler' must be a state dict or null")
     steps, mid_window, client_state = (
@@ -212,7 +235,7 @@ def validated(raw: Any, source: str) -> TrainerState:
     if not isinstance(client_state, dict):
         raise CheckpointError(f"{source}: 'client_state' must be a dict, not {type(client_state).__name__}")
     return TrainerState(
-        counters, groups, scheduler, rng_from_saved(raw["rng"], source), steps, mid_window, client_state
+        counters, groups, scaler, scheduler, rng_from_saved(raw["rng"], source), steps, mid_window, client_state
     )
 
 
@@ -290,6 +313,8 @@ def apply_trainer_state(
     if with_optimizer:
         for group, saved in zip(engine.optimizer.param_groups, state.param_groups):
             group.update(saved)
+        # DeepSpeed restores its loss scaler with the optimizer state.
+        engine.loss_scaling.load_state_dict(state.loss_scaler)
     scheduler = engine.lr_scheduler
     if with_scheduler and scheduler is not None and state.lr_scheduler is not None:
         scheduler.load_state_dict(state.lr_scheduler)

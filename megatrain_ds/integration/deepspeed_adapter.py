@@ -123,7 +123,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         return self.config.bf16
 
     def fp16_enabled(self) -> bool:
-        return False
+        return self.config.fp16 is not None
 
     def zero_optimization(self) -> bool:
         return False

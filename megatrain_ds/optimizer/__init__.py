@@ -6,7 +6,9 @@
 - ``placement``: which state's update runs where (``"optimizer_device"``), calibrated once.
 - ``host_adamw``: walks a state's optimizer-group runs and hands each to its placement.
 - ``speculative_step``: global norm, speculative updates during backward, clipping, skips.
+- ``loss_scaling``: fp16 loss scaling with DeepSpeed's loss scalers, and their checkpointed state.
 - ``facade``: the optimizer object ``deepspeed.initialize`` returns.
 
-May import: ``config``, ``runtime``, ``state``.
+May import: ``config``, ``runtime``, ``state``; of DeepSpeed, besides its op builders, its loss
+scalers (``deepspeed.runtime.fp16.loss_scaler``, and ``deepspeed.comm``, which they ask for the rank).
 """

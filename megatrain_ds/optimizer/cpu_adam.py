@@ -416,12 +416,30 @@ class DeepSpeedKernel(CpuAdamKernel):
         n = param.numel()
         if n == 0:
             return
-        if before_chunk is None:
+        # The binding rounds shadows to bf16 only; an fp16 shadow (fp16 compute) is rounded by
+        # aten after each chunk's update, while the chunk is still in cache.
+        half_shadow = shadow is not None and shadow.dtype != torch.bfloat16
+        if before_chunk is None and not half_shadow:
             self._fused(param, grad, exp_avg, exp_avg_sq, shadow, step, hyper, grad_scale)
             return
         for start in range(0, n, self.chunk_numel):
             end = min(start + self.chunk_numel, n)
-            before_chunk(start, end)
+            if before_chunk is not None:
+                before_chunk(start, end)
+            if half_shadow:
+                assert shadow is not None
+                self._fused(
+                    param[start:end],
+                    grad[start:end],
+                    exp_avg[start:end],
+                    exp_avg_sq[start:end],
+                    None,
+                    step,
+                    hyper,
+                    grad_scale,
+                )
+                shadow[start:end].copy_(param[start:end])  # round to nearest even
+                continue
             self._fused(
                 param[start:end],
                 grad[start:end],

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megatrain_ds.config import ConfigError, OptimizerSpec
+from megatrain_ds.optimizer.loss_scaling import LossScaling
 from megatrain_ds.state.flat_layout import FROZEN_GROUP
 
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
@@ -55,10 +56,34 @@ class MegatrainOptimizer(torch.optim.Optimizer):
         self.client = client
         """The optimizer passed to ``deepspeed.initialize``, whose groups these are."""
         self._finish_update: Callable[[], None] | None = None
+        self.overflow = False
+        """Whether the last step was skipped for non-finite gradients (an fp16 overflow among
+        them): DeepSpeed's attribute, which Accelerate's ``step_was_skipped`` reads."""
+        self.loss_scaling: LossScaling | None = None
+        """The engine's loss scaling (set by the engine; DeepSpeed's scaler inside)."""
 
     def attach(self, finish_update: Callable[[], None]) -> None:
         """Called once by the engine: what ``step()`` runs."""
         self._finish_update = finish_update
+
+    # DeepSpeed's fp16 optimizers promote these so that scripts can read and set the scale.
+    @property
+    def loss_scaler(self) -> Any:
+        """DeepSpeed's loss scaler (``DynamicLossScaler`` or ``LossScaler``), or ``None``."""
+        return self.loss_scaling.scaler if self.loss_scaling is not None else None
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale: 1.0 without fp16."""
+        return self.loss_scaling.scale if self.loss_scaling is not None else 1.0
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if self.loss_scaling is None:
+            raise RuntimeError("this optimizer belongs to no megatrain engine")
+        self.loss_scaling.scaler.cur_scale = value
+
+    cur_scale = loss_scale
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:

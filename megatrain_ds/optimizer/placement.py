@@ -186,8 +186,16 @@ def build_host_adamw(
     """The engine's :class:`HostAdamW`, each state placed as ``placement`` says (logged)."""
     kernel = make_cpu_kernel(cpu_kernel)
     adamw = HostAdamW(param_groups, decoupled, kernel)
-    if placement == "cpu" or (placement == "auto" and not runtime.is_cuda):
-        reason = "no CUDA device" if placement == "auto" else '"optimizer_device": "cpu"'
+    # The device kernel writes bf16 shadows only: with fp16 compute "auto" keeps to the CPU.
+    half_shadow = any(state.shadow is not None and state.shadow.dtype == torch.float16 for state in states)
+    if placement == "cpu" or (placement == "auto" and (not runtime.is_cuda or half_shadow)):
+        reason = (
+            '"optimizer_device": "cpu"'
+            if placement == "cpu"
+            else "no CUDA device"
+            if not runtime.is_cuda
+            else "fp16 compute: the device kernel writes bf16 copies only"
+        )
         logger.info("megatrain: optimizer on the CPU (%s), kernel %r", reason, kernel.name)
         return adamw
     if not runtime.is_cuda:

@@ -167,7 +167,7 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
     if config.compute_dtype != config.master_dtype:
         host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
     if config.holds_gradients:
-        grad = 4 if config.gradient_accumulation_steps > 1 else compute
+        grad = torch.empty((), dtype=config.held_gradient_dtype).element_size()
         host["gradients"] = sum(_host_buffer(n, grad) for n in numels)
     if config.holds_gradients:
         # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.

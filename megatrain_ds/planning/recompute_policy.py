@@ -87,7 +87,7 @@ def planned_run(
         seq_len=tokens,
         micro_batch=1,
         accumulation=config.gradient_accumulation_steps,
-        bf16=config.bf16,
+        bf16=config.compute_dtype.itemsize == 2,  # the planner's "bf16" is 2-byte compute: fp16 too
         clipping=config.gradient_clipping > 0,
         checkpoint_interval=options.checkpoint_interval,
         num_buffers=options.num_buffers,
