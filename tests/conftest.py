@@ -1,9 +1,61 @@
-"""Fixtures shared by the unit tests."""
+"""Fixtures shared by the unit tests, and the suites that also run under the race checker."""
+
+from __future__ import annotations
 
 import pytest
 import torch
 
 import megatrain_ds.engine
+
+CHECKED_SUITES: dict[str, tuple[str, ...] | None] = {
+    "test_parity.py": None,
+    "test_optimizer_placement.py": None,
+    "test_speculative_step.py": None,
+    "test_recompute.py": None,
+    "test_fragments.py": None,
+    "test_layer_checkpointing.py": None,
+    "test_nvme_tier.py": None,
+    "test_nvme_checkpoint.py": None,
+    "test_checkpoint.py": None,
+    "test_nonfinite_steps.py": None,
+    "test_fp16.py": None,
+    "test_data_parallel.py": (
+        "test_two_ranks_match_one_process_with_both_batches",
+        "test_checkpoint_saved_by_two_ranks_resumes_bit_identically",
+    ),
+}
+"""Test modules (``None``: every test; else the tests named) that run twice: as they are, and
+with ``MEGATRAIN_STREAM_CHECK=1`` (their ``[checked]`` variant), so the parity suite (every
+family, GA 1/2, K 1/2, offload on/off), the optimizer placements and speculative steps,
+stashed activations and fragmented weights, models that checkpoint their own layers, the
+NVMe tier and its checkpoints, checkpoints, fp16 and 2-rank data parallel are all proved
+race-free on the CPU (``tests/test_stream_ordering.py`` proves the checker bites)."""
+
+NOT_CHECKED = {"test_cpu_update_overlaps_backward"}
+"""Not what the checker is for: a timing (the checker slows the host thread down)."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Give the tests of :data:`CHECKED_SUITES` a ``plain`` and a ``checked`` variant (as
+    parametrised items, so pytest-xdist spreads them over the workers)."""
+    module = metafunc.definition.path.name
+    if module not in CHECKED_SUITES or "stream_mode" not in metafunc.fixturenames:
+        return
+    name = metafunc.definition.originalname
+    selected = CHECKED_SUITES[module]
+    if name in NOT_CHECKED or (selected is not None and name not in selected):
+        return
+    metafunc.parametrize("stream_mode", ["plain", "checked"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def stream_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``"checked"``: CPU runtimes created in the test (and the processes it launches, which
+    inherit the environment) check stream ordering; ``"plain"`` otherwise."""
+    mode = getattr(request, "param", "plain")
+    if mode == "checked":
+        monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
+    return mode
 
 
 @pytest.fixture
