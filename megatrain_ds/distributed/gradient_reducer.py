@@ -140,7 +140,7 @@ class GradientReducer:
         runtime = self._runtime
         start, end = self._windows[job.index]
         with runtime.on(runtime.comm_stream):
-            runtime.comm_stream.wait_event(job.produced)  # type: ignore[attr-defined]
+            runtime.comm_stream.wait_event(job.produced)
             if self.on_all_reduce is not None:
                 self.on_all_reduce(job.index)
             for offset, grad in job.pieces:

@@ -227,7 +227,7 @@ class BlockStash:
             return weights.as_strided(packed.size, packed.stride, weights.storage_offset() + packed.offset)
         self.prefetch()
         runtime = self.owner.runtime
-        runtime.compute_stream().wait_event(self.ready)  # type: ignore[arg-type]
+        runtime.compute_stream().wait_event(self.ready)
         flat = packed.entry.device
         assert flat is not None, "a stashed tensor is unpacked after its block's backward"
         runtime.used_on(flat, runtime.compute_stream())  # allocated on h2d, freed after this use
