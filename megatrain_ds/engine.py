@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -602,7 +602,7 @@ class MegatrainEngine(nn.Module):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
-    ) -> bool:
+    ) -> Literal[True]:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
         directory (fp32 masters); crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`."""
         # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.

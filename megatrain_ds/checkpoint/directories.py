@@ -25,6 +25,7 @@ import shutil
 import time
 import uuid
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return body
 
 
-def checked_digest(directory: Path, manifest: dict[str, Any], name: str) -> FileDigest:
+def checked_digest(directory: Path, manifest: Mapping[str, Any], name: str) -> FileDigest:
     """The recorded digest of ``name``, after checking the file exists with that size."""
     record = manifest["files"].get(name)
     path = directory / name

@@ -42,7 +42,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -221,7 +221,7 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> bool:
+) -> Literal[True]:
     """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring.
 
     With data parallel every rank calls this (as with DeepSpeed); rank 0 writes the whole
@@ -443,6 +443,7 @@ def load_checkpoint(
     required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
     model_targets = _match_weights(engine, path, model_files, entries, required, load_module_strict)
     optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
+    optimizer_files: dict[str, SafetensorsFile] = {}
     if with_optimizer:
         _check_optimizer_groups(engine, trainer_state)
         optimizer_files = _open_shards(path, manifest, "optimizer-")
