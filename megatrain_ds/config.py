@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -232,7 +232,7 @@ class MegatrainOptions:
     blocks' weights of each pass, against the cost of more copies; see
     ``planning/fragment_policy.py``), off otherwise and always off on the CPU, where
     nothing is copied. See ``streaming/weight_fragments.py``."""
-    loss_chunk_tokens: int | str = "auto"
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
     """A Hugging Face causal LM's labelled training loss is computed this many tokens at a
     time from the final hidden states (logits, loss and the lm_head/hidden gradients of one
     chunk at once, ``model/causal_lm_loss.py``), never ``tokens x vocab`` logits whole; the
@@ -240,7 +240,7 @@ class MegatrainOptions:
     itself. "auto": chosen by ``planning/long_context.py`` from the vocabulary and the
     device memory, and 0 for models that transform their logits after the projection
     (Gemma 2's softcapping) or whose loss is not ``ForCausalLMLoss``."""
-    mlp_tile_tokens: int | str = "auto"
+    mlp_tile_tokens: int | Literal["auto"] = "auto"
     """Inside streamed blocks the MLP (the ``mlp``/``feed_forward`` submodule: token-wise)
     runs over sequence tiles of this many tokens, in forward and in the recompute, and its
     backward recomputes one tile at a time, so its ``tokens x FFN`` intermediate never

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from megatrain_ds.gradients.sink import GradientPort, GradientSink
 from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
-from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, unsupported_reason
+from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
 from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.host_adamw import HostAdamW
@@ -333,7 +333,7 @@ class MegatrainEngine(nn.Module):
         dp = self.data_parallel
         self.sink: GradientPort = sink if dp is None else GradientReducer(self.runtime, dp, sink, self.windows)
         if nvme == "all":  # forward and backward read the blocks' weights from the tier
-            assert self.nvme_tier is not None
+            assert self.nvme_tier is not None  # opened above for any nvme setting but "none"
             self.nvme_weights = NvmeWeights(
                 self.nvme_tier,
                 compute,
@@ -415,13 +415,12 @@ class MegatrainEngine(nn.Module):
             if reason is not None:
                 logger.info("megatrain: the loss is computed by the model, not in chunks: %s", reason)
                 return
-        head = model.get_output_embeddings()
-        tokens = (
-            options.loss_chunk_tokens
-            if options.loss_chunk_tokens != "auto"
-            else choose_loss_chunk_tokens(head.weight.shape[0], width, free)
-        )
-        redirected = self.resident.row_chunked(head)
+        head = linear_head(model)  # None: ChunkedCausalLMLoss raises, saying why
+        tokens = options.loss_chunk_tokens
+        if tokens == "auto":
+            assert head is not None  # unsupported_reason(model) was None
+            tokens = choose_loss_chunk_tokens(head.weight.shape[0], width, free)
+        redirected = self.resident.row_chunked(head) if head is not None else None
         self.causal_loss = ChunkedCausalLMLoss(
             model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None
         )
@@ -448,9 +447,12 @@ class MegatrainEngine(nn.Module):
         parked = [state for state in self.states[: self._resident_index] if any(p.is_meta for p in state.params)]
         with contextlib.ExitStack() as stack:
             if parked:
+                assert self.nvme_tier is not None  # only blocks with their weights on the tier are parked
                 on_tier = stack.enter_context(self.nvme_tier.file_views())
                 for state in parked:
-                    master = on_tier(state)["master"]
+                    views = on_tier(state)
+                    assert views is not None  # every block is on the tier
+                    master = views["master"]
                     for slot, param in zip(state.layout.slots, state.params):
                         masters[id(param)] = master[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
             for name, param in self.module.named_parameters(remove_duplicate=False):
@@ -685,7 +687,7 @@ class MegatrainEngine(nn.Module):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
-    ) -> bool:
+    ) -> Literal[True]:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
         directory (fp32 masters); crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`."""
         # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.

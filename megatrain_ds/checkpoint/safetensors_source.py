@@ -205,6 +205,7 @@ def materialize_meta_buffers(model: nn.Module, source: SafetensorsSource | None)
         init(module)
     for full, module, name in filled:
         value = module._buffers[name]
+        assert value is not None  # filled above; _init_weights replaces buffers, never removes them
         if value.is_meta or (value.is_floating_point() and torch.isnan(value).any()):
             raise ConfigError(
                 f"buffer {full} is on the meta device, is not in load_from, and the model cannot "

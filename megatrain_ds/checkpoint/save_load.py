@@ -42,7 +42,7 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -218,7 +218,7 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> bool:
+) -> Literal[True]:
     """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring.
 
     With data parallel every rank calls this (as with DeepSpeed); rank 0 writes the whole
@@ -401,6 +401,7 @@ def load_checkpoint(
     optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
     if not load_module_only:
         trainer_states.check_compatible(engine, trainer_state, path, with_optimizer, load_lr_scheduler_states)
+    optimizer_files: dict[str, SafetensorsFile] = {}
     if with_optimizer:
         optimizer_files = _open_shards(path, manifest, "optimizer-")
         optimizer_targets = _match_optimizer(engine, path, optimizer_files, entries, trainer_state, load_module_strict)

@@ -13,6 +13,7 @@ writes and flipped bits, not deliberate tampering.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -72,7 +73,9 @@ class TensorRecord:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     assert tensor.device.type == "cpu" and tensor.is_contiguous(), "write views of host buffers"
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    # numpy's stub declares the buffer protocol (__buffer__) for Python >= 3.12 only: pyright
+    # checks for 3.10, where ndarray exports its buffer all the same.
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
 
 
 def write_safetensors(
@@ -197,7 +200,7 @@ class SafetensorsFile:
                 f"{expected.crc32:#010x}): the file is corrupted"
             )
 
-    def _read_exactly(self, handle, data: memoryview, record: TensorRecord) -> None:  # type: ignore[no-untyped-def]
+    def _read_exactly(self, handle: io.FileIO, data: memoryview, record: TensorRecord) -> None:
         done = 0
         while done < len(data):
             count = handle.readinto(data[done:])

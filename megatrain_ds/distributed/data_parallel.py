@@ -61,6 +61,13 @@ def _process_group_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _member(group: dist.ProcessGroup | int | None) -> dist.ProcessGroup:
+    """A group from ``dist.new_group`` that this rank belongs to (a rank outside the group
+    gets ``GroupMember.NON_GROUP_MEMBER``, an int, instead of a ``ProcessGroup``)."""
+    assert isinstance(group, dist.ProcessGroup), group
+    return group
+
+
 @dataclass
 class DataParallel:
     """This rank's place among the data-parallel ranks, and the engine's process groups.
@@ -114,13 +121,13 @@ class DataParallel:
         for member, name in enumerate(names):
             nodes.setdefault(name, []).append(member)
         # new_group is collective over the whole world, in the same order everywhere.
-        comm_group = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
-        control_group = dist.new_group(backend="gloo", timeout=timeout)
+        comm_group = _member(dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout))
+        control_group = _member(dist.new_group(backend="gloo", timeout=timeout))
         node_group = None
         for members in nodes.values():
             group = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
             if rank in members:
-                node_group = group
+                node_group = _member(group)
         leaders = [members[0] for members in nodes.values()]
         leaders_group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout) if len(leaders) > 1 else None
         mine = nodes[names[rank]]
@@ -133,7 +140,7 @@ class DataParallel:
             comm_group=comm_group,
             control_group=control_group,
             node_group=node_group,
-            leaders_group=leaders_group if rank in leaders else None,
+            leaders_group=_member(leaders_group) if leaders_group is not None and rank in leaders else None,
             shared=NodeSharedMemory(node_group, writer=mine[0], rank=rank),
             timeout_s=timeout_s,
         )

@@ -85,7 +85,7 @@ class GradientReducer:
 
     # -- autograd thread ----------------------------------------------------------------
 
-    def push_block(self, index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None:
+    def push_block(self, state_index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None:
         """Queue a block's gradients: ``(state offset, flat device gradient)`` per parameter.
         The gradients become the reducer's: they are averaged in place."""
         self._raise_error()
@@ -96,11 +96,11 @@ class GradientReducer:
         produced.record(self._runtime.compute_stream())
         for _, grad in pieces:
             self._runtime.used_on(grad, self._runtime.comm_stream)
-        self._work.put(_Job(index, list(pieces), final, produced))
+        self._work.put(_Job(state_index, list(pieces), final, produced))
 
-    def push(self, index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
+    def push(self, state_index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
         """Queue one flat gradient (a resident parameter's); averaged in place."""
-        self.push_block(index, [(offset, grad)], final)
+        self.push_block(state_index, [(offset, grad)], final)
 
     def drain(self) -> None:
         """Wait until every queued gradient is reduced and consumed; re-raise failures."""
@@ -140,7 +140,7 @@ class GradientReducer:
         runtime = self._runtime
         start, end = self._windows[job.index]
         with runtime.on(runtime.comm_stream):
-            runtime.comm_stream.wait_event(job.produced)  # type: ignore[attr-defined]
+            runtime.comm_stream.wait_event(job.produced)
             if self.on_all_reduce is not None:
                 self.on_all_reduce(job.index)
             for offset, grad in job.pieces:

@@ -24,7 +24,7 @@ two places, which autograd must add up before anything is pushed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,8 @@ class _ProjectionFn(torch.autograd.Function):
             return F.linear(x_c, w_c)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_out,) = grad_outputs  # one output, one gradient
         x, weight = ctx.saved_tensors
         rows, width = weight.shape
         x2 = x.reshape(-1, width)
@@ -90,7 +91,8 @@ class _EmbeddingFn(torch.autograd.Function):
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[None, ...]:
+        (grad_out,) = grad_outputs  # one output, one gradient
         (ids,) = ctx.saved_tensors
         rows, width = ctx.shape
         ids = ids.reshape(-1)
@@ -107,7 +109,7 @@ class _EmbeddingFn(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-def _is_plain_embedding(module: nn.Module) -> bool:
+def _is_plain_embedding(module: nn.Module) -> TypeGuard[nn.Embedding]:
     return (
         isinstance(module, nn.Embedding)
         and module.max_norm is None
@@ -129,24 +131,25 @@ class RowChunkedModule:
     ``chunked`` tells whether the last forward with gradients enabled took the chunked path.
     """
 
-    def __init__(self, module: nn.Module, offset: int, push: PushFn, rows_per_chunk: int) -> None:
+    def __init__(self, module: nn.Embedding | nn.Linear, offset: int, push: PushFn, rows_per_chunk: int) -> None:
         self.module = module
         self.chunked = False
         self.offset, self.push, self.rows_per_chunk = offset, push, rows_per_chunk
-        embedding = isinstance(module, nn.Embedding)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(input: torch.Tensor) -> torch.Tensor:  # the signature of the module's own
             weight = module.weight
             if not torch.is_grad_enabled():  # no backward follows: ``chunked`` keeps its value
-                return F.embedding(x, weight, module.padding_idx) if embedding else F.linear(x, weight, module.bias)
+                if isinstance(module, nn.Embedding):
+                    return F.embedding(input, weight, module.padding_idx)
+                return F.linear(input, weight, module.bias)
             self.chunked = weight.requires_grad and not _has_tensor_hooks(weight)
-            if embedding:
+            if isinstance(module, nn.Embedding):
                 if not self.chunked:
-                    return F.embedding(x, weight, module.padding_idx)
-                return _EmbeddingFn.apply(x, weight, module.padding_idx, offset, push, rows_per_chunk)
+                    return F.embedding(input, weight, module.padding_idx)
+                return _EmbeddingFn.apply(input, weight, module.padding_idx, offset, push, rows_per_chunk)
             if not self.chunked:
-                return F.linear(x, weight, module.bias)
-            out = _ProjectionFn.apply(x, weight, offset, push, rows_per_chunk)
+                return F.linear(input, weight, module.bias)
+            out = _ProjectionFn.apply(input, weight, offset, push, rows_per_chunk)
             return out if module.bias is None else out + module.bias.to(out.dtype)
 
         module.forward = forward

@@ -24,6 +24,7 @@ what this engine has.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,7 +104,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
     def get_mom(self) -> list[Any]:
         return [group["betas"] for group in self.optimizer.param_groups]
 
-    def get_batch_info(self) -> tuple[int, int, int]:
+    # DeepSpeed's own returns the three bound methods, not the ints its docstring promises.
+    def get_batch_info(self) -> tuple[int, int, int]:  # pyright: ignore[reportIncompatibleMethodOverride]
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps())
 
     def gradient_clipping(self) -> float:
@@ -153,12 +155,12 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             state = type(state)((k, v) for k, v in state.items() if k not in frozen)
         return state
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> OrderedDict[str, Any]:
         """What Accelerate and the HF Trainer save when the config says ZeRO stage 3: the full
         model, here at full precision (fp32 masters; the blocks' bf16 copy while the NVMe
         tier holds their masters, as with DeepSpeed), copied so that it outlives training."""
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        return {key: value.detach().clone() for key, value in state.items()}
+        return OrderedDict((key, value.detach().clone()) for key, value in state.items())  # DeepSpeed's type
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

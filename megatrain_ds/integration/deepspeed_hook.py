@@ -69,7 +69,8 @@ def wrap(deepspeed: ModuleType) -> None:
         return original(*args, **kwargs)
 
     setattr(initialize, _MARKER, original)
-    deepspeed.initialize = initialize
+    # ModuleType's stub reads any attribute (__getattr__) but declares none to assign.
+    deepspeed.initialize = initialize  # pyright: ignore[reportAttributeAccessIssue]
 
 
 FILLED_BY_THE_CLIENT: dict[str, Any] = {
@@ -116,6 +117,7 @@ def supply_missing_keys(accelerate_deepspeed: ModuleType) -> None:
         config = getattr(self, "config", None)
         if os.environ.get(DISABLE_ENV) == "1" or not is_megatrain_config(config):
             return
+        assert isinstance(config, dict)  # HfDeepSpeedConfig parses or deep-copies it into a dict
         for key, value in FILLED_BY_THE_CLIENT.items():
             config.setdefault(key, copy.deepcopy(value))
         self.set_stage_and_offload()  # what __init__ derived from the config, again

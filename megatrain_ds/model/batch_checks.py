@@ -61,7 +61,8 @@ def check_batch(model: nn.Module, device: torch.device, args: tuple, kwargs: Map
         return
     length = tokens.shape[1]
     past = named.get("past_key_values")
-    past_length = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
+    get_seq_length = getattr(past, "get_seq_length", None)  # a transformers Cache
+    past_length = int(get_seq_length()) if get_seq_length is not None else 0
     if past_length + length <= limit:
         return
     # [Note: packed rows]

@@ -8,6 +8,8 @@ of one class (``model.layers`` for Llama/Qwen/Mistral/Gemma/Phi/Mixtral,
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from torch import nn
 
 
@@ -19,7 +21,7 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _is_block_list(module: nn.Module) -> bool:
+def _is_block_list(module: nn.Module) -> TypeGuard[nn.ModuleList]:
     if not isinstance(module, nn.ModuleList) or len(module) < 2:
         return False
     first = type(module[0])

@@ -132,7 +132,7 @@ class BlockTemplate:
     @staticmethod
     def bind(flat_weights: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
         """Views of ``flat_weights`` (1-D, ``layout.numel`` long), one per slot, in slot order."""
-        chunks = torch.split(flat_weights, layout.split_sizes)
+        chunks = flat_weights.split(layout.split_sizes)  # what torch.split runs; typed for tuples too
         return [chunks[slot.split_index].view(slot.shape) for slot in layout.slots]
 
     def run(

@@ -43,6 +43,14 @@ _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def linear_head(model: nn.Module) -> nn.Linear | None:
+    """``model.get_output_embeddings()`` (Hugging Face's ``lm_head``) when it is a plain
+    ``nn.Linear``, the projection the chunked loss computes; ``None`` otherwise."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
+    return head if type(head) is nn.Linear else None
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``model``'s labelled loss cannot be chunked, or ``None`` when it can."""
     if getattr(type(model), "loss_function", None) is None:
@@ -54,8 +62,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         loss_function = model.loss_function
     if loss_function is not None and getattr(loss_function, "__name__", None) != "ForCausalLMLoss":
         return "its loss_function is not Hugging Face's ForCausalLMLoss"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if linear_head(model) is None:
         return "its output embedding is not an nn.Linear"
     config = getattr(model, "config", None)
     for key in _LOGIT_TRANSFORMS:
@@ -85,7 +92,9 @@ class ChunkedCausalLMLoss:
                 'set "loss_chunk_tokens": 0'
             )
         self.model = model
-        self.head: nn.Linear = model.get_output_embeddings()
+        head = linear_head(model)
+        assert head is not None  # unsupported_reason checked it
+        self.head = head
         self.chunk_tokens = chunk_tokens
         self._push_weight_grad = push_weight_grad
         self._logged_patched_forward = False
@@ -114,9 +123,9 @@ class ChunkedCausalLMLoss:
         loss_kwargs = {key: kwargs.pop(key) for key in _LOSS_KWARGS if key in kwargs}
         captured: list[tuple[torch.Tensor, torch.Tensor]] = []  # (input, placeholder)
 
-        def capture(hidden: torch.Tensor) -> torch.Tensor:
-            placeholder = hidden.new_empty(*hidden.shape[:-1], 0)
-            captured.append((hidden, placeholder))
+        def capture(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature
+            placeholder = input.new_empty(*input.shape[:-1], 0)
+            captured.append((input, placeholder))
             return placeholder
 
         own_forward = self.head.__dict__.get("forward")  # the row-chunked redirect, if any

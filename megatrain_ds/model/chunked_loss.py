@@ -66,7 +66,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         want_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and want_bias else None
+        )
         wants_grad = want_hidden or want_weight or want_bias
         scale = 1.0 / denominator.to(torch.float32)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -101,7 +103,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_loss,) = grad_outputs  # one output, one gradient
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)

@@ -174,9 +174,9 @@ class TorchFusedKernel(CpuAdamKernel):
         super().__init__(chunk_numel)
         self._steps: dict[int, torch.Tensor] = {}
         # A private op (torch.optim's fused path calls it): check it runs on CPU tensors here.
-        probe = [torch.zeros(8) for _ in range(4)]
-        self._update(*probe, 1, AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.0, True))
-        if not bool(torch.isfinite(probe[0]).all()):
+        param, grad, exp_avg, exp_avg_sq = (torch.zeros(8) for _ in range(4))
+        self._update(param, grad, exp_avg, exp_avg_sq, 1, AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.0, True))
+        if not bool(torch.isfinite(param).all()):
             raise RuntimeError("torch._fused_adamw_ gave non-finite results on zeros")
 
     def _update(
@@ -190,7 +190,8 @@ class TorchFusedKernel(CpuAdamKernel):
     ) -> None:
         if step not in self._steps:  # the op reads the count from a tensor (it does not increment it)
             self._steps = {step: torch.tensor(float(step))}
-        op = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+        # Private ops (see __init__), not in torch's public names.
+        op = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_  # pyright: ignore[reportPrivateImportUsage]
         beta1, beta2 = hyper.betas
         op(
             [param],
@@ -349,7 +350,8 @@ def load_deepspeed_op() -> Any:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    from deepspeed.ops.op_builder import CPUAdamBuilder
+    # The op builders are module attributes that op_builder/__init__.py sets in a loop.
+    from deepspeed.ops.op_builder import CPUAdamBuilder  # pyright: ignore[reportAttributeAccessIssue]
 
     builder = CPUAdamBuilder()
     if not builder.is_compatible(verbose=False):

@@ -102,7 +102,7 @@ def split(numels: Sequence[int], share: float) -> list[str]:
 # -- calibration --------------------------------------------------------------------------
 
 
-def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeats: int = 3) -> float:
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 3) -> float:
     fn()
     sync()
     times = []

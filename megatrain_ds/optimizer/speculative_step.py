@@ -251,6 +251,7 @@ class OptimizerStepper:
 
     def _speculation_may_hold(self) -> bool:
         """False once the running norm proves clipping or a skip (it can only grow)."""
+        assert self._speculating is not None  # decided at the step's first final chunk, before this
         norm = math.sqrt(self._sum_squares) if math.isfinite(self._sum_squares) else math.inf
         if not math.isfinite(norm) or (self.clipping > 0 and self.clipping / (norm + CLIP_EPS) < 1.0):
             self._speculating = False

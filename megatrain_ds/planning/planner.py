@@ -673,7 +673,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
         > 0.25 * hardware.device_memory_bytes,
         "checkpoint_interval": 1,
         "num_buffers": 2,
-        "recompute": _recompute_value(policies["auto"]["stashed_blocks"], shape.num_blocks),
+        "recompute": _recompute_value(int(policies["auto"]["stashed_blocks"]), shape.num_blocks),
         "fragment_bytes": int(fragments["chosen"]["fragment_bytes"]) or None,
         "optimizer_device": "gpu"
         if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s and not hardware.shares_host_memory

@@ -28,14 +28,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from megatrain_ds.runtime import stream_check
 from megatrain_ds.runtime.host_heap import keep_large_transients_mapped, return_free_memory
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
-from megatrain_ds.runtime.stream_check import StreamChecker
+from megatrain_ds.runtime.stream_check import CheckedStream, StreamChecker
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 
 PAGE_BYTES = 4096
@@ -45,9 +45,23 @@ POOL_SLACK = 1.25
 
 
 class Event(Protocol):
-    """What the engine needs of an event (``torch.cuda.Event`` or :class:`NullEvent`)."""
+    """What the engine needs of an event (``torch.cuda.Event``, the race checker's
+    ``CheckedEvent`` or :class:`NullEvent`). ``stream`` is a :class:`Stream` of the same
+    runtime: each kind records only on its own kind of stream, hence ``Any``."""
 
-    def record(self, stream: object = None) -> None: ...
+    def record(self, stream: Any = None, /) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Stream(Protocol):
+    """What the engine needs of a stream (``torch.cuda.Stream``, the race checker's
+    ``CheckedStream`` or :class:`NullStream`). A runtime hands out one kind of streams and
+    events, and each kind takes only its own kind as arguments, hence ``Any``."""
+
+    def wait_event(self, event: Any, /) -> None: ...
+
+    def wait_stream(self, stream: Any, /) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -101,14 +115,16 @@ class CudaClockEvent:
         self.event = torch.cuda.Event(enable_timing=True)
 
     def record(self, stream: object = None) -> None:
-        self.event.record(stream)  # type: ignore[arg-type]
+        self.event.record(cast("torch.cuda.Stream | None", stream))  # a CUDA runtime's stream
 
     def synchronize(self) -> None:
         self.event.synchronize()
 
     def host_ns(self, anchor: ClockAnchor) -> int:
         """Needs both events complete; ``elapsed_time`` is in milliseconds (~0.5 us resolution)."""
-        return anchor.host_ns + round(anchor.event.event.elapsed_time(self.event) * 1e6)
+        start = anchor.event
+        assert isinstance(start, CudaClockEvent)  # the anchor comes from the same (CUDA) runtime
+        return anchor.host_ns + round(start.event.elapsed_time(self.event) * 1e6)
 
 
 @dataclass(frozen=True)
@@ -138,11 +154,11 @@ class DeviceRuntime:
     """
 
     device: torch.device
-    h2d_stream: object
-    d2h_stream: object
+    h2d_stream: Stream
+    d2h_stream: Stream
     pin_memory: bool
-    optimizer_stream: object = field(default_factory=NullStream)
-    comm_stream: object = field(default_factory=NullStream)
+    optimizer_stream: Stream = field(default_factory=NullStream)
+    comm_stream: Stream = field(default_factory=NullStream)
     tracer: NullTracer | Tracer = field(default=NULL_TRACER, repr=False)
     checker: StreamChecker | None = field(default=None, repr=False)
     _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -187,7 +203,7 @@ class DeviceRuntime:
         checker, which keeps the two apart to judge the copies a GPU would make."""
         return self.device.type == "cpu" and self.checker is None
 
-    def compute_stream(self) -> object:
+    def compute_stream(self) -> Stream:
         """The stream the caller computes on (the current stream, as PyTorch sets it)."""
         if self.is_cuda:
             return torch.cuda.current_stream(self.device)
@@ -223,13 +239,13 @@ class DeviceRuntime:
         return _cpu_name()
 
     @contextlib.contextmanager
-    def on(self, stream: object) -> Iterator[None]:
+    def on(self, stream: Stream) -> Iterator[None]:
         """Issue the enclosed work on ``stream``."""
         if self.is_cuda:
-            with torch.cuda.stream(stream):  # type: ignore[arg-type]
+            with torch.cuda.stream(cast(torch.cuda.Stream, stream)):  # a CUDA runtime's stream
                 yield
         elif self.checker is not None:
-            with self.checker.use_stream(stream):  # type: ignore[arg-type]
+            with self.checker.use_stream(cast(CheckedStream, stream)):  # one the checker handed out
                 yield
         else:
             yield
@@ -279,7 +295,7 @@ class DeviceRuntime:
             start = (-raw.data_ptr()) % PAGE_BYTES
             tensor = raw[start : start + nbytes].view(dtype)
         if self.pin_memory and nbytes > 0:
-            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            error = _cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
             if int(error) != 0:
                 raise RuntimeError(
                     f"could not pin {nbytes} bytes of host memory (cudaHostRegister error "
@@ -305,14 +321,14 @@ class DeviceRuntime:
         frees a block's master once it is on disk, before any stream has used it)."""
         for index, registered in enumerate(self._registered):
             if registered.data_ptr() == tensor.data_ptr():
-                torch.cuda.cudart().cudaHostUnregister(registered.data_ptr())
+                _cudart().cudaHostUnregister(registered.data_ptr())
                 del self._registered[index]
                 return
 
     def release_host_memory(self) -> None:
         """Unpin every registered host tensor (they stay valid as ordinary memory)."""
         for tensor in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+            _cudart().cudaHostUnregister(tensor.data_ptr())
         self._registered.clear()
 
     def return_transient_memory(self) -> None:
@@ -328,13 +344,13 @@ class DeviceRuntime:
             return self.host_empty(numel, dtype, shared)  # born zero, and untouched stays unpaid
         return self.host_empty(numel, dtype).zero_()
 
-    def used_on(self, tensor: torch.Tensor, stream: object) -> None:
+    def used_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """``tensor`` (allocated on another stream) is also used on ``stream``: the caching
         allocator must not reuse its memory before that work is done (``record_stream``)."""
         if self.is_cuda:
-            tensor.record_stream(stream)  # type: ignore[arg-type]
+            tensor.record_stream(cast(torch.cuda.Stream, stream))  # a CUDA runtime's stream
         elif self.checker is not None:
-            self.checker.used_on(tensor, stream)  # type: ignore[arg-type]
+            self.checker.used_on(tensor, cast(CheckedStream, stream))  # one the checker handed out
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -409,6 +425,14 @@ class PinnedPool:
         if size not in self._free:
             bisect.insort(self._sizes, size)
         self._free.setdefault(size, []).append(buffer)
+
+
+def _cudart() -> Any:
+    """CUDA's runtime API (``cudaHostRegister``...). ``torch.cuda.cudart()`` is typed optional
+    because its import fails on CPU builds, but there it raises rather than return ``None``."""
+    cudart = torch.cuda.cudart()
+    assert cudart is not None  # torch.cuda's initialisation raised otherwise
+    return cudart
 
 
 def _cpu_name() -> str:

@@ -45,14 +45,16 @@ class NodeSharedMemory:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
-        where: list[object] = [None]
+        where: list[tuple[int, int] | None] = [None]
         fd = -1
         if self.is_writer:
             fd = os.memfd_create("megatrain-state", os.MFD_CLOEXEC)
             os.ftruncate(fd, nbytes)
             where = [(os.getpid(), fd)]
         dist.broadcast_object_list(where, src=self.writer, group=self.group)
-        pid, remote_fd = where[0]  # type: ignore[misc]
+        received = where[0]
+        assert received is not None  # the writer's (pid, fd), broadcast to every rank
+        pid, remote_fd = received
         # mmap(MAP_SHARED) of the same pages in every rank: page-aligned, untouched.
         mapped = torch.from_file(f"/proc/{pid}/fd/{remote_fd}", shared=True, size=nbytes, dtype=torch.uint8)
         # Sync: the writer's descriptor must stay open until every rank has mapped it.

@@ -186,7 +186,7 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int, int] | None:
         return None
     size = tensor.element_size()
     last = sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
-    start = tensor.storage_offset() * size
+    start = int(tensor.storage_offset()) * size  # a real storage: the offset is no SymInt
     return storage.data_ptr(), start, start + (last + 1) * size
 
 

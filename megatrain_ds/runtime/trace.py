@@ -78,7 +78,8 @@ _NO_SPAN: AbstractContextManager[None] = contextlib.nullcontext()
 class Anchor(Protocol):
     """An event whose host-clock time is known (``ClockAnchor`` of the runtime)."""
 
-    host_ns: int
+    @property
+    def host_ns(self) -> int: ...  # read only: the runtime's anchor is frozen
 
 
 class ClockEvent(Protocol):

@@ -67,6 +67,7 @@ class SwapIO(Protocol):
 
     def buffer(self, numel: int) -> torch.Tensor:
         """An fp32 host buffer of ``numel`` elements the engine transfers without a copy."""
+        ...
 
     def close(self) -> None:
         """Free the engine's buffers and threads."""
@@ -81,7 +82,8 @@ class AioEngine:
     name: str = "deepspeed-aio"
 
     def __post_init__(self) -> None:
-        from deepspeed.ops.op_builder import AsyncIOBuilder  # only deepspeed.ops below integration/
+        # Only deepspeed.ops below integration/. Its builders are module attributes set in a loop.
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # pyright: ignore[reportAttributeAccessIssue]
 
         builder = AsyncIOBuilder()
         if not builder.is_compatible(verbose=False):
@@ -164,7 +166,8 @@ class ThreadedDirectEngine:
         self._transfer(buffer, path, offset, write=True)
 
     def _transfer(self, buffer: torch.Tensor, path: str, offset: int, write: bool) -> None:
-        view = memoryview(buffer.view(torch.uint8).numpy())
+        # numpy's stub gives ndarray the buffer protocol on Python >= 3.12 only (it has it on 3.10).
+        view = memoryview(buffer.view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
         fd = open_direct(path, write)
         try:
             # thread_count aligned pieces (at least block_size), one syscall each, all at once:
@@ -259,7 +262,8 @@ def measure_disk_bandwidth(directory: str, nbytes: int = 1 << 30, piece: int = 1
     nbytes = aligned_bytes(nbytes, piece)
     raw = torch.empty(piece + PAGE_BYTES, dtype=torch.uint8)
     start = (-raw.data_ptr()) % PAGE_BYTES
-    view = memoryview(raw[start : start + piece].numpy())
+    # numpy's stub gives ndarray the buffer protocol on Python >= 3.12 only (it has it on 3.10).
+    view = memoryview(raw[start : start + piece].numpy())  # pyright: ignore[reportArgumentType]
     raw[start : start + piece].fill_(1)  # not zero pages: some devices shortcut those
     path = os.path.join(directory, f".megatrain-bandwidth-{os.getpid()}")
     with open(path, "wb") as handle:

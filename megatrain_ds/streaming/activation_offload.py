@@ -84,7 +84,7 @@ class ActivationOffloader:
         self.prefetch(checkpoint)
         runtime = self.runtime
         compute = runtime.compute_stream()
-        compute.wait_event(checkpoint.ready)  # type: ignore[arg-type]  # the device copy has landed
+        compute.wait_event(checkpoint.ready)  # the device copy has landed
         tensor = checkpoint.device
         assert tensor is not None
         runtime.used_on(tensor, compute)  # allocated on the h2d stream, used and freed on this one

@@ -110,7 +110,7 @@ class BlockStash:
         self.owner = owner
         self.block = block
         self._weights_storage = weights.untyped_storage().data_ptr()
-        self._weights_offset = weights.storage_offset()
+        self._weights_offset = int(weights.storage_offset())  # eager tensors: ints, never SymInts
         self._weights_dtype = weights.dtype
         self._entries: list[_Stashed] = []
         self._by_storage: dict[int, _Stashed] = {}
@@ -131,7 +131,7 @@ class BlockStash:
             return tensor  # e.g. a CPU scalar of a GPU run: nothing to move
         if tensor.dtype == self._weights_dtype and tensor.untyped_storage().data_ptr() == self._weights_storage:
             return _WeightView(
-                tensor.storage_offset() - self._weights_offset, tuple(tensor.shape), tuple(tensor.stride())
+                int(tensor.storage_offset()) - self._weights_offset, tuple(tensor.shape), tuple(tensor.stride())
             )
         # Tensors saved by several ops, or views of one another (a norm's output, and its
         # flattened view that q, k and v read), share a storage: it moves once, whole. The
@@ -145,7 +145,9 @@ class BlockStash:
             self._by_storage[storage.data_ptr()] = entry
             self._entries.append(entry)
             self.nbytes += entry.nbytes
-        return _SavedView(entry, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        return _SavedView(
+            entry, tensor.dtype, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride())
+        )
 
     def end_block(self) -> None:
         """The block's forward is queued: copy what it saved to the host (see the Note)."""
@@ -227,7 +229,7 @@ class BlockStash:
             return weights.as_strided(packed.size, packed.stride, weights.storage_offset() + packed.offset)
         self.prefetch()
         runtime = self.owner.runtime
-        runtime.compute_stream().wait_event(self.ready)  # type: ignore[arg-type]
+        runtime.compute_stream().wait_event(self.ready)
         flat = packed.entry.device
         assert flat is not None, "a stashed tensor is unpacked after its block's backward"
         runtime.used_on(flat, runtime.compute_stream())  # allocated on h2d, freed after this use

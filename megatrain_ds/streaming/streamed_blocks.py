@@ -340,7 +340,8 @@ class StreamedBlocks:
             self._segments.append(_Segment(stashed=stashed))
         segment = self._segments[-1]
         previous = self._last[1] if continues and self._last else ()
-        tensor_positions = [p for p, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensor_leaves = {p: leaf for p, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+        tensor_positions = list(tensor_leaves)
         from_previous: dict[int, int] = {}
         for position in tensor_positions:
             for k, output in enumerate(previous):
@@ -348,29 +349,30 @@ class StreamedBlocks:
                     from_previous[position] = k
         kept = [None if p in from_previous else leaf for p, leaf in enumerate(leaves)]
         # A stashed block keeps no checkpoint: its graph holds what its backward needs.
-        checkpointed = [] if continues or stashed else [p for p in tensor_positions if leaves[p].requires_grad]
+        checkpointed = [] if continues or stashed else [p for p in tensor_positions if tensor_leaves[p].requires_grad]
         if self.offloader is not None:
             for position in checkpointed:
-                kept[position] = self.offloader.offload(leaves[position])
+                kept[position] = self.offloader.offload(tensor_leaves[position])
         call = _BlockCall(
             index=index,
             spec=spec,
             leaves=kept,
             tensor_positions=tensor_positions,
             from_previous=from_previous,
-            requires_grad={p: leaves[p].requires_grad for p in tensor_positions},
+            requires_grad={p: tensor_leaves[p].requires_grad for p in tensor_positions},
             replay=_ReplayState.capture(self.runtime),
             training=training,
         )
         segment.calls.append(call)
         if self.offloader is None:
-            added = sum(leaves[p].numel() * leaves[p].element_size() for p in checkpointed)
+            added = sum(tensor_leaves[p].numel() * tensor_leaves[p].element_size() for p in checkpointed)
             segment.checkpoint_bytes += added
             self.live_checkpoint_bytes += added
             self._note_peak()
 
         tensors = _StreamedBlockFn.apply(self, segment, call, self._anchor, *[leaves[p] for p in tensor_positions])
-        out_leaves, out_spec = self._pending_structure  # type: ignore[misc]
+        assert self._pending_structure is not None  # set by the forward _StreamedBlockFn just ran
+        out_leaves, out_spec = self._pending_structure
         self._pending_structure = None
         tensor_iter = iter(tensors)
         out_leaves = [next(tensor_iter) if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]

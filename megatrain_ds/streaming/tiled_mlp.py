@@ -58,7 +58,8 @@ class _TiledFn(torch.autograd.Function):
         return tiled.run_tiles(hidden)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_out,) = grad_outputs  # one output, one gradient
         tiled: TiledTokenWise = ctx.tiled
         hidden, *params = ctx.saved_tensors
         want_hidden = ctx.needs_input_grad[1]
@@ -74,13 +75,14 @@ class _TiledFn(torch.autograd.Function):
                 inputs = ([x] if want_hidden else []) + [params[i] for i in wanted]
                 grads = torch.autograd.grad(y, inputs, grad_flat[start:end].unsqueeze(0), allow_unused=True)
             del y
-            if want_hidden:
-                grad_hidden.view(-1, grad_hidden.shape[-1])[start:end] = grads[0]  # type: ignore[union-attr]
+            if grad_hidden is not None:  # want_hidden
+                grad_hidden.view(-1, grad_hidden.shape[-1])[start:end] = grads[0]
                 grads = grads[1:]
             for i, grad in zip(wanted, grads):
                 if grad is None:
                     continue
-                grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)  # type: ignore[union-attr]
+                previous = grad_params[i]
+                grad_params[i] = grad if previous is None else previous.add_(grad)
         return (None, grad_hidden, *grad_params)
 
 

@@ -61,12 +61,14 @@ class WeightSource(Protocol):
 
     def numel(self, block: int) -> int:
         """Elements of ``block``'s weights."""
+        ...
 
     def prefetch(self, blocks: Sequence[int]) -> None:
         """The blocks :meth:`take` will be asked for next, in order (a hint)."""
 
     def take(self, block: int) -> torch.Tensor:
         """``block``'s weights in host memory, unchanged until :meth:`give_back`."""
+        ...
 
     def give_back(self, block: int, device_done: Event) -> None:
         """The device reads what :meth:`take` returned until ``device_done``."""
@@ -138,6 +140,7 @@ class WeightStreamer:
     def __post_init__(self) -> None:
         if self.source is None:
             self.source = HostWeights(self.states)
+        self._source: WeightSource = self.source  # never None from here on
         dtype = self.source.dtype
         # On the CPU the slots view the host buffers ([Note: the host as the device]).
         self._in_place = self.runtime.shares_host_memory
@@ -184,7 +187,7 @@ class WeightStreamer:
                 self._give_back_host(slot, slot.ready)  # never computed on
                 self._free.append(slot)
         self._in_flight, self._plan = kept, plan
-        self.source.prefetch(list(plan))
+        self._source.prefetch(list(plan))
         self._top_up()
 
     def acquire(self, block: int) -> torch.Tensor:
@@ -257,14 +260,14 @@ class WeightStreamer:
     def _give_back_host(self, slot: _Slot, device_done: Event) -> None:
         """An in-place slot's host weights are read until ``device_done``."""
         if slot.reads_host is not None:
-            self.source.give_back(slot.reads_host, device_done)
+            self._source.give_back(slot.reads_host, device_done)
             slot.reads_host = None
 
     def _top_up(self) -> None:
         while self._free and self._plan:
             block = self._plan.popleft()
             slot = self._free.popleft()
-            source = self.source.take(block)
+            source = self._source.take(block)
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
                 self.runtime.h2d_stream.wait_event(slot.free)
@@ -280,7 +283,7 @@ class WeightStreamer:
             if self._in_place:
                 slot.reads_host = block  # given back when the slot is released
             else:
-                self.source.give_back(block, slot.ready)  # the copy is the host buffer's last reader
+                self._source.give_back(block, slot.ready)  # the copy is the host buffer's last reader
             self.transfers[block] += 1
             self.bytes_copied += source.numel() * source.element_size()
             self._in_flight.append((block, slot))
