@@ -15,7 +15,8 @@ if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u
     apt-get install -y -qq libaio-dev >/dev/null || echo "setup: could not install libaio-dev (the NVMe tier will use its thread fallback)"
 fi
 # DeepSpeed's CPU Adam op and the engine's binding of its kernel
-# (megatrain_ds/optimizer/cpu_adam.py), compiled once into torch's extension cache
+# (megatrain_ds/optimizer/cpu_adam.py), and its async I/O op where libaio is there (the NVMe
+# tier, megatrain_ds/state/swap_io.py), compiled once into torch's extension cache
 # (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions; 25-110 s each the first time, a
 # second or two to load after). tests/test_cpu_adam_fused.py checks the binding against
 # DeepSpeed's op bit for bit and fails, not skips, where a compiler should have built it.
@@ -26,8 +27,11 @@ from deepspeed.ops.op_builder import CPUAdamBuilder
 from megatrain_ds.optimizer.cpu_adam import load_deepspeed_op
 CPUAdamBuilder().load(verbose=False)
 load_deepspeed_op()
+from deepspeed.ops.op_builder import AsyncIOBuilder
+if AsyncIOBuilder().is_compatible(verbose=False):
+    AsyncIOBuilder().load(verbose=False)
 " >"$ops_log" 2>&1; then
-    echo "setup: could not build DeepSpeed's CPU Adam op (tests/test_cpu_adam_fused.py will fail):"
+    echo "setup: could not build DeepSpeed's CPU Adam or async I/O op (tests/test_cpu_adam_fused.py will fail):"
     tail -n 20 "$ops_log"
 fi
 rm -f "$ops_log"

@@ -1,8 +1,9 @@
 """The engine's stream ordering, proved on the CPU by the race checker.
 
 - The engine under ``MEGATRAIN_STREAM_CHECK=1`` runs on virtual streams and the checker
-  sees its work (and finds no race) -- the parity suite, checkpoints and data parallel
-  are run under it by :func:`test_the_suites_pass_under_the_checker`.
+  sees its work (and finds no race) -- the parity suite, checkpoints, data parallel and the
+  other suites of ``tests/conftest.py``'s ``CHECKED_SUITES`` run under it as their
+  ``[checked]`` variants.
 - The checker bites: every synchronisation call of the engine's modules is removed, one
   at a time, from a copy of the package, and a short run under the checker
   (``tests/stream_race_scenario.py``) must fail with a race. Survivors are listed in
@@ -204,49 +205,6 @@ def test_the_engine_runs_on_checked_streams_and_the_checker_sees_its_work(stream
         engine.destroy()
 
 
-@pytest.mark.slow
-def test_the_suites_pass_under_the_checker(tmp_path):
-    """The parity suite (every family, GA 1/2, K 1/2, offload on/off), the optimizer
-    placements and speculative steps, stashed activations and fragmented weights, models
-    that checkpoint their own layers, the NVMe tier and its checkpoints, checkpoints and
-    2-rank data parallel, with the checker on."""
-    suites = [
-        "tests/test_parity.py",
-        "tests/test_optimizer_placement.py",
-        "tests/test_speculative_step.py",
-        "tests/test_recompute.py",
-        "tests/test_fragments.py",
-        "tests/test_layer_checkpointing.py",
-        "tests/test_nvme_tier.py",
-        "tests/test_nvme_checkpoint.py",
-        "tests/test_checkpoint.py",
-        "tests/test_nonfinite_steps.py",
-        "tests/test_data_parallel.py::test_two_ranks_match_one_process_with_both_batches",
-        "tests/test_data_parallel.py::test_checkpoint_saved_by_two_ranks_resumes_bit_identically",
-    ]
-    # Not what the checker is for: a timing (the checker slows the host thread down).
-    deselected = ["tests/test_speculative_step.py::test_cpu_update_overlaps_backward"]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-x",
-            *suites,
-            *(f"--deselect={test}" for test in deselected),
-        ],
-        env=_env(REPO),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-
-
 # -- the checker bites -------------------------------------------------------------------------
 
 
@@ -273,7 +231,7 @@ def test_the_unmutated_scenarios_run_race_free(tmp_path):
     assert "no race" in result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.mutation
 def test_removing_any_one_synchronisation_is_caught(tmp_path):
     sites = sync_sites()
 

@@ -109,8 +109,11 @@ class CheckpointedEngine(Protocol):
     block_path: str
     global_steps: int
     micro_steps: int
-    loss_scaling: trainer_states.LossScalerState
-    """fp16's loss scaler: its running state is saved and restored with the optimizer's."""
+
+    @property
+    def loss_scaling(self) -> trainer_states.LossScalerState:
+        """fp16's loss scaler: its running state is saved and restored with the optimizer's."""
+        ...
 
     def gradient_accumulation_steps(self) -> int: ...
 

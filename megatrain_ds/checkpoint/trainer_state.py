@@ -58,7 +58,9 @@ class TrainerStateOwner(Protocol):
 
     optimizer: Any
     lr_scheduler: Any
-    loss_scaling: LossScalerState
+
+    @property
+    def loss_scaling(self) -> LossScalerState: ...
 
     def gradient_accumulation_steps(self) -> int: ...
 
