@@ -143,11 +143,11 @@ def read_zero3_as_stage0(config: dict[str, Any]) -> None:
     engine keeps every parameter whole in host memory: it is stage 0 (its
     ``zero_optimization_stage()``). So the reader's copy of a megatrain config says stage 0,
     and everything downstream takes the ordinary, unpartitioned path that stage-0 configs
-    already take: ``from_pretrained`` builds on the meta device and fills each parameter
-    from the shards once (no partitioned copy, no merged state dict), after which the
-    engine moves the parameters into its host state one at a time
+    already take: ``from_pretrained`` builds on the meta device and takes each parameter
+    from the memory-mapped shards (no partitioned copy, no merged state dict), after which
+    the engine moves the parameters into its host state one at a time
     (``state/host_store.py``), so loading needs no more than the engine's steady state plus
-    one parameter; saving gets the full state dict. Accelerate then says that
+    about one parameter (``bench/stage3_load.py``); saving gets the full state dict. Accelerate then says that
     ``zero3_init_flag`` "is only applicable for ZeRO Stage 3" and sets it to false, which
     is what happens. The engine itself accepts any stage (``config.py``), and the user's
     file or dict is untouched (Accelerate deep-copies a dict and parses a file).
