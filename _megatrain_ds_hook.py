@@ -14,12 +14,15 @@ imported, the watcher lets it execute normally and then hands it to
   go to this engine, every other call to DeepSpeed unchanged. Because the wrapper replaces
   the module attribute before anyone can read it, callers that look
   ``deepspeed.initialize`` up at call time (Accelerate) or bind it once after importing
-  (``from deepspeed import initialize``) are routed alike.
+  (``from deepspeed import initialize``) are routed alike. ``deepspeed.zero.Init`` given a
+  megatrain config builds the model whole (does nothing).
 - ``accelerate.utils.deepspeed``: its ``HfDeepSpeedConfig`` (which Accelerate's
   ``DeepSpeedPlugin`` and the HF Trainer read the JSON with, before ``deepspeed`` itself
   is imported) completes a megatrain config with ``zero_optimization: {stage: 0}`` and
   ``"auto"`` batch, accumulation and clipping keys where it leaves them out, so the
-  minimal config works unchanged ([Note: the minimal config] in that module).
+  minimal config works unchanged ([Note: the minimal config] in that module), and reads a
+  megatrain config's ZeRO stage 3 as 0, so transformers builds the model whole rather than
+  under ``deepspeed.zero.Init`` ([Note: ZeRO-3 configs]).
 
 ``MEGATRAIN_DISABLE_HOOK=1`` switches both off: at start-up nothing is installed, and an
 already patched function checks the variable at every call.

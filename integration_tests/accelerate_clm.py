@@ -3,18 +3,21 @@
 ``test_accelerate.py`` launches it as users would launch theirs::
 
     accelerate launch --config_file configs/accelerate_megatrain.yaml \\
-        integration_tests/accelerate_clm.py --output-dir DIR [--learning-rate 0]
+        integration_tests/accelerate_clm.py --output-dir DIR [--learning-rate 0] [--model-dir DIR]
 
 A tiny random-init Llama learns byte-level text from ``data/kjv_excerpt.txt``: client
 AdamW with no weight decay on biases and norms, a warm-up/cosine schedule,
 ``accelerator.accumulate``/``accelerator.backward``, and the model saved the way the
-Accelerate docs show. The DeepSpeed config decides which engine runs; the script never
-imports ``megatrain_ds``. It writes, under ``--output-dir``:
+Accelerate docs show. With ``--model-dir`` the model is ``from_pretrained`` that directory
+instead, after the ``Accelerator`` is made (so a ZeRO-3 config with ``zero3_init_flag``
+builds it under ``deepspeed.zero.Init``). The DeepSpeed config decides which engine runs;
+the script never imports ``megatrain_ds``. It writes, under ``--output-dir``:
 
 - ``result.json``: the engine's classes (MRO), the loss and learning rate of every
-  micro-batch, the final evaluation loss, and warnings about the scheduler order;
-- ``initial.safetensors`` (the weights before training), ``eval_batches.pt`` and
-  ``model/`` (``save_pretrained``).
+  micro-batch, the final evaluation loss, warnings about the scheduler order, the ZeRO
+  stage Accelerate's plugin reports and whether the model was built partitioned;
+- ``initial.safetensors`` (the weights before training, without ``--model-dir``),
+  ``eval_batches.pt`` and ``model/`` (``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
     parser.add_argument("--num-examples", type=int, default=96, help="training sequences (one epoch)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", type=Path, default=None, help="from_pretrained this instead of a fresh model")
     return parser.parse_args()
 
 
@@ -48,7 +52,11 @@ def main() -> None:
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     transformers.set_seed(args.seed)
 
-    model = tiny_llama(args.output_dir)
+    if args.model_dir is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    else:
+        model = tiny_llama(args.output_dir)
+    built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # by deepspeed.zero.Init
 
     text = corpus()
     train_data = byte_blocks(text, args.num_examples)
@@ -111,6 +119,8 @@ def main() -> None:
         "eval_loss": eval_loss,
         "scheduler_warnings": [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)],
         "device": str(accelerator.device),
+        "zero_stage": accelerator.state.deepspeed_plugin.zero_stage,
+        "built_partitioned": built_partitioned,
     }
     (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     accelerator.end_training()

@@ -17,7 +17,10 @@ Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
 - ``minimal``: the Trainer with ``--deepspeed-config`` (a hand-written JSON), scheduler from
   ``TrainingArguments``;
 - ``resume``: six steps saving a checkpoint every three, then a fresh model and Trainer
-  resumed from the first checkpoint (``resume_from_checkpoint``) for the last three.
+  resumed from the first checkpoint (``resume_from_checkpoint``) for the last three;
+- ``pretrained``: ``from_pretrained(--model-dir)`` after ``TrainingArguments`` (with a ZeRO-3
+  ``--deepspeed-config`` transformers then builds it under ``deepspeed.zero.Init``), then
+  the Trainer as ``minimal``.
 
 It writes, under ``--output-dir``: ``result.json`` (the engine's classes, logged losses,
 the evaluation loss, and what each client reports), ``initial.safetensors``,
@@ -38,7 +41,7 @@ from tiny_clm import REPO_ROOT, SEQ_LEN, byte_blocks, corpus, tiny_llama
 
 LR = 3e-3
 HF_CONFIG = REPO_ROOT / "configs" / "ds_megatrain_hf.json"
-CLIENTS = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume")
+CLIENTS = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume", "pretrained")
 
 
 def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -165,6 +168,27 @@ def train_with_lora(args: argparse.Namespace, model: torch.nn.Module) -> tuple[t
     return trainer, extra | {"trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
 
 
+def train_from_pretrained(args: argparse.Namespace) -> tuple[transformers.Trainer, dict[str, Any]]:
+    """The usual order: ``TrainingArguments`` (which registers the DeepSpeed config with
+    transformers) before ``from_pretrained``."""
+    text = corpus()
+    training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # by deepspeed.zero.Init
+    trainer = transformers.Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=byte_blocks(text, 48),
+        eval_dataset=byte_blocks(text, 16, start=48),
+    )
+    trainer.train()
+    return trainer, {
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "built_partitioned": built_partitioned,
+        "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
+    }
+
+
 def train_and_resume(args: argparse.Namespace, model: torch.nn.Module) -> tuple[transformers.Trainer, dict[str, Any]]:
     overrides = dict(max_steps=6, save_strategy="steps", save_steps=3)
     trainer, _ = train_with_trainer(args, model, **overrides)
@@ -194,6 +218,7 @@ def main() -> None:
     parser.add_argument("--client", choices=CLIENTS, required=True)
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--deepspeed-config", type=Path, default=HF_CONFIG)
+    parser.add_argument("--model-dir", type=Path, default=None, help="the pretrained client's model")
     args = parser.parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -209,6 +234,8 @@ def main() -> None:
         trainer, extra = train_with_sft(args, model, packing=args.client == "sft_packing")
     elif args.client == "lora":
         trainer, extra = train_with_lora(args, model)
+    elif args.client == "pretrained":
+        trainer, extra = train_from_pretrained(args)
     else:
         trainer, extra = train_and_resume(args, model)
     trainer.save_model(str(args.output_dir / "model"))

@@ -1,5 +1,6 @@
 """The engine as a ``DeepSpeedEngine``: what Accelerate and the HF Trainer check and call."""
 
+import contextlib
 import logging
 import re
 
@@ -159,13 +160,61 @@ def test_batch_rule_counts_the_launchers_ranks_and_model_parallel_is_rejected(mo
         deepspeed.initialize(model=tiny_models.llama(), config=ds_config(), mpu=object())
 
 
+def zero3_offload(config: dict) -> dict:
+    """``config`` with a ZeRO-3 offload block, as users copy it from DeepSpeed's docs."""
+    offload = {"device": "cpu", "pin_memory": True}
+    zero = {"stage": 3, "offload_param": offload, "offload_optimizer": offload}
+    return {**config, "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True}}
+
+
+def test_a_model_built_under_zero_init_with_the_config_trains_as_one_built_without():
+    """``deepspeed.zero.Init(config_dict_or_path=<megatrain stage-3 config>)`` builds the model
+    whole (the hook's [Note: ZeRO-3 configs]): same initial weights and the same losses, bit
+    for bit, as the same seed built outside it; DeepSpeed's own config still partitions."""
+    import deepspeed
+
+    config = zero3_offload(ds_config())
+    losses = {}
+    for name in ("zero_init", "plain"):
+        torch.manual_seed(0)
+        context = deepspeed.zero.Init(config_dict_or_path=config) if name == "zero_init" else contextlib.nullcontext()
+        with context:
+            model = tiny_models.llama()
+        assert not any(hasattr(p, "ds_id") for p in model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        losses[name] = [float(_train_step(engine).detach()) for _ in range(3)]  # one batch: the loss falls
+        engine.destroy()
+    assert losses["zero_init"] == losses["plain"]
+    assert losses["plain"][-1] < losses["plain"][0]
+    with deepspeed.zero.Init(config_dict_or_path={**config, "engine": "deepspeed", "train_batch_size": 2}):
+        partitioned = torch.nn.Linear(4, 4)
+    assert hasattr(partitioned.weight, "ds_id") and partitioned.weight.numel() == 0
+
+
 def test_a_model_partitioned_by_zero_init_is_rejected():
-    """A stage-3 config makes the HF Trainer build the model under deepspeed.zero.Init;
-    DeepSpeed marks each partitioned parameter with ds_id (simulated here)."""
+    """A model built under a zero.Init that was not given the megatrain config has empty
+    placeholders for parameters; DeepSpeed marks each with ds_id (simulated here)."""
     import deepspeed
 
     model = tiny_models.llama()
     param = next(model.parameters())
     param.ds_id = 0
-    with pytest.raises(ConfigError, match=r'partitioned by deepspeed.zero.Init.*"stage": 0'):
-        deepspeed.initialize(model=model, config=ds_config())
+    with pytest.raises(ConfigError, match=r"partitioned by deepspeed.zero.Init.*config_dict_or_path=config"):
+        deepspeed.initialize(model=model, config=zero3_offload(ds_config()))
+
+
+def test_save_16bit_model_writes_the_full_fp32_model(engine, tmp_path):
+    """DeepSpeed's ``save_16bit_model`` (what DeepSpeed scripts call at stage 3): one file with
+    the trained model's whole state dict, as ``module_state_dict``; ``exclude_frozen_parameters``
+    leaves out what does not train."""
+    _train_step(engine)
+    assert engine.save_16bit_model(tmp_path / "out") is True
+    saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    expected = engine.module_state_dict()
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)
+    engine.module.model.embed_tokens.weight.requires_grad_(False)
+    engine.save_16bit_model(tmp_path / "out", "frozen.bin", exclude_frozen_parameters=True)
+    assert set(expected) - set(torch.load(tmp_path / "out" / "frozen.bin", weights_only=True)) == {
+        "model.embed_tokens.weight"
+    }

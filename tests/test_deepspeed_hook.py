@@ -91,6 +91,46 @@ def test_accelerate_reads_the_minimal_config_with_stage_0():
     assert _plugin_probe(MEGATRAIN_DISABLE_HOOK="1") == [refused, refused, [1, {"stage": 1}, None, 1]]
 
 
+# A ZeRO-3 offload config with the engine, through what Accelerate (zero3_init_flag), the
+# Trainer and a script using transformers' HfDeepSpeedConfig do before building the model.
+ZERO3_PROBE = textwrap.dedent("""
+    import json, os, warnings
+    import torch, transformers
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+    offload = {"device": "cpu", "pin_memory": True}
+    config = {"engine": "megatrain", "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto",
+              "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload}}
+    os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "true"  # accelerate launch with zero3_init_flag: true
+    plugin = DeepSpeedPlugin(hf_ds_config=config)
+    plugin.set_deepspeed_weakref()  # Accelerator() does this: transformers' ZeRO-3 detection
+    tiny = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(tiny)  # under zero.Init if ZeRO-3 is seen
+    kept = HfDeepSpeedConfig(config)  # the documented way without Accelerate
+    print(json.dumps([plugin.zero_stage, plugin.zero3_init_flag, is_deepspeed_zero3_enabled(),
+                      any(hasattr(p, "ds_id") for p in model.parameters()), config["zero_optimization"]["stage"]]))
+""")
+
+
+def test_a_zero3_config_builds_the_model_whole():
+    """[Note: ZeRO-3 configs]: with the engine, Accelerate's plugin and transformers read a
+    ZeRO-3 megatrain config as stage 0, so ``from_config`` builds the model whole (the
+    user's dict still says 3); with the hook off, DeepSpeed's ZeRO-3 partitions it."""
+
+    def probe(**env: str) -> list:
+        result = subprocess.run(
+            [sys.executable, "-c", ZERO3_PROBE], capture_output=True, text=True, timeout=300,
+            env={**os.environ, **env}, cwd="/",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.splitlines()[-1])
+
+    assert probe() == [0, False, False, False, 3]
+    assert probe(MEGATRAIN_DISABLE_HOOK="1") == [3, True, True, True, 3]
+
+
 def test_the_hook_can_be_switched_off():
     routed, imported, _ = _probe(MEGATRAIN_DISABLE_HOOK="1")
     assert (routed, imported) == ("False", "False")  # deepspeed untouched, megatrain_ds not loaded

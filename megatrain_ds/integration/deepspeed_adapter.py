@@ -24,8 +24,10 @@ what this engine has.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -161,6 +163,28 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         tier holds their masters, as with DeepSpeed), copied so that it outlives training."""
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         return OrderedDict((key, value.detach().clone()) for key, value in state.items())  # DeepSpeed's type
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's ``save_16bit_model``: the whole model's state dict in one file,
+        ``torch.save`` d by the first rank to ``save_dir/save_filename``; here the state of
+        :meth:`_zero3_consolidated_16bit_state_dict` (fp32 masters: the engine holds no
+        16-bit copy to save). Always ``True``: nothing needs gathering, whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says. Every rank calls it, as with
+        DeepSpeed; the others wait until the file is written."""
+        path = Path(save_dir) / save_filename
+        if self.data_parallel is None or self.data_parallel.rank == 0:
+            state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log_dist(f"Saving model weights to {path}", ranks=[0])
+            torch.save(state, path)
+        if self.data_parallel is not None:
+            torch.distributed.barrier(group=self.data_parallel.control_group)
+        return True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -6,11 +6,14 @@ This is the one place the project patches third-party functions (:func:`patch`, 
   ``"engine": "megatrain"`` to :func:`megatrain_ds.initialize.initialize` and every other
   call, unchanged, to the original.
 - :func:`supply_missing_keys` makes Accelerate's ``HfDeepSpeedConfig`` (the base of the
-  HF Trainer's) complete a minimal megatrain config, ``{"engine": "megatrain"}`` plus what
-  the user cares about, with ``"zero_optimization": {"stage": 0}`` and ``"auto"`` batch,
-  accumulation and clipping keys ([Note: the minimal config]).
+  HF Trainer's and of transformers') complete a minimal megatrain config, ``{"engine":
+  "megatrain"}`` plus what the user cares about, with ``"zero_optimization": {"stage": 0}``
+  and ``"auto"`` batch, accumulation and clipping keys ([Note: the minimal config]), and
+  read a ZeRO-3 megatrain config as stage 0 ([Note: ZeRO-3 configs]).
+- :func:`build_models_whole` makes ``deepspeed.zero.Init`` a context that does nothing
+  when it is given a megatrain config ([Note: ZeRO-3 configs]).
 
-Set ``MEGATRAIN_DISABLE_HOOK=1`` to turn both off (checked per call).
+Set ``MEGATRAIN_DISABLE_HOOK=1`` to turn all of them off (checked per call).
 
 Two ways in, one mechanism (``_megatrain_ds_hook.install``, the start-up module installed
 beside the package; it imports this module, never the other way round):
@@ -27,8 +30,10 @@ goes through Accelerate, so both see the wrapper.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from types import ModuleType
@@ -115,19 +120,99 @@ def supply_missing_keys(accelerate_deepspeed: ModuleType) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         config = getattr(self, "config", None)
-        if os.environ.get(DISABLE_ENV) == "1" or not is_megatrain_config(config):
+        if os.environ.get(DISABLE_ENV) == "1" or not isinstance(config, dict) or not is_megatrain_config(config):
             return
         assert isinstance(config, dict)  # HfDeepSpeedConfig parses or deep-copies it into a dict
         for key, value in FILLED_BY_THE_CLIENT.items():
             config.setdefault(key, copy.deepcopy(value))
+        read_zero3_as_stage0(config)
         self.set_stage_and_offload()  # what __init__ derived from the config, again
 
     setattr(__init__, _MARKER, original)
     cls.__init__ = __init__
 
 
+def read_zero3_as_stage0(config: dict[str, Any]) -> None:
+    """Make a megatrain config's ``zero_optimization.stage`` 3 read as 0, in place (a reader's copy).
+
+    [Note: ZeRO-3 configs]
+    Users bring their ZeRO-3 offload JSON and add ``"engine": "megatrain"``. At stage 3 the
+    frameworks build the model partitioned: transformers asks ``HfDeepSpeedConfig.is_zero3()``
+    (``is_deepspeed_zero3_enabled``) and then builds ``from_pretrained``/``from_config``
+    models under ``deepspeed.zero.Init``, which leaves each parameter an empty placeholder
+    (Accelerate's ``zero3_init_flag`` only sets that config up), and Accelerate, the Trainer
+    and TRL key their saving, gathering and PEFT paths on the plugin's ``zero_stage``. This
+    engine keeps every parameter whole in host memory: it is stage 0 (its
+    ``zero_optimization_stage()``). So the reader's copy of a megatrain config says stage 0,
+    and everything downstream takes the ordinary, unpartitioned path that stage-0 configs
+    already take: ``from_pretrained`` builds on the meta device and takes each parameter
+    from the memory-mapped shards (no partitioned copy, no merged state dict), after which
+    the engine moves the parameters into its host state one at a time
+    (``state/host_store.py``), so loading needs no more than the engine's steady state plus
+    about one parameter (``bench/stage3_load.py``); saving gets the full state dict. Accelerate then says that
+    ``zero3_init_flag`` "is only applicable for ZeRO Stage 3" and sets it to false, which
+    is what happens. The engine itself accepts any stage (``config.py``), and the user's
+    file or dict is untouched (Accelerate deep-copies a dict and parses a file).
+    ``deepspeed.zero.Init`` given a megatrain config (a script of the user's that builds
+    its model under it, as DeepSpeed's docs show) does nothing, for the same reason
+    (:func:`build_models_whole`). A model partitioned anyway (``zero.Init`` without a
+    config, or with another one) is refused by ``initialize`` with the way out.
+    """
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("stage") == 3:
+        zero["stage"] = 0
+
+
+def _zero_init_config(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The config a ``deepspeed.zero.Init(...)`` call names, as a dict, or ``None``."""
+    try:
+        bound = signature.bind_partial(None, *args, **kwargs).arguments  # None: ``self``
+    except TypeError:
+        return None  # DeepSpeed reports its own argument errors
+    if not bound.get("enabled", True):
+        return None
+    config = bound.get("config_dict_or_path", bound.get("config"))
+    try:
+        return load_config_dict(config) if config is not None else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def build_models_whole(deepspeed: ModuleType) -> None:
+    """Make ``deepspeed.zero.Init`` do nothing for a megatrain config (idempotent; [Note:
+    ZeRO-3 configs]).
+
+    ``deepspeed.zero.Init`` becomes a subclass whose construction returns
+    ``contextlib.nullcontext()`` when the call names a megatrain config (and the hook is on),
+    and DeepSpeed's own context otherwise; ``isinstance`` checks and class attributes are kept.
+    """
+    original = deepspeed.zero.Init
+    if getattr(original, _MARKER, None) is not None:
+        return
+    signature = inspect.signature(original.__init__)
+
+    class Init(original):  # type: ignore[misc, valid-type]
+        __doc__ = original.__doc__
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            config = _zero_init_config(signature, args, kwargs)
+            if os.environ.get(DISABLE_ENV) != "1" and is_megatrain_config(config):
+                return contextlib.nullcontext()  # not an Init: Python skips __init__
+            return super().__new__(cls)
+
+    Init.__module__, Init.__qualname__ = original.__module__, original.__qualname__
+    setattr(Init, _MARKER, original)
+    deepspeed.zero.Init = Init
+
+
+def patch_deepspeed(deepspeed: ModuleType) -> None:
+    """Everything ``deepspeed`` gets: :func:`wrap` and :func:`build_models_whole`."""
+    wrap(deepspeed)
+    build_models_whole(deepspeed)
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    "deepspeed": wrap,
+    "deepspeed": patch_deepspeed,
     "accelerate.utils.deepspeed": supply_missing_keys,
 }
 """What each module watched by ``_megatrain_ds_hook`` (its ``WATCHED``) gets once imported."""

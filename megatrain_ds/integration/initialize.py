@@ -60,12 +60,14 @@ def initialize(
         raise ConfigError("deepspeed.initialize needs config= (a dict or a JSON path)")
     engine_config = parse_engine_config(load_config_dict(config))  # batch rules count every rank
     if any(hasattr(p, "ds_id") for p in model.parameters()):
-        # With a stage-3 config the HF Trainer and Accelerate build the model under
-        # deepspeed.zero.Init, which has already partitioned every parameter away.
+        # A megatrain config makes zero.Init and transformers' ZeRO-3 detection build the
+        # model whole ([Note: ZeRO-3 configs] in deepspeed_hook.py); this one was built
+        # under a zero.Init that was not given it, so its parameters are empty placeholders.
         raise ConfigError(
-            "the model's parameters were partitioned by deepspeed.zero.Init (a "
-            'zero_optimization.stage 3 config): set "zero_optimization": {"stage": 0} '
-            "for the megatrain engine, which keeps whole parameters in host memory"
+            "the model's parameters were partitioned by deepspeed.zero.Init called without "
+            'this "engine": "megatrain" config: pass the config to it '
+            "(deepspeed.zero.Init(config_dict_or_path=config), which then builds the model "
+            "whole), or build the model outside zero.Init"
         )
     engine = MegatrainDeepSpeedEngine(model, engine_config, model_parameters=model_parameters, optimizer=optimizer)
     try:

@@ -1,0 +1,161 @@
+"""A ZeRO-3 offload config plus ``"engine": "megatrain"``, run unchanged by the usual clients.
+
+The user's habit: a ZeRO-3 offload JSON (``configs/ds_zero3_offload_megatrain.json``: stage
+3, ``offload_param`` and ``offload_optimizer`` on the CPU, ``"auto"`` batch and optimizer
+values) and a pretrained model loaded with ``from_pretrained``, which transformers builds
+under ``deepspeed.zero.Init`` at stage 3. Three clients, each twice in fresh processes: on
+this engine, and with ``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's own ZeRO-3 offload engine
+(fp32, CPU Adam), the reference:
+
+1. an Accelerate script (``accelerate_clm.py --model-dir``) under ``accelerate launch`` with
+   ``zero3_init_flag: true`` and the JSON without its optimizer and scheduler blocks
+   (Accelerate refuses them next to the script's own);
+2. TRL's ``trl sft`` console script on a local model directory and JSON-lines dataset;
+3. the HF Trainer (``trainer_clients.py --client pretrained``) with ``--deepspeed`` the JSON.
+
+On DeepSpeed the model is built partitioned; on the engine whole ([Note: ZeRO-3 configs] in
+``megatrain_ds/integration/deepspeed_hook.py``). Losses agree to 1e-5 relative (fp32 on both
+sides, DeepSpeed's CPU Adam on both: room for summation order only), and the saved Hugging
+Face checkpoints (``get_state_dict``/``save_pretrained``, ``trainer.save_model``) hold the
+same weights, which plain transformers reloads to the same evaluation loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from launching import REPO_ROOT, Run, eval_loss_of_saved_model, load_weights, run_side_by_side
+from tiny_clm import byte_blocks, corpus, tiny_llama_config
+from trainer_clients import byte_tokenizer, sft_examples
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
+MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
+DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+DEEPSPEED = {"MEGATRAIN_DISABLE_HOOK": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A "pretrained" tiny byte-level Llama (seed 0) with its tokenizer, as ``save_pretrained`` writes it."""
+    directory = tmp_path_factory.mktemp("pretrained")
+    transformers.set_seed(0)
+    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def assert_same_losses(ours: list[float], reference: list[float], count: int, min_drop: float = 0.5) -> None:
+    assert len(ours) == len(reference) == count
+    assert all(math.isfinite(loss) for loss in ours)
+    for step, (a, b) in enumerate(zip(ours, reference)):
+        assert a == pytest.approx(b, rel=1e-5), f"step {step + 1}"
+    assert ours[-1] < ours[0] - min_drop  # it trained
+
+
+def assert_same_weights(ours_dir: Path, reference_dir: Path) -> None:
+    """The saved checkpoints agree to float rounding (relative Frobenius error over all tensors)."""
+    ours, reference = load_weights(ours_dir), load_weights(reference_dir)
+    assert ours.keys() == reference.keys()
+    diff = sum(float(((ours[k].double() - reference[k].double()) ** 2).sum()) for k in ours)
+    norm = sum(float((reference[k].double() ** 2).sum()) for k in ours)
+    assert math.sqrt(diff / norm) < 1e-5
+
+
+def test_accelerate_with_zero3_init_flag(model_dir: Path, tmp_path: Path) -> None:
+    config = json.loads(ZERO3_CONFIG.read_text(encoding="utf-8"))
+    del config["optimizer"], config["scheduler"]  # the script brings its own
+    json_path = tmp_path / "zero3_offload.json"
+    json_path.write_text(json.dumps(config), encoding="utf-8")
+    shipped = (REPO_ROOT / "configs" / "accelerate_megatrain.yaml").read_text(encoding="utf-8")
+    yaml = shipped.replace("configs/ds_megatrain_accelerate.json", str(json_path))
+    yaml = yaml.replace("zero3_init_flag: false", "zero3_init_flag: true")
+    assert str(json_path) in yaml and "zero3_init_flag: true" in yaml
+    accelerate_config = tmp_path / "accelerate.yaml"
+    accelerate_config.write_text(yaml, encoding="utf-8")
+    args = ["--model-dir", str(model_dir)]
+    runs = run_side_by_side(
+        [Run(name, HERE / "accelerate_clm.py", tmp_path / name, args, accelerate_config=accelerate_config, env=env)
+         for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]
+    )  # fmt: skip
+    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
+    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
+    # DeepSpeed built it under zero.Init (so the comparison is with real ZeRO-3); the engine whole.
+    assert (reference["zero_stage"], reference["built_partitioned"]) == (3, True)
+    assert (ours["zero_stage"], ours["built_partitioned"]) == (0, False)
+    assert_same_losses(ours["losses"], reference["losses"], count=24)
+    assert ours["learning_rates"] == reference["learning_rates"]
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    # accelerator.get_state_dict + unwrap_model(...).save_pretrained: a correct HF checkpoint.
+    assert_same_weights(runs["megatrain"].output_dir / "model", runs["deepspeed"].output_dir / "model")
+    batches = torch.load(runs["megatrain"].output_dir / "eval_batches.pt")
+    reloaded = eval_loss_of_saved_model(runs["megatrain"].output_dir / "model", batches)
+    assert reloaded == pytest.approx(ours["eval_loss"], rel=1e-5)
+
+
+def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
+    """``trl sft --model_name_or_path DIR --dataset_name DIR --deepspeed JSON``: TRL's own
+    script loads the model (under zero.Init on DeepSpeed) and saves it with ``save_model``."""
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "train.jsonl", "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(example) + "\n" for example in sft_examples(48))
+    trl_script = Path(sys.executable).with_name("trl")  # the console script TRL installs
+    assert trl_script.is_file(), f"TRL's console script is not at {trl_script}"
+    steps = 6
+    args = [
+        "sft",
+        *("--model_name_or_path", str(model_dir), "--dataset_name", str(data)),
+        *("--deepspeed", str(ZERO3_CONFIG), "--bf16", "false", "--max_length", "32"),
+        *("--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--max_steps", str(steps)),
+        *("--logging_steps", "1", "--save_strategy", "steps", "--save_steps", str(steps), "--save_only_model", "true"),
+        *("--report_to", "none", "--seed", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0"),
+    ]
+    # `trl sft` builds its TrainingArguments (which join the rendezvous) in the CLI process
+    # too, before `accelerate launch` starts the script with the same environment: port 0
+    # lets each of the two one-rank groups bind a free port of its own.
+    rendezvous = {"MASTER_PORT": "0"}
+    runs = run_side_by_side(
+        [Run(name, trl_script, tmp_path / name, args, accelerate=False, env={**env, **rendezvous})
+         for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]
+    )  # fmt: skip
+
+    def losses(run: Run) -> list[float]:
+        state = json.loads((run.output_dir / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+        return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+    # Which engine ran: only the engine's config parser names the ZeRO-3 keys it has no use for.
+    marker = "megatrain: ignoring DeepSpeed config keys without meaning here: "
+    assert marker in runs["megatrain"].log_path.read_text(encoding="utf-8")
+    assert marker not in runs["deepspeed"].log_path.read_text(encoding="utf-8")
+    assert_same_losses(losses(runs["megatrain"]), losses(runs["deepspeed"]), count=steps, min_drop=0.3)
+    assert_same_weights(runs["megatrain"].output_dir, runs["deepspeed"].output_dir)
+
+
+def test_trainer_with_a_zero3_offload_json(model_dir: Path, tmp_path: Path) -> None:
+    """``TrainingArguments(deepspeed=<the ZeRO-3 JSON>)``, then ``from_pretrained``: transformers
+    builds the model under zero.Init on DeepSpeed, whole on the engine; ``save_model`` writes
+    the trained weights. (fp32; an fp16 flavour waits for fp16 support in the engine.)"""
+    args = ["--client", "pretrained", "--model-dir", str(model_dir), "--deepspeed-config", str(ZERO3_CONFIG)]
+    runs = run_side_by_side(
+        [Run(name, HERE / "trainer_clients.py", tmp_path / name, args, accelerate=False, env=env)
+         for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]
+    )  # fmt: skip
+    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
+    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
+    assert (reference["zero_stage"], reference["built_partitioned"]) == (3, True)
+    assert (ours["zero_stage"], ours["built_partitioned"]) == (0, False)
+    assert ours["global_steps"] == reference["global_steps"] == 6
+    assert_same_losses(ours["losses"], reference["losses"], count=6)
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    assert_same_weights(runs["megatrain"].output_dir / "model", runs["deepspeed"].output_dir / "model")
+    eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
+    reloaded = eval_loss_of_saved_model(runs["megatrain"].output_dir / "model", eval_batches)
+    assert reloaded == pytest.approx(ours["eval_loss"], rel=1e-5)
