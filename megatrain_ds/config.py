@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -46,8 +46,133 @@ _KNOWN_TOP_LEVEL = {
     "zero_force_ds_cpu_optimizer",
     # ZeRO-Infinity's async I/O settings, read for the NVMe tier (AioSettings).
     "aio",
+    # DeepSpeed's monitors, written through its own MonitorMaster (integration/deepspeed_adapter.py).
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    # DeepSpeed's training_data loader (integration/initialize.py).
+    "dataloader_drop_last",
 }
+MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
+"""DeepSpeed's monitor blocks (``deepspeed/monitor/config.py``), each a top-level key."""
+
+# DeepSpeed keys read by DeepSpeed's engine that mean nothing to this one: each is ignored with
+# a warning saying what the engine does instead (docs/configuration.md, "Every DeepSpeed key").
+_IGNORED_TOP_LEVEL = {
+    "activation_checkpointing": "the engine checkpoints and recomputes every streamed block itself "
+    "(megatrain.checkpoint_interval, offload_checkpoints, recompute)",
+    "autotuning": "not run; `megatrain plan` and the preflight size a run",
+    "checkpoint": "checkpoints are the engine's own safetensors format (docs/checkpoints.md)",
+    "datastates_ckpt": "checkpoints are the engine's own safetensors format (docs/checkpoints.md)",
+    "comms_logger": "collectives are not logged; megatrain.trace records the gradient reductions",
+    "communication_data_type": "gradients are all-reduced in the compute dtype, as autograd made them",
+    "seq_parallel_communication_data_type": "there is no sequence parallelism",
+    "compile": "engine.compile is not supported; torch.compile parts of the model instead",
+    "data_efficiency": "the training_data loader is DeepSpeed's plain distributed sampler (no data routing)",
+    "data_types": "held gradients are fp32 when accumulating or with fp16, else the compute dtype",
+    "disable_allgather": "there is no ZeRO all-gather: every rank holds whole parameters",
+    "disable_python_gc": "Python's garbage collector is left as it is",
+    "dump_state": "the DeepSpeed state is not printed",
+    "flops_profiler": "not run (its module hooks do not see the streamed blocks); megatrain.trace "
+    "times each block's compute and `megatrain plan` predicts a step",
+    "gradient_predivide_factor": "gradients are summed in full and divided by the world size once",
+    "prescale_gradients": "gradients are summed in full and divided by the world size once",
+    "hybrid_engine": "there is no inference (generation) engine; call engine.module under torch.no_grad()",
+    "log_level": "DeepSpeed's logger level is left as it is",
+    "memory_breakdown": "memory is not logged per step; the preflight reports what a run needs",
+    "pipeline": "pipeline settings apply to DeepSpeed's PipelineModule only, which this engine does not run",
+    "timers": "the throughput timer is not run; wall_clock_breakdown times forward, backward and step",
+    "use_data_before_expert_parallelism": "there is no expert parallelism",
+    "vocabulary_size": "the vocabulary is the model's",
+    "weight_quantization": "weights are not quantized: the masters are fp32 and compute is fp32, bf16 or fp16",
+}
+_REMOVED_FROM_DEEPSPEED = (
+    "amp",
+    "compression_training",
+    "curriculum_learning",
+    "eigenvalue",
+    "elasticity",
+    "graph_harvesting",
+    "nebula",
+    "progressive_layer_drop",
+    "quantize_training",
+    "sparse_attention",
+    "sparse_gradients",
+)
+"""Keys DeepSpeed 0.19 itself refuses (its ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``): refused here too."""
 _OPTIMIZER_TYPES = ("adamw", "adam")
+
+
+def _block_value(value: Any, key: str, default: Any) -> Any:
+    return value.get(key, default) if isinstance(value, Mapping) else default
+
+
+# DeepSpeed keys whose non-default values ask for what this engine cannot do: refused then,
+# each with what to do instead (their default values say what the engine does anyway).
+_REFUSED_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tensor_parallel": (
+        lambda v: _block_value(v, "autotp_size", 0) not in (0, 1),
+        "tensor parallelism (autotp_size > 1) is not supported: the engine trains data parallel "
+        "with whole blocks streamed through each device; remove the block",
+    ),
+    "sequence_parallel_size": (
+        lambda v: v not in (None, 1),
+        "sequence parallelism is not supported; remove the key (long sequences: megatrain.loss_chunk_tokens "
+        "and mlp_tile_tokens, docs/long-context.md)",
+    ),
+    "expert_parallel": (
+        lambda v: bool(_block_value(v, "enabled", False)),
+        "expert parallelism is not supported: experts train data parallel like every other weight; set enabled: false",
+    ),
+    "torch_autocast": (
+        lambda v: bool(_block_value(v, "enabled", False)),
+        'torch.autocast is not used: set "bf16": {"enabled": true} (or fp16) instead, which computes in that '
+        "dtype with fp32 masters",
+    ),
+    "managed_gradient_accumulation": (
+        lambda v: v is not True,
+        "the engine counts micro-batches itself (gradient_accumulation_steps); set it true, and use "
+        "engine.set_gradient_accumulation_boundary() to end an accumulation early",
+    ),
+    "gradient_allreduce_op": (
+        lambda v: str(v).lower() != "mean",
+        'gradients are averaged over the ranks; only "mean" (DeepSpeed\'s default) is supported',
+    ),
+}
+
+
+def _refuse_unsupported(config: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` for a DeepSpeed key this engine can neither honour nor ignore."""
+    for key in _REMOVED_FROM_DEEPSPEED:
+        if key in config:
+            raise ConfigError(
+                f'"{key}" was removed from DeepSpeed (DeepSpeed 0.19 refuses it too) and has no meaning here: remove it'
+            )
+    for key, (refused, fix) in _REFUSED_WHEN.items():
+        if key in config and refused(config[key]):
+            raise ConfigError(f"{key} = {config[key]!r}: {fix}")
+
+
+def _warn_ignored(config: Mapping[str, Any], zero_ignored: tuple[str, ...]) -> tuple[str, ...]:
+    """Warn once about the DeepSpeed keys ignored here, each with what the engine does instead;
+    returns them (top-level keys first, then the ``zero_optimization`` ones)."""
+    understood = _KNOWN_TOP_LEVEL | _REFUSED_WHEN.keys()
+    top_level = tuple(sorted(set(config) - understood))
+    reasons = [f"{key} ({_IGNORED_TOP_LEVEL.get(key, 'not a DeepSpeed key this engine knows')})" for key in top_level]
+    if zero_ignored:
+        reasons.append(f"{', '.join(zero_ignored)} ({ZERO_IGNORED_REASON})")
+    if reasons:
+        logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s", "; ".join(reasons))
+    return top_level + zero_ignored
+
+
+ZERO_IGNORED_REASON = (
+    "ZeRO's partitioning, bucketing and prefetch tuning: the engine keeps whole parameters and their "
+    "optimizer state in host memory and streams each block's weights to the device just in time, so there "
+    "is nothing to partition, bucket or prefetch"
+)
+"""What the engine does instead of the ``zero_optimization`` keys it ignores."""
 
 AUTO = "auto"
 """The placeholder Accelerate and the HF Trainer fill in before calling ``deepspeed.initialize``."""
@@ -608,6 +733,11 @@ class EngineConfig:
     """Log ``step=, lr=, mom=`` every this many optimizer steps (None: never, DeepSpeed's default)."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step, and log them at every optimizer step."""
+    monitor: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    """DeepSpeed's monitor blocks as given (``tensorboard``, ``wandb``, ``csv_monitor``,
+    ``comet``): written to through DeepSpeed's own ``MonitorMaster``, which validates them."""
+    dataloader_drop_last: bool = False
+    """The ``training_data`` loader drops a last partial micro-batch (DeepSpeed's key)."""
     source: Mapping[str, Any] = field(default_factory=dict)
     """The DeepSpeed JSON as given (its "auto" values filled by Accelerate/the HF Trainer)."""
 
@@ -751,6 +881,9 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         steps_per_print = None
     if steps_per_print is not None:
         steps_per_print = _positive_int(config, "steps_per_print")
+    drop_last = config.get("dataloader_drop_last", False)
+    if not isinstance(drop_last, bool):
+        raise ConfigError(f"dataloader_drop_last must be true or false, got {drop_last!r}")
     wall_clock_breakdown = config.get("wall_clock_breakdown", False)
     if not isinstance(wall_clock_breakdown, bool):
         raise ConfigError(f"wall_clock_breakdown must be true or false, got {wall_clock_breakdown!r}")
@@ -763,9 +896,8 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         if config.get("aio") is not None:
             implied["nvme_aio"] = AioSettings.from_dict(config["aio"], "aio")
         options = {**implied, **options}
-    ignored = tuple(sorted(set(config) - _KNOWN_TOP_LEVEL)) + zero.ignored
-    if ignored:
-        logger.warning("megatrain: ignoring DeepSpeed config keys without meaning here: %s", ", ".join(ignored))
+    _refuse_unsupported(config)
+    ignored = _warn_ignored(config, zero.ignored)
     engine_options = MegatrainOptions.from_dict(options)
     if fp16 is not None:
         _check_fp16_options(engine_options)
@@ -782,8 +914,25 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         scheduler=SchedulerSpec.from_dict(config["scheduler"]) if config.get("scheduler") is not None else None,
         steps_per_print=steps_per_print,
         wall_clock_breakdown=wall_clock_breakdown,
+        monitor=_monitor_blocks(config),
+        dataloader_drop_last=drop_last,
         source=config,
     )
+
+
+def _monitor_blocks(config: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """DeepSpeed's monitor blocks present in ``config``; their keys are checked by DeepSpeed's
+    own config model when the monitors are built (``integration/deepspeed_adapter.py``)."""
+    blocks: dict[str, Mapping[str, Any]] = {}
+    for key in MONITOR_KEYS:
+        block = config.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            raise ConfigError(f'"{key}" must be a JSON object like {{"enabled": true, ...}}, got {block!r}')
+        _reject_auto(block, key)
+        blocks[key] = dict(block)
+    return blocks
 
 
 def _check_fp16_options(options: MegatrainOptions) -> None:

@@ -24,6 +24,7 @@ what this engine has.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -31,17 +32,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.monitor.config import get_monitor_config
+from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.runtime import lr_schedules
-from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.engine import DeepSpeedEngine, EngineTimers
 from deepspeed.utils import log_dist
-from deepspeed.utils.timer import NoopTimer, SynchronizedWallClockTimer
+from deepspeed.utils.timer import (
+    BACKWARD_GLOBAL_TIMER,
+    BACKWARD_INNER_GLOBAL_TIMER,
+    BACKWARD_REDUCE_GLOBAL_TIMER,
+    FORWARD_GLOBAL_TIMER,
+    STEP_GLOBAL_TIMER,
+    NoopTimer,
+    SynchronizedWallClockTimer,
+)
+from pydantic import ValidationError
 from torch import nn
 
 from megatrain_ds.config import ConfigError, SchedulerSpec
 from megatrain_ds.engine import MegatrainEngine
 
-# DeepSpeed's names for the per-step wall-clock timers (deepspeed/utils/timer.py).
-FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER = "fwd", "bwd", "step"
+logger = logging.getLogger(__name__)
 
 
 class _DeepSpeedEngineBase(DeepSpeedEngine):
@@ -52,54 +63,143 @@ class _DeepSpeedEngineBase(DeepSpeedEngine):
         nn.Module.__init__(self)
 
 
+def _process_rank() -> int:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_rank() if distributed else 0
+
+
+@contextlib.contextmanager
+def _deepspeed_comm_rank() -> Iterator[None]:
+    """DeepSpeed's monitors call ``deepspeed.comm.get_rank()`` to write on rank 0 only, which
+    asserts unless DeepSpeed's communication backend is initialised. ``deepspeed.initialize``
+    (DeepSpeed's engine) and Accelerate initialise it; this engine, built directly, need not,
+    and initialising it would make a process group as a side effect. Then, while the monitors
+    run, ``deepspeed.comm.get_rank`` answers this process's rank (torch.distributed's, else 0);
+    the monitors' code runs unchanged (as ``optimizer/loss_scaling.py`` does for the scalers)."""
+    import deepspeed.comm as comm
+
+    if comm.is_initialized():
+        yield
+        return
+    rank = _process_rank()
+    saved = comm.get_rank
+    comm.get_rank = lambda group=None: rank  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        comm.get_rank = saved
+
+
+def build_monitor(blocks: dict[str, Any]) -> MonitorMaster:
+    """DeepSpeed's ``MonitorMaster`` for the config's monitor blocks (validated by DeepSpeed's model)."""
+    try:
+        monitor_config = get_monitor_config(blocks)
+    except ValidationError as error:
+        raise ConfigError(f"monitor config ({', '.join(blocks) or 'none'}) rejected by DeepSpeed: {error}") from error
+    with _deepspeed_comm_rank():
+        return MonitorMaster(monitor_config)
+
+
 class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
     """:class:`MegatrainEngine` with DeepSpeed's engine API on top (see the module docstring).
 
     Adds what DeepSpeed's config gives a meaning to beyond the core engine: a scheduler
     built from the ``"scheduler"`` block (done by :func:`build_lr_scheduler`),
-    ``steps_per_print`` progress lines and ``wall_clock_breakdown`` timings, in DeepSpeed's
-    own format and with its own timer class.
+    ``steps_per_print`` progress lines, ``wall_clock_breakdown`` timings with DeepSpeed's
+    timer names and classes, and the monitor events (TensorBoard, W&B, CSV, Comet) DeepSpeed's
+    engine writes, through its ``MonitorMaster``, at the same global sample counts.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.timers = SynchronizedWallClockTimer() if self.config.wall_clock_breakdown else NoopTimer()
+        breakdown = self.config.wall_clock_breakdown
+        self.timers = SynchronizedWallClockTimer() if breakdown else NoopTimer()
+        # DeepSpeed's own lists of which timers run and which are logged when.
+        self.engine_timers = EngineTimers(enable_micro_timers=breakdown, enable_global_timers=breakdown)
         self._wall_clock_timers: dict[str, float] = {}
+        self.global_samples = 0
+        """Samples trained on by every rank together: DeepSpeed's x axis for monitor events."""
+        self.monitor = build_monitor(self.config.monitor)
+        self._inside_no_sync = False
+        self._no_sync_warned = False
 
     # -- timed training calls ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        self.timers(name).start()
+    def _timed(self, names: list[str]) -> Iterator[None]:
+        for name in names:
+            self.timers(name).start()
         try:
             yield
         finally:
-            self.timers(name).stop()
+            for name in names:
+                self.timers(name).stop()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._timed(FORWARD_TIMER):
+        with self._timed(self.engine_timers.forward_timers):
             return super().forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        with self._timed(BACKWARD_TIMER):
-            return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        timers = self.engine_timers
+        with self._timed(timers.backward_timers):
+            with self._timed(timers.backward_inner_timers):
+                loss = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            # The gradient all-reduce runs behind backward, block by block (inside the inner
+            # time); DeepSpeed's reduce timers are kept, spanning nothing more, so its reports match.
+            with self._timed(timers.backward_reduce_timers):
+                pass
+        return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        if self._inside_no_sync:
+            raise RuntimeError("It is illegal to call Engine.step() inside no_sync context manager")  # DeepSpeed's
+        boundary = self.is_gradient_accumulation_boundary()
         steps_before = self.global_steps
-        with self._timed(STEP_TIMER):
+        with self._timed(self.engine_timers.step_timers):
             super().step(lr_kwargs)
-        if self.global_steps == steps_before:
+        if self.global_steps != steps_before:
+            self.global_samples += self.train_batch_size()  # DeepSpeed's count, skipped steps included
+            every = self.config.steps_per_print
+            if every is not None and self.global_steps % every == 0:
+                log_dist(
+                    f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}",
+                    ranks=[0],
+                )
+        self._report_step(boundary)
+
+    def _report_step(self, boundary: bool) -> None:
+        """Monitor events and timer logs after ``step()``, in DeepSpeed's order and format
+        (``DeepSpeedEngine.step``): lr (and fp16's loss scale) at each boundary; with
+        ``wall_clock_breakdown`` the micro-step timers every call, the global timers (and
+        their monitor events) at each boundary."""
+        rank_zero = _process_rank() == 0
+        if self.monitor.enabled and boundary and rank_zero:
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if self.fp16_enabled():
+                events.append(("Train/Samples/loss_scale", self.optimizer.loss_scale, self.global_samples))
+            self._write_events(events)
+        if not self.config.wall_clock_breakdown:
             return
-        every = self.config.steps_per_print
-        if every is not None and self.global_steps % every == 0:
-            log_dist(
-                f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}",
-                ranks=[0],
-            )
-        if self.config.wall_clock_breakdown:
-            names = [FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER]
-            self._wall_clock_timers = {n: self.timers(n).elapsed(reset=False) for n in names}
-            self.timers.log(names)  # "time (ms) | fwd: ... | bwd: ... | step: ..."; resets them
+        timers = self.engine_timers
+        self._wall_clock_timers = {n: self.timers(n).elapsed(reset=False) for n in timers.active_timers()}
+        self.timers.log(names=timers.micro_timers)  # "time (ms) | fwd_microstep: ... "; resets them
+        if boundary:
+            if self.monitor.enabled and rank_zero:
+                self._write_events(
+                    [
+                        (
+                            f"Train/Samples/elapsed_time_ms_{label}",
+                            self.timers(name).elapsed(reset=False),
+                            self.global_samples,
+                        )
+                        for label, name in _MONITORED_TIMERS
+                    ]
+                )
+            self.timers.log(timers.global_timers)
+
+    def _write_events(self, events: list[tuple[str, Any, int]]) -> None:
+        with _deepspeed_comm_rank():
+            self.monitor.write_events(events)
 
     # -- DeepSpeed engine API used by Accelerate, the HF Trainer and DeepSpeed scripts ----------
 
@@ -188,8 +288,30 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """One process: there is no gradient reduction to skip."""
-        yield
+        """DeepSpeed's ``no_sync`` (which Accelerate enters for the micro-batches before an
+        accumulation boundary at ZeRO stage 0 and 1): the gradients of the micro-batches
+        inside are accumulated and the optimizer step sees their average over the ranks,
+        as DeepSpeed's. DeepSpeed's rules hold: no re-entry, no ``step()`` inside.
+
+        With several ranks the reduction is not skipped: each rank holds only its window of
+        the gradients (like ZeRO stage 2, for which DeepSpeed refuses ``no_sync``), so every
+        micro-batch's gradients are reduced as backward makes them; the sum of the averages
+        is the average of the sums, so the step is the same. One warning says so.
+        """
+        if self._inside_no_sync:
+            raise RuntimeError("no_sync context manager reentry is unsupported")  # DeepSpeed's message
+        if self.data_parallel is not None and not self._no_sync_warned:
+            self._no_sync_warned = True
+            logger.warning(
+                "megatrain: no_sync() does not skip the gradient all-reduce: each rank keeps only its share "
+                "of the gradients, so every micro-batch is reduced behind its backward; the accumulated "
+                "gradients, and the step, are the same as with DeepSpeed's no_sync"
+            )
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
 
     @property
     def is_compiled(self) -> bool:
@@ -200,6 +322,16 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             "megatrain: engine.compile is not supported: blocks run from streamed buffers "
             "through their own autograd function (use torch.compile on parts of the model instead)"
         )
+
+
+# The timers DeepSpeed's engine writes as monitor events (DeepSpeedEngine._write_monitor).
+_MONITORED_TIMERS = (
+    ("forward", FORWARD_GLOBAL_TIMER),
+    ("backward", BACKWARD_GLOBAL_TIMER),
+    ("backward_inner", BACKWARD_INNER_GLOBAL_TIMER),
+    ("backward_allreduce", BACKWARD_REDUCE_GLOBAL_TIMER),
+    ("step", STEP_GLOBAL_TIMER),
+)
 
 
 def build_lr_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> Any:

@@ -80,12 +80,30 @@ def initialize(
         engine.destroy()  # the gradient worker and pinned memory of a half-built engine
         raise
     engine.lr_scheduler = lr_scheduler
-    dataloader = None
-    if training_data is not None:
-        dataloader = torch.utils.data.DataLoader(
-            training_data,
-            batch_size=engine.train_micro_batch_size_per_gpu(),
-            shuffle=True,
-            collate_fn=collate_fn,
-        )
+    dataloader = training_dataloader(engine, training_data, collate_fn) if training_data is not None else None
     return engine, engine.optimizer, dataloader, lr_scheduler
+
+
+def training_dataloader(engine: MegatrainDeepSpeedEngine, dataset: Any, collate_fn: Any) -> Any:
+    """DeepSpeed's own loader for ``training_data=``, built as ``DeepSpeedEngine.deepspeed_io``
+    builds it: micro-batches of ``train_micro_batch_size_per_gpu`` drawn by a
+    ``DistributedSampler`` over the data-parallel ranks (this rank's shard, shuffled with
+    the sampler's seed), ``dataloader_drop_last``, pinned memory and DeepSpeed's worker count."""
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
+    # DeepSpeed's check (DeepSpeedEngine.is_map_style_dataset/is_iterable_style_dataset).
+    map_style = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if not (map_style or isinstance(dataset, torch.utils.data.IterableDataset)):
+        raise ConfigError("deepspeed.initialize's training_data must be a torch Dataset (or a sequence)")
+    dp = engine.data_parallel
+    return DeepSpeedDataLoader(
+        dataset=dataset,
+        batch_size=engine.train_micro_batch_size_per_gpu(),
+        pin_memory=True,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        tput_timer=None,
+        collate_fn=collate_fn,
+        data_parallel_world_size=dp.world_size if dp is not None else 1,
+        data_parallel_rank=dp.rank if dp is not None else 0,
+        dataloader_drop_last=engine.config.dataloader_drop_last,
+    )
