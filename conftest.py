@@ -27,6 +27,11 @@ def _free_port() -> str:
         return str(probe.getsockname()[1])
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers inherit the controller's environment, which this file set up
+    # already: each worker needs a rendezvous port of its own.
+    os.environ["MASTER_PORT"] = _free_port()
+
 for key, value in {
     "DS_ACCELERATOR": "cuda" if _HAS_CUDA else "cpu",
     "MASTER_ADDR": "127.0.0.1",

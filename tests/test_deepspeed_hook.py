@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import site
+import socket
 import subprocess
 import sys
 import textwrap
@@ -114,6 +115,13 @@ ZERO3_PROBE = textwrap.dedent("""
 """)
 
 
+def _free_port() -> str:
+    """A port of the probe's own: this process may hold its MASTER_PORT (an earlier test's group)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 def test_a_zero3_config_builds_the_model_whole():
     """[Note: ZeRO-3 configs]: with the engine, Accelerate's plugin and transformers read a
     ZeRO-3 megatrain config as stage 0, so ``from_config`` builds the model whole (the
@@ -122,7 +130,7 @@ def test_a_zero3_config_builds_the_model_whole():
     def probe(**env: str) -> list:
         result = subprocess.run(
             [sys.executable, "-c", ZERO3_PROBE], capture_output=True, text=True, timeout=300,
-            env={**os.environ, **env}, cwd="/",
+            env={**os.environ, "MASTER_PORT": _free_port(), **env}, cwd="/",
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.splitlines()[-1])
