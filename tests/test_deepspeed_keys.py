@@ -41,7 +41,8 @@ REFUSING = {
     "gradient_allreduce_op": "sum",
 }
 NOT_READ_BY_DEEPSPEEDS_PARSER = {"sequence_parallel_size"}
-"""Read by ``DeepSpeedConfig`` only with a process group (it divides the world size by it)."""
+"""Read by ``DeepSpeedConfig`` only with a process group (it divides the world size by it): in
+the table whether or not this process has one."""
 
 
 def _table(heading: str) -> dict[str, str]:
@@ -110,7 +111,8 @@ def test_every_deepspeed_key_is_in_the_table():
     assert len(keys) > 50 and {"optimizer", "zero_optimization", "csv_monitor", "flops_profiler"} <= keys
     table = _table("## Every DeepSpeed key")
     assert sorted(keys - table.keys()) == []
-    assert sorted(table.keys() - keys) == sorted(NOT_READ_BY_DEEPSPEEDS_PARSER)
+    # Read or not by this parse depending on whether an earlier test left a process group.
+    assert table.keys() - keys <= NOT_READ_BY_DEEPSPEEDS_PARSER
 
 
 def test_the_table_says_what_the_parser_does(caplog):
