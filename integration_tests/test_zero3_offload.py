@@ -142,7 +142,7 @@ def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
 def test_trainer_with_a_zero3_offload_json(model_dir: Path, tmp_path: Path) -> None:
     """``TrainingArguments(deepspeed=<the ZeRO-3 JSON>)``, then ``from_pretrained``: transformers
     builds the model under zero.Init on DeepSpeed, whole on the engine; ``save_model`` writes
-    the trained weights. (fp32; an fp16 flavour waits for fp16 support in the engine.)"""
+    the trained weights. (fp32; ``--fp16`` is ``test_zero3_fp16_trainer.py``.)"""
     args = ["--client", "pretrained", "--model-dir", str(model_dir), "--deepspeed-config", str(ZERO3_CONFIG)]
     runs = run_side_by_side(
         [Run(name, HERE / "trainer_clients.py", tmp_path / name, args, accelerate=False, env=env)

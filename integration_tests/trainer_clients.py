@@ -20,7 +20,9 @@ Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
   resumed from the first checkpoint (``resume_from_checkpoint``) for the last three;
 - ``pretrained``: ``from_pretrained(--model-dir)`` after ``TrainingArguments`` (with a ZeRO-3
   ``--deepspeed-config`` transformers then builds it under ``deepspeed.zero.Init``), then
-  the Trainer as ``minimal``.
+  the Trainer as ``minimal``; with ``--fp16`` (``TrainingArguments(fp16=True)``, which fills
+  the JSON's ``"fp16": {"enabled": "auto"}``) and ``--max-steps``, and with ``--record-steps``
+  every step written down (``steps.json``, ``batches.safetensors``: see :class:`StepRecorder`).
 
 It writes, under ``--output-dir``: ``result.json`` (the engine's classes, logged losses,
 the evaluation loss, and what each client reports), ``initial.safetensors``,
@@ -30,6 +32,7 @@ the evaluation loss, and what each client reports), ``initial.safetensors``,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -168,24 +171,100 @@ def train_with_lora(args: argparse.Namespace, model: torch.nn.Module) -> tuple[t
     return trainer, extra | {"trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
 
 
+class StepRecorder(transformers.TrainerCallback):
+    """What the Trainer did, step by step, for a test to replay on a reference.
+
+    Per micro-batch (:class:`RecordingTrainer`): the batch it fed, the ``num_items_in_batch``
+    it passed to the model and the loss ``training_step`` handed to ``accelerator.backward``.
+    Per optimizer step (``on_step_end``, after the Trainer's own scheduler bookkeeping): the
+    engine's loss scale (``optimizer.cur_scale`` and ``loss_scale``, DeepSpeed's two names),
+    its ``overflow`` flag, Accelerate's ``optimizer_step_was_skipped`` (which the Trainer
+    reads to decide whether to step the scheduler), the engine's ``skipped_steps`` and
+    ``global_steps``, and the scheduler's position and learning rate.
+    """
+
+    def __init__(self) -> None:
+        self.trainer: transformers.Trainer | None = None
+        self.input_ids: list[torch.Tensor] = []
+        self.labels: list[torch.Tensor] = []
+        self.micro_batches: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+
+    def record_micro_batch(self, inputs: dict[str, Any], num_items_in_batch: Any, loss: torch.Tensor) -> None:
+        assert set(inputs) == {"input_ids", "labels"}, sorted(inputs)  # all a replay needs
+        self.input_ids.append(inputs["input_ids"].detach().cpu().clone())
+        self.labels.append(inputs["labels"].detach().cpu().clone())
+        items = int(num_items_in_batch) if num_items_in_batch is not None else None
+        self.micro_batches.append({"num_items_in_batch": items, "loss": float(loss)})
+
+    def on_step_end(self, args: Any, state: transformers.TrainerState, control: Any, **kwargs: Any) -> None:
+        assert self.trainer is not None
+        engine = self.trainer.model_wrapped
+        scheduler = getattr(self.trainer.lr_scheduler, "scheduler", self.trainer.lr_scheduler)
+        self.steps.append(
+            {
+                "global_step": state.global_step,
+                "cur_scale": float(engine.optimizer.cur_scale),
+                "loss_scale": float(engine.optimizer.loss_scale),
+                "overflow": bool(engine.optimizer.overflow),
+                "optimizer_step_was_skipped": bool(self.trainer.accelerator.optimizer_step_was_skipped),
+                "engine_skipped_steps": int(engine.skipped_steps),
+                "engine_global_steps": int(engine.global_steps),
+                "scheduler_iteration": getattr(scheduler, "last_batch_iteration", None),
+                "lr": float(engine.get_lr()[0]),
+            }
+        )
+
+    def save(self, output_dir: Path) -> None:
+        tensors = {"input_ids": torch.stack(self.input_ids), "labels": torch.stack(self.labels)}
+        safetensors.torch.save_file(tensors, output_dir / "batches.safetensors")
+        record = {"micro_batches": self.micro_batches, "steps": self.steps}
+        (output_dir / "steps.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+
+
+class RecordingTrainer(transformers.Trainer):
+    """The Trainer, handing each micro-batch and its loss to a :class:`StepRecorder`."""
+
+    def __init__(self, *args: Any, recorder: StepRecorder, **kwargs: Any) -> None:
+        super().__init__(*args, callbacks=[recorder], **kwargs)
+        self.recorder = recorder
+        recorder.trainer = self
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.recorder.record_micro_batch(inputs, num_items_in_batch, loss)
+        return loss
+
+
 def train_from_pretrained(args: argparse.Namespace) -> tuple[transformers.Trainer, dict[str, Any]]:
     """The usual order: ``TrainingArguments`` (which registers the DeepSpeed config with
     transformers) before ``from_pretrained``."""
     text = corpus()
-    training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config))
+    overrides: dict[str, Any] = {"fp16": args.fp16}
+    if args.max_steps is not None:
+        overrides["max_steps"] = args.max_steps
+    training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config, **overrides))
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # by deepspeed.zero.Init
-    trainer = transformers.Trainer(
+    recorder = StepRecorder() if args.record_steps else None
+    trainer_class = functools.partial(RecordingTrainer, recorder=recorder) if recorder else transformers.Trainer
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=byte_blocks(text, 48),
         eval_dataset=byte_blocks(text, 16, start=48),
     )
     trainer.train()
+    if recorder is not None:
+        recorder.save(args.output_dir)
     return trainer, {
         "eval_loss": trainer.evaluate()["eval_loss"],
         "built_partitioned": built_partitioned,
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
+        # The config as the Trainer filled it ("auto" replaced from TrainingArguments).
+        "deepspeed_config": trainer.accelerator.state.deepspeed_plugin.deepspeed_config,
     }
 
 
@@ -219,6 +298,11 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--deepspeed-config", type=Path, default=HF_CONFIG)
     parser.add_argument("--model-dir", type=Path, default=None, help="the pretrained client's model")
+    parser.add_argument("--fp16", action="store_true", help="the pretrained client: TrainingArguments(fp16=True)")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="the pretrained client: TrainingArguments(max_steps)"
+    )
+    parser.add_argument("--record-steps", action="store_true", help="the pretrained client: write steps.json")
     args = parser.parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -244,6 +328,8 @@ def main() -> None:
     result = {
         "engine_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(engine).__mro__],
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "learning_rates": [entry["learning_rate"] for entry in trainer.state.log_history if "loss" in entry],
+        "grad_norms": [entry.get("grad_norm") for entry in trainer.state.log_history if "loss" in entry],
         "global_steps": trainer.state.global_step,
         **extra,
     }

@@ -134,9 +134,13 @@ class Fp16Reference:
     accumulation steps and multiplied by DeepSpeed's own scaler's scale, gradients summed in
     fp32 divided by the scale, a step with any non-finite gradient skipped, then
     ``update_scale(overflow)``. The scaler is built from DeepSpeed's own config model
-    (``DeepSpeedFP16Config(**block).dynamic_loss_scale_args()``), not from the engine's parsing."""
+    (``DeepSpeedFP16Config(**block).dynamic_loss_scale_args()``), not from the engine's parsing.
 
-    def __init__(self, model: torch.nn.Module, config: dict[str, Any]) -> None:
+    ``adamw``: ``torch.optim.AdamW``'s hyperparameters (default: ``LR`` and ``WEIGHT_DECAY``).
+    After :meth:`step`, ``grad_norm`` is the unscaled global norm before clipping (``None``
+    without clipping or after a skipped step)."""
+
+    def __init__(self, model: torch.nn.Module, config: dict[str, Any], adamw: dict[str, Any] | None = None) -> None:
         from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
         from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 
@@ -148,14 +152,20 @@ class Fp16Reference:
         self.compute = copy.deepcopy(model)
         for param in self.compute.parameters():
             param.data = param.data.half()
-        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        hyperparameters = adamw if adamw is not None else {"lr": LR, "weight_decay": WEIGHT_DECAY}
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), **hyperparameters)
         self.accumulation = config["gradient_accumulation_steps"]
         self.clipping = config["gradient_clipping"]
         self.sums = [torch.zeros_like(p) for p in self.master.parameters()]
+        self.grad_norm: float | None = None
 
-    def micro_step(self, batch: dict[str, Any]) -> float:
+    def micro_step(self, batch: dict[str, Any], *, divide_by_accumulation: bool = True) -> float:
+        """Forward and backward of one micro-batch; its loss. ``divide_by_accumulation=False``
+        for a loss already normalised over the whole step (the HF Trainer's
+        ``num_items_in_batch``, passed with ``engine.backward(loss, scale_wrt_gas=False)``)."""
         loss = self.compute(**batch).loss
-        self.scaler.scale_loss(loss / self.accumulation).backward()
+        divisor = self.accumulation if divide_by_accumulation else 1
+        self.scaler.scale_loss(loss / divisor).backward()
         for total, param in zip(self.sums, self.compute.parameters()):
             if param.grad is not None:
                 total += param.grad.float() / self.scaler.loss_scale
@@ -165,11 +175,12 @@ class Fp16Reference:
     def step(self) -> bool:
         """The optimizer step; True when it was skipped for an overflow."""
         overflow = not all(bool(torch.isfinite(total).all()) for total in self.sums)
+        self.grad_norm = None
         if not overflow:
             for param, total in zip(self.master.parameters(), self.sums):
                 param.grad = total.clone()
             if self.clipping > 0:
-                torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.clipping)
+                self.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.clipping))
             self.optimizer.step()
             self.optimizer.zero_grad()
             with torch.no_grad():

@@ -19,8 +19,18 @@ with ``g = d loss / d logits[chunk]`` from torch's own cross-entropy backward (t
 kernel, the same ``1 / denominator`` scaling as the whole-tensor loss). The gradients are
 computed in forward, while each chunk's logits exist, so the logits are computed once;
 backward only scales them by the incoming gradient (``1``, or ``1/GA`` from
-``engine.backward``). Peak memory: ``grad_h`` (``N x H``), the accumulator (``V x H``, fp32)
+``engine.backward``, times the fp16 loss scale). Peak memory: ``grad_h`` (``N x H``), the accumulator (``V x H``, fp32)
 and about four ``chunk_tokens x V`` fp32 tensors, instead of four ``N x V``.
+
+[Note: low-precision gradients of the chunked loss]
+In fp16 (and bf16) ``g`` is rounded to the compute dtype before it meets ``W`` and ``h``, as
+Hugging Face's loss rounds it, but at forward time, before the incoming gradient (the loss
+scale) is known. ``|g| <= 1/denominator``, so unscaled most of it would fall below fp16's
+normal range (6.1e-5) and lose bits that loss scaling exists to keep. So ``g`` is rounded
+multiplied by ``lift``, the power of two at or below the denominator (``|g lift| <= 1``:
+nothing can overflow), and backward multiplies by ``incoming / lift`` in fp32 before
+rounding (a loss scale of 2^16 is itself no fp16 number). Powers of two scale exactly, so
+where Hugging Face's ``g`` is in the normal range the gradients are bit for bit its own.
 
 The weight gradient can leave through ``push_weight_grad`` (an untied output projection
 whose gradient goes to the host in row chunks, gradients/row_chunked.py) instead of
@@ -71,6 +81,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
         wants_grad = want_hidden or want_weight or want_bias
         scale = 1.0 / denominator.to(torch.float32)
+        # [Note: low-precision gradients of the chunked loss]; a tensor, so no device sync.
+        lift = None
+        if dtype in (torch.float16, torch.bfloat16):
+            lift = torch.exp2(torch.floor(torch.log2(denominator.to(torch.float32).clamp(min=1.0))))
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_tokens):
@@ -82,7 +96,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     loss = (
                         F.cross_entropy(logits, targets[start:end], ignore_index=ignore_index, reduction="sum") * scale
                     )
-                    grad = torch.autograd.grad(loss, logits)[0].to(dtype) if wants_grad else None
+                    lifted = loss if lift is None else loss * lift
+                    grad = torch.autograd.grad(lifted, logits)[0].to(dtype) if wants_grad else None
                 total += loss.detach()
                 del logits, loss
                 if grad is None:
@@ -96,7 +111,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         grad_weight.add_(grad.t() @ h)
                 if grad_bias is not None:
                     grad_bias.add_(grad.sum(0, dtype=torch.float32))
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, lift)
+        ctx.chunk_tokens = chunk_tokens
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.push_weight_grad = push_weight_grad
@@ -105,18 +121,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_loss,) = grad_outputs  # one output, one gradient
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias, lift = ctx.saved_tensors
+        factor = grad_loss.to(torch.float32) if lift is None else grad_loss.to(torch.float32) / lift
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+            if lift is None:
+                grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+            else:  # in fp32, a chunk at a time (an fp32 copy of all of it would be the largest tensor)
+                scaled = torch.empty_like(grad_hidden)
+                for start in range(0, grad_hidden.shape[0], ctx.chunk_tokens):
+                    rows = slice(start, start + ctx.chunk_tokens)
+                    scaled[rows] = grad_hidden[rows].float().mul_(factor)
+                grad_hidden = scaled
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_loss)
+            grad_weight = grad_weight.mul_(factor)
             if ctx.push_weight_grad is not None:
                 ctx.push_weight_grad(grad_weight)
                 grad_weight = None
             else:
                 grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_bias is not None:
-            grad_bias = grad_bias.mul_(grad_loss).to(ctx.bias_dtype)
+            grad_bias = grad_bias.mul_(factor).to(ctx.bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
