@@ -10,6 +10,11 @@ import os
 import socket
 import sys
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread a worker: the workers already fill the cores, and OpenMP threads
+    # spinning against each other's make every test several times slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import torch
 
 # Import this checkout's kernels even when an editable install points at another clone
