@@ -17,9 +17,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)  # in case a plugin imported torch before this file
-
 # Import this checkout's kernels even when an editable install points at another clone
 # (the package root is on sys.path already, through this conftest's directory).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_kernels"))

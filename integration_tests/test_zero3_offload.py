@@ -22,9 +22,9 @@ same weights, which plain transformers reloads to the same evaluation loss.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,6 +100,19 @@ def test_accelerate_with_zero3_init_flag(model_dir: Path, tmp_path: Path) -> Non
     assert reloaded == pytest.approx(ours["eval_loss"], rel=1e-5)
 
 
+def console_script(package: str, name: str) -> Path:
+    """The console script ``name`` that ``package``'s installation wrote: beside this
+    interpreter, or, in a virtualenv made with ``--system-site-packages`` (as CI's), beside
+    the base interpreter that installed the package."""
+    distribution = importlib.metadata.distribution(package)
+    for file in distribution.files or []:
+        if file.name == name and file.parent.name in ("bin", "Scripts"):
+            path = Path(str(distribution.locate_file(file))).resolve()
+            if path.is_file():
+                return path
+    raise AssertionError(f"{package} installed no console script {name!r}")
+
+
 def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
     """``trl sft --model_name_or_path DIR --dataset_name DIR --deepspeed JSON``: TRL's own
     script loads the model (under zero.Init on DeepSpeed) and saves it with ``save_model``."""
@@ -107,8 +120,7 @@ def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
     data.mkdir()
     with open(data / "train.jsonl", "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(example) + "\n" for example in sft_examples(48))
-    trl_script = Path(sys.executable).with_name("trl")  # the console script TRL installs
-    assert trl_script.is_file(), f"TRL's console script is not at {trl_script}"
+    trl_script = console_script("trl", "trl")
     steps = 6
     args = [
         "sft",

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,15 +88,28 @@ def test_free_heap_pages_go_back_to_the_system():
     del kept
 
 
-def test_mkl_gemm_buffers_go_back_to_the_system():
-    libc = _glibc()
-    if not torch.backends.mkl.is_available():
-        pytest.skip("PyTorch built without MKL")
+def _mkl_gemm_buffers_go_back_to_the_system() -> None:
+    _glibc()
     assert keep_large_transients_mapped()
     x, weight = torch.randn(256, 1536), torch.randn(32000, 1536)
     logits = x @ weight.t()  # the shape of a vocabulary-wide output projection
     del logits  # mapped (over the threshold): gone from RSS at once
-    libc.malloc_trim(0)  # the heap's free pages go first, so what follows is MKL's
+    ctypes.CDLL(None).malloc_trim(0)  # the heap's free pages go first, so what follows is MKL's
     before = _rss_bytes()
     return_free_memory()
     assert before - _rss_bytes() >= 8 * MIB, "MKL's packing buffers for the GEMM should have been freed"
+
+
+def test_mkl_gemm_buffers_go_back_to_the_system():
+    """In a fresh process with torch's default threads: MKL's buffers are per process and
+    thread, and a test worker process (pytest-xdist) runs on one thread after other GEMMs."""
+    _glibc()
+    if not torch.backends.mkl.is_available():
+        pytest.skip("PyTorch built without MKL")
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_host_heap as t; "
+    code += "t._mkl_gemm_buffers_go_back_to_the_system()"
+    # torch's own thread count (a worker's OMP_NUM_THREADS=1 makes MKL keep no packing
+    # buffers to free while the other cores are busy).
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
