@@ -138,9 +138,11 @@ def test_node_identity_comes_from_the_launcher(
     assert identity.local_rank == (1 if "LOCAL_RANK" in environ else None)
 
 
-def test_node_identity_rejects_a_node_rank_that_is_no_integer() -> None:
+def test_node_identity_rejects_launcher_variables_that_are_no_integers() -> None:
     with pytest.raises(ValueError, match="GROUP_RANK='node-a' is not an integer"):
         node_identity({"GROUP_RANK": "node-a"}, hostname="host-a")
+    with pytest.raises(ValueError, match="LOCAL_SIZE='four' is not an integer"):
+        node_identity({**DEEPSPEED, "LOCAL_SIZE": "four"}, hostname="host-a")
 
 
 def _launched(node_rank: int, local_rank: int, host: str, per_node: int = 2) -> NodeIdentity:
@@ -361,4 +363,6 @@ def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> No
     assert survivor.returncode != 0
     assert "PeerFailureError" in stderr and "rank 0 of 2" in stderr, stderr[-3000:]
     assert "died or stopped responding" in stderr
+    # Launched by hand, no variable names the node: the hostname does, and rank 0 says so once.
+    assert stderr.count("no launcher variable (GROUP_RANK, CROSS_RANK, NODE_RANK) names the node") == 1, stderr[-3000:]
     assert elapsed < 60, f"the survivor took {elapsed:.0f} s to stop"

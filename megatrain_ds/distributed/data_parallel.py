@@ -5,7 +5,7 @@ launcher). Every rank streams all blocks to its own device and computes the grad
 of its own micro-batch; what is shared is decided here.
 
 A node is named by the launcher, not by the hostname: torchrun's ``GROUP_RANK``, the
-deepspeed launcher's ``CROSS_RANK`` or ``NODE_RANK``; the hostname only when none is set.
+deepspeed launcher's ``CROSS_RANK``, or ``NODE_RANK``; the hostname only when none is set.
 Ranks of one named node on different hosts are an error (``[Note: node identity]``).
 
 [Note: data-parallel step]
@@ -103,13 +103,13 @@ def node_identity(environ: Mapping[str, str] | None = None, hostname: str | None
     env = os.environ if environ is None else environ
     host = socket.gethostname() if hostname is None else hostname
     source = next((name for name in NODE_RANK_VARIABLES if env.get(name, "").strip()), HOSTNAME)
-    local_size = next((env[name] for name in LOCAL_SIZE_VARIABLES if env.get(name, "").strip()), None)
+    local_size = next((name for name in LOCAL_SIZE_VARIABLES if env.get(name, "").strip()), None)
     return NodeIdentity(
         node=host if source == HOSTNAME else f"{source}={_integer(env, source)}",
         source=source,
         hostname=host,
         local_rank=_integer(env, "LOCAL_RANK") if env.get("LOCAL_RANK", "").strip() else None,
-        local_world_size=int(local_size) if local_size is not None else None,
+        local_world_size=_integer(env, local_size) if local_size is not None else None,
     )
 
 
