@@ -4,7 +4,8 @@ Modes:
   parity  train ``--steps`` optimizer steps on this rank's half of each global batch
           (reference_batches) and save the final state_dict and grad norms; with
           ``--loss-chunk-tokens``/``--mlp-tile-tokens`` also how many chunks each loss and
-          tiles each MLP call ran in.
+          tiles each MLP call ran in; and this rank's place in its node (``node_size``,
+          ``node_index``, ``leader``: in the node leaders' group).
   order   a model whose blocks sleep in backward: log when each gradient all-reduce
           starts and when backward returns.
   die     rank 1 kills itself in the middle of step 2; rank 0 reports what it sees.
@@ -145,7 +146,10 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
             engine.step()
         norms.append(engine.get_global_grad_norm())
     state = {key: value.clone() for key, value in engine.module.state_dict().items()}
-    torch.save({"state_dict": state, "norms": norms, **pieces}, Path(args.out) / f"rank{rank}.pt")
+    dp = engine.data_parallel
+    assert dp is not None
+    nodes = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
+    torch.save({"state_dict": state, "norms": norms, **pieces, **nodes}, Path(args.out) / f"rank{rank}.pt")
     engine.destroy()
 
 
@@ -228,9 +232,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.one_rank_per_node:
-        import megatrain_ds.distributed.data_parallel as data_parallel
-
-        data_parallel.node_name = lambda: f"node-{rank}"
+        # What a launcher of one rank per node would say (the engine reads it at start).
+        os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     {"parity": run_parity, "order": run_order, "die": run_die, "fp16": run_fp16}[args.mode](args, rank, world_size)
 
 

@@ -21,7 +21,7 @@ from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, glob
 
 from megatrain_ds import parse_engine_config
 from megatrain_ds.config import ConfigError
-from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.data_parallel import DataParallel, NodeIdentity, group_into_nodes, node_identity
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
@@ -109,6 +109,78 @@ def test_batch_rules_count_every_rank() -> None:
         parse_engine_config({**config, "train_batch_size": 6}, world_size=2)
 
 
+# What each launcher exports to a process (rank 5, on its second node of 4 ranks each):
+# torch/distributed/elastic/agent/server/local_elastic_agent.py, deepspeed/launcher/launch.py.
+TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2"}
+DEEPSPEED = {"RANK": "5", "LOCAL_RANK": "1", "CROSS_RANK": "1", "CROSS_SIZE": "2", "LOCAL_SIZE": "4"}
+NODE_RANK_ONLY = {"RANK": "5", "LOCAL_RANK": "1", "NODE_RANK": "1"}  # Accelerate's forked launcher, job scripts
+
+
+@pytest.mark.parametrize(
+    "environ, node, local_world_size",
+    [
+        (TORCHRUN, "GROUP_RANK=1", 4),
+        (DEEPSPEED, "CROSS_RANK=1", 4),
+        (NODE_RANK_ONLY, "NODE_RANK=1", None),
+        ({**TORCHRUN, "NODE_RANK": "7"}, "GROUP_RANK=1", 4),  # the launcher's own variable wins
+        ({"RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": " "}, "host-a", None),  # blank: not set
+        ({"RANK": "5", "WORLD_SIZE": "8"}, "host-a", None),  # no launcher variable: the hostname
+    ],
+    ids=["torchrun", "deepspeed", "NODE_RANK", "GROUP_RANK before NODE_RANK", "blank", "none"],
+)
+def test_node_identity_comes_from_the_launcher(
+    environ: dict[str, str], node: str, local_world_size: int | None
+) -> None:
+    identity = node_identity(environ, hostname="host-a")
+    assert identity.node == node and identity.hostname == "host-a"
+    assert identity.source == (node.split("=")[0] if "=" in node else "hostname")
+    assert identity.local_world_size == local_world_size
+    assert identity.local_rank == (1 if "LOCAL_RANK" in environ else None)
+
+
+def test_node_identity_rejects_launcher_variables_that_are_no_integers() -> None:
+    with pytest.raises(ValueError, match="GROUP_RANK='node-a' is not an integer"):
+        node_identity({"GROUP_RANK": "node-a"}, hostname="host-a")
+    with pytest.raises(ValueError, match="LOCAL_SIZE='four' is not an integer"):
+        node_identity({**DEEPSPEED, "LOCAL_SIZE": "four"}, hostname="host-a")
+
+
+def _launched(node_rank: int, local_rank: int, host: str, per_node: int = 2) -> NodeIdentity:
+    environ = {
+        **TORCHRUN,
+        "GROUP_RANK": str(node_rank),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(per_node),
+    }
+    return node_identity(environ, hostname=host)
+
+
+def test_nodes_on_one_host_stay_apart_and_one_node_on_two_hosts_is_refused() -> None:
+    # Simulated nodes (or containers) on one host: two nodes, each its own copy.
+    same_host = [_launched(0, 0, "h"), _launched(0, 1, "h"), _launched(1, 0, "h"), _launched(1, 1, "h")]
+    assert group_into_nodes(same_host) == {"GROUP_RANK=0": [0, 1], "GROUP_RANK=1": [2, 3]}
+    # The hostname alone would have merged two machines called alike; the launcher does not.
+    twins = [_launched(0, 0, "gpu", per_node=1), _launched(1, 0, "gpu", per_node=1)]
+    assert group_into_nodes(twins) == {"GROUP_RANK=0": [0], "GROUP_RANK=1": [1]}
+    # One claimed node on two hosts cannot share memory.
+    with pytest.raises(
+        ValueError, match=r"ranks \[0, 1\] claim the same node \(GROUP_RANK=0\) but run on different hosts"
+    ):
+        group_into_nodes([_launched(0, 0, "host-a"), _launched(0, 1, "host-b")])
+
+
+def test_inconsistent_launcher_claims_are_refused() -> None:
+    with pytest.raises(ValueError, match="name their node differently"):  # two launchers
+        group_into_nodes([_launched(0, 0, "h"), node_identity({"CROSS_RANK": "1"}, hostname="h")])
+    with pytest.raises(ValueError, match=r"the launcher says \[2\] per node"):  # two launches, one node rank
+        group_into_nodes([_launched(0, 0, "h"), _launched(0, 1, "h"), _launched(0, 0, "h")])
+    with pytest.raises(ValueError, match="repeat a LOCAL_RANK"):
+        group_into_nodes([_launched(0, 0, "h"), _launched(0, 0, "h")])
+    # By hand, with no launcher variable, the hostname groups them.
+    by_hand = [node_identity({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}, hostname="h") for r in range(2)]
+    assert group_into_nodes(by_hand) == {"h": [0, 1]}
+
+
 def _rank_on_node(index: int, ranks: int) -> DataParallel:
     return DataParallel(
         rank=index,
@@ -127,25 +199,56 @@ def _rank_on_node(index: int, ranks: int) -> DataParallel:
 # -- launched ranks ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "launcher, layout", [("torchrun", "one node"), ("torchrun", "one rank per node"), ("deepspeed", "one node")]
-)
-def test_two_ranks_match_one_process_with_both_batches(
-    tmp_path: Path, cpu_single_thread: None, launcher: str, layout: str
-) -> None:
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_single_thread: None, launcher: str) -> None:
+    """One node of 2 ranks, as torchrun (GROUP_RANK) and the deepspeed launcher (CROSS_RANK) name it."""
     steps, accumulation = 5, 2
-    launch(
-        "parity",
-        tmp_path,
-        "--steps",
-        str(steps),
-        "--accumulation",
-        str(accumulation),
-        *(["--one-rank-per-node"] if layout == "one rank per node" else []),
-        launcher=launcher,
-    )
-    expected, expected_norms = reference_training(steps, accumulation, world_size=2)
+    launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation), launcher=launcher)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(2, 0, False), (2, 1, False)]
+    _assert_parity(ranks, steps, accumulation)
+
+
+def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
+    tmp_path: Path, cpu_single_thread: None
+) -> None:
+    """Two ``torchrun --nnodes 2`` launches on this one host, a rank each: torchrun's
+    GROUP_RANK makes them 2 nodes (the hostname would have made them one), each with its own
+    host copy, and they still train as one process with both batches."""
+    steps, accumulation = 5, 2
+    endpoint = f"127.0.0.1:{free_port()}"
+    launches = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)),
+                *("--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
+                *("--rdzv-conf", f"is_host={int(node == 0)}"),  # node 0 hosts the rendezvous store
+                *(str(WORKER), "parity", "--out", str(tmp_path), "--steps", str(steps)),
+                *("--accumulation", str(accumulation)),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        outputs = [launched.communicate(timeout=TIMEOUT_S) for launched in launches]
+    finally:
+        for launched in launches:
+            launched.kill()
+    for launched, (stdout, stderr) in zip(launches, outputs):
+        assert launched.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
+    assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
+    _assert_parity(ranks, steps, accumulation)
+
+
+def _assert_parity(ranks: list[dict], steps: int, accumulation: int) -> None:
+    """Both ranks' weights and norms are plain PyTorch's with both batches in one process."""
+    expected, expected_norms = reference_training(steps, accumulation, world_size=2)
     assert min(expected_norms) > CLIPPING  # clipping is active in every step
     for rank in ranks:
         assert relative_error(rank["state_dict"], expected) < 2e-6
@@ -260,4 +363,6 @@ def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> No
     assert survivor.returncode != 0
     assert "PeerFailureError" in stderr and "rank 0 of 2" in stderr, stderr[-3000:]
     assert "died or stopped responding" in stderr
+    # Launched by hand, no variable names the node: the hostname does, and rank 0 says so once.
+    assert stderr.count("no launcher variable (GROUP_RANK, CROSS_RANK, NODE_RANK) names the node") == 1, stderr[-3000:]
     assert elapsed < 60, f"the survivor took {elapsed:.0f} s to stop"

@@ -4,6 +4,10 @@ One process per device (``torchrun``, ``accelerate launch``, the ``deepspeed``
 launcher). Every rank streams all blocks to its own device and computes the gradients
 of its own micro-batch; what is shared is decided here.
 
+A node is named by the launcher, not by the hostname: torchrun's ``GROUP_RANK``, the
+deepspeed launcher's ``CROSS_RANK``, or ``NODE_RANK``; the hostname only when none is set.
+Ranks of one named node on different hosts are an error (``[Note: node identity]``).
+
 [Note: data-parallel step]
 - Host state: the ranks of a node map one copy of every flat state
   (``runtime/node_shared_memory.py``). Rank ``j`` of the node's ``n`` ranks *owns* the window
@@ -32,10 +36,11 @@ so a node of ``n`` ranks would need ``16 + (n - 1) * 4`` B/param instead of 16.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -46,15 +51,140 @@ from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class PeerFailureError(RuntimeError):
     """A collective failed or timed out: another rank died or hung."""
 
 
-def node_name() -> str:
-    """The key that groups ranks into nodes (ranks on one host share host memory)."""
-    return socket.gethostname()
+# [Note: node identity]
+# A node is the set of ranks that map one copy of the host state, so it must be one
+# machine (one kernel: memfd is shared through /proc/<pid>/fd). The launcher knows which
+# node started each process; the hostname does not (two machines, or containers, may share
+# a name). The variables, first present wins:
+#   GROUP_RANK   torchrun's node rank (its elastic agent sets it; `accelerate launch` on
+#                GPUs runs torchrun, so Accelerate's multi-GPU launches set it too)
+#   CROSS_RANK   the deepspeed launcher's node rank (deepspeed/launcher/launch.py; with
+#                CROSS_SIZE and LOCAL_SIZE, its ranks per node)
+#   NODE_RANK    the conventional variable (Accelerate's forked launcher reads it; set by
+#                hand or by a cluster's job script)
+# With none of them the hostname is the node (logged once). The claim is checked against
+# the hostnames: ranks of one claimed node on different hosts cannot share memory and raise;
+# ranks of different claimed nodes on one host (simulated nodes, containers) are fine, they
+# just keep separate copies. The ranks per node the launcher states (LOCAL_WORLD_SIZE,
+# LOCAL_SIZE) must match what the ranks found, and LOCAL_RANK must not repeat on a node.
+NODE_RANK_VARIABLES = ("GROUP_RANK", "CROSS_RANK", "NODE_RANK")
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")  # torchrun's, the deepspeed launcher's
+HOSTNAME = "hostname"
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """What one rank says about its node; gathered from every rank to group them.
+
+    Attributes:
+        node: the node's key: ``"GROUP_RANK=1"`` style when a launcher named it, else the hostname.
+        source: the variable the key came from, or ``"hostname"``.
+        hostname: this process's host, to check the launcher's claim against.
+        local_rank: ``LOCAL_RANK``, when set.
+        local_world_size: the ranks on this node the launcher started, when it says.
+    """
+
+    node: str
+    source: str
+    hostname: str
+    local_rank: int | None
+    local_world_size: int | None
+
+
+def node_identity(environ: Mapping[str, str] | None = None, hostname: str | None = None) -> NodeIdentity:
+    """This process's node as its launcher names it (``[Note: node identity]``)."""
+    env = os.environ if environ is None else environ
+    host = socket.gethostname() if hostname is None else hostname
+    source = next((name for name in NODE_RANK_VARIABLES if env.get(name, "").strip()), HOSTNAME)
+    local_size = next((name for name in LOCAL_SIZE_VARIABLES if env.get(name, "").strip()), None)
+    return NodeIdentity(
+        node=host if source == HOSTNAME else f"{source}={_integer(env, source)}",
+        source=source,
+        hostname=host,
+        local_rank=_integer(env, "LOCAL_RANK") if env.get("LOCAL_RANK", "").strip() else None,
+        local_world_size=_integer(env, local_size) if local_size is not None else None,
+    )
+
+
+def _integer(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(
+            f"megatrain: the launcher variable {name}={env[name]!r} is not an integer; "
+            f"unset it or let the launcher (torchrun, deepspeed, accelerate launch) set it"
+        ) from None
+
+
+def group_into_nodes(identities: list[NodeIdentity]) -> dict[str, list[int]]:
+    """The ranks of each node (global ranks, ascending), nodes in order of their first rank.
+
+    Raises ``ValueError`` where the launcher's claim cannot be true: one node on several
+    hosts, ranks naming their node through different variables, a stated number of ranks per
+    node that is not the number found, or a ``LOCAL_RANK`` twice on one node.
+    """
+    sources = {identity.source for identity in identities}
+    if len(sources) > 1:
+        raise ValueError(
+            f"megatrain: the ranks name their node differently ({', '.join(sorted(sources))}): "
+            f"they were not all started by one launcher. Launch every rank with the same "
+            f"launcher, or unset the stray variables ({', '.join(NODE_RANK_VARIABLES)})"
+        )
+    nodes: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        nodes.setdefault(identity.node, []).append(rank)
+    for node, members in nodes.items():
+        _check_node(node, [identities[rank] for rank in members], members)
+    return nodes
+
+
+def _check_node(node: str, identities: list[NodeIdentity], members: list[int]) -> None:
+    hosts = {identity.hostname for identity in identities}
+    if len(hosts) > 1:
+        by_host = {host: [r for r, i in zip(members, identities) if i.hostname == host] for host in sorted(hosts)}
+        raise ValueError(
+            f"megatrain: ranks {members} claim the same node ({node}) but run on different hosts "
+            f"{by_host}; ranks of one node share host memory, so they must run on one machine. "
+            f"Give each machine its own node rank (torchrun --node-rank, deepspeed's hostfile)"
+        )
+    stated = {identity.local_world_size for identity in identities if identity.local_world_size is not None}
+    if stated and stated != {len(members)}:
+        raise ValueError(
+            f"megatrain: node {node} has ranks {members} ({len(members)}), but the launcher says "
+            f"{sorted(stated)} per node ({'/'.join(LOCAL_SIZE_VARIABLES)}). Are two launches "
+            f"using the same node rank? Give each launch its own"
+        )
+    local_ranks = [identity.local_rank for identity in identities if identity.local_rank is not None]
+    if len(set(local_ranks)) < len(local_ranks):
+        raise ValueError(
+            f"megatrain: ranks {members} of node {node} repeat a LOCAL_RANK ({local_ranks}): "
+            f"two launches on one machine with the same node rank? Give each launch its own"
+        )
+
+
+def _gather_nodes(rank: int, world_size: int) -> tuple[dict[str, list[int]], str]:
+    """Every node's ranks, from every rank's :func:`node_identity`, and this rank's node."""
+    gathered: list[NodeIdentity | None] = [None] * world_size
+    dist.all_gather_object(gathered, node_identity())
+    identities = [identity for identity in gathered if identity is not None]
+    assert len(identities) == world_size, gathered
+    nodes = group_into_nodes(identities)  # the same list on every rank: all raise alike
+    if rank == 0 and identities[0].source == HOSTNAME:
+        logger.warning(
+            "megatrain: no launcher variable (%s) names the node; grouping the %d ranks into nodes "
+            "by hostname (%d nodes): machines with the same name would be taken for one",
+            ", ".join(NODE_RANK_VARIABLES),
+            world_size,
+            len(nodes),
+        )
+    return nodes, identities[rank].node
 
 
 def _process_group_env() -> int:
@@ -115,11 +245,7 @@ class DataParallel:
         if use_cuda and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         timeout = datetime.timedelta(seconds=timeout_s)
-        names: list[str] = [""] * world_size
-        dist.all_gather_object(names, node_name())
-        nodes: dict[str, list[int]] = {}
-        for member, name in enumerate(names):
-            nodes.setdefault(name, []).append(member)
+        nodes, my_node = _gather_nodes(rank, world_size)
         # new_group is collective over the whole world, in the same order everywhere.
         comm_group = _member(dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout))
         control_group = _member(dist.new_group(backend="gloo", timeout=timeout))
@@ -130,7 +256,7 @@ class DataParallel:
                 node_group = _member(group)
         leaders = [members[0] for members in nodes.values()]
         leaders_group = dist.new_group(ranks=leaders, backend="gloo", timeout=timeout) if len(leaders) > 1 else None
-        mine = nodes[names[rank]]
+        mine = nodes[my_node]
         assert node_group is not None
         return cls(
             rank=rank,
