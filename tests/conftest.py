@@ -22,13 +22,15 @@ CHECKED_SUITES: dict[str, tuple[str, ...] | None] = {
     "test_data_parallel.py": (
         "test_two_ranks_match_one_process_with_both_batches",
         "test_checkpoint_saved_by_two_ranks_resumes_bit_identically",
+        "test_two_simulated_nodes_from_two_torchrun_launches_match_one_process",
     ),
 }
 """Test modules (``None``: every test; else the tests named) that run twice: as they are, and
 with ``MEGATRAIN_STREAM_CHECK=1`` (their ``[checked]`` variant), so the parity suite (every
 family, GA 1/2, K 1/2, offload on/off), the optimizer placements and speculative steps,
 stashed activations and fragmented weights, models that checkpoint their own layers, the
-NVMe tier and its checkpoints, checkpoints, fp16 and 2-rank data parallel are all proved
+NVMe tier and its checkpoints, checkpoints, fp16 and 2-rank data parallel (one node, and two
+simulated nodes) are all proved
 race-free on the CPU (``tests/test_stream_ordering.py`` proves the checker bites)."""
 
 NOT_CHECKED = {"test_cpu_update_overlaps_backward"}
