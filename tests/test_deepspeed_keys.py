@@ -207,7 +207,8 @@ def _timer_lines(printed: str) -> list[list[str]]:
 
 def test_monitor_steps_per_print_and_timers_as_deepspeeds_engine(tmp_path, monkeypatch, capsys, caplog):
     """csv_monitor files, progress lines and timer reports of both engines on the same run:
-    the same files, steps and lr values, the same lines in the same order; losses within
+    the same files (and the engine's train_loss: the mean of DeepSpeed's losses over each
+    window), steps and lr values, the same lines in the same order; losses within
     fp32 tolerance (both run torch's AdamW arithmetic in fp32; 1e-5 relative leaves room for
     the engine's different summation order of gradients)."""
     accumulation = 2
@@ -227,8 +228,17 @@ def test_monitor_steps_per_print_and_timers_as_deepspeeds_engine(tmp_path, monke
         results["megatrain"],
     )
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-6)
+    # DeepSpeed 0.19's plain engine writes no train_loss (its pipeline engine and earlier
+    # releases do); the engine keeps it: each window's mean loss, at the samples before its step.
+    train_loss = our_csv.pop("Train_Samples_train_loss.csv")
     assert our_csv.keys() == their_csv.keys() and "Train_Samples_lr.csv" in our_csv
     assert len(our_csv["Train_Samples_lr.csv"]) == 5  # header + one row per optimizer step
+    samples = [int(row[0]) for row in our_csv["Train_Samples_lr.csv"][1:]]
+    assert [int(row[0]) for row in train_loss[1:]] == [0, *samples[:-1]]
+    window_means = torch.tensor(theirs).view(-1, accumulation).mean(dim=1)
+    torch.testing.assert_close(
+        torch.tensor([float(row[1]) for row in train_loss[1:]]), window_means, rtol=1e-5, atol=1e-6
+    )
     for name in our_csv:
         steps = [row[0] for row in our_csv[name]]
         assert steps == [row[0] for row in their_csv[name]], name

@@ -120,6 +120,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         self.global_samples = 0
         """Samples trained on by every rank together: DeepSpeed's x axis for monitor events."""
         self.monitor = build_monitor(self.config.monitor)
+        self._window_loss: torch.Tensor | None = None
+        """The accumulation window's loss so far, for the monitor's train_loss event."""
         self._inside_no_sync = False
         self._no_sync_warned = False
 
@@ -140,6 +142,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             return super().forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        if self.monitor.enabled:
+            self._monitor_loss(loss, scale_wrt_gas)
         timers = self.engine_timers
         with self._timed(timers.backward_timers):
             with self._timed(timers.backward_inner_timers):
@@ -149,6 +153,20 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             with self._timed(timers.backward_reduce_timers):
                 pass
         return loss
+
+    def _monitor_loss(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
+        """``Train/Samples/train_loss``, as DeepSpeed's engine wrote it (through 0.14; 0.19's
+        pipeline engine still does, its plain engine no longer): the window's micro-batch
+        losses, each divided by the accumulation steps, summed, written at the boundary's
+        backward at the samples counted before its step. Dashboards built on it keep it."""
+        value = loss.detach().float().mean()
+        if scale_wrt_gas:
+            value = value / self.gradient_accumulation_steps()
+        self._window_loss = value if self._window_loss is None else self._window_loss + value
+        if self.is_gradient_accumulation_boundary():
+            total, self._window_loss = self._window_loss, None
+            if _process_rank() == 0:  # .item() waits for the loss: only with a monitor on
+                self._write_events([("Train/Samples/train_loss", total.item(), self.global_samples)])
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if self._inside_no_sync:
@@ -169,7 +187,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
 
     def _report_step(self, boundary: bool) -> None:
         """Monitor events and timer logs after ``step()``, in DeepSpeed's order and format
-        (``DeepSpeedEngine.step``): lr (and fp16's loss scale) at each boundary; with
+        (``DeepSpeedEngine.step``): lr (and fp16's loss scale) at each boundary (the window's
+        train_loss was written by its last ``backward``); with
         ``wall_clock_breakdown`` the micro-step timers every call, the global timers (and
         their monitor events) at each boundary."""
         rank_zero = _process_rank() == 0
