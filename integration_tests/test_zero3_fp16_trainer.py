@@ -53,8 +53,7 @@ import pytest
 import torch
 import transformers
 from launching import REPO_ROOT, Run, load_weights, run_side_by_side
-from tiny_clm import tiny_llama_config
-from trainer_clients import LR, byte_tokenizer
+from trainer_clients import LR
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # the reference lives with the unit tests
 from side_by_side import Fp16Reference
@@ -72,16 +71,6 @@ LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-4, 5e-4
 
 # name: (the fp16 block's changes to the template, Trainer steps).
 CASES = {"shipped": ({}, 8), "scale_too_high": ({"initial_scale_power": 32}, 26)}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A "pretrained" tiny byte-level Llama (seed 0) with its tokenizer, as ``save_pretrained`` writes it."""
-    directory = tmp_path_factory.mktemp("pretrained")
-    transformers.set_seed(0)
-    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
 
 
 def fp16_block(changes: dict[str, Any]) -> dict[str, Any]:

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from launching import REPO_ROOT, Run, eval_loss_of_saved_model, load_weights, run_side_by_side
-from tiny_clm import byte_blocks, corpus, tiny_llama_config
-from trainer_clients import byte_tokenizer, sft_examples
+from tiny_clm import byte_blocks, corpus
+from trainer_clients import sft_examples
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -40,16 +39,6 @@ ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
 DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 DEEPSPEED = {"MEGATRAIN_DISABLE_HOOK": "1"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A "pretrained" tiny byte-level Llama (seed 0) with its tokenizer, as ``save_pretrained`` writes it."""
-    directory = tmp_path_factory.mktemp("pretrained")
-    transformers.set_seed(0)
-    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
 
 
 def assert_same_losses(ours: list[float], reference: list[float], count: int, min_drop: float = 0.5) -> None:
