@@ -33,9 +33,11 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,38 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _peak_rss_of(pid: int) -> int:
+    """``VmHWM`` of a running process (0 once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as handle:
+            return next((int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
+
+
+def run_child(command: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """One system's result; for a child that dies (the kernel's OOM killer: a system that
+    cannot load the model in this machine's memory), how and at what peak RSS, sampled here."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
+        peak = 0
+        while child.poll() is None:
+            peak = max(peak, _peak_rss_of(child.pid))
+            time.sleep(0.1)
+        out.seek(0)
+        err.seek(0)
+        if child.returncode == 0:
+            return json.loads(out.read().strip().splitlines()[-1])
+        killed = child.returncode == -signal.SIGKILL
+        return {
+            "failed": "killed by SIGKILL (out of memory)" if killed else f"exit status {child.returncode}",
+            "returncode": child.returncode,
+            "peak_rss_bytes_sampled": peak,
+            "machine_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "stderr_tail": err.read()[-2000:],
+        }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=20, help="20: 1.01B parameters")
@@ -170,10 +204,10 @@ def main() -> None:
         if system == "deepspeed":
             env["MEGATRAIN_DISABLE_HOOK"] = "1"
         command = [sys.executable, __file__, "--layers", str(args.layers), "--model-dir", str(model_dir)]
-        done = subprocess.run([*command, "--child", system], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"{system} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        results[system] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[system] = run_child([*command, "--child", system], env)
+        if "failed" in results[system]:
+            print(f"{system}: {results[system]['failed']}", flush=True)
+            continue
         gib = results[system]["peak_rss_bytes"] / 2**30
         print(f"{system}: peak RSS {gib:.2f} GiB", flush=True)
     summary: dict[str, Any] = {
@@ -184,7 +218,7 @@ def main() -> None:
         "allocator_environment": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "MKL_"))},
         "results": results,
     }
-    if "megatrain" in results:
+    if "megatrain" in results and "failed" not in results["megatrain"]:
         ours = results["megatrain"]
         baseline = ours["phases"]["baseline"]["rss_bytes"]
         allowed = baseline + ours["engine_host_bytes"] + ours["largest_block_bytes"]
@@ -192,7 +226,7 @@ def main() -> None:
             ours["peak_rss_bytes"] - baseline - ours["engine_host_bytes"]
         )
         summary["megatrain_within_steady_state_plus_one_block"] = ours["peak_rss_bytes"] <= allowed
-    if "deepspeed" in results and "megatrain" in results:
+    if "deepspeed" in results and "megatrain" in results and "failed" not in results["deepspeed"]:
         summary["peak_ratio_deepspeed_over_megatrain"] = (
             results["deepspeed"]["peak_rss_bytes"] / results["megatrain"]["peak_rss_bytes"]
         )
