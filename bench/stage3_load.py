@@ -21,8 +21,9 @@ safetensors directory (a random-init Llama, fp32) and one optimizer step, and re
     python bench/stage3_load.py --layers 20 --systems megatrain                         # the engine alone
 
 On a 24 GiB machine DeepSpeed's ZeRO-3 offload (fp32, about 27 bytes per parameter at its
-peak here) cannot hold a 1B model, so the side-by-side runs at 8 layers and the engine alone
-at 20; the JSON keeps one entry per size (``<layers>_layers``).
+peak here) cannot hold a 1B model: at 20 layers the kernel kills it for memory, and the JSON
+records that with the resident set sampled from here until then; the side-by-side with both
+finishing runs at 8 layers. The JSON keeps one entry per size (``<layers>_layers``).
 
 The model directory is written once to ``--model-dir`` (kept for later runs).
 """
