@@ -235,6 +235,26 @@ def test_keys_defaults_and_scaler_are_deepspeeds(block):
     assert type(scaling.scaler).__name__ == ("DynamicLossScaler" if ours.dynamic else "LossScaler")
 
 
+@pytest.mark.parametrize("fp16", [None, {"enabled": True, "initial_scale_power": 12, "hysteresis": 3}])
+def test_the_engines_fp16_getters_answer_as_deepspeeds(fp16):
+    """``engine.loss_scale()``, ``dynamic_loss_scale()``, ``initial_dynamic_scale()`` and
+    ``dynamic_loss_scale_args()`` of the engine ``deepspeed.initialize`` returns, against
+    DeepSpeed's own config model of the same block (its defaults without fp16)."""
+    import deepspeed
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    theirs = DeepSpeedFP16Config(**(fp16 or {}))
+    config = ds_config() if fp16 is None else {**ds_config(), "fp16": fp16}
+    engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=config)
+    try:
+        assert engine.loss_scale() == theirs.loss_scale
+        assert engine.dynamic_loss_scale() == (theirs.loss_scale == 0)
+        assert engine.initial_dynamic_scale() == theirs.initial_dynamic_scale()
+        assert engine.dynamic_loss_scale_args() == theirs.dynamic_loss_scale_args()
+    finally:
+        engine.destroy()
+
+
 def test_fp16_sets_the_compute_dtype_and_holds_fp32_gradients():
     config = _parse({"enabled": True}, gradient_clipping=0.0)
     assert config.compute_dtype == torch.float16 and config.holds_gradients

@@ -49,8 +49,9 @@ from deepspeed.utils.timer import (
 from pydantic import ValidationError
 from torch import nn
 
-from megatrain_ds.config import ConfigError, SchedulerSpec
+from megatrain_ds.config import ConfigError, Fp16Options, SchedulerSpec
 from megatrain_ds.engine import MegatrainEngine
+from megatrain_ds.optimizer.loss_scaling import dynamic_loss_scale_args
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,23 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16 is not None
+
+    # DeepSpeed's fp16 config getters; without fp16, DeepSpeed's defaults (as its own answer).
+    def _fp16(self) -> Fp16Options:
+        return self.config.fp16 if self.config.fp16 is not None else Fp16Options()
+
+    def loss_scale(self) -> float:
+        """The configured ``fp16.loss_scale`` (0: dynamic); the running scale is the optimizer's."""
+        return self._fp16().loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self._fp16().dynamic
+
+    def initial_dynamic_scale(self) -> int:
+        return 2 ** self._fp16().initial_scale_power
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        return dynamic_loss_scale_args(self._fp16())
 
     def zero_optimization(self) -> bool:
         return False
