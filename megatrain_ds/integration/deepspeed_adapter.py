@@ -51,7 +51,7 @@ from torch import nn
 
 from megatrain_ds.config import ConfigError, Fp16Options, SchedulerSpec
 from megatrain_ds.engine import MegatrainEngine
-from megatrain_ds.optimizer.loss_scaling import dynamic_loss_scale_args
+from megatrain_ds.optimizer.loss_scaling import deepspeed_rank_known, dynamic_loss_scale_args
 
 logger = logging.getLogger(__name__)
 
@@ -69,35 +69,13 @@ def _process_rank() -> int:
     return torch.distributed.get_rank() if distributed else 0
 
 
-@contextlib.contextmanager
-def _deepspeed_comm_rank() -> Iterator[None]:
-    """DeepSpeed's monitors call ``deepspeed.comm.get_rank()`` to write on rank 0 only, which
-    asserts unless DeepSpeed's communication backend is initialised. ``deepspeed.initialize``
-    (DeepSpeed's engine) and Accelerate initialise it; this engine, built directly, need not,
-    and initialising it would make a process group as a side effect. Then, while the monitors
-    run, ``deepspeed.comm.get_rank`` answers this process's rank (torch.distributed's, else 0);
-    the monitors' code runs unchanged (as ``optimizer/loss_scaling.py`` does for the scalers)."""
-    import deepspeed.comm as comm
-
-    if comm.is_initialized():
-        yield
-        return
-    rank = _process_rank()
-    saved = comm.get_rank
-    comm.get_rank = lambda group=None: rank  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        comm.get_rank = saved
-
-
 def build_monitor(blocks: dict[str, Any]) -> MonitorMaster:
     """DeepSpeed's ``MonitorMaster`` for the config's monitor blocks (validated by DeepSpeed's model)."""
     try:
         monitor_config = get_monitor_config(blocks)
     except ValidationError as error:
         raise ConfigError(f"monitor config ({', '.join(blocks) or 'none'}) rejected by DeepSpeed: {error}") from error
-    with _deepspeed_comm_rank():
+    with deepspeed_rank_known():
         return MonitorMaster(monitor_config)
 
 
@@ -218,7 +196,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             self.timers.log(timers.global_timers)
 
     def _write_events(self, events: list[tuple[str, Any, int]]) -> None:
-        with _deepspeed_comm_rank():
+        with deepspeed_rank_known():
             self.monitor.write_events(events)
 
     # -- DeepSpeed engine API used by Accelerate, the HF Trainer and DeepSpeed scripts ----------

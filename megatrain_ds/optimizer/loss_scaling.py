@@ -108,7 +108,7 @@ class LossScaling:
         """Tell the scaler how the step went (DeepSpeed's ``update_scale``): an overflow may
         lower the scale, or raise DeepSpeed's error when it is already at the minimum."""
         if self.enabled:
-            with _deepspeed_rank_known():
+            with deepspeed_rank_known():
                 self.scaler.update_scale(overflow)
 
     def state_dict(self) -> dict[str, float | int]:
@@ -136,35 +136,25 @@ class LossScaling:
             setattr(self.scaler, name, state[name])
 
 
-class _RankOnly:
-    """Answers ``get_rank()`` as ``deepspeed.comm`` would, for the one question a scaler asks."""
-
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-
-    def get_rank(self, group: Any = None) -> int:
-        del group
-        return self._rank
-
-
 @contextlib.contextmanager
-def _deepspeed_rank_known() -> Iterator[None]:
-    """DeepSpeed's scalers call ``deepspeed.comm.get_rank()`` to log on rank 0 only, which
-    asserts unless DeepSpeed's communication backend is initialised. ``deepspeed.initialize``
-    and Accelerate initialise it; an engine built directly need not. Then, for the duration
-    of ``update_scale``, the scaler module's ``dist`` is a stand-in answering this process's
+def deepspeed_rank_known() -> Iterator[None]:
+    """DeepSpeed's loss scalers and monitors call ``deepspeed.comm.get_rank()`` to log or
+    write on rank 0 only, which asserts unless DeepSpeed's communication backend is
+    initialised. ``deepspeed.initialize`` and Accelerate initialise it; an engine built
+    directly need not, and initialising it would make a process group as a side effect.
+    Then, for the duration of the block, ``deepspeed.comm.get_rank`` answers this process's
     rank (torch.distributed's, else 0). The one place this engine patches DeepSpeed: the
-    scaling rules run unchanged, only their log line's rank comes from here."""
+    scalers' rules and the monitors run unchanged, only the rank they ask for comes from here."""
     import deepspeed.comm as comm
-    import deepspeed.runtime.fp16.loss_scaler as loss_scaler
 
     if comm.is_initialized():
         yield
         return
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    saved = loss_scaler.dist
-    loss_scaler.dist = _RankOnly(torch.distributed.get_rank() if distributed else 0)  # type: ignore[assignment]
+    rank = torch.distributed.get_rank() if distributed else 0
+    saved = comm.get_rank
+    comm.get_rank = lambda group=None: rank  # type: ignore[assignment]
     try:
         yield
     finally:
-        loss_scaler.dist = saved
+        comm.get_rank = saved
