@@ -238,6 +238,7 @@ class MegatrainEngine(nn.Module):
                     shared=shared,
                     moments_on_host=nvme == "none",
                     shadow_on_host=nvme != "all",
+                    span_of=self._span_of,
                 )
             )
             if self.nvme_tier is not None:
@@ -259,7 +260,9 @@ class MegatrainEngine(nn.Module):
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
         master, compute = self.config.master_dtype, self.config.compute_dtype
-        self.resident = ResidentParams(resident, group_of, self.runtime, master, compute, source=source, shared=shared)
+        self.resident = ResidentParams(
+            resident, group_of, self.runtime, master, compute, source=source, shared=shared, span_of=self._span_of
+        )
         if source is not None:
             source.report_unused(name for name, _ in model.named_buffers())
         self.states.append(self.resident.state)
@@ -279,7 +282,8 @@ class MegatrainEngine(nn.Module):
         if self.config.holds_gradients:
             grad_dtype = self.config.held_gradient_dtype
             for state in self.states:
-                state.grad = self.runtime.host_zeros(state.layout.numel, grad_dtype, shared)
+                first, last = state.held
+                state.grad = self.runtime.host_zeros(last - first, grad_dtype, shared)
         if dp is not None:
             self._share_initial_weights(dp)
 
@@ -308,7 +312,7 @@ class MegatrainEngine(nn.Module):
                 self.optimizer_states, self._resident_index, options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM
             ),
             holds_gradients=self.config.holds_gradients,
-            sum_over_ranks=dp.node_sum if dp is not None else None,
+            sum_over_ranks=dp.world_sum if dp is not None else None,
             runtime=self.runtime,
         )
         if self.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
@@ -331,7 +335,9 @@ class MegatrainEngine(nn.Module):
             self._consume_gradient,
         )
         dp = self.data_parallel
-        self.sink: GradientPort = sink if dp is None else GradientReducer(self.runtime, dp, sink, self.windows)
+        self.sink: GradientPort = (
+            sink if dp is None else GradientReducer(self.runtime, dp, sink, [s.layout.numel for s in self.states])
+        )
         if nvme == "all":  # forward and backward read the blocks' weights from the tier
             assert self.nvme_tier is not None  # opened above for any nvme setting but "none"
             self.nvme_weights = NvmeWeights(
@@ -424,6 +430,26 @@ class MegatrainEngine(nn.Module):
         self.causal_loss = ChunkedCausalLMLoss(
             model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None
         )
+
+    def _span_of(self, numel: int) -> tuple[int, int] | None:
+        """This node's share of a ``numel``-element optimizer state; ``None``: all of it."""
+        dp = self.data_parallel
+        return dp.span(numel) if dp is not None and dp.num_nodes > 1 else None
+
+    def _gather_updated_weights(self, dp: DataParallel, report: StepReport) -> None:
+        """After every rank has stepped its window: every node's copy of the weights gets the
+        other nodes' updated spans ([Note: sharded host state])."""
+        step = self.optimizer_steps + 1
+        # Sync: every rank of the node has written its window before the leader sends them.
+        dp.node_barrier(f"the end of optimizer step {step}")
+        if dp.num_nodes == 1:
+            return  # one node: its copy is whole already
+        if report.outcome is not StepOutcome.SKIPPED:  # a skipped step changed nothing
+            for state in self.states:
+                for start, end in dp.gather_spans_(state.master):
+                    state.refresh_shadow(start, end)  # the received spans' compute copy
+        # Sync: the next forward streams the weights the leader has just received.
+        dp.node_barrier(f"the weight gather of optimizer step {step}")
 
     def _share_initial_weights(self, dp: DataParallel) -> None:
         """Every node starts from the first node's weights (as DDP starts from rank 0's);
@@ -630,8 +656,7 @@ class MegatrainEngine(nn.Module):
         with self.runtime.tracer.span("step finish", "optimizer worker"), self.runtime.host_work():
             report = self.stepper.finish(self.optimizer_steps + 1)
         if self.data_parallel is not None:
-            # Sync: the next forward streams weights every rank of the node has updated.
-            self.data_parallel.node_barrier(f"the end of optimizer step {self.optimizer_steps + 1}")
+            self._gather_updated_weights(self.data_parallel, report)
         self.last_step_report = report
         self._global_grad_norm = report.norm
         self._step_applied = report.outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED)

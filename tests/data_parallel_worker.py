@@ -41,12 +41,12 @@ def global_batch(seed: int, rows: int, length: int = LENGTH) -> dict[str, torch.
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
 
 
-def config(accumulation: int, world_size: int, **megatrain: object) -> dict:
+def config(accumulation: int, world_size: int, micro: int = MICRO, **megatrain: object) -> dict:
     return {
         "engine": "megatrain",
-        "train_micro_batch_size_per_gpu": MICRO,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
-        "train_batch_size": MICRO * accumulation * world_size,
+        "train_batch_size": micro * accumulation * world_size,
         "gradient_clipping": CLIPPING,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "megatrain": megatrain,
@@ -124,7 +124,9 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
         for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens), ("mlp_tile_tokens", args.mlp_tile_tokens))
         if value is not None
     }
-    engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size, **long_context)))
+    rows = args.rows or MICRO * world_size  # one micro-batch of every rank
+    micro = rows // world_size
+    engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size, micro, **long_context)))
     pieces: dict[str, list[int]] = {}
     if long_context:
         # The settings asked for are the ones in use (not "auto", not turned off).
@@ -139,17 +141,20 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     for step in range(first, args.steps):
         if args.save_to and step == args.save_at:
             engine.save_checkpoint(args.save_to)
-        for micro in range(args.accumulation):
-            batch = global_batch(step * args.accumulation + micro, MICRO * world_size, args.length)
-            mine = {key: value[rank * MICRO : (rank + 1) * MICRO] for key, value in batch.items()}
+        for index in range(args.accumulation):
+            batch = global_batch(step * args.accumulation + index, rows, args.length)
+            mine = {key: value[rank * micro : (rank + 1) * micro] for key, value in batch.items()}
             engine.backward(engine(**mine).loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
     state = {key: value.clone() for key, value in engine.module.state_dict().items()}
     dp = engine.data_parallel
-    assert dp is not None
-    nodes = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
-    torch.save({"state_dict": state, "norms": norms, **pieces, **nodes}, Path(args.out) / f"rank{rank}.pt")
+    nodes = {}
+    if dp is not None:
+        nodes = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
+    # What this node holds (node-shared: one copy per node), and what the whole state would take.
+    held = {"host_bytes": engine.host_bytes(), "numels": [state.layout.numel for state in engine.states]}
+    torch.save({"state_dict": state, "norms": norms, **pieces, **nodes, **held}, Path(args.out) / f"rank{rank}.pt")
     engine.destroy()
 
 
@@ -180,7 +185,7 @@ def run_order(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     engine = MegatrainEngine(SleepyModel(), parse_engine_config(config(1, world_size)))
     starts: list[tuple[int, float]] = []
-    engine.sink.on_all_reduce = lambda index: starts.append((index, time.perf_counter()))
+    engine.sink.on_reduce = lambda index: starts.append((index, time.perf_counter()))
     x = torch.randn(MICRO, 16)
     loss = engine(x)
     backward_start = time.perf_counter()
@@ -199,6 +204,8 @@ def run_die(args: argparse.Namespace, rank: int, world_size: int) -> None:
         tiny_models.llama(num_layers=4), parse_engine_config(config(1, world_size, collective_timeout_s=args.timeout))
     )
     for step in range(4):
+        if args.save_to and step == 1:
+            engine.save_checkpoint(args.save_to)
         batch = global_batch(step, MICRO)
         loss = engine(**batch).loss
         if step == 2 and rank == 1:
@@ -217,6 +224,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
+    parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")
     parser.add_argument("--save-to", help="parity: save a checkpoint here before step --save-at")

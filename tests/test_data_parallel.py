@@ -18,10 +18,12 @@ import pytest
 import tiny_models
 import torch
 from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
+from data_parallel_worker import config as worker_config
 
-from megatrain_ds import parse_engine_config
+from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.config import ConfigError
-from megatrain_ds.distributed.data_parallel import DataParallel, NodeIdentity, group_into_nodes, node_identity
+from megatrain_ds.distributed.data_parallel import NodeIdentity, group_into_nodes, node_identity
+from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
@@ -80,13 +82,27 @@ def relative_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("numel", [1, 63, 64, 1000, 4096 + 17])
-@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
-def test_windows_split_a_state_exactly_on_aligned_bounds(numel: int, ranks: int) -> None:
-    windows = [_rank_on_node(index, ranks).window(numel) for index in range(ranks)]
-    assert windows[0][0] == 0 and windows[-1][1] == numel
-    for (_, end), (start, _) in zip(windows, windows[1:]):
+@pytest.mark.parametrize("nodes", [[[0]], [[0, 1, 2]], [[0, 1], [2, 3]], [[0], [1], [2], [3]], [[1, 0], [3, 2, 4]]])
+def test_windows_and_spans_split_a_state_exactly_on_aligned_bounds(numel: int, nodes: list[list[int]]) -> None:
+    """Every element has one owner; a node's span is exactly its ranks' windows, contiguous."""
+    world = sum(len(members) for members in nodes)
+    views = {rank: Ownership.of(nodes, rank) for rank in range(world)}
+    windows = [(rank, *views[rank].window(numel)) for members in nodes for rank in members]  # position order
+    assert windows[0][1] == 0 and windows[-1][2] == numel
+    for (_, _, end), (_, start, _) in zip(windows, windows[1:]):
         assert end == start  # disjoint and covering
-    assert all(start % ALIGN_ELEMENTS == 0 or start == numel for start, _ in windows)  # empty at the end
+    assert all(start % ALIGN_ELEMENTS == 0 or start == numel for _, start, _ in windows)  # empty at the end
+    assert views[0].windows(numel) == [window for window in windows if window[1] < window[2]]
+    sizes = {end - start for _, start, end in windows if end < numel}
+    assert len(sizes) <= 1  # one size but the last (the reduce's parts are alike)
+    for members in nodes:
+        mine = [window for window in windows if window[0] in members]
+        span = views[members[0]].span(numel)
+        assert span == (mine[0][1], mine[-1][2])
+        assert all(views[rank].span(numel) == span for rank in members)
+    assert [(start, end) for _, start, end in views[0].spans(numel)] == [
+        views[members[0]].span(numel) for members in nodes
+    ]
 
 
 def test_layout_window_keeps_the_group_runs_inside_it() -> None:
@@ -181,21 +197,6 @@ def test_inconsistent_launcher_claims_are_refused() -> None:
     assert group_into_nodes(by_hand) == {"h": [0, 1]}
 
 
-def _rank_on_node(index: int, ranks: int) -> DataParallel:
-    return DataParallel(
-        rank=index,
-        world_size=ranks,
-        node_index=index,
-        node_size=ranks,
-        comm_group=None,
-        control_group=None,
-        node_group=None,
-        leaders_group=None,
-        shared=None,  # type: ignore[arg-type]
-        timeout_s=1.0,
-    )
-
-
 # -- launched ranks ---------------------------------------------------------------------------
 
 
@@ -209,29 +210,24 @@ def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_singl
     _assert_parity(ranks, steps, accumulation)
 
 
-def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
-    tmp_path: Path, cpu_single_thread: None
-) -> None:
-    """Two ``torchrun --nnodes 2`` launches on this one host, a rank each: torchrun's
-    GROUP_RANK makes them 2 nodes (the hostname would have made them one), each with its own
-    host copy, and they still train as one process with both batches."""
-    steps, accumulation = 5, 2
+def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1) -> None:
+    """``nodes`` simulated nodes on this host: a ``torchrun --nnodes`` launch each, of
+    ``per_node`` ranks, meeting at one rendezvous (gloo)."""
     endpoint = f"127.0.0.1:{free_port()}"
     launches = [
         subprocess.Popen(
             [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)),
-                *("--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node)),
+                *("--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
                 *("--rdzv-conf", f"is_host={int(node == 0)}"),  # node 0 hosts the rendezvous store
-                *(str(WORKER), "parity", "--out", str(tmp_path), "--steps", str(steps)),
-                *("--accumulation", str(accumulation)),
+                *(str(WORKER), "--out", str(out), *args),
             ],
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for node in range(2)
+        for node in range(nodes)
     ]
     try:
         outputs = [launched.communicate(timeout=TIMEOUT_S) for launched in launches]
@@ -240,10 +236,51 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
             launched.kill()
     for launched, (stdout, stderr) in zip(launches, outputs):
         assert launched.returncode == 0, stdout[-3000:] + stderr[-6000:]
+
+
+def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
+    tmp_path: Path, cpu_single_thread: None
+) -> None:
+    """Two ``torchrun --nnodes 2`` launches on this one host, a rank each: torchrun's
+    GROUP_RANK makes them 2 nodes (the hostname would have made them one), each with its own
+    host copy, and they still train as one process with both batches."""
+    steps, accumulation = 5, 2
+    launch_nodes(2, tmp_path, "parity", "--steps", str(steps), "--accumulation", str(accumulation))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
     _assert_parity(ranks, steps, accumulation)
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (4, 1)])
+def test_simulated_nodes_each_hold_their_share_of_the_optimizer_state(
+    tmp_path: Path, cpu_single_thread: None, nodes: int, per_node: int
+) -> None:
+    """N nodes (separate torchrun launches) of one global batch of 4 rows: each node holds
+    the whole weights and 1/N of Adam's moments and of the held gradients (W + S/N), and
+    they train as one process with the whole batch does."""
+    steps, accumulation, rows = 4, 2, 4
+    launch_nodes(nodes, tmp_path, "parity", "--steps", str(steps), "--rows", str(rows), per_node=per_node)
+    world = nodes * per_node
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    expected, expected_norms = reference_training(steps, accumulation, world_size=rows // MICRO)
+    for rank in ranks:
+        assert relative_error(rank["state_dict"], expected) < 2e-6
+        assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
+    numels = ranks[0]["numels"]
+    numel = sum(numels)
+    ownership = Ownership.of([range(node * per_node, (node + 1) * per_node) for node in range(nodes)], 0)
+    slack = len(numels) * world * ALIGN_ELEMENTS * 4  # per state: windows of one size, the last ones short
+    for node, leader in enumerate(ranks[::per_node]):  # one report per node: its ranks map one copy
+        held = leader["host_bytes"]
+        assert held["master"] == 4 * numel  # W: the weights, whole on every node
+        spans = [ownership.spans(n)[node] for n in numels]
+        for kind in ("exp_avg", "exp_avg_sq", "grad"):  # S: this node's share of them
+            assert held[kind] == 4 * sum(end - start for _, start, end in spans), kind
+            assert abs(held[kind] - 4 * numel / nodes) <= slack, (kind, held[kind], numel)
+        assert sum(held.values()) <= (4 + 12 / nodes) * numel + 3 * slack  # W + S/N
+    for kind in ("exp_avg", "exp_avg_sq", "grad"):  # together the nodes hold each element once
+        assert sum(leader["host_bytes"][kind] for leader in ranks[::per_node]) == 4 * numel
 
 
 def _assert_parity(ranks: list[dict], steps: int, accumulation: int) -> None:
@@ -323,6 +360,34 @@ def test_checkpoint_saved_by_two_ranks_resumes_bit_identically(tmp_path: Path) -
             assert torch.equal(value, got[key]), key
 
 
+def test_a_checkpoint_saved_by_two_nodes_resumes_on_one_two_and_four(tmp_path: Path) -> None:
+    """Two nodes write their spans of the optimizer state in parallel; the checkpoint loads
+    resharded on one node (one process) and on four, and as it was on two (bit-identical),
+    and every run continues as the uninterrupted one (the same global batch throughout)."""
+    checkpoint = tmp_path / "checkpoint"
+    common = ("parity", "--steps", "5", "--rows", "4")
+    runs = {name: tmp_path / name for name in ("straight", "on1", "on2", "on4")}
+    for directory in runs.values():
+        directory.mkdir()
+    launch_nodes(2, runs["straight"], *common, "--save-to", str(checkpoint), "--save-at", "3")
+    tag = checkpoint / "global_step3"
+    assert sorted(p.name for p in tag.glob("optimizer*")) == [
+        "optimizer-spans-00001-of-00002.safetensors",
+        "optimizer-spans-00002-of-00002.safetensors",
+    ]
+    launch("parity", runs["on1"], *common[1:], "--resume-from", str(checkpoint), nproc=1)
+    launch_nodes(2, runs["on2"], *common, "--resume-from", str(checkpoint))
+    launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint))
+    expected = torch.load(runs["straight"] / "rank0.pt")
+    assert torch.load(runs["on2"] / "rank0.pt")["norms"] == expected["norms"][3:]
+    for key, value in expected["state_dict"].items():
+        assert torch.equal(torch.load(runs["on2"] / "rank1.pt")["state_dict"][key], value), key
+    for name in ("on1", "on4"):
+        resumed = torch.load(runs[name] / "rank0.pt")
+        assert relative_error(resumed["state_dict"], expected["state_dict"]) < 2e-6, name
+        assert resumed["norms"] == pytest.approx(expected["norms"][3:], rel=1e-5), name
+
+
 def test_gradient_all_reduce_starts_while_backward_runs(tmp_path: Path) -> None:
     launch("order", tmp_path)
     for rank in range(2):
@@ -334,8 +399,13 @@ def test_gradient_all_reduce_starts_while_backward_runs(tmp_path: Path) -> None:
         assert len(during_backward) >= 3, log
 
 
-def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["one node", "one rank per node"])
+def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path, layout: str) -> None:
+    """Rank 1 is killed in step 2 (with one rank per node: a whole node dies). The survivor
+    stops with ``PeerFailureError`` well within the collective timeout, and the checkpoint
+    saved at step 1 (each node's span of the optimizer state) is intact: it loads."""
     port = str(free_port())
+    checkpoint = tmp_path / "checkpoint"
     processes = []
     for rank in range(2):
         env = _env(
@@ -346,9 +416,11 @@ def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> No
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE="2",
         )
+        per_node = ["--one-rank-per-node"] if layout != "one node" else []
         processes.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), "die", "--out", str(tmp_path), "--timeout", "60"],
+                [sys.executable, str(WORKER), "die", "--out", str(tmp_path), "--timeout", "60", *per_node]
+                + ["--save-to", str(checkpoint)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -356,13 +428,22 @@ def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path) -> No
             )
         )
     survivor, victim = processes
-    victim.wait(timeout=TIMEOUT_S)
+    _, victim_stderr = victim.communicate(timeout=TIMEOUT_S)
+    assert (tmp_path / "killed").exists(), victim_stderr[-6000:]  # it died where it was meant to
     killed_at = float((tmp_path / "killed").read_text())
     _, stderr = survivor.communicate(timeout=TIMEOUT_S)
     elapsed = time.time() - killed_at
     assert survivor.returncode != 0
     assert "PeerFailureError" in stderr and "rank 0 of 2" in stderr, stderr[-3000:]
     assert "died or stopped responding" in stderr
-    # Launched by hand, no variable names the node: the hostname does, and rank 0 says so once.
-    assert stderr.count("no launcher variable (GROUP_RANK, CROSS_RANK, NODE_RANK) names the node") == 1, stderr[-3000:]
+    if layout == "one node":
+        # Launched by hand, no variable names the node: the hostname does, and rank 0 says so once.
+        warning = "no launcher variable (GROUP_RANK, CROSS_RANK, NODE_RANK) names the node"
+        assert stderr.count(warning) == 1, stderr[-3000:]
     assert elapsed < 60, f"the survivor took {elapsed:.0f} s to stop"
+    # The last checkpoint is whole: one process loads it (resharded from two nodes' spans).
+    torch.manual_seed(1)
+    engine = MegatrainEngine(tiny_models.llama(num_layers=4), parse_engine_config(worker_config(1, 1)))
+    path, _ = engine.load_checkpoint(str(checkpoint))
+    assert path is not None and Path(path).name == "global_step1" and engine.global_steps == 1
+    engine.destroy()

@@ -62,6 +62,13 @@ from megatrain_ds.checkpoint.directories import (
     write_latest,
     write_manifest,
 )
+from megatrain_ds.checkpoint.optimizer_spans import (
+    RESIDENT,
+    SPANS_PREFIX,
+    SpanFiles,
+    span_file_name,
+    write_span_file,
+)
 from megatrain_ds.checkpoint.tensor_files import (
     CheckpointError,
     FileDigest,
@@ -85,6 +92,10 @@ MAX_SHARD_BYTES = 2 << 30
 """Blocks are grouped into weight shards of at most this size (a block is never split)."""
 MODEL_INDEX = "model.safetensors.index.json"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_NO_HELD_GRADIENTS = (
+    "{path} was saved inside a gradient accumulation window and holds accumulated gradients, but this "
+    "engine keeps none (its gradient_clipping and gradient_accumulation_steps differ from the saved run's)"
+)
 
 
 class CheckpointedEngine(Protocol):
@@ -238,8 +249,13 @@ def save_checkpoint(
     def save() -> None:
         _save_tag(engine, Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes)
 
-    if engine.data_parallel is not None:
-        engine.data_parallel.on_rank0(f"saving checkpoint {tag!r}", save)
+    dp = engine.data_parallel
+    if dp is not None and dp.num_nodes > 1:
+        _save_tag_by_nodes(
+            engine, dp, Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes
+        )
+    elif dp is not None:
+        dp.on_rank0(f"saving checkpoint {tag!r}", save)
     else:
         save()
     return True
@@ -256,48 +272,120 @@ def _save_tag(
 ) -> None:
     temp = make_temp_dir(root, tag)
     try:
-        files = _write_tag_dir(engine, temp, encoded, exclude_frozen_parameters, max_shard_bytes)
-        write_manifest(
-            temp,
-            {
-                "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
-                "tag": tag,
-                "exclude_frozen_parameters": exclude_frozen_parameters,
-                "global_steps": engine.global_steps,
-                "files": {
-                    name: {
-                        "bytes": d.nbytes,
-                        "crc32": d.crc32,
-                        **({"header_crc32": d.header_crc32} if d.header_crc32 is not None else {}),
-                    }
-                    for name, d in sorted(files.items())
-                },
-            },
-        )
-        publish_dir(temp, root / tag)
+        files = _write_model_and_trainer_state(engine, temp, encoded, exclude_frozen_parameters, max_shard_bytes)
+        files.update(_write_optimizer_files(engine, temp, _shards(_entries_by_state(engine), max_shard_bytes)))
+        _publish(engine, root, temp, tag, files, exclude_frozen_parameters, save_latest)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)  # a failed save leaves the directory as it was
         raise
+
+
+def _publish(
+    engine: CheckpointedEngine,
+    root: Path,
+    temp: Path,
+    tag: str,
+    files: Mapping[str, FileDigest],
+    exclude_frozen_parameters: bool,
+    save_latest: bool,
+) -> None:
+    """Write the manifest (last: it makes the directory a checkpoint), rename the directory
+    into place and point ``latest`` at it."""
+    write_manifest(
+        temp,
+        {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "tag": tag,
+            "exclude_frozen_parameters": exclude_frozen_parameters,
+            "global_steps": engine.global_steps,
+            "files": {
+                name: {
+                    "bytes": d.nbytes,
+                    "crc32": d.crc32,
+                    **({"header_crc32": d.header_crc32} if d.header_crc32 is not None else {}),
+                }
+                for name, d in sorted(files.items())
+            },
+        },
+    )
+    publish_dir(temp, root / tag)
     if save_latest:
         write_latest(root, tag)
     logger.info("megatrain: saved checkpoint %s (%d files)", root / tag, len(files) + 1)
 
 
-def _write_tag_dir(
+def _save_tag_by_nodes(
+    engine: CheckpointedEngine,
+    dp: DataParallel,
+    root: Path,
+    tag: str,
+    encoded: trainer_states.EncodedTrainerState,
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+    max_shard_bytes: int,
+) -> None:
+    """Several nodes, each holding its span of the optimizer state: every node's leader
+    writes its span file into rank 0's temporary directory at once (``optimizer_spans.py``),
+    rank 0 the weights (every node holds them whole) and the trainer state; rank 0 then
+    writes the manifest of all of them and publishes, or removes the directory if any rank
+    failed. ``root`` must be one filesystem that every node sees."""
+    temp = Path(dp.from_rank0(f"creating the directory of checkpoint {tag!r}", lambda: str(make_temp_dir(root, tag))))
+    files: dict[str, FileDigest] = {}
+    failure = None
+    try:
+        if dp.is_node_writer:
+            name = span_file_name(dp.ownership.node, dp.num_nodes)
+            files[name] = write_span_file(temp / name, _states_by_name(engine), _saved_kinds(engine))
+        if dp.rank == 0:
+            files.update(
+                _write_model_and_trainer_state(engine, temp, encoded, exclude_frozen_parameters, max_shard_bytes)
+            )
+    except Exception as error:  # reported to rank 0, which removes the directory; raised below
+        failure = f"rank {dp.rank}: {type(error).__name__}: {error}"
+    reports = dp.all_gather_object(f"writing checkpoint {tag!r}", (files, failure))
+
+    def publish() -> None:
+        failures = [failed for _, failed in reports if failed is not None]
+        if failures:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise CheckpointError(f"saving checkpoint {tag!r} failed on {len(failures)} rank(s): {'; '.join(failures)}")
+        written = {name: digest for written, _ in reports for name, digest in written.items()}
+        _publish(engine, root, temp, tag, written, exclude_frozen_parameters, save_latest)
+
+    dp.on_rank0(f"publishing checkpoint {tag!r}", publish)
+
+
+def _states_by_name(engine: CheckpointedEngine) -> dict[str, HostFlatState]:
+    """Every flat state by its name in span files: the resident state, then the blocks."""
+    num_blocks = len(engine.states) - 1  # the resident state comes last
+    named = {RESIDENT: engine.states[num_blocks]}
+    named.update((f"{engine.block_path}.{index}", state) for index, state in enumerate(engine.states[:num_blocks]))
+    return named
+
+
+def _saved_kinds(engine: CheckpointedEngine) -> list[str]:
+    """The optimizer state a checkpoint holds: the moments, and the held gradients inside
+    an accumulation window."""
+    mid_window = _inside_accumulation_window(engine) and engine.states[0].grad is not None
+    return [*_MOMENTS, *(["grad"] if mid_window else [])]
+
+
+def _write_model_and_trainer_state(
     engine: CheckpointedEngine,
     temp: Path,
     encoded: trainer_states.EncodedTrainerState,
     exclude_frozen: bool,
     max_shard_bytes: int,
 ) -> dict[str, FileDigest]:
+    """The weights as a Hugging Face model directory, and the trainer state: everything but
+    the optimizer state."""
     files: dict[str, FileDigest] = {}
     groups = _entries_by_state(engine)
     shards = _shards(groups, max_shard_bytes)
     count = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
-    mid_window = _inside_accumulation_window(engine)
     with _state_tensors(engine) as flat_of:
         for number, members in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{count:05d}.safetensors"
@@ -318,21 +406,30 @@ def _write_tag_dir(
         files[MODEL_INDEX] = write_bytes_durably(temp / MODEL_INDEX, json.dumps(index, indent=2).encode())
         files.update(_write_model_config(engine, temp))
 
+    files[trainer_states.ENGINE_STATE] = write_bytes_durably(temp / trainer_states.ENGINE_STATE, encoded.document)
+    files[trainer_states.ENGINE_TENSORS] = write_safetensors(
+        temp / trainer_states.ENGINE_TENSORS, encoded.tensors, {"format": "megatrain-state"}
+    )
+    return files
+
+
+def _write_optimizer_files(engine: CheckpointedEngine, temp: Path, shards: list[list[int]]) -> dict[str, FileDigest]:
+    """Adam's moments (and the held gradients inside an accumulation window) per trained
+    parameter, in files grouped as the weights are: a node that holds every state whole."""
+    files: dict[str, FileDigest] = {}
+    groups = _entries_by_state(engine)
+    mid_window = _inside_accumulation_window(engine)
+    with _state_tensors(engine) as flat_of:
         for number, members in enumerate(shards, start=1):
             tensors = []
             for e in (e for i in members for e in groups[i] if e.trained):
                 tensors += [(f"{e.name}.{kind}", e.view(flat_of(e.state, kind))) for kind in _MOMENTS]
                 if mid_window and e.state.grad is not None:
                     tensors.append((f"{e.name}.grad", e.view(e.state.grad)))
-            name = f"optimizer-{number:05d}-of-{count:05d}.safetensors"
+            name = f"optimizer-{number:05d}-of-{len(shards):05d}.safetensors"
             files[name] = write_safetensors(temp / name, tensors, {"format": "megatrain-optimizer"})
             del tensors
             flat_of.release()  # one shard's moments mapped at a time
-
-    files[trainer_states.ENGINE_STATE] = write_bytes_durably(temp / trainer_states.ENGINE_STATE, encoded.document)
-    files[trainer_states.ENGINE_TENSORS] = write_safetensors(
-        temp / trainer_states.ENGINE_TENSORS, encoded.tensors, {"format": "megatrain-state"}
-    )
     return files
 
 
@@ -405,7 +502,10 @@ def load_checkpoint(
     if not load_module_only:
         trainer_states.check_compatible(engine, trainer_state, path, with_optimizer, load_lr_scheduler_states)
     optimizer_files: dict[str, SafetensorsFile] = {}
-    if with_optimizer:
+    span_files: SpanFiles | None = None
+    if with_optimizer and any(name.startswith(SPANS_PREFIX) for name in manifest["files"]):
+        span_files = _open_span_files(engine, path, manifest, trainer_state)
+    elif with_optimizer:
         optimizer_files = _open_shards(path, manifest, "optimizer-")
         optimizer_targets = _match_optimizer(engine, path, optimizer_files, entries, trainer_state, load_module_strict)
 
@@ -429,12 +529,15 @@ def load_checkpoint(
                 for state in engine.states:
                     if state.grad is not None:
                         state.grad.zero_()  # overwritten below when saved inside an accumulation window
+                if span_files is not None:
+                    span_files.read_into_states()
                 for file in optimizer_files.values():
-                    wanted = optimizer_targets.get(file.path, {})
-                    file.read_into(
-                        {name: entry.view(flat_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
-                        checked_digest(path, manifest, Path(file.path).name),
-                    )
+                    with _whole_states(flat_of) as whole_of:
+                        wanted = optimizer_targets.get(file.path, {})
+                        file.read_into(
+                            {name: entry.view(whole_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
+                            checked_digest(path, manifest, Path(file.path).name),
+                        )
                     flat_of.release()  # one file's moments mapped at a time
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
@@ -443,6 +546,42 @@ def load_checkpoint(
         trainer_states.apply_trainer_state(engine, trainer_state, with_optimizer, load_lr_scheduler_states)
     logger.info("megatrain: loaded checkpoint %s", path)
     return str(path), trainer_state.client_state
+
+
+@contextlib.contextmanager
+def _whole_states(flat_of: _StateTensors) -> Iterator[Callable[[HostFlatState, str], torch.Tensor]]:
+    """Per-parameter optimizer files read into states: a state this node holds only a span
+    of (several nodes) is read into a whole temporary buffer, and its span kept at the end."""
+    temporaries: dict[tuple[int, str], tuple[HostFlatState, torch.Tensor]] = {}
+
+    def whole_of(state: HostFlatState, kind: str) -> torch.Tensor:
+        flat = flat_of(state, kind)
+        if not state.sharded:
+            return flat
+        if (id(state), kind) not in temporaries:
+            temporaries[id(state), kind] = (state, torch.zeros(state.layout.numel, dtype=flat.dtype))
+        return temporaries[id(state), kind][1]
+
+    yield whole_of
+    for (_, kind), (state, whole) in temporaries.items():
+        start, end = state.held
+        getattr(state, kind).copy_(whole[start:end])
+
+
+def _open_span_files(
+    engine: CheckpointedEngine, path: Path, manifest: Mapping[str, Any], trainer_state: trainer_states.TrainerState
+) -> SpanFiles:
+    """The span files of a checkpoint saved by several nodes, checked against this engine."""
+    kinds: list[str] = list(_MOMENTS)
+    if trainer_state.mid_window_gradients:
+        if engine.states[0].grad is None:
+            raise CheckpointError(_NO_HELD_GRADIENTS.format(path=path))
+        kinds.append("grad")
+    files = {}
+    for name in sorted(n for n in manifest["files"] if n.startswith(SPANS_PREFIX)):
+        digest = checked_digest(path, manifest, name)
+        files[name] = (SafetensorsFile(path / name, digest.header_crc32), digest)
+    return SpanFiles(files, _states_by_name(engine), kinds)
 
 
 def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:
@@ -541,11 +680,7 @@ def _match_optimizer(
             name = f"{entry.name}.{kind}"
             flat = getattr(entry.state, kind)
             if flat is None:
-                raise CheckpointError(
-                    f"{path} was saved inside a gradient accumulation window and holds accumulated "
-                    "gradients, but this engine keeps none (its gradient_clipping and "
-                    "gradient_accumulation_steps differ from the saved run's)"
-                )
+                raise CheckpointError(_NO_HELD_GRADIENTS.format(path=path))
             if name not in found:
                 if strict:
                     raise CheckpointError(

@@ -9,33 +9,43 @@ deepspeed launcher's ``CROSS_RANK``, or ``NODE_RANK``; the hostname only when no
 Ranks of one named node on different hosts are an error (``[Note: node identity]``).
 
 [Note: data-parallel step]
-- Host state: the ranks of a node map one copy of every flat state
-  (``runtime/node_shared_memory.py``). Rank ``j`` of the node's ``n`` ranks *owns* the window
-  ``[j*N/n, (j+1)*N/n)`` of each state (64-element aligned): it alone accumulates, clips
-  and steps those elements, so host memory and optimizer work are split, never repeated
-  within a node. Each node holds a full copy and steps it redundantly with bit-identical
-  inputs, so nodes never exchange weights after the start.
-- Gradients: as soon as a block's backward is done its gradient is averaged over all
-  ranks by one all-reduce on its own stream and thread (``distributed/gradient_reducer.py``), while
-  backward goes on with the blocks before it; each rank then copies only its window to
-  the host. With gradient accumulation every micro-batch is reduced (sum over ranks and
-  micro-batches commutes), so no rank ever needs a private full-size gradient buffer.
-- Norm: each rank sums the squares of its windows; the sum over the node's ranks is the
-  global norm (every node has all windows), identical on every rank.
-- Step: a node barrier after the update; nothing reads the weights for the next step
-  before every window is written.
+- Host state (``[Note: sharded host state]``): the ranks of a node map one copy of its
+  state (``runtime/node_shared_memory.py``). Every rank *owns* one window of every flat state
+  (``distributed/ownership.py``): it alone accumulates, clips and steps those elements, so
+  optimizer work is split over all ranks, never repeated.
+- Gradients: as soon as a block's backward is done its gradient is reduced to the owners
+  of its windows, one reduce per owner for the whole block (a bucket), on its own stream
+  and thread (``distributed/gradient_reducer.py``), while backward goes on with the blocks
+  before it: the bytes of a reduce-scatter. With gradient accumulation every micro-batch
+  is reduced (sum over ranks and micro-batches commutes), so no rank ever needs a private
+  full-size gradient buffer.
+- Norm: each rank sums the squares of its window; the sum over all ranks is the global
+  norm, identical on every rank.
+- Step: each rank updates its window of the weights; after a node barrier each node's
+  leader sends its span of the updated weights to the other nodes' leaders (an
+  all-gather, as broadcasts from each span's leader), and after a second node barrier
+  every rank reads the whole updated model.
 - Failure: every collective runs on groups created with the engine's timeout
   (``megatrain.collective_timeout_s``); a dead peer breaks gloo/NCCL connections at once
   and a hung one times out, and either surfaces as :class:`PeerFailureError`.
 
-Why shared memory rather than sharded optimizer state: with shards each rank would
-still need its own full copy of the streamed weights (4 B/param in fp32, 2 in bf16),
-so a node of ``n`` ranks would need ``16 + (n - 1) * 4`` B/param instead of 16.
+[Note: sharded host state]
+Each node keeps the whole weights it streams (the fp32 master; with bf16 compute also its
+bf16 shadow), and only its span of the rest: Adam's m and v and the held gradients.
+Per node that is ``W + S/N`` bytes/param for N nodes (fp32 with held gradients: W = 4,
+S = 12; 7 B/param on 4 nodes instead of 16), and each node's optimizer work is 1/N.
+Network bytes per step: the reduce of the gradients (a reduce-scatter, (N-1)/N of the
+gradient bytes) and the gather of the updated master ((N-1)/N of its bytes): in fp32 one
+all-reduce's worth.
+Within a node the ranks share that copy instead of each holding its own: sharding within
+the node would still need every rank's own copy of the streamed weights (``16 + 4 (n - 1)``
+B/param for ``n`` fp32 ranks).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -47,8 +57,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
-from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -211,6 +221,7 @@ class DataParallel:
         leaders_group: gloo group of each node's first rank; ``None`` on one node.
         shared: the node-shared allocator of the host state.
         timeout_s: how long any collective waits for a peer.
+        ownership: every rank's window and every node's span of a flat state.
     """
 
     rank: int
@@ -223,6 +234,7 @@ class DataParallel:
     leaders_group: dist.ProcessGroup | None
     shared: NodeSharedMemory
     timeout_s: float
+    ownership: Ownership
 
     @classmethod
     def join(cls, use_cuda: bool, timeout_s: float) -> DataParallel | None:
@@ -269,33 +281,67 @@ class DataParallel:
             leaders_group=_member(leaders_group) if leaders_group is not None and rank in leaders else None,
             shared=NodeSharedMemory(node_group, writer=mine[0], rank=rank),
             timeout_s=timeout_s,
+            ownership=Ownership.of(list(nodes.values()), rank),
         )
 
     @property
     def is_node_writer(self) -> bool:
         return self.shared.is_writer
 
+    @property
+    def num_nodes(self) -> int:
+        return len(self.ownership.nodes)
+
     def window(self, numel: int) -> tuple[int, int]:
         """``[start, end)``: the elements of a ``numel``-element state this rank owns."""
+        return self.ownership.window(numel)
 
-        def bound(index: int) -> int:
-            even = numel * index // self.node_size
-            return min(numel, -(-even // ALIGN_ELEMENTS) * ALIGN_ELEMENTS)  # rounded up: aligned SIMD
-
-        return bound(self.node_index), bound(self.node_index + 1)
+    def span(self, numel: int) -> tuple[int, int]:
+        """``[start, end)``: the elements of a sharded ``numel``-element state this node holds."""
+        return self.ownership.span(numel)
 
     # -- collectives (each wrapped so a peer's failure reads as one) ---------------------
 
-    def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
-        """Average ``tensor`` over every rank, in place (divided first: gloo has no AVG)."""
-        tensor.div_(self.world_size)
-        self._guard("the gradient all-reduce", lambda: dist.all_reduce(tensor, group=self.comm_group))
+    def reduce_mean_to_owners(
+        self, flat: torch.Tensor, offset: int, windows: list[tuple[int, int, int]]
+    ) -> tuple[int, torch.Tensor] | None:
+        """Average ``flat`` (elements ``[offset, offset + len)`` of a state whose windows are
+        ``windows``) over every rank, delivering each owner its part: one reduce per owner,
+        the bytes of a reduce-scatter. Returns this rank's ``(state offset, averaged part)``,
+        or ``None`` where it owns none of ``flat``. ``flat`` is scratch afterwards."""
+        flat.div_(self.world_size)  # divided first: gloo has no AVG
+        end, mine = offset + flat.numel(), None
+        for owner, start, stop in windows:
+            lo, hi = max(start, offset), min(stop, end)
+            if lo >= hi:
+                continue
+            part = flat[lo - offset : hi - offset]
+            reduce = functools.partial(dist.reduce, part, dst=owner, op=dist.ReduceOp.SUM, group=self.comm_group)
+            self._guard("the gradient reduce", reduce)
+            if owner == self.rank:
+                mine = (lo, part)
+        return mine
 
-    def node_sum(self, value: float) -> float:
-        """``value`` summed over this node's ranks (float64: the squared gradient norm)."""
+    def world_sum(self, value: float) -> float:
+        """``value`` summed over every rank (float64: the squared gradient norm of the windows)."""
         total = torch.tensor([value], dtype=torch.float64)
-        self._guard("the gradient-norm all-reduce", lambda: dist.all_reduce(total, group=self.node_group))
+        self._guard("the gradient-norm all-reduce", lambda: dist.all_reduce(total, group=self.control_group))
         return float(total.item())
+
+    def gather_spans_(self, flat: torch.Tensor) -> list[tuple[int, int]]:
+        """Give this node's copy of ``flat`` (a whole state; a no-op but on node leaders)
+        every other node's span of it: one broadcast from each span's leader (an
+        all-gather). Returns the ``[start, end)`` spans received."""
+        received: list[tuple[int, int]] = []
+        if self.leaders_group is None:
+            return received
+        for leader, start, end in self.ownership.spans(flat.numel()):
+            if start < end:
+                send = functools.partial(dist.broadcast, flat[start:end], src=leader, group=self.leaders_group)
+                self._guard("the updated-weight all-gather", send)
+                if leader != self.rank:
+                    received.append((start, end))
+        return received
 
     def node_barrier(self, what: str) -> None:
         """Wait for every rank of the node; names the ranks that do not arrive."""
@@ -318,17 +364,29 @@ class DataParallel:
     def on_rank0(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on global rank 0 only; every rank returns once it is done, and
         raises if it failed there (so no rank goes on believing it succeeded)."""
-        outcome: list[object] = [None]
+        self.from_rank0(what, action)
+
+    def from_rank0(self, what: str, action: Callable[[], T]) -> T:
+        """``action()`` run on global rank 0, its result given to every rank; every rank
+        raises if it failed there."""
+        outcome: list[object] = [None, None]  # (result, error)
         if self.rank == 0:
             try:
-                action()
+                outcome = [action(), None]
             except BaseException as error:
-                outcome = [f"{type(error).__name__}: {error}"]
+                outcome = [None, f"{type(error).__name__}: {error}"]
                 self._guard(what, lambda: dist.broadcast_object_list(outcome, src=0, group=self.control_group))
                 raise
         self._guard(what, lambda: dist.broadcast_object_list(outcome, src=0, group=self.control_group))
-        if outcome[0] is not None:
-            raise RuntimeError(f"megatrain: rank 0 failed at {what}: {outcome[0]}")
+        if outcome[1] is not None:
+            raise RuntimeError(f"megatrain: rank 0 failed at {what}: {outcome[1]}")
+        return outcome[0]  # type: ignore[return-value]  # rank 0's T, sent over the control group
+
+    def all_gather_object(self, what: str, value: T) -> list[T]:
+        """Every rank's ``value`` (small, picklable: sent between these processes only)."""
+        gathered: list[T | None] = [None] * self.world_size
+        self._guard(what, lambda: dist.all_gather_object(gathered, value, group=self.control_group))
+        return gathered  # type: ignore[return-value]  # every slot filled by all_gather_object
 
     def broadcast_from_first_node_(self, tensor: torch.Tensor) -> None:
         """Give every node's copy the first node's values (node writers only)."""

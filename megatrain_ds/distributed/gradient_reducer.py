@@ -1,27 +1,26 @@
-"""Data parallel: each block's gradient averaged over the ranks behind backward.
+"""Data parallel: each block's gradient reduced to the owners of its windows behind backward.
 
 Stands between backward and the :class:`GradientSink` when there is more than one rank
 (``distributed/data_parallel.py``: [Note: data-parallel step]). ``push_block`` (autograd thread)
-queues a block's parameter gradients; the reducer's thread all-reduces them in place on
-the comm stream and hands this rank's window of them to the sink. Backward goes on with
-the next block meanwhile.
-
-The gradients are reduced where autograd put them, one all-reduce per parameter: no
-flat copy of the block (which would cost a block of device memory per buffer and a
-device copy per block); a few small collectives per block are cheap against a block's
-backward.
+queues a block's parameter gradients; the reducer's thread gathers them into one flat
+bucket on the comm stream, reduces each owner's window of it to that owner (one
+collective per owner and block, however many parameters the block has: the bytes of a
+reduce-scatter) and hands this rank's window to the sink. Backward goes on with the next
+block meanwhile.
 
 [Note: gradient reduction ordering]
 - The comm stream waits on an event recorded on the compute stream after the block's
-  backward, so the all-reduce reads finished gradients. A synchronous all-reduce leaves
+  backward, so the bucket copies read finished gradients. A synchronous reduce leaves
   the comm stream ordered after it (NCCL makes the current stream wait; gloo returns when
   done), and ``sink.push`` -- called on the reducer's thread with the comm stream current
   -- orders its device-to-host copies after that.
 - ``runtime.used_on(grad, comm_stream)`` keeps the caching allocator from reusing a
-  gradient's memory before the comm stream's work on it is done, even for a gradient no
-  part of which is this rank's window (the sink holds the others until their copies end).
+  gradient's memory before the comm stream has copied it into the bucket. The bucket is
+  allocated on the comm stream, so its reuse is ordered there; the sink marks what it
+  still copies from it.
 - At most ``max_in_flight`` blocks are queued or being reduced: backward waits beyond
-  that, which bounds the device memory held by gradients waiting for the network.
+  that, which bounds the device memory held by gradients (and buckets) waiting for the
+  network.
 - Errors on the reducer's thread are kept and re-raised on the main thread by the next
   ``push``/``drain``; the thread keeps draining its queue, so backward never waits on a
   slot that cannot free.
@@ -45,22 +44,22 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 class _Job:
     index: int
     pieces: list[tuple[int, torch.Tensor]]
-    """``(state offset, flat device gradient)`` of each trained parameter, reduced in place."""
+    """``(state offset, flat device gradient)`` of each trained parameter, in offset order."""
     final: bool
     produced: Event
 
 
 class GradientReducer:
-    """All-reduces gradients per block behind backward, then feeds this rank's window to ``sink``.
+    """Reduces gradients per block behind backward, then feeds this rank's window to ``sink``.
 
     Args:
-        runtime: streams and events (``comm_stream`` runs the all-reduce).
-        data_parallel: the ranks and the all-reduce.
+        runtime: streams and events (``comm_stream`` runs the reduces).
+        data_parallel: the ranks, their windows and the reduce.
         sink: device-to-host transport of the reduced window.
-        windows: ``windows[i]`` is ``(start, end)``, the elements of state ``i`` this rank owns.
+        numels: ``numels[i]`` is the size of flat state ``i`` (its windows follow from it).
         max_in_flight: blocks (or resident gradients) queued or being reduced at most. One
             suffices to overlap a block's reduction with the next block's backward (the
-            all-reduce is asynchronous to the host on NCCL; on gloo the reducer thread
+            reduce is asynchronous to the host on NCCL; on gloo the reducer thread
             runs it while backward computes); each more costs a block of gradients.
     """
 
@@ -69,25 +68,24 @@ class GradientReducer:
         runtime: DeviceRuntime,
         data_parallel: DataParallel,
         sink: GradientSink,
-        windows: Sequence[tuple[int, int]],
+        numels: Sequence[int],
         max_in_flight: int = 1,
     ) -> None:
         self._runtime = runtime
         self._dp = data_parallel
         self._sink = sink
-        self._windows = windows
+        self._windows = [data_parallel.ownership.windows(numel) for numel in numels]
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._work: queue.Queue[_Job | None] = runtime.host_queue()  # push -> reduce, reduce -> drain
         self._error: BaseException | None = None
-        self.on_all_reduce: Callable[[int], None] | None = None
+        self.on_reduce: Callable[[int], None] | None = None
         """Called on the reducer's thread as each state's reduction starts (tests, tracing)."""
         self._thread = runtime.start_thread(self._run, name="megatrain-grad-reducer")
 
     # -- autograd thread ----------------------------------------------------------------
 
     def push_block(self, state_index: int, pieces: Sequence[tuple[int, torch.Tensor]], final: bool) -> None:
-        """Queue a block's gradients: ``(state offset, flat device gradient)`` per parameter.
-        The gradients become the reducer's: they are averaged in place."""
+        """Queue a block's gradients: ``(state offset, flat device gradient)`` per parameter."""
         self._raise_error()
         if not pieces:
             return  # a block with every parameter frozen
@@ -96,10 +94,10 @@ class GradientReducer:
         produced.record(self._runtime.compute_stream())
         for _, grad in pieces:
             self._runtime.used_on(grad, self._runtime.comm_stream)
-        self._work.put(_Job(state_index, list(pieces), final, produced))
+        self._work.put(_Job(state_index, sorted(pieces, key=lambda piece: piece[0]), final, produced))
 
     def push(self, state_index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
-        """Queue one flat gradient (a resident parameter's); averaged in place."""
+        """Queue one flat gradient (a resident parameter's, or a chunk of one); averaged in place."""
         self.push_block(state_index, [(offset, grad)], final)
 
     def drain(self) -> None:
@@ -138,16 +136,28 @@ class GradientReducer:
 
     def _reduce(self, job: _Job) -> None:
         runtime = self._runtime
-        start, end = self._windows[job.index]
         with runtime.on(runtime.comm_stream):
             runtime.comm_stream.wait_event(job.produced)
-            if self.on_all_reduce is not None:
-                self.on_all_reduce(job.index)
-            for offset, grad in job.pieces:
-                with runtime.tracer.device_span(
-                    f"all-reduce {job.index}", "comm", stream=runtime.comm_stream, numel=grad.numel()
-                ):
-                    self._dp.all_reduce_mean_(grad)
-                lo, hi = max(offset, start), min(offset + grad.numel(), end)
-                if lo < hi:
-                    self._sink.push(job.index, lo, grad[lo - offset : hi - offset], job.final)
+            if self.on_reduce is not None:
+                self.on_reduce(job.index)
+            offset, bucket = _bucket(job.pieces)
+            with runtime.tracer.device_span(
+                f"reduce {job.index}", "comm", stream=runtime.comm_stream, numel=bucket.numel()
+            ):
+                mine = self._dp.reduce_mean_to_owners(bucket, offset, self._windows[job.index])
+            if mine is not None:
+                self._sink.push(job.index, mine[0], mine[1], job.final)
+
+
+def _bucket(pieces: Sequence[tuple[int, torch.Tensor]]) -> tuple[int, torch.Tensor]:
+    """``(state offset, flat tensor)`` holding every piece at its place: a lone piece as it
+    is, several copied into one buffer on the current stream (the gaps between them are
+    the layout's alignment padding: zero, as their gradient is)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    start = pieces[0][0]
+    end = max(offset + grad.numel() for offset, grad in pieces)
+    bucket = torch.zeros(end - start, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
+    for offset, grad in pieces:
+        bucket[offset - start : offset - start + grad.numel()].copy_(grad)
+    return start, bucket

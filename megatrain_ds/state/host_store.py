@@ -9,7 +9,7 @@ without a second copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +33,9 @@ class HostFlatState:
         exp_avg, exp_avg_sq: Adam's first and second moments, fp32.
         grad: gradient accumulator, allocated only when gradients must be held until
             the end of backward (clipping, or accumulation over micro-batches).
+        span: ``[start, end)``, the elements that ``exp_avg``, ``exp_avg_sq`` and ``grad``
+            hold: all of them on one node, with data parallel over several nodes this
+            node's share (``distributed/data_parallel.py``: [Note: sharded host state]).
     """
 
     layout: FlatLayout
@@ -43,6 +46,18 @@ class HostFlatState:
     grad: torch.Tensor | None = None
     params: list[nn.Parameter] = field(default_factory=list)
     """The user's parameters in slot order (for state_dict mapping and hooks)."""
+    span: tuple[int, int] | None = None
+    """``None``: the optimizer state covers every element (``[0, layout.numel)``)."""
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """``[start, end)`` of the elements the optimizer state (moments, gradients) holds."""
+        return self.span if self.span is not None else (0, self.layout.numel)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer state holds only part of the elements."""
+        return self.held != (0, self.layout.numel)
 
     @property
     def streamed(self) -> torch.Tensor:
@@ -68,18 +83,21 @@ class HostFlatState:
 
     def window(self, start: int, end: int) -> HostFlatState:
         """Views of elements ``[start, end)`` of every buffer, with the matching layout
-        (:meth:`FlatLayout.window`): the part of this state one data-parallel rank steps."""
+        (:meth:`FlatLayout.window`): the part of this state one data-parallel rank steps,
+        inside the part this node holds (:attr:`held`)."""
+        first, last = self.held
+        assert first <= start <= end <= last, (start, end, self.held)
 
-        def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor[start:end]
+        def part(tensor: torch.Tensor | None, base: int = 0) -> torch.Tensor | None:
+            return None if tensor is None else tensor[start - base : end - base]
 
         return HostFlatState(
             layout=self.layout.window(start, end),
             master=self.master[start:end],
             shadow=part(self.shadow),
-            exp_avg=self.exp_avg[start:end],
-            exp_avg_sq=self.exp_avg_sq[start:end],
-            grad=part(self.grad),
+            exp_avg=self.exp_avg[start - first : end - first],
+            exp_avg_sq=self.exp_avg_sq[start - first : end - first],
+            grad=part(self.grad, first),
         )
 
     def point_params_at(self, flat: torch.Tensor) -> None:
@@ -141,6 +159,7 @@ def migrate_to_host(
     shared: NodeSharedMemory | None = None,
     moments_on_host: bool = True,
     shadow_on_host: bool = True,
+    span_of: Callable[[int], tuple[int, int] | None] | None = None,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 
@@ -161,8 +180,13 @@ def migrate_to_host(
     With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_on_host`):
     the NVMe tier holds them. With ``shadow_on_host=False`` no shadow is made: the weights
     are streamed from the tier, rounded as they are read (``state/nvme_weights.py``).
+
+    With ``span_of`` the moments hold only the elements ``span_of(numel)`` of the state
+    (this node's share, :attr:`HostFlatState.span`).
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
+    span = span_of(layout.numel) if span_of is not None else None
+    held = span[1] - span[0] if span is not None else layout.numel
     by_name = dict(named_params)
     master = runtime.host_empty(layout.numel, master_dtype, shared)
     writes = shared is None or shared.is_writer
@@ -189,11 +213,8 @@ def migrate_to_host(
         layout=layout,
         master=master,
         shadow=shadow,
-        exp_avg=runtime.host_zeros(layout.numel, torch.float32, shared)
-        if moments_on_host
-        else absent_on_host(layout.numel),
-        exp_avg_sq=runtime.host_zeros(layout.numel, torch.float32, shared)
-        if moments_on_host
-        else absent_on_host(layout.numel),
+        exp_avg=runtime.host_zeros(held, torch.float32, shared) if moments_on_host else absent_on_host(held),
+        exp_avg_sq=runtime.host_zeros(held, torch.float32, shared) if moments_on_host else absent_on_host(held),
         params=params,
+        span=span,
     )

@@ -40,6 +40,7 @@ class ResidentParams:
         source: where the values come from instead of the parameters (see ``migrate_to_host``).
         shared: node-shared allocation (data parallel); the device copy is valid only after
             the node's writer has filled the state and :meth:`refresh_device` ran.
+        span_of: this node's share of the optimizer state (see ``migrate_to_host``).
     """
 
     def __init__(
@@ -51,9 +52,10 @@ class ResidentParams:
         compute_dtype: torch.dtype,
         source: TensorSource | None = None,
         shared: NodeSharedMemory | None = None,
+        span_of: Callable[[int], tuple[int, int] | None] | None = None,
     ) -> None:
         self.state: HostFlatState = migrate_to_host(
-            named_params, group_of, runtime, master_dtype, compute_dtype, source=source, shared=shared
+            named_params, group_of, runtime, master_dtype, compute_dtype, source=source, shared=shared, span_of=span_of
         )
         streamed = self.state.streamed
         if runtime.shares_host_memory:
