@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import transformers
 from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DeepSpeedPlugin
+from accelerate.utils.launch import prepare_deepspeed_cmd_env
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 import megatrain_ds
@@ -39,6 +41,7 @@ def _has_auto(value) -> bool:
 ENGINE_CONFIGS = sorted(p for p in CONFIGS.rglob("*.json") if _load(p).get("engine") == "megatrain")
 MODEL_CONFIGS = sorted((CONFIGS / "models").glob("*.json"))
 ACCELERATE_CONFIGS = sorted(CONFIGS.rglob("*.yaml"))
+TWO_NODES = "accelerate_megatrain_2nodes.yaml"  # the 2-machine recipe of docs/data-parallel.md
 
 
 def test_shipped_configs_are_found() -> None:
@@ -53,7 +56,7 @@ def test_shipped_configs_are_found() -> None:
         ZERO3_TEMPLATE,
     } <= names
     assert "tiny_llama.json" in {p.name for p in MODEL_CONFIGS}
-    assert "accelerate_megatrain.yaml" in {p.name for p in ACCELERATE_CONFIGS}
+    assert {"accelerate_megatrain.yaml", TWO_NODES} <= {p.name for p in ACCELERATE_CONFIGS}
     parsed = set(ENGINE_CONFIGS) | set(MODEL_CONFIGS) | set(ACCELERATE_CONFIGS)
     assert {p for p in CONFIGS.rglob("*") if p.is_file()} == parsed
 
@@ -157,7 +160,8 @@ def test_hf_config_is_auto_throughout() -> None:
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
 def test_accelerate_config_loads_and_names_an_engine_config(path: Path) -> None:
     config = load_config_from_file(str(path))
-    assert config.distributed_type == "DEEPSPEED" and config.num_processes == 1
+    assert config.distributed_type == "DEEPSPEED"
+    assert config.num_processes == (16 if path.name == TWO_NODES else 1)
     # Accelerate refuses mixed_precision in the YAML next to a DeepSpeed config file; it
     # comes from `--mixed_precision` into the JSON's "bf16": {"enabled": "auto"}.
     assert config.mixed_precision is None
@@ -171,6 +175,31 @@ def test_accelerate_config_loads_and_names_an_engine_config(path: Path) -> None:
     assert parsed.ignored_keys == ()
     assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (8, 2)
     assert parsed.gradient_clipping == 1.0 and not parsed.bf16
+
+
+def test_accelerate_two_node_config_starts_torchrun_on_each_machine() -> None:
+    """The 2-machine YAML of docs/data-parallel.md: `accelerate launch --machine_rank 1` on
+    the second machine must start torchrun there (8 ranks, node rank 1, which the engine
+    reads as GROUP_RANK), not the pdsh `deepspeed` launcher Accelerate uses by default."""
+    path = CONFIGS / TWO_NODES
+    config = load_config_from_file(str(path))
+    assert config.distributed_type == "DEEPSPEED" and config.num_machines == 2
+    assert config.num_processes % config.num_machines == 0 and config.machine_rank == 0
+    assert config.deepspeed_config["deepspeed_multinode_launcher"] == "standard"
+    assert _load(REPO_ROOT / config.deepspeed_config["deepspeed_config_file"])["engine"] == "megatrain"
+    # What `accelerate launch` makes of it, without starting anything (machine rank 1:
+    # no check of the port on this machine).
+    args = launch_command_parser().parse_args(["--config_file", str(path), "--machine_rank", "1", "train.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command sets it
+    cmd, _env = prepare_deepspeed_cmd_env(args)
+    assert cmd is None  # None: torchrun in this process; the pdsh path returns a `deepspeed ...` command
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "8")
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", f"{config.main_process_ip}:{config.main_process_port}")
+    # The recipes in the doc name this file and both machine ranks.
+    doc = (REPO_ROOT / "docs" / "data-parallel.md").read_text(encoding="utf-8")
+    for machine_rank in (0, 1):
+        assert f"--config_file configs/{TWO_NODES} --machine_rank {machine_rank}" in doc
 
 
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.name)
