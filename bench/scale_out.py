@@ -16,7 +16,7 @@ reports, the maximum over the nodes:
   by kind), per parameter, to compare with the peak;
 - ``step s``: median wall time of one optimizer step: forward, backward and ``step()``;
 - ``opt s``: median wall time of the ``step()`` call at the accumulation boundary: it waits
-  for the gradient worker to drain (the last gradients' accumulation and all-reduce), sums
+  for the gradient worker to drain (the last gradients' accumulation and reduction), sums
   the gradient norm over the ranks, runs the AdamW updates not already done during backward
   (with clipping active every step, as here on a random-init model, that is all of them:
   ``speculated_elements`` in the JSON says how many were done during backward), clears the
@@ -57,18 +57,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data_parallel_memory import pss_bytes  # bench/ is this script's directory: on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 32000
 CLIPPING = 1.0
 SYSTEMS = ("megatrain", "deepspeed")
-
-
-def pss_bytes(pid: int | str) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as handle:
-        for line in handle:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def children(pid: int) -> list[str]:

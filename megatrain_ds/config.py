@@ -66,7 +66,7 @@ _IGNORED_TOP_LEVEL = {
     "checkpoint": "checkpoints are the engine's own safetensors format (docs/checkpoints.md)",
     "datastates_ckpt": "checkpoints are the engine's own safetensors format (docs/checkpoints.md)",
     "comms_logger": "collectives are not logged; megatrain.trace records the gradient reductions",
-    "communication_data_type": "gradients are all-reduced in the compute dtype, as autograd made them",
+    "communication_data_type": "gradients are reduced in the compute dtype, as autograd made them",
     "seq_parallel_communication_data_type": "there is no sequence parallelism",
     "compile": "engine.compile is not supported; torch.compile parts of the model instead",
     "data_efficiency": "the training_data loader is DeepSpeed's plain distributed sampler (no data routing)",

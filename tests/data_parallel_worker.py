@@ -126,7 +126,10 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     }
     rows = args.rows or MICRO * world_size  # one micro-batch of every rank
     micro = rows // world_size
-    engine = MegatrainEngine(model, parse_engine_config(config(args.accumulation, world_size, micro, **long_context)))
+    settings = config(args.accumulation, world_size, micro, **long_context)
+    if args.bf16:
+        settings["bf16"] = {"enabled": True}
+    engine = MegatrainEngine(model, parse_engine_config(settings))
     pieces: dict[str, list[int]] = {}
     if long_context:
         # The settings asked for are the ones in use (not "auto", not turned off).
@@ -153,7 +156,11 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     if dp is not None:
         nodes = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
     # What this node holds (node-shared: one copy per node), and what the whole state would take.
-    held = {"host_bytes": engine.host_bytes(), "numels": [state.layout.numel for state in engine.states]}
+    held = {"host_bytes": engine.host_bytes(), "numels": [flat.layout.numel for flat in engine.states]}
+    # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones too).
+    held["shadows_match"] = all(
+        torch.equal(flat.shadow, flat.master.to(flat.shadow.dtype)) for flat in engine.states if flat.shadow is not None
+    )
     torch.save({"state_dict": state, "norms": norms, **pieces, **nodes, **held}, Path(args.out) / f"rank{rank}.pt")
     engine.destroy()
 
@@ -224,6 +231,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
+    parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
     parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")

@@ -360,6 +360,20 @@ def test_checkpoint_saved_by_two_ranks_resumes_bit_identically(tmp_path: Path) -
             assert torch.equal(value, got[key]), key
 
 
+def test_two_nodes_with_bf16_compute_stream_every_span_rounded_from_the_master(tmp_path: Path) -> None:
+    """bf16 compute, fp32 masters, 2 nodes: each node's bf16 shadow (what is streamed) is its
+    master rounded in every span, the one it stepped and the one it received, and both nodes
+    hold the same weights, close to fp32 plain PyTorch's."""
+    steps, accumulation = 3, 1
+    launch_nodes(2, tmp_path, "parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bf16")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(rank["shadows_match"] for rank in ranks)
+    for key, value in ranks[0]["state_dict"].items():
+        assert torch.equal(value, ranks[1]["state_dict"][key]), key
+    expected, _ = reference_training(steps, accumulation, world_size=2)
+    assert relative_error(ranks[0]["state_dict"], expected) < 2e-2  # bf16 forward and backward
+
+
 def test_a_checkpoint_saved_by_two_nodes_resumes_on_one_two_and_four(tmp_path: Path) -> None:
     """Two nodes write their spans of the optimizer state in parallel; the checkpoint loads
     resharded on one node (one process) and on four, and as it was on two (bit-identical),

@@ -235,10 +235,11 @@ def save_checkpoint(
 ) -> Literal[True]:
     """Write a checkpoint of ``engine`` to ``<save_dir>/<tag>``; see the module docstring.
 
-    With data parallel every rank calls this (as with DeepSpeed); rank 0 writes the whole
-    checkpoint from its node's shared copy, which holds every rank's state, and the
-    others return when it is written (``save_dir`` must be visible to every rank that
-    loads it later).
+    With data parallel every rank calls this (as with DeepSpeed). On one node rank 0 writes
+    the whole checkpoint from the node's shared copy, which holds every rank's state; on
+    several, each node writes its span of the optimizer state and rank 0 the rest
+    (:func:`_save_tag_by_nodes`). Every rank returns when the checkpoint is published
+    (``save_dir`` must be one filesystem that every rank sees).
     """
     _quiesce(engine)
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
@@ -246,49 +247,42 @@ def save_checkpoint(
     state = trainer_states.capture(engine, client_state or {}, _inside_accumulation_window(engine))
     encoded = trainer_states.encode(state)
 
-    def save() -> None:
-        _save_tag(engine, Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes)
-
+    request = _SaveRequest(Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes)
     dp = engine.data_parallel
     if dp is not None and dp.num_nodes > 1:
-        _save_tag_by_nodes(
-            engine, dp, Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes
-        )
+        _save_tag_by_nodes(engine, dp, request)
     elif dp is not None:
-        dp.on_rank0(f"saving checkpoint {tag!r}", save)
+        dp.on_rank0(f"saving checkpoint {tag!r}", lambda: _save_tag(engine, request))
     else:
-        save()
+        _save_tag(engine, request)
     return True
 
 
-def _save_tag(
-    engine: CheckpointedEngine,
-    root: Path,
-    tag: str,
-    encoded: trainer_states.EncodedTrainerState,
-    save_latest: bool,
-    exclude_frozen_parameters: bool,
-    max_shard_bytes: int,
-) -> None:
-    temp = make_temp_dir(root, tag)
+@dataclass(frozen=True)
+class _SaveRequest:
+    """One ``save_checkpoint`` call: where to, and what."""
+
+    root: Path
+    tag: str
+    encoded: trainer_states.EncodedTrainerState
+    save_latest: bool
+    exclude_frozen: bool
+    max_shard_bytes: int
+
+
+def _save_tag(engine: CheckpointedEngine, request: _SaveRequest) -> None:
+    temp = make_temp_dir(request.root, request.tag)
     try:
-        files = _write_model_and_trainer_state(engine, temp, encoded, exclude_frozen_parameters, max_shard_bytes)
-        files.update(_write_optimizer_files(engine, temp, _shards(_entries_by_state(engine), max_shard_bytes)))
-        _publish(engine, root, temp, tag, files, exclude_frozen_parameters, save_latest)
+        files = _write_model_and_trainer_state(engine, temp, request)
+        shards = _shards(_entries_by_state(engine), request.max_shard_bytes)
+        files.update(_write_optimizer_files(engine, temp, shards))
+        _publish(engine, request, temp, files)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)  # a failed save leaves the directory as it was
         raise
 
 
-def _publish(
-    engine: CheckpointedEngine,
-    root: Path,
-    temp: Path,
-    tag: str,
-    files: Mapping[str, FileDigest],
-    exclude_frozen_parameters: bool,
-    save_latest: bool,
-) -> None:
+def _publish(engine: CheckpointedEngine, request: _SaveRequest, temp: Path, files: Mapping[str, FileDigest]) -> None:
     """Write the manifest (last: it makes the directory a checkpoint), rename the directory
     into place and point ``latest`` at it."""
     write_manifest(
@@ -296,8 +290,8 @@ def _publish(
         {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
-            "tag": tag,
-            "exclude_frozen_parameters": exclude_frozen_parameters,
+            "tag": request.tag,
+            "exclude_frozen_parameters": request.exclude_frozen,
             "global_steps": engine.global_steps,
             "files": {
                 name: {
@@ -309,28 +303,21 @@ def _publish(
             },
         },
     )
-    publish_dir(temp, root / tag)
-    if save_latest:
-        write_latest(root, tag)
-    logger.info("megatrain: saved checkpoint %s (%d files)", root / tag, len(files) + 1)
+    publish_dir(temp, request.root / request.tag)
+    if request.save_latest:
+        write_latest(request.root, request.tag)
+    logger.info("megatrain: saved checkpoint %s (%d files)", request.root / request.tag, len(files) + 1)
 
 
-def _save_tag_by_nodes(
-    engine: CheckpointedEngine,
-    dp: DataParallel,
-    root: Path,
-    tag: str,
-    encoded: trainer_states.EncodedTrainerState,
-    save_latest: bool,
-    exclude_frozen_parameters: bool,
-    max_shard_bytes: int,
-) -> None:
+def _save_tag_by_nodes(engine: CheckpointedEngine, dp: DataParallel, request: _SaveRequest) -> None:
     """Several nodes, each holding its span of the optimizer state: every node's leader
     writes its span file into rank 0's temporary directory at once (``optimizer_spans.py``),
     rank 0 the weights (every node holds them whole) and the trainer state; rank 0 then
     writes the manifest of all of them and publishes, or removes the directory if any rank
-    failed. ``root`` must be one filesystem that every node sees."""
-    temp = Path(dp.from_rank0(f"creating the directory of checkpoint {tag!r}", lambda: str(make_temp_dir(root, tag))))
+    failed. ``request.root`` must be one filesystem that every node sees."""
+    tag = request.tag
+    made = dp.from_rank0(f"creating the directory of checkpoint {tag!r}", lambda: str(make_temp_dir(request.root, tag)))
+    temp = Path(made)
     files: dict[str, FileDigest] = {}
     failure = None
     try:
@@ -338,9 +325,7 @@ def _save_tag_by_nodes(
             name = span_file_name(dp.ownership.node, dp.num_nodes)
             files[name] = write_span_file(temp / name, _states_by_name(engine), _saved_kinds(engine))
         if dp.rank == 0:
-            files.update(
-                _write_model_and_trainer_state(engine, temp, encoded, exclude_frozen_parameters, max_shard_bytes)
-            )
+            files.update(_write_model_and_trainer_state(engine, temp, request))
     except Exception as error:  # reported to rank 0, which removes the directory; raised below
         failure = f"rank {dp.rank}: {type(error).__name__}: {error}"
     reports = dp.all_gather_object(f"writing checkpoint {tag!r}", (files, failure))
@@ -350,8 +335,7 @@ def _save_tag_by_nodes(
         if failures:
             shutil.rmtree(temp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint {tag!r} failed on {len(failures)} rank(s): {'; '.join(failures)}")
-        written = {name: digest for written, _ in reports for name, digest in written.items()}
-        _publish(engine, root, temp, tag, written, exclude_frozen_parameters, save_latest)
+        _publish(engine, request, temp, {name: digest for written, _ in reports for name, digest in written.items()})
 
     dp.on_rank0(f"publishing checkpoint {tag!r}", publish)
 
@@ -372,17 +356,13 @@ def _saved_kinds(engine: CheckpointedEngine) -> list[str]:
 
 
 def _write_model_and_trainer_state(
-    engine: CheckpointedEngine,
-    temp: Path,
-    encoded: trainer_states.EncodedTrainerState,
-    exclude_frozen: bool,
-    max_shard_bytes: int,
+    engine: CheckpointedEngine, temp: Path, request: _SaveRequest
 ) -> dict[str, FileDigest]:
     """The weights as a Hugging Face model directory, and the trainer state: everything but
     the optimizer state."""
     files: dict[str, FileDigest] = {}
     groups = _entries_by_state(engine)
-    shards = _shards(groups, max_shard_bytes)
+    shards = _shards(groups, request.max_shard_bytes)
     count = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
@@ -393,7 +373,7 @@ def _write_model_and_trainer_state(
                 (e.name, e.view(flat_of(e.state, "master")))
                 for i in members
                 for e in groups[i]
-                if e.trained or not exclude_frozen
+                if e.trained or not request.exclude_frozen
             ]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
@@ -406,9 +386,10 @@ def _write_model_and_trainer_state(
         files[MODEL_INDEX] = write_bytes_durably(temp / MODEL_INDEX, json.dumps(index, indent=2).encode())
         files.update(_write_model_config(engine, temp))
 
-    files[trainer_states.ENGINE_STATE] = write_bytes_durably(temp / trainer_states.ENGINE_STATE, encoded.document)
+    document = request.encoded.document
+    files[trainer_states.ENGINE_STATE] = write_bytes_durably(temp / trainer_states.ENGINE_STATE, document)
     files[trainer_states.ENGINE_TENSORS] = write_safetensors(
-        temp / trainer_states.ENGINE_TENSORS, encoded.tensors, {"format": "megatrain-state"}
+        temp / trainer_states.ENGINE_TENSORS, request.encoded.tensors, {"format": "megatrain-state"}
     )
     return files
 

@@ -5,7 +5,7 @@ Handing each to the :class:`~megatrain_ds.gradients.sink.GradientPort` as soon a
 complete lets the host consume it while backward goes on, so at most about one bucket of
 the block's gradients waits on the device instead of the whole block's. Buckets of at
 least ``bucket_elements`` keep the data-parallel reducer's collectives large: a bucket is
-one ``push_block``, i.e. one all-reduce there.
+one ``push_block``, i.e. one reduce per owner of its windows there.
 
 [Note: complete gradients]
 A parameter's gradient is handed over from its leaf's post-accumulate-grad hook, which

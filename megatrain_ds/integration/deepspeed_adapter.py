@@ -127,7 +127,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         with self._timed(timers.backward_timers):
             with self._timed(timers.backward_inner_timers):
                 loss = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-            # The gradient all-reduce runs behind backward, block by block (inside the inner
+            # The gradient reduction runs behind backward, block by block (inside the inner
             # time); DeepSpeed's reduce timers are kept, spanning nothing more, so its reports match.
             with self._timed(timers.backward_reduce_timers):
                 pass
@@ -318,7 +318,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         if self.data_parallel is not None and not self._no_sync_warned:
             self._no_sync_warned = True
             logger.warning(
-                "megatrain: no_sync() does not skip the gradient all-reduce: each rank keeps only its share "
+                "megatrain: no_sync() does not skip the gradient reduction: each rank keeps only its share "
                 "of the gradients, so every micro-batch is reduced behind its backward; the accumulated "
                 "gradients, and the step, are the same as with DeepSpeed's no_sync"
             )

@@ -146,7 +146,7 @@ class DeviceRuntime:
         optimizer_stream: host-to-device copies of optimizer state and the device AdamW
             kernel (``optimizer/device_adamw.py``); overlaps backward, apart from the weight prefetch
             so that a block's weights never queue behind a chunk of optimizer state.
-        comm_stream: the data-parallel gradient all-reduce (``distributed/gradient_reducer.py``);
+        comm_stream: the data-parallel gradient reduction (``distributed/gradient_reducer.py``);
             overlaps the backward of the blocks before the one being reduced.
         pin_memory: whether host buffers are page-locked (needed for asynchronous copies).
         tracer: where spans of copies, compute and the optimizer go (``runtime/trace.py``); the

@@ -35,9 +35,9 @@ the events are host clocks read at ``record``: CPU work is done when issued.
 
 New work is traced where it is issued, from any thread (e.g. the data-parallel reduction)::
 
-    with runtime.tracer.span(f"all-reduce {block}", "comm", block=block):  # host time
+    with runtime.tracer.span(f"reduce {block}", "comm", block=block):  # host time
         ...
-    with runtime.tracer.device_span(f"all-reduce {block}", "comm", runtime.comm_stream, block=block):
+    with runtime.tracer.device_span(f"reduce {block}", "comm", runtime.comm_stream, block=block):
         ...  # work queued on comm_stream, timed by the device
 
 (pass the stream from threads other than the compute thread: the default is the calling
