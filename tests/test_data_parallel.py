@@ -252,21 +252,10 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     _assert_parity(ranks, steps, accumulation)
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (4, 1)])
-def test_simulated_nodes_each_hold_their_share_of_the_optimizer_state(
-    tmp_path: Path, cpu_single_thread: None, nodes: int, per_node: int
-) -> None:
-    """N nodes (separate torchrun launches) of one global batch of 4 rows: each node holds
-    the whole weights and 1/N of Adam's moments and of the held gradients (W + S/N), and
-    they train as one process with the whole batch does."""
-    steps, accumulation, rows = 4, 2, 4
-    launch_nodes(nodes, tmp_path, "parity", "--steps", str(steps), "--rows", str(rows), per_node=per_node)
+def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int) -> None:
+    """Each node holds the whole weights and its span of Adam's moments and of the held
+    gradients, 1/N of them (W + S/N, ``engine.host_bytes()``), each element on one node."""
     world = nodes * per_node
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    expected, expected_norms = reference_training(steps, accumulation, world_size=rows // MICRO)
-    for rank in ranks:
-        assert relative_error(rank["state_dict"], expected) < 2e-6
-        assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
     numels = ranks[0]["numels"]
     numel = sum(numels)
     ownership = Ownership.of([range(node * per_node, (node + 1) * per_node) for node in range(nodes)], 0)
@@ -374,32 +363,36 @@ def test_two_nodes_with_bf16_compute_stream_every_span_rounded_from_the_master(t
     assert relative_error(ranks[0]["state_dict"], expected) < 2e-2  # bf16 forward and backward
 
 
-def test_a_checkpoint_saved_by_two_nodes_resumes_on_one_two_and_four(tmp_path: Path) -> None:
-    """Two nodes write their spans of the optimizer state in parallel; the checkpoint loads
-    resharded on one node (one process) and on four, and as it was on two (bit-identical),
-    and every run continues as the uninterrupted one (the same global batch throughout)."""
-    checkpoint = tmp_path / "checkpoint"
-    common = ("parity", "--steps", "5", "--rows", "4")
-    runs = {name: tmp_path / name for name in ("straight", "on1", "on2", "on4")}
+def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Path) -> None:
+    """2 nodes of 2 ranks (separate torchrun launches), one global batch of 4 rows: they
+    train as one process with the whole batch does, each node holding its share of the
+    optimizer state. The checkpoint they write at step 3 (each node its span file) resumes
+    resharded in one process and on 4 nodes of one rank (each holding a quarter), and both
+    continue as the uninterrupted run."""
+    checkpoint, steps, save_at = tmp_path / "checkpoint", 5, 3
+    common = ("parity", "--steps", str(steps), "--rows", "4", "--accumulation", "2")
+    runs = {name: tmp_path / name for name in ("straight", "on1", "on4")}
     for directory in runs.values():
         directory.mkdir()
-    launch_nodes(2, runs["straight"], *common, "--save-to", str(checkpoint), "--save-at", "3")
-    tag = checkpoint / "global_step3"
-    assert sorted(p.name for p in tag.glob("optimizer*")) == [
+    launch_nodes(2, runs["straight"], *common, "--save-to", str(checkpoint), "--save-at", str(save_at), per_node=2)
+    straight = [torch.load(runs["straight"] / f"rank{r}.pt") for r in range(4)]
+    expected, expected_norms = reference_training(steps, 2, world_size=2)  # 4 rows of MICRO = 2 ranks' worth
+    for rank in straight:
+        assert relative_error(rank["state_dict"], expected) < 2e-6
+        assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
+    _assert_node_shares(straight, nodes=2, per_node=2)
+    assert sorted(p.name for p in (checkpoint / f"global_step{save_at}").glob("optimizer*")) == [
         "optimizer-spans-00001-of-00002.safetensors",
         "optimizer-spans-00002-of-00002.safetensors",
     ]
+
     launch("parity", runs["on1"], *common[1:], "--resume-from", str(checkpoint), nproc=1)
-    launch_nodes(2, runs["on2"], *common, "--resume-from", str(checkpoint))
     launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint))
-    expected = torch.load(runs["straight"] / "rank0.pt")
-    assert torch.load(runs["on2"] / "rank0.pt")["norms"] == expected["norms"][3:]
-    for key, value in expected["state_dict"].items():
-        assert torch.equal(torch.load(runs["on2"] / "rank1.pt")["state_dict"][key], value), key
-    for name in ("on1", "on4"):
-        resumed = torch.load(runs[name] / "rank0.pt")
-        assert relative_error(resumed["state_dict"], expected["state_dict"]) < 2e-6, name
-        assert resumed["norms"] == pytest.approx(expected["norms"][3:], rel=1e-5), name
+    on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
+    _assert_node_shares(on4, nodes=4, per_node=1)
+    for resumed in (torch.load(runs["on1"] / "rank0.pt"), on4[0]):
+        assert relative_error(resumed["state_dict"], straight[0]["state_dict"]) < 2e-6
+        assert resumed["norms"] == pytest.approx(straight[0]["norms"][save_at:], rel=1e-5)
 
 
 def test_gradient_all_reduce_starts_while_backward_runs(tmp_path: Path) -> None:
