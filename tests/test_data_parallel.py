@@ -200,9 +200,18 @@ def test_inconsistent_launcher_claims_are_refused() -> None:
 # -- launched ranks ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
-def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_single_thread: None, launcher: str) -> None:
-    """One node of 2 ranks, as torchrun (GROUP_RANK) and the deepspeed launcher (CROSS_RANK) name it."""
+def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_single_thread: None) -> None:
+    """One node of 2 ranks, as torchrun (GROUP_RANK) names it (also run under the race checker)."""
+    _two_ranks_on_one_node(tmp_path, "torchrun")
+
+
+def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, cpu_single_thread: None) -> None:
+    """The same run started by the deepspeed launcher, which names the node by CROSS_RANK
+    (the ranks' work is the same as under torchrun: not run again under the race checker)."""
+    _two_ranks_on_one_node(tmp_path, "deepspeed")
+
+
+def _two_ranks_on_one_node(tmp_path: Path, launcher: str) -> None:
     steps, accumulation = 5, 2
     launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation), launcher=launcher)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -353,7 +362,7 @@ def test_two_nodes_with_bf16_compute_stream_every_span_rounded_from_the_master(t
     """bf16 compute, fp32 masters, 2 nodes: each node's bf16 shadow (what is streamed) is its
     master rounded in every span, the one it stepped and the one it received, and both nodes
     hold the same weights, close to fp32 plain PyTorch's."""
-    steps, accumulation = 3, 1
+    steps, accumulation = 2, 1
     launch_nodes(2, tmp_path, "parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bf16")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(rank["shadows_match"] for rank in ranks)
@@ -366,10 +375,11 @@ def test_two_nodes_with_bf16_compute_stream_every_span_rounded_from_the_master(t
 def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Path) -> None:
     """2 nodes of 2 ranks (separate torchrun launches), one global batch of 4 rows: they
     train as one process with the whole batch does, each node holding its share of the
-    optimizer state. The checkpoint they write at step 3 (each node its span file) resumes
-    resharded in one process and on 4 nodes of one rank (each holding a quarter), and both
-    continue as the uninterrupted run."""
-    checkpoint, steps, save_at = tmp_path / "checkpoint", 5, 3
+    optimizer state. The checkpoint they write at step 2 (each node its span file) resumes
+    in one process, which saves it again as soon as it has loaded it (per parameter, as one
+    node does); that one resumes on 4 nodes of one rank (each keeping its quarter). Both continue as the
+    uninterrupted run. (Span files read by other partitions: tests/test_optimizer_spans.py.)"""
+    checkpoint, steps, save_at = tmp_path / "checkpoint", 4, 2
     common = ("parity", "--steps", str(steps), "--rows", "4", "--accumulation", "2")
     runs = {name: tmp_path / name for name in ("straight", "on1", "on4")}
     for directory in runs.values():
@@ -386,11 +396,17 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
         "optimizer-spans-00002-of-00002.safetensors",
     ]
 
-    launch("parity", runs["on1"], *common[1:], "--resume-from", str(checkpoint), nproc=1)
-    launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint))
+    by_one = tmp_path / "checkpoint_of_one"
+    resume_and_save = ("--resume-from", str(checkpoint), "--save-to", str(by_one), "--save-at", str(save_at))
+    launch("parity", runs["on1"], *common[1:], *resume_and_save, nproc=1)
+    assert sorted(p.name for p in (by_one / f"global_step{save_at}").glob("optimizer*")) == [
+        "optimizer-00001-of-00001.safetensors"
+    ]
+    launch_nodes(4, runs["on4"], *common, "--resume-from", str(by_one))
+    on1 = torch.load(runs["on1"] / "rank0.pt")
     on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
     _assert_node_shares(on4, nodes=4, per_node=1)
-    for resumed in (torch.load(runs["on1"] / "rank0.pt"), on4[0]):
+    for resumed in (on1, on4[0]):
         assert relative_error(resumed["state_dict"], straight[0]["state_dict"]) < 2e-6
         assert resumed["norms"] == pytest.approx(straight[0]["norms"][save_at:], rel=1e-5)
 

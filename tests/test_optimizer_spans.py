@@ -1,0 +1,135 @@
+"""Span files of the optimizer state (several nodes), without processes: written by one
+partition of the states, read back by another (resharding), and refused when forged.
+
+The node-parallel save and the resumes on other numbers of nodes are run for real in
+tests/test_data_parallel.py; here every partition is made in one process, and the values
+read are compared element for element with the ones written.
+"""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_ds.checkpoint.optimizer_spans import SpanFiles, span_file_name, write_span_file
+from megatrain_ds.checkpoint.tensor_files import CheckpointError, SafetensorsFile, file_digest
+from megatrain_ds.distributed.ownership import Ownership
+from megatrain_ds.state.flat_layout import build_flat_layout
+from megatrain_ds.state.host_store import HostFlatState
+
+KINDS = ("exp_avg", "exp_avg_sq", "grad")
+NUMELS = {"resident": 1000, "model.layers.0": 5 * 64 + 3, "model.layers.1": 64}  # one smaller than the windows
+
+
+def node_states(nodes: int, per_node: int, node: int, values: dict[str, torch.Tensor] | None) -> dict:
+    """The states one node holds in an engine of ``nodes`` x ``per_node`` ranks: its span of
+    each kind, taken from ``values`` (the whole state) or zero."""
+    ownership = Ownership.of([range(n * per_node, (n + 1) * per_node) for n in range(nodes)], node * per_node)
+    states = {}
+    for name, numel in NUMELS.items():
+        layout = build_flat_layout([("w", torch.Size([numel]), 0)])
+        start, end = ownership.span(layout.numel)
+        held = {
+            kind: (values[f"{name}.{kind}"][start:end].clone() if values else torch.zeros(end - start))
+            for kind in KINDS
+        }
+        states[name] = HostFlatState(
+            layout=layout,
+            master=torch.zeros(layout.numel),
+            shadow=None,
+            exp_avg=held["exp_avg"],
+            exp_avg_sq=held["exp_avg_sq"],
+            grad=held["grad"],
+            span=(start, end),
+        )
+    return states
+
+
+def whole_values() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        f"{name}.{kind}": torch.randn(build_flat_layout([("w", torch.Size([numel]), 0)]).numel, generator=generator)
+        for name, numel in NUMELS.items()
+        for kind in KINDS
+    }
+
+
+def save(directory: Path, nodes: int, per_node: int, values: dict[str, torch.Tensor]) -> dict:
+    files = {}
+    for node in range(nodes):
+        name = span_file_name(node, nodes)
+        digest = write_span_file(directory / name, node_states(nodes, per_node, node, values), KINDS)
+        files[name] = (SafetensorsFile(directory / name, digest.header_crc32), digest)
+    return files
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [((2, 1), (1, 1)), ((2, 2), (4, 1)), ((4, 1), (3, 2)), ((1, 1), (2, 1))])
+def test_spans_written_by_one_partition_are_read_by_another(
+    tmp_path: Path, saved: tuple[int, int], loaded: tuple[int, int]
+) -> None:
+    values = whole_values()
+    files = save(tmp_path, *saved, values)
+    nodes, per_node = loaded
+    for node in range(nodes):
+        states = node_states(nodes, per_node, node, None)
+        SpanFiles(files, states, KINDS).read_into_states()
+        for name, state in states.items():
+            start, end = state.held
+            for kind in KINDS:
+                assert torch.equal(getattr(state, kind), values[f"{name}.{kind}"][start:end]), (name, kind, node)
+
+
+def _forge_spans(path: Path, edit) -> None:
+    """Rewrite the ``spans`` of a span file's header (tensor offsets count from the data, so
+    the data stays as it is)."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    spans = json.loads(header["__metadata__"]["spans"])
+    edit(spans)
+    header["__metadata__"]["spans"] = json.dumps(spans)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + length :])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda spans: spans.update({"resident": [0, 400]}), r"no tensor resident.exp_avg of shape \[400\]"),
+        (lambda spans: spans.update({"resident": [1, 513]}), "does not continue at"),  # shifted
+        (lambda spans: spans.pop("model.layers.0"), "span .* of state 'model.layers.0' does not continue at 0"),
+        (lambda spans: spans.update({"resident": [0, "9"]}), "not a span file"),
+        (lambda spans: spans.update({"resident": [5, 1]}), "not a span file"),
+    ],
+)
+def test_forged_spans_are_refused_before_anything_is_read(tmp_path: Path, edit, message: str) -> None:
+    save(tmp_path, 2, 1, whole_values())
+    first = tmp_path / span_file_name(0, 2)
+    _forge_spans(first, edit)
+    files = {
+        path.name: (SafetensorsFile(path), file_digest(path))  # re-stamped: only the checks below stop it
+        for path in sorted(tmp_path.glob("*.safetensors"))
+    }
+    states = node_states(1, 1, 0, None)
+    with pytest.raises(CheckpointError, match=message):
+        SpanFiles(files, states, KINDS)
+    assert all(not getattr(state, kind).any() for state in states.values() for kind in KINDS)  # untouched
+
+
+def test_a_missing_file_a_missing_kind_and_a_flipped_byte_are_named(tmp_path: Path) -> None:
+    values = whole_values()
+    files = save(tmp_path, 2, 1, values)
+    first = span_file_name(0, 2)
+    with pytest.raises(CheckpointError, match=r"cover elements \[0, 512\) of state 'resident', which has 1024"):
+        SpanFiles({first: files[first]}, node_states(1, 1, 0, None), KINDS)
+    with pytest.raises(CheckpointError, match=r"no tensor resident\.grad_held of shape \[512\]"):
+        SpanFiles(files, node_states(1, 1, 0, None), ("exp_avg", "grad_held"))  # a kind no file has
+    path = tmp_path / span_file_name(1, 2)
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF  # in the data of the last tensor
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        SpanFiles(files, node_states(1, 1, 0, None), KINDS).read_into_states()
