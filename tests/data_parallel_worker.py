@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
@@ -116,8 +117,24 @@ def count_pieces(engine: MegatrainEngine) -> dict[str, list[int]]:
     return pieces
 
 
+def count_collective_elements() -> dict[str, int]:
+    """Count the elements this process passes to ``dist.reduce`` and ``dist.broadcast`` (the
+    engine's gradient reduce and weight gather; collectives used inside torch not counted)."""
+    counted = {"reduce": 0, "broadcast": 0}
+    for name in counted:
+        collective = getattr(dist, name)
+
+        def counting(tensor: torch.Tensor, *rest: object, name: str = name, collective=collective, **kwargs: object):
+            counted[name] += tensor.numel()
+            return collective(tensor, *rest, **kwargs)
+
+        setattr(dist, name, counting)
+    return counted
+
+
 def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
+    collectives = count_collective_elements()
     model = tiny_models.llama(num_layers=4)
     long_context = {
         key: value
@@ -157,6 +174,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
         nodes = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
     # What this node holds (node-shared: one copy per node), and what the whole state would take.
     held = {"host_bytes": engine.host_bytes(), "numels": [flat.layout.numel for flat in engine.states]}
+    held["collective_elements"] = collectives
     # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones too).
     held["shadows_match"] = all(
         torch.equal(flat.shadow, flat.master.to(flat.shadow.dtype)) for flat in engine.states if flat.shadow is not None

@@ -391,6 +391,18 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
         assert relative_error(rank["state_dict"], expected) < 2e-6
         assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
     _assert_node_shares(straight, nodes=2, per_node=2)
+    # Network: each gradient element goes through one reduce per micro-batch (to its owner:
+    # a reduce-scatter), and each weight through one broadcast per step after the first
+    # (from its node: an all-gather), with the initial weights broadcast once. In fp32 that
+    # is the bytes of one all-reduce of the gradients per step.
+    numel, micro_batches = sum(straight[0]["numels"]), steps * 2
+    for rank in straight:
+        reduced = rank["collective_elements"]["reduce"]
+        assert numel - 64 * len(straight[0]["numels"]) <= reduced / micro_batches <= numel  # without end padding
+    for leader in straight[::2]:
+        assert leader["collective_elements"]["broadcast"] == numel * (steps + 1)
+    for other in straight[1::2]:
+        assert other["collective_elements"]["broadcast"] == 0  # not a node leader: no part in the gather
     assert sorted(p.name for p in (checkpoint / f"global_step{save_at}").glob("optimizer*")) == [
         "optimizer-spans-00001-of-00002.safetensors",
         "optimizer-spans-00002-of-00002.safetensors",
