@@ -474,52 +474,18 @@ def load_checkpoint(
 
     # Everything that can be checked is checked before the engine is touched.
     trainer_state = trainer_states.read(path, manifest)
-    groups = _entries_by_state(engine)
-    entries = [e for group in groups for e in group]
-    model_files = _open_shards(path, manifest, "model-")
-    required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
-    model_targets = _match_weights(engine, path, model_files, entries, required, load_module_strict)
-    optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]] = {}
     if not load_module_only:
         trainer_states.check_compatible(engine, trainer_state, path, with_optimizer, load_lr_scheduler_states)
-    optimizer_files: dict[str, SafetensorsFile] = {}
-    span_files: SpanFiles | None = None
-    if with_optimizer and any(name.startswith(SPANS_PREFIX) for name in manifest["files"]):
-        span_files = _open_span_files(engine, path, manifest, trainer_state)
-    elif with_optimizer:
-        optimizer_files = _open_shards(path, manifest, "optimizer-")
-        optimizer_targets = _match_optimizer(engine, path, optimizer_files, entries, trainer_state, load_module_strict)
+    reads = _plan_reads(engine, path, manifest, trainer_state, with_optimizer, load_module_strict)
 
     _quiesce(engine)
     engine.streamer.begin([])  # no prefetched copy of the old weights may survive
     dp = engine.data_parallel
     if dp is None or dp.is_node_writer:  # node-shared state: one reader per node
         with _state_tensors(engine) as flat_of:
-            for file in model_files.values():
-                wanted_weights = model_targets.get(file.path, {})
-                file.read_into(
-                    {name: entry.view(flat_of(entry.state, "master")) for name, entry in wanted_weights.items()},
-                    checked_digest(path, manifest, Path(file.path).name),
-                )
-                flat_of.release()  # one file's masters mapped at a time
-            for state in engine.states:
-                if state.shadow is not None:
-                    state.shadow.copy_(flat_of(state, "master"))  # the streamed copy of the loaded master
-                    flat_of.release()
+            _read_weights(engine, reads, flat_of)
             if with_optimizer:
-                for state in engine.states:
-                    if state.grad is not None:
-                        state.grad.zero_()  # overwritten below when saved inside an accumulation window
-                if span_files is not None:
-                    span_files.read_into_states()
-                for file in optimizer_files.values():
-                    with _whole_states(flat_of) as whole_of:
-                        wanted = optimizer_targets.get(file.path, {})
-                        file.read_into(
-                            {name: entry.view(whole_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
-                            checked_digest(path, manifest, Path(file.path).name),
-                        )
-                    flat_of.release()  # one file's moments mapped at a time
+                _read_optimizer_state(engine, reads, flat_of)
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
     engine.resident.refresh_device()
@@ -527,6 +493,78 @@ def load_checkpoint(
         trainer_states.apply_trainer_state(engine, trainer_state, with_optimizer, load_lr_scheduler_states)
     logger.info("megatrain: loaded checkpoint %s", path)
     return str(path), trainer_state.client_state
+
+
+@dataclass
+class _Reads:
+    """What a load reads, every file opened and matched to this engine's tensors first."""
+
+    path: Path
+    manifest: Mapping[str, Any]
+    model_files: dict[str, SafetensorsFile]
+    model_targets: dict[str, dict[str, _Entry]]
+    """``file path -> {tensor name -> entry whose master it fills}``."""
+    optimizer_files: dict[str, SafetensorsFile]
+    optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]]
+    """``file path -> {tensor name -> (entry, kind)}`` of per-parameter optimizer files."""
+    span_files: SpanFiles | None
+    """The optimizer state of a checkpoint written by several nodes (``optimizer_spans.py``)."""
+
+    def digest(self, file: SafetensorsFile) -> FileDigest:
+        return checked_digest(self.path, self.manifest, Path(file.path).name)
+
+
+def _plan_reads(
+    engine: CheckpointedEngine,
+    path: Path,
+    manifest: Mapping[str, Any],
+    trainer_state: trainer_states.TrainerState,
+    with_optimizer: bool,
+    strict: bool,
+) -> _Reads:
+    """Open and check every file the load will read (raises before anything is read)."""
+    entries = [e for group in _entries_by_state(engine) for e in group]
+    model_files = _open_shards(path, manifest, "model-")
+    required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
+    model_targets = _match_weights(engine, path, model_files, entries, required, strict)
+    reads = _Reads(path, manifest, model_files, model_targets, {}, {}, None)
+    if with_optimizer and any(name.startswith(SPANS_PREFIX) for name in manifest["files"]):
+        reads.span_files = _open_span_files(engine, path, manifest, trainer_state)
+    elif with_optimizer:
+        reads.optimizer_files = _open_shards(path, manifest, "optimizer-")
+        reads.optimizer_targets = _match_optimizer(engine, path, reads.optimizer_files, entries, trainer_state, strict)
+    return reads
+
+
+def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTensors) -> None:
+    """The masters from the model files, then the streamed copy made from them."""
+    for file in reads.model_files.values():
+        wanted = reads.model_targets.get(file.path, {})
+        masters = {name: entry.view(flat_of(entry.state, "master")) for name, entry in wanted.items()}
+        file.read_into(masters, reads.digest(file))
+        flat_of.release()  # one file's masters mapped at a time
+    for state in engine.states:
+        if state.shadow is not None:
+            state.shadow.copy_(flat_of(state, "master"))  # the streamed copy of the loaded master
+            flat_of.release()
+
+
+def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTensors) -> None:
+    """Adam's moments (and the held gradients, when saved inside an accumulation window)
+    from span files or per-parameter files, into the part of each state this node holds."""
+    for state in engine.states:
+        if state.grad is not None:
+            state.grad.zero_()  # overwritten below when saved inside an accumulation window
+    if reads.span_files is not None:
+        reads.span_files.read_into_states()
+    for file in reads.optimizer_files.values():
+        with _whole_states(flat_of) as whole_of:
+            wanted = reads.optimizer_targets.get(file.path, {})
+            file.read_into(
+                {name: entry.view(whole_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
+                reads.digest(file),
+            )
+        flat_of.release()  # one file's moments mapped at a time
 
 
 @contextlib.contextmanager
