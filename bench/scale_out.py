@@ -63,6 +63,8 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = 32000
 CLIPPING = 1.0
 SYSTEMS = ("megatrain", "deepspeed")
+# The per-step times a rank reports (its medians) and a node reports (its slowest rank's).
+TIMES = ("step_s", "optimizer_s", "step_cpu_s", "adamw_s", "step_finish_s")
 
 
 def children(pid: int) -> list[str]:
@@ -133,47 +135,67 @@ def _adamw_seconds(tracer: Any, step: int) -> tuple[float | None, float | None]:
     return (sum(adamw) / 1e9 if adamw else None), (sum(finish) / 1e9 if finish else None)
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One rank: build, ``--warmup`` + ``--steps`` optimizer steps, write ``result<rank>.json``."""
+def _init_process_group(args: argparse.Namespace) -> None:
+    """The gloo process group, through each system's own entry point (DeepSpeed's sets up its
+    communication backend too), so that the PSS baseline taken next includes it."""
     import deepspeed
-    import torch
     import torch.distributed as dist
-    import transformers
 
-    import megatrain_ds
-    from megatrain_ds.runtime.trace import NULL_TRACER, Tracer
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    node = int(os.environ.get("GROUP_RANK", rank))
-    torch.set_num_threads(args.threads)
-    # The process group first, for both systems, so the baseline includes it.
     if args.system == "deepspeed":
         deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    out = Path(args.out)
-    # Imported before the baseline, and before zero.Init: the lazily imported modeling module
-    # imports torch._dynamo, whose polyfills refuse the tensor constructors zero.Init patches.
-    llama = transformers.LlamaForCausalLM
-    baseline = pss_bytes("self")
-    config = _batch_config(args, world)
-    torch.manual_seed(0)
-    if args.system == "deepspeed":
-        config["zero_optimization"] = {
-            "stage": 3,
-            "offload_optimizer": {"device": "cpu", "pin_memory": False},
-            "offload_param": {"device": "cpu", "pin_memory": False},
-        }
-        with deepspeed.zero.Init(config_dict_or_path=config):
-            model = llama(_llama(args))
-        params = sum(p.ds_numel for p in model.parameters())
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    else:
+
+
+def _deepspeed_engine(args: argparse.Namespace, llama: Any, config: dict[str, Any]) -> tuple[Any, int]:
+    """DeepSpeed's ZeRO-3 engine with optimizer and parameters offloaded to the CPU, the model
+    built under ``zero.Init`` (so no rank holds it whole); and the parameter count, from
+    ``ds_numel`` since the partitioned parameters' own ``numel()`` is their shard. Adds the
+    ``zero_optimization`` section to ``config``."""
+    import deepspeed
+
+    config["zero_optimization"] = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        "offload_param": {"device": "cpu", "pin_memory": False},
+    }
+    with deepspeed.zero.Init(config_dict_or_path=config):
         model = llama(_llama(args))
-        params = sum(p.numel() for p in model.parameters())
-        engine = megatrain_ds.MegatrainEngine(model, megatrain_ds.parse_engine_config(config))
-    init_pss = pss_bytes("self")
-    micro = args.global_batch // world
+    params = sum(p.ds_numel for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine, params
+
+
+def _train_step(args: argparse.Namespace, engine: Any, step: int, rank: int, micro: int) -> dict[str, Any]:
+    """One optimizer step on this rank's slice of the step's global batch, timed: the whole
+    step, its ``step()`` call, the process CPU time, and the loss. The batch is drawn from a
+    per-step seed so that every N trains on the same global batch."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1000 + step)  # the same global batch for every N
+    ids = torch.randint(0, VOCAB, (args.global_batch, args.seq_len), generator=generator)
+    ids = ids[rank * micro : (rank + 1) * micro]
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    t1 = time.perf_counter()
+    engine.step()
+    t2 = time.perf_counter()
+    return {
+        "step_s": t2 - t0,
+        "optimizer_s": t2 - t1,
+        "step_cpu_s": time.process_time() - cpu0,
+        "loss": loss.item(),
+    }
+
+
+def _run_steps(args: argparse.Namespace, engine: Any, rank: int, micro: int) -> list[dict[str, Any]]:
+    """``--warmup`` then ``--steps`` optimizer steps; the records of the timed ones. For
+    MegaTrain a tracer is installed for the timed steps alone (its AdamW and step-finish spans
+    per step) and removed afterwards; the engine's step report (outcome, norm, speculated
+    elements) is added where the engine has one."""
+    from megatrain_ds.runtime.trace import NULL_TRACER, Tracer
+
     steps: list[dict[str, Any]] = []
     tracer = None
     for step in range(args.warmup + args.steps):
@@ -183,21 +205,7 @@ def worker(args: argparse.Namespace) -> None:
             engine.runtime.tracer = tracer
         if tracer is not None:
             tracer.begin_step(step)
-        generator = torch.Generator().manual_seed(1000 + step)  # the same global batch for every N
-        ids = torch.randint(0, VOCAB, (args.global_batch, args.seq_len), generator=generator)
-        ids = ids[rank * micro : (rank + 1) * micro]
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        t1 = time.perf_counter()
-        engine.step()
-        t2 = time.perf_counter()
-        record: dict[str, Any] = {
-            "step_s": t2 - t0,
-            "optimizer_s": t2 - t1,
-            "step_cpu_s": time.process_time() - cpu0,
-            "loss": loss.item(),
-        }
+        record = _train_step(args, engine, step, rank, micro)
         if tracer is not None:
             tracer.end_step()
             record["adamw_s"], record["step_finish_s"] = _adamw_seconds(tracer, step)
@@ -208,7 +216,27 @@ def worker(args: argparse.Namespace) -> None:
             steps.append(record)
     if tracer is not None:
         engine.runtime.tracer = NULL_TRACER
-    result: dict[str, Any] = {
+    return steps
+
+
+def _megatrain_host_state(engine: Any) -> dict[str, Any]:
+    """The MegaTrain engine's persistent host state, by kind and in all, and its node size
+    (ranks sharing one host copy), for the rank's result."""
+    host = engine.host_bytes()
+    dp = engine.data_parallel
+    return {
+        "host_bytes_by_kind": host,
+        "host_bytes": sum(host.values()),
+        "node_size": dp.node_size if dp is not None else 1,
+    }
+
+
+def _rank_result(
+    rank: int, node: int, params: int, micro: int, steps: list[dict[str, Any]], *, baseline: int, init_pss: int
+) -> dict[str, Any]:
+    """What a rank reports to the driver: its identity, its PSS before the model, after the
+    engine was built and now (at the end), its timed steps and their median times."""
+    return {
         "rank": rank,
         "node": node,
         "params": params,
@@ -217,17 +245,43 @@ def worker(args: argparse.Namespace) -> None:
         "final_pss_bytes": pss_bytes("self"),
         "micro_batch": micro,
         "steps": steps,
-        **{
-            key: _median([s[key] for s in steps if key in s])
-            for key in ("step_s", "optimizer_s", "step_cpu_s", "adamw_s", "step_finish_s")
-        },
+        **{key: _median([s[key] for s in steps if key in s]) for key in TIMES},
     }
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: build, ``--warmup`` + ``--steps`` optimizer steps, write ``result<rank>.json``."""
+    import deepspeed  # noqa: F401  (used by _init_process_group; imported first, as it always was)
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    import megatrain_ds
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node = int(os.environ.get("GROUP_RANK", rank))
+    torch.set_num_threads(args.threads)
+    # The process group first, for both systems, so the baseline includes it.
+    _init_process_group(args)
+    out = Path(args.out)
+    # Imported before the baseline, and before zero.Init: the lazily imported modeling module
+    # imports torch._dynamo, whose polyfills refuse the tensor constructors zero.Init patches.
+    llama = transformers.LlamaForCausalLM
+    baseline = pss_bytes("self")
+    config = _batch_config(args, world)
+    torch.manual_seed(0)
+    if args.system == "deepspeed":
+        engine, params = _deepspeed_engine(args, llama, config)
+    else:
+        model = llama(_llama(args))
+        params = sum(p.numel() for p in model.parameters())
+        engine = megatrain_ds.MegatrainEngine(model, megatrain_ds.parse_engine_config(config))
+    init_pss = pss_bytes("self")
+    micro = args.global_batch // world
+    steps = _run_steps(args, engine, rank, micro)
+    result = _rank_result(rank, node, params, micro, steps, baseline=baseline, init_pss=init_pss)
     if args.system == "megatrain":
-        host = engine.host_bytes()
-        result["host_bytes_by_kind"] = host
-        result["host_bytes"] = sum(host.values())
-        dp = engine.data_parallel
-        result["node_size"] = dp.node_size if dp is not None else 1
+        result.update(_megatrain_host_state(engine))
         engine.destroy()
     Path(out, f"result{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
@@ -269,131 +323,193 @@ def _kill(launch: subprocess.Popen, workers: set[str]) -> None:
     launch.wait()
 
 
-def measure(args: argparse.Namespace, system: str, nodes: int) -> dict[str, Any]:
-    """Launch ``nodes`` simulated nodes of ``system``, sample each node's PSS, collect results."""
-    with tempfile.TemporaryDirectory(prefix="scale_out_") as tmp:
-        out = Path(tmp)
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        }
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads))
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(REPO), str(REPO / "triton_kernels"), env.get("PYTHONPATH")])
-        )
-        if system == "deepspeed":
-            env["MEGATRAIN_DISABLE_HOOK"] = "1"  # DeepSpeed's own engine, untouched
-        endpoint = f"127.0.0.1:{_free_port()}"
-        forwarded = [
-            f"--{k.replace('_', '-')}={v}"
-            for k, v in vars(args).items()
-            if k in ("hidden", "layers", "global_batch", "seq_len", "warmup", "steps", "threads", "timeout")
+def _launch_env(args: argparse.Namespace, system: str) -> dict[str, str]:
+    """The launchers' environment: this one without the torchrun variables of any enclosing
+    launch, on the CPU accelerator with ``--threads`` OpenMP threads, the repository importable,
+    and for DeepSpeed the MegaTrain routing hook disabled."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "triton_kernels"), env.get("PYTHONPATH")]))
+    if system == "deepspeed":
+        env["MEGATRAIN_DISABLE_HOOK"] = "1"  # DeepSpeed's own engine, untouched
+    return env
+
+
+def _torchrun_commands(args: argparse.Namespace, system: str, nodes: int, out: Path) -> list[list[str]]:
+    """One ``torchrun`` command line per simulated node, all meeting at one c10d endpoint on a
+    free local port, each running this script's ``--worker`` with the run's options."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    forwarded = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k in ("hidden", "layers", "global_batch", "seq_len", "warmup", "steps", "threads", "timeout")
+    ]
+    return [
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)),
+            *("--node-rank", str(node), "--nproc-per-node", "1"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
+            *("--rdzv-conf", f"is_host={int(node == 0)}"),  # node 0 hosts the store
+            *(__file__, "--worker", "--system", system, "--out", str(out), *forwarded),
         ]
-        launches: list[subprocess.Popen] = []
-        logs: list[tuple[Path, Path]] = []
-        load_before = os.getloadavg()
-        started = time.perf_counter()
-        peaks = [0] * nodes
-        workers: set[str] = set()  # every worker pid seen, to kill stragglers
-        try:
-            for node in range(nodes):
-                command = [
-                    *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)),
-                    *("--node-rank", str(node), "--nproc-per-node", "1"),
-                    *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
-                    *("--rdzv-conf", f"is_host={int(node == 0)}"),  # node 0 hosts the store
-                    *(__file__, "--worker", "--system", system, "--out", str(out), *forwarded),
-                ]
-                logs.append((out / f"node{node}.out", out / f"node{node}.err"))
-                with open(logs[-1][0], "w") as stdout, open(logs[-1][1], "w") as stderr:
-                    launches.append(
-                        subprocess.Popen(
-                            command, env=env, cwd=REPO, stdout=stdout, stderr=stderr, start_new_session=True
-                        )
-                    )
-            deadline = started + args.timeout
-            failed_at: float | None = None
-            while any(launch.poll() is None for launch in launches):
-                now = time.perf_counter()
-                if now > deadline:
-                    break
-                if failed_at is None and any(launch.returncode not in (None, 0) for launch in launches):
-                    failed_at = now  # the others wait for it in a collective: give them a moment
-                if failed_at is not None and now - failed_at > 15:
-                    break
-                for node, launch in enumerate(launches):
-                    total = 0
-                    for pid in children(launch.pid):
-                        workers.add(pid)
-                        with contextlib.suppress(OSError):  # exited between listing and reading
-                            total += pss_bytes(pid)
-                    peaks[node] = max(peaks[node], total)
-                time.sleep(0.05)
-        finally:
-            timed_out = [launch.poll() is None for launch in launches]
-            for launch in launches:
-                _kill(launch, workers)
-        seconds = time.perf_counter() - started
-        results = {}
-        for path in out.glob("result*.json"):
-            result = json.loads(path.read_text())
-            results[result["rank"]] = result
-        if len(results) < nodes:
-            codes = [launch.returncode for launch in launches]
-            stderr = "\n".join(f"--- node {i} (exit {codes[i]}) ---\n{_tail(err)}" for i, (_, err) in enumerate(logs))
-            print(f"{system}, {nodes} node(s): FAILED after {seconds:.0f} s; stderr tails:\n{stderr}", flush=True)
-            return {
-                "nodes": nodes,
-                "failed": "timed out" if any(timed_out) else f"exit statuses {codes}",
-                "error": next(filter(None, (_error_line(_tail(err, 20000)) for _, err in logs)), None),
-                "stderr_tail": [_tail(err, 2000) for _, err in logs],
-                "seconds": seconds,
-            }
+        for node in range(nodes)
+    ]
+
+
+def _node_pss(launch: subprocess.Popen, workers: set[str]) -> int:
+    """The summed PSS of a launcher's children (the node's workers) now; adds their pids to
+    ``workers``, so that they can be killed even once they are no longer its children."""
+    total = 0
+    for pid in children(launch.pid):
+        workers.add(pid)
+        with contextlib.suppress(OSError):  # exited between listing and reading
+            total += pss_bytes(pid)
+    return total
+
+
+def _sample_until_done(launches: list[subprocess.Popen], peaks: list[int], workers: set[str], deadline: float) -> None:
+    """Every 50 ms, raise each node's entry of ``peaks`` to its current PSS, until every
+    launcher has exited, ``deadline`` (perf_counter) has passed, or 15 s after one failed."""
+    failed_at: float | None = None
+    while any(launch.poll() is None for launch in launches):
+        now = time.perf_counter()
+        if now > deadline:
+            break
+        if failed_at is None and any(launch.returncode not in (None, 0) for launch in launches):
+            failed_at = now  # the others wait for it in a collective: give them a moment
+        if failed_at is not None and now - failed_at > 15:
+            break
+        for node, launch in enumerate(launches):
+            peaks[node] = max(peaks[node], _node_pss(launch, workers))
+        time.sleep(0.05)
+
+
+def _run_nodes(
+    commands: list[list[str]], env: dict[str, str], out: Path, deadline: float
+) -> tuple[list[subprocess.Popen], list[tuple[Path, Path]], list[int], list[bool]]:
+    """Start one launcher per command (its output in ``out/node<i>.out``/``.err``, each in a
+    session of its own), sample the nodes' PSS until they are done, then kill whatever is left
+    of them, whatever happened. Returns the launchers, their log paths, each node's peak PSS
+    and whether each launcher was still running at the end (timed out)."""
+    launches: list[subprocess.Popen] = []
+    logs: list[tuple[Path, Path]] = []
+    peaks = [0] * len(commands)
+    workers: set[str] = set()  # every worker pid seen, to kill stragglers
+    try:
+        for node, command in enumerate(commands):
+            logs.append((out / f"node{node}.out", out / f"node{node}.err"))
+            with open(logs[-1][0], "w") as stdout, open(logs[-1][1], "w") as stderr:
+                launches.append(
+                    subprocess.Popen(command, env=env, cwd=REPO, stdout=stdout, stderr=stderr, start_new_session=True)
+                )
+        _sample_until_done(launches, peaks, workers, deadline)
+    finally:
+        timed_out = [launch.poll() is None for launch in launches]
+        for launch in launches:
+            _kill(launch, workers)
+    return launches, logs, peaks, timed_out
+
+
+def _read_results(out: Path) -> dict[int, dict[str, Any]]:
+    """The ranks' ``result<rank>.json`` files in ``out``, by rank."""
+    results = {}
+    for path in out.glob("result*.json"):
+        result = json.loads(path.read_text())
+        results[result["rank"]] = result
+    return results
+
+
+def _failure(
+    system: str,
+    nodes: int,
+    launches: list[subprocess.Popen],
+    logs: list[tuple[Path, Path]],
+    timed_out: list[bool],
+    seconds: float,
+) -> dict[str, Any]:
+    """A run that left fewer results than nodes: print the launchers' stderr tails and return
+    the record kept in the JSON (why it failed, the workers' error, the tails)."""
+    codes = [launch.returncode for launch in launches]
+    stderr = "\n".join(f"--- node {i} (exit {codes[i]}) ---\n{_tail(err)}" for i, (_, err) in enumerate(logs))
+    print(f"{system}, {nodes} node(s): FAILED after {seconds:.0f} s; stderr tails:\n{stderr}", flush=True)
+    return {
+        "nodes": nodes,
+        "failed": "timed out" if any(timed_out) else f"exit statuses {codes}",
+        "error": next(filter(None, (_error_line(_tail(err, 20000)) for _, err in logs)), None),
+        "stderr_tail": [_tail(err, 2000) for _, err in logs],
+        "seconds": seconds,
+    }
+
+
+def _host_bytes_entry(rank: dict[str, Any], params: int) -> dict[str, Any]:
+    """A node's persistent host state, in bytes and per parameter, in all and by kind."""
+    # One host copy per node (shared by its ranks): any rank's view is the node's.
+    return {
+        "host_bytes_by_kind": rank["host_bytes_by_kind"],
+        "host_bytes": rank["host_bytes"],
+        "host_bytes_per_param": rank["host_bytes"] / params,
+        "host_bytes_per_param_by_kind": {k: v / params for k, v in rank["host_bytes_by_kind"].items()},
+    }
+
+
+def _node_entry(node: int, ranks: list[dict[str, Any]], peak: int, params: int) -> dict[str, Any]:
+    """One node's line of the JSON from its ranks' results and its sampled peak PSS: memory
+    per parameter above its baseline, its slowest rank's times, outcomes and losses."""
+    baseline = sum(r["baseline_pss_bytes"] for r in ranks)
+    entry: dict[str, Any] = {
+        "node": node,
+        "ranks": [r["rank"] for r in ranks],
+        "peak_pss_bytes": peak,
+        "baseline_pss_bytes": baseline,
+        "peak_bytes_per_param": peak / params,
+        "peak_above_baseline_bytes_per_param": (peak - baseline) / params,
+        # Every rank of a node times the same synchronised steps: its slowest rank.
+        **{key: max((r[key] for r in ranks if r.get(key) is not None), default=None) for key in TIMES},
+        "outcomes": sorted({s.get("outcome") for r in ranks for s in r["steps"] if s.get("outcome")}),
+        "speculated_elements": [s.get("speculated_elements") for s in ranks[0]["steps"]],
+        "losses": [s["loss"] for s in ranks[0]["steps"]],
+    }
+    if "host_bytes" in ranks[0]:
+        entry.update(_host_bytes_entry(ranks[0], params))
+    return entry
+
+
+def _worst(per_node: list[dict[str, Any]], key: str) -> float | None:
+    """The maximum of ``key`` over the nodes that have it (None: none has)."""
+    values = [n[key] for n in per_node if n.get(key) is not None]
+    return max(values) if values else None
+
+
+def _summary(
+    args: argparse.Namespace,
+    nodes: int,
+    results: dict[int, dict[str, Any]],
+    peaks: list[int],
+    load_before: tuple[float, float, float],
+    seconds: float,
+) -> dict[str, Any]:
+    """A successful run's record: the worst node's figures, the load averages around it, and
+    every node's entry; the by-kind host state of the node holding the most."""
     params = results[0]["params"]
-    per_node = []
-    for node in range(nodes):
-        ranks = [r for r in results.values() if r["node"] == node]
-        baseline = sum(r["baseline_pss_bytes"] for r in ranks)
-        entry: dict[str, Any] = {
-            "node": node,
-            "ranks": [r["rank"] for r in ranks],
-            "peak_pss_bytes": peaks[node],
-            "baseline_pss_bytes": baseline,
-            "peak_bytes_per_param": peaks[node] / params,
-            "peak_above_baseline_bytes_per_param": (peaks[node] - baseline) / params,
-            # Every rank of a node times the same synchronised steps: its slowest rank.
-            **{
-                key: max((r[key] for r in ranks if r.get(key) is not None), default=None)
-                for key in ("step_s", "optimizer_s", "step_cpu_s", "adamw_s", "step_finish_s")
-            },
-            "outcomes": sorted({s.get("outcome") for r in ranks for s in r["steps"] if s.get("outcome")}),
-            "speculated_elements": [s.get("speculated_elements") for s in ranks[0]["steps"]],
-            "losses": [s["loss"] for s in ranks[0]["steps"]],
-        }
-        if "host_bytes" in ranks[0]:
-            # One host copy per node (shared by its ranks): any rank's view is the node's.
-            entry["host_bytes_by_kind"] = ranks[0]["host_bytes_by_kind"]
-            entry["host_bytes"] = ranks[0]["host_bytes"]
-            entry["host_bytes_per_param"] = ranks[0]["host_bytes"] / params
-            entry["host_bytes_per_param_by_kind"] = {k: v / params for k, v in ranks[0]["host_bytes_by_kind"].items()}
-        per_node.append(entry)
-
-    def worst(key: str) -> float | None:
-        values = [n[key] for n in per_node if n.get(key) is not None]
-        return max(values) if values else None
-
+    per_node = [
+        _node_entry(node, [r for r in results.values() if r["node"] == node], peaks[node], params)
+        for node in range(nodes)
+    ]
     summary: dict[str, Any] = {
         "nodes": nodes,
         "params": params,
         "micro_batch_per_rank": args.global_batch // nodes,
-        "peak_above_baseline_bytes_per_param": worst("peak_above_baseline_bytes_per_param"),
-        "peak_bytes_per_param": worst("peak_bytes_per_param"),
-        "host_bytes_per_param": worst("host_bytes_per_param"),
-        "step_s": worst("step_s"),
-        "optimizer_s": worst("optimizer_s"),
-        "adamw_s": worst("adamw_s"),
-        "step_cpu_s": worst("step_cpu_s"),
+        "peak_above_baseline_bytes_per_param": _worst(per_node, "peak_above_baseline_bytes_per_param"),
+        "peak_bytes_per_param": _worst(per_node, "peak_bytes_per_param"),
+        "host_bytes_per_param": _worst(per_node, "host_bytes_per_param"),
+        "step_s": _worst(per_node, "step_s"),
+        "optimizer_s": _worst(per_node, "optimizer_s"),
+        "adamw_s": _worst(per_node, "adamw_s"),
+        "step_cpu_s": _worst(per_node, "step_cpu_s"),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "seconds": seconds,
@@ -403,6 +519,22 @@ def measure(args: argparse.Namespace, system: str, nodes: int) -> dict[str, Any]
         most = max((n for n in per_node if "host_bytes" in n), key=lambda n: n["host_bytes"])
         summary["host_bytes_per_param_by_kind"] = most["host_bytes_per_param_by_kind"]
     return summary
+
+
+def measure(args: argparse.Namespace, system: str, nodes: int) -> dict[str, Any]:
+    """Launch ``nodes`` simulated nodes of ``system``, sample each node's PSS, collect results."""
+    with tempfile.TemporaryDirectory(prefix="scale_out_") as tmp:
+        out = Path(tmp)
+        env = _launch_env(args, system)
+        commands = _torchrun_commands(args, system, nodes, out)
+        load_before = os.getloadavg()
+        started = time.perf_counter()
+        launches, logs, peaks, timed_out = _run_nodes(commands, env, out, started + args.timeout)
+        seconds = time.perf_counter() - started
+        results = _read_results(out)
+        if len(results) < nodes:
+            return _failure(system, nodes, launches, logs, timed_out, seconds)
+    return _summary(args, nodes, results, peaks, load_before, seconds)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -440,7 +572,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     )
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the model's size, the node counts and systems to run, the batch and
+    step counts, and the hidden options the driver passes to its ``--worker`` ranks."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6, help="6: 140M parameters at hidden 1024")
@@ -456,14 +590,12 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    bad = [n for n in args.nodes if n < 1 or args.global_batch % n]
-    if bad:
-        parser.error(f"--global-batch {args.global_batch} is not divisible by --nodes {bad}")
-    started = time.perf_counter()
+    return parser
+
+
+def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every system at every node count, a row per node count; a line per successful run as
+    it finishes, since a whole sweep takes minutes."""
     rows: list[dict[str, Any]] = []
     for nodes in args.nodes:
         row: dict[str, Any] = {"nodes": nodes, "micro_batch_per_rank": args.global_batch // nodes}
@@ -477,44 +609,64 @@ def main() -> None:
                     flush=True,
                 )
         rows.append(row)
+    return rows
+
+
+def _document(args: argparse.Namespace, rows: list[dict[str, Any]], total: float) -> dict[str, Any]:
+    """The JSON written by ``--json``: the machine, revision and library versions, the model
+    and the settings (so that a result can be told apart from another), and the runs."""
+    from importlib import metadata
+
+    return {
+        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "cpu_model": _cpu_model(),
+        "git_rev": subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip(),
+        "versions": {name: metadata.version(name) for name in ("torch", "deepspeed", "transformers")},
+        "model": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "vocab": VOCAB,
+            "dtype": "fp32",
+            "params": next((r[s]["params"] for r in rows for s in args.systems if "params" in r[s]), None),
+        },
+        "settings": {
+            "global_batch": args.global_batch,
+            "seq_len": args.seq_len,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "threads_per_node": args.threads,
+            "gradient_clipping": CLIPPING,
+            "launch": "one torchrun --nnodes N --node-rank i --nproc-per-node 1 per node, c10d on 127.0.0.1",
+            "deepspeed": "ZeRO-3, offload_optimizer and offload_param cpu, zero.Init, gloo",
+        },
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "total_seconds": total,
+        "runs": rows,
+    }
+
+
+def main() -> None:
+    """A ``--worker`` rank, or the driver: run the sweep, print the table, write ``--json``."""
+    parser = _parser()
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    bad = [n for n in args.nodes if n < 1 or args.global_batch % n]
+    if bad:
+        parser.error(f"--global-batch {args.global_batch} is not divisible by --nodes {bad}")
+    started = time.perf_counter()
+    rows = _run_all(args)
     print()
     print_table(rows)
     failed = [(row["nodes"], s) for row in rows for s in args.systems if "failed" in row[s]]
     total = time.perf_counter() - started
     print(f"total {total:.0f} s")
     if args.json:
-        from importlib import metadata
-
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-            "cpu_model": _cpu_model(),
-            "git_rev": subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
-            ).stdout.strip(),
-            "versions": {name: metadata.version(name) for name in ("torch", "deepspeed", "transformers")},
-            "model": {
-                "hidden": args.hidden,
-                "layers": args.layers,
-                "vocab": VOCAB,
-                "dtype": "fp32",
-                "params": next((r[s]["params"] for r in rows for s in args.systems if "params" in r[s]), None),
-            },
-            "settings": {
-                "global_batch": args.global_batch,
-                "seq_len": args.seq_len,
-                "warmup_steps": args.warmup,
-                "timed_steps": args.steps,
-                "threads_per_node": args.threads,
-                "gradient_clipping": CLIPPING,
-                "launch": "one torchrun --nnodes N --node-rank i --nproc-per-node 1 per node, c10d on 127.0.0.1",
-                "deepspeed": "ZeRO-3, offload_optimizer and offload_param cpu, zero.Init, gloo",
-            },
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "total_seconds": total,
-            "runs": rows,
-        }
-        args.json.write_text(json.dumps(document, indent=1) + "\n")
+        args.json.write_text(json.dumps(_document(args, rows, total), indent=1) + "\n")
     if any(system == "megatrain" for _, system in failed):
         raise SystemExit(f"failed runs: {failed}")
 
