@@ -178,14 +178,18 @@ class MegatrainEngine(nn.Module):
         checking that the run is supported and fits: nothing is allocated before this."""
         # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
         # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
-        nvme = wants_nvme_tier(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS)
+        # With several nodes, each holds only its share of the optimizer state (_span_of).
+        nvme = wants_nvme_tier(
+            model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, span_of=self._span_of
+        )
         if nvme != "none" and self.data_parallel is not None:
             raise ConfigError(
                 'megatrain.nvme_offload (offload_optimizer/offload_param.device "nvme") is not '
                 "supported with data parallel yet: train on one rank, or keep the state in host memory"
             )
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
-            preflight(model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, nvme=nvme)
+            device, span_of = self.runtime.device, self._span_of
+            preflight(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, span_of=span_of)
         _reject_unsupported_outputs(model)
         return nvme
 

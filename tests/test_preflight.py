@@ -175,3 +175,29 @@ def test_available_memory_reads_this_machine():
         total = int(next(line for line in handle if line.startswith("MemTotal")).split()[1]) * 1024
     assert 0 < have.host <= total and have.device is None
     assert dataclasses.replace(have, host=1).host == 1
+
+
+def test_with_several_nodes_only_this_nodes_share_of_the_optimizer_state_is_counted(tmp_path) -> None:
+    """Node 0 of 4 holds a quarter of Adam's moments and of the held gradients and the whole
+    master: the preflight check (and nvme_offload "auto") count that, so a model whose whole
+    state does not fit one node's memory still starts on 4 nodes."""
+    import tiny_models
+
+    from megatrain_ds.distributed.ownership import Ownership
+
+    model = tiny_models.llama()
+    config = parse_engine_config(ds_config(megatrain={"nvme_path": str(tmp_path), "nvme_offload": "auto"}))
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    span_of = Ownership.of([[0], [1], [2], [3]], rank=0).span
+    cpu = torch.device("cpu")
+    whole = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="none")
+    share = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="none", span_of=span_of)
+    assert share.host["master"] == whole.host["master"]
+    for kind in ("adam_m_v", "gradients"):
+        assert whole.host[kind] / 4 - 16 * PAGE_BYTES <= share.host[kind] <= whole.host[kind] / 4 + 16 * PAGE_BYTES
+    room = preflight.AvailableMemory(host=share.host_total + PAGE_BYTES)  # the share fits, the whole does not
+    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, span_of) == "none"
+    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room) != "none"
+    preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none", span_of=span_of)
+    with pytest.raises(preflight.InsufficientMemoryError):
+        preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none")

@@ -128,16 +128,32 @@ def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optim
     return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"])
 
 
-def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str, staging_chunk: int) -> MemoryNeed:
-    """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc)."""
+SpanOf = Callable[[int], "tuple[int, int] | None"]
+"""This node's ``[start, end)`` of a state's optimizer state, from the state's size."""
+
+
+def _held(numel: int, span_of: SpanOf | None) -> int:
+    span = span_of(numel) if span_of is not None else None
+    return numel if span is None else span[1] - span[0]
+
+
+def estimate_from_shapes(
+    shapes: _Shapes, config: EngineConfig, device_type: str, staging_chunk: int, span_of: SpanOf | None = None
+) -> MemoryNeed:
+    """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc).
+
+    ``span_of``: with data parallel over several nodes, the part of a state's optimizer
+    state (moments, held gradients) this node holds (``distributed/data_parallel.py``:
+    [Note: sharded host state]); ``None``: all of it."""
     options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
     streamed = compute if config.compute_dtype != config.master_dtype else master
     numels = [*shapes.block_numels, shapes.resident_numel]
+    held = [_held(n, span_of) for n in numels]
     host = {
         "master": sum(_host_buffer(n, master) for n in numels),
-        "adam_m_v": sum(2 * _host_buffer(n, 4) for n in numels),
+        "adam_m_v": sum(2 * _host_buffer(n, 4) for n in held),
     }
     disk = 0
     weights_on_disk = options.nvme_offload == "all"
@@ -168,7 +184,7 @@ def estimate_from_shapes(shapes: _Shapes, config: EngineConfig, device_type: str
         host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
     if config.holds_gradients:
         grad = torch.empty((), dtype=config.held_gradient_dtype).element_size()
-        host["gradients"] = sum(_host_buffer(n, grad) for n in numels)
+        host["gradients"] = sum(_host_buffer(n, grad) for n in held)
     if config.holds_gradients:
         # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.
         per_element = master + 8 + (compute if config.compute_dtype != config.master_dtype else 0)
@@ -400,21 +416,24 @@ def preflight(
     staging_chunk: int,
     available: AvailableMemory | None = None,
     nvme: str | None = None,
+    span_of: SpanOf | None = None,
 ) -> MemoryNeed:
     """Check that the run fits before anything is allocated; returns the estimate.
 
     ``nvme``: what the NVMe tier holds, "none", "optimizer" or "all" (default:
     ``nvme_offload`` resolved by :func:`wants_nvme_tier`); its swap files must fit in the
     free space under ``nvme_path`` (``DiskSpaceError`` naming the path and the bytes).
+    ``span_of``: this node's share of the optimizer state, with several nodes
+    (:func:`estimate_from_shapes`).
     """
     shapes = _shapes(model, config, optimizer)
     have = available if available is not None else available_memory(device)
     if have.device is not None and shapes.device_freed:
         have = dataclasses.replace(have, device=have.device + shapes.device_freed)
     if nvme is None:
-        nvme = _wants_nvme(shapes, config, device, staging_chunk, have)
+        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, span_of)
     config = _options(config, nvme_offload=nvme)
-    need = check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk), config, have)
+    need = check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, span_of), config, have)
     if need.disk:
         check_free_space(config.options.nvme_path or "", need.disk)
     return need
@@ -427,9 +446,11 @@ def wants_nvme_tier(
     device: torch.device,
     staging_chunk: int,
     available: AvailableMemory | None = None,
+    span_of: SpanOf | None = None,
 ) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
-    with which the run's host state fits in the available host memory ("all" when none does)."""
+    with which the run's host state (this node's share of it, with ``span_of``) fits in the
+    available host memory ("all" when none does)."""
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     return _wants_nvme(
@@ -438,16 +459,24 @@ def wants_nvme_tier(
         device,
         staging_chunk,
         available if available is not None else available_memory(device),
+        span_of,
     )
 
 
 def _wants_nvme(
-    shapes: _Shapes, config: EngineConfig, device: torch.device, staging_chunk: int, have: AvailableMemory
+    shapes: _Shapes,
+    config: EngineConfig,
+    device: torch.device,
+    staging_chunk: int,
+    have: AvailableMemory,
+    span_of: SpanOf | None = None,
 ) -> str:
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     needs = {
-        level: estimate_from_shapes(shapes, _options(config, nvme_offload=level), device.type, staging_chunk).host_total
+        level: estimate_from_shapes(
+            shapes, _options(config, nvme_offload=level), device.type, staging_chunk, span_of
+        ).host_total
         for level in NVME_OFFLOAD_LEVELS
     }
     level = next((level for level in NVME_OFFLOAD_LEVELS if needs[level] <= have.host), "all")
