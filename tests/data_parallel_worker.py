@@ -147,6 +147,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     if args.bf16:
         settings["bf16"] = {"enabled": True}
     engine = MegatrainEngine(model, parse_engine_config(settings))
+    if args.bucket_elements:  # several buckets per block, each a few parameters out of layout order
+        engine.blocks.gradient_bucket_elements = args.bucket_elements
     pieces: dict[str, list[int]] = {}
     if long_context:
         # The settings asked for are the ones in use (not "auto", not turned off).
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
     parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
+    parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
     parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")

@@ -254,7 +254,11 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     GROUP_RANK makes them 2 nodes (the hostname would have made them one), each with its own
     host copy, and they still train as one process with both batches."""
     steps, accumulation = 5, 2
-    launch_nodes(2, tmp_path, "parity", "--steps", str(steps), "--accumulation", str(accumulation))
+    # Buckets of a few parameters: a block's gradients reach the reducer in several buckets,
+    # in backward order, which is not the layout's (the MLP before the attention, the norms last).
+    launch_nodes(
+        2, tmp_path, "parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bucket-elements", "3000"
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2

@@ -2,11 +2,11 @@
 
 Stands between backward and the :class:`GradientSink` when there is more than one rank
 (``distributed/data_parallel.py``: [Note: data-parallel step]). ``push_block`` (autograd thread)
-queues a block's parameter gradients; the reducer's thread gathers them into one flat
-bucket on the comm stream, reduces each owner's window of it to that owner (one
-collective per owner and block, however many parameters the block has: the bytes of a
-reduce-scatter) and hands this rank's window to the sink. Backward goes on with the next
-block meanwhile.
+queues a block's parameter gradients; the reducer's thread gathers each contiguous run
+of them into one flat bucket on the comm stream, reduces each owner's window of it to
+that owner (one collective per owner and run, however many parameters the run has: the
+bytes of a reduce-scatter) and hands this rank's window to the sink. Backward goes on
+with the next block meanwhile.
 
 [Note: gradient reduction ordering]
 - The comm stream waits on an event recorded on the compute stream after the block's
@@ -38,6 +38,7 @@ import torch
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.gradients.sink import GradientSink
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
+from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 
 
 @dataclass
@@ -140,24 +141,40 @@ class GradientReducer:
             runtime.comm_stream.wait_event(job.produced)
             if self.on_reduce is not None:
                 self.on_reduce(job.index)
-            offset, bucket = _bucket(job.pieces)
-            with runtime.tracer.device_span(
-                f"reduce {job.index}", "comm", stream=runtime.comm_stream, numel=bucket.numel()
-            ):
-                mine = self._dp.reduce_mean_to_owners(bucket, offset, self._windows[job.index])
-            if mine is not None:
-                self._sink.push(job.index, mine[0], mine[1], job.final)
+            for run in _contiguous_runs(job.pieces):
+                offset, bucket = _bucket(run)
+                with runtime.tracer.device_span(
+                    f"reduce {job.index}", "comm", stream=runtime.comm_stream, numel=bucket.numel()
+                ):
+                    mine = self._dp.reduce_mean_to_owners(bucket, offset, self._windows[job.index])
+                if mine is not None:
+                    self._sink.push(job.index, mine[0], mine[1], job.final)
 
 
-def _bucket(pieces: Sequence[tuple[int, torch.Tensor]]) -> tuple[int, torch.Tensor]:
-    """``(state offset, flat tensor)`` holding every piece at its place: a lone piece as it
+def _contiguous_runs(pieces: Sequence[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
+    """``pieces`` (in offset order) split where a parameter that is not among them lies
+    between two of them. A bucket arrives in backward order, which is not the layout's:
+    reducing the gap as zeros would hand its owner a second, empty gradient for elements
+    whose real one comes in another bucket. Only alignment padding may lie inside a run."""
+    runs: list[list[tuple[int, torch.Tensor]]] = []
+    end = 0
+    for offset, grad in pieces:
+        if not runs or offset != -(-end // ALIGN_ELEMENTS) * ALIGN_ELEMENTS:  # not the next aligned slot
+            runs.append([])
+        runs[-1].append((offset, grad))
+        end = offset + grad.numel()
+    return runs
+
+
+def _bucket(run: Sequence[tuple[int, torch.Tensor]]) -> tuple[int, torch.Tensor]:
+    """``(state offset, flat tensor)`` holding a contiguous run of pieces: a lone piece as it
     is, several copied into one buffer on the current stream (the gaps between them are
     the layout's alignment padding: zero, as their gradient is)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    start = pieces[0][0]
-    end = max(offset + grad.numel() for offset, grad in pieces)
-    bucket = torch.zeros(end - start, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
-    for offset, grad in pieces:
+    if len(run) == 1:
+        return run[0]
+    start = run[0][0]
+    end = run[-1][0] + run[-1][1].numel()
+    bucket = torch.zeros(end - start, dtype=run[0][1].dtype, device=run[0][1].device)
+    for offset, grad in run:
         bucket[offset - start : offset - start + grad.numel()].copy_(grad)
     return start, bucket
