@@ -46,6 +46,7 @@ from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import build_flat_layout
+from megatrain_ds.state.host_store import SpanOf
 from megatrain_ds.state.nvme_tier import WITH_MASTER, swap_file_bytes, tier_kinds
 from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.state.swap_directory import check_free_space
@@ -126,10 +127,6 @@ def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optim
         seen.add(storage.data_ptr())
         freed["cuda" if param.device.type == "cuda" else "cpu"] += storage.nbytes()
     return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"])
-
-
-SpanOf = Callable[[int], "tuple[int, int] | None"]
-"""This node's ``[start, end)`` of a state's optimizer state, from the state's size."""
 
 
 def _held(numel: int, span_of: SpanOf | None) -> int:

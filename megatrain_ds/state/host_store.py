@@ -129,6 +129,11 @@ def _repoint(param: nn.Parameter, value: torch.Tensor) -> None:
         param.data = value
 
 
+SpanOf = Callable[[int], "tuple[int, int] | None"]
+"""This node's ``[start, end)`` of a state's optimizer state, from the state's size; ``None``:
+all of it (``distributed/data_parallel.py``: [Note: sharded host state])."""
+
+
 def absent_on_host(numel: int) -> torch.Tensor:
     """The placeholder of an fp32 buffer kept elsewhere (a moment or master on the NVMe tier,
     ``state/nvme_tier.py``): right dtype and size, no storage, so any use that skipped
@@ -159,7 +164,7 @@ def migrate_to_host(
     shared: NodeSharedMemory | None = None,
     moments_on_host: bool = True,
     shadow_on_host: bool = True,
-    span_of: Callable[[int], tuple[int, int] | None] | None = None,
+    span_of: SpanOf | None = None,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
 

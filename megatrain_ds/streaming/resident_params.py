@@ -26,7 +26,7 @@ from torch import nn
 from megatrain_ds.gradients.row_chunked import PushFn, RowChunkedModule, redirect_row_chunked
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
-from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
+from megatrain_ds.state.host_store import HostFlatState, SpanOf, TensorSource, migrate_to_host
 
 
 class ResidentParams:
@@ -52,7 +52,7 @@ class ResidentParams:
         compute_dtype: torch.dtype,
         source: TensorSource | None = None,
         shared: NodeSharedMemory | None = None,
-        span_of: Callable[[int], tuple[int, int] | None] | None = None,
+        span_of: SpanOf | None = None,
     ) -> None:
         self.state: HostFlatState = migrate_to_host(
             named_params, group_of, runtime, master_dtype, compute_dtype, source=source, shared=shared, span_of=span_of
