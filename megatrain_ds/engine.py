@@ -55,7 +55,7 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.trace import TraceSchedule
 from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
-from megatrain_ds.state.nvme_tier import WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
+from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
 from megatrain_ds.streaming.activation_stash import ActivationStash
@@ -158,7 +158,7 @@ class MegatrainEngine(nn.Module):
         shared = dp.shared if dp is not None else None  # one host copy per node
         templates = self._build_host_state(blocks, group_of, source, shared, nvme)
         resident, block_modules = self._build_resident(model, blocks, group_of, source, shared)
-        self._build_optimizer(shared)
+        self._build_optimizer(shared, nvme)
         self._build_streams(templates, nvme)
         self._build_streamed_blocks(model, blocks, templates, block_modules)
         self._build_long_context(model, list(dict.fromkeys(templates)))
@@ -178,18 +178,27 @@ class MegatrainEngine(nn.Module):
         checking that the run is supported and fits: nothing is allocated before this."""
         # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
         # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
-        # With several nodes, each holds only its share of the optimizer state (_span_of).
+        # With several nodes, each holds only its share of the optimizer state (_span_of); with
+        # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier).
+        dp, device, span_of = self.data_parallel, self.runtime.device, self._span_of
+        tier_ranks = dp.node_size if dp is not None else None
         nvme = wants_nvme_tier(
-            model, self.config, self.optimizer, self.runtime.device, STAGING_CHUNK_ELEMENTS, span_of=self._span_of
+            model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, span_of=span_of, tier_ranks=tier_ranks
         )
-        if nvme != "none" and self.data_parallel is not None:
+        if nvme == "all" and dp is not None:
             raise ConfigError(
-                'megatrain.nvme_offload (offload_optimizer/offload_param.device "nvme") is not '
-                "supported with data parallel yet: train on one rank, or keep the state in host memory"
+                'megatrain.nvme_offload "all" (offload_param.device "nvme") keeps the only copy of the weights '
+                "in one process's swap files, and with data parallel every rank streams all of them: use "
+                '"nvme_offload": "optimizer" (offload_optimizer.device "nvme": each rank\'s share of Adam\'s '
+                "m and v on its node's disk) and keep the weights in host memory, or train on one rank"
             )
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
-            device, span_of = self.runtime.device, self._span_of
-            preflight(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, span_of=span_of)
+            preflight(
+                *(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS),
+                nvme=nvme,
+                span_of=span_of,
+                tier_ranks=tier_ranks,
+            )
         _reject_unsupported_outputs(model)
         return nvme
 
@@ -211,7 +220,9 @@ class MegatrainEngine(nn.Module):
         """Each block's flat host state (``self.states``, migrated one block at a time, into
         the NVMe tier where it has one) and its weightless template, one per structure."""
         master, compute = self.config.master_dtype, self.config.compute_dtype
-        if nvme != "none":  # opened first, to take each block as it is migrated (state/nvme_tier.py)
+        if nvme != "none" and self.data_parallel is None:
+            # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
+            # data parallel each rank's tier opens over its windows (_open_rank_tier).
             self.nvme_tier = open_nvme_tier(
                 [flat_numel(list(block.named_parameters()), group_of) for block in blocks],
                 WITH_MASTER if nvme == "all" else tier_kinds(master_is_streamed=compute == master),
@@ -279,9 +290,10 @@ class MegatrainEngine(nn.Module):
                         module._buffers[name] = buffer.to(self.runtime.device)
         return resident, block_modules
 
-    def _build_optimizer(self, shared: NodeSharedMemory | None) -> None:
-        """Gradient buffers, each rank's window of the state, the host AdamW over it and the
-        stepper (norm, clipping, speculative steps), attached to the client optimizer."""
+    def _build_optimizer(self, shared: NodeSharedMemory | None, nvme: str) -> None:
+        """Gradient buffers, each rank's window of the state (on its own NVMe tier with data
+        parallel), the host AdamW over it and the stepper (norm, clipping, speculative
+        steps), attached to the client optimizer."""
         options, compute, dp = self.config.options, self.config.compute_dtype, self.data_parallel
         if self.config.holds_gradients:
             grad_dtype = self.config.held_gradient_dtype
@@ -299,6 +311,8 @@ class MegatrainEngine(nn.Module):
         self.optimizer_states = (
             self.states if dp is None else [state.window(*window) for state, window in zip(self.states, self.windows)]
         )
+        if nvme != "none" and dp is not None:
+            self._open_rank_tier()
         self.adamw: HostAdamW = build_host_adamw(
             self.optimizer.param_groups,
             self.optimizer.decoupled,
@@ -324,6 +338,24 @@ class MegatrainEngine(nn.Module):
             self.adamw.residency = self.nvme_tier
             self.stepper.plan_access()
         self.optimizer.attach(self._finish_optimizer_step)
+
+    def _open_rank_tier(self) -> None:
+        """With data parallel: this rank's NVMe tier, of its window of each block's Adam m and
+        v (state/nvme_tier.py). The rank alone steps its windows, so their moments never
+        need to be seen by the node's other ranks: each rank's swap files are its own, on
+        its node's disk, and only its windows' share of host memory is a window slot. The
+        masters stay in the node's shared host memory, which the gather after each step
+        updates. An empty window (a state smaller than the ranks' windows) has nothing on
+        the tier."""
+        blocks = self.optimizer_states[: self._resident_index]
+        on_tier = [window for window in blocks if window.layout.numel > 0]
+        numels = [window.layout.numel for window in on_tier]
+        self.nvme_tier = open_nvme_tier(numels, MOMENTS, self.runtime, self.config.options)
+        for window in blocks:
+            if window.layout.numel > 0:
+                self.nvme_tier.adopt(window)
+            else:  # no placeholder left to trip over: nothing to step, nothing to save
+                window.exp_avg, window.exp_avg_sq = torch.zeros(0), torch.zeros(0)
 
     def _build_streams(self, templates: list[BlockTemplate], nvme: str) -> None:
         """What crosses between host and device: gradients out (the sink, behind the

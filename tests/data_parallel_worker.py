@@ -28,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.config import ConfigError
+from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.model import causal_lm_loss
+from megatrain_ds.planning.preflight import AvailableMemory, preflight
 from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
@@ -132,6 +135,37 @@ def count_collective_elements() -> dict[str, int]:
     return counted
 
 
+def _tier_report(engine: MegatrainEngine) -> dict:
+    """This rank's NVMe tier: its blocks' sizes, swap-file and window bytes, and the bytes
+    preflight plans for the node (its ranks' tiers together)."""
+    tier, dp = engine.nvme_tier, engine.data_parallel
+    assert tier is not None
+    planned = preflight(
+        *(engine.module, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS),
+        available=AvailableMemory(host=1 << 50),
+        nvme="optimizer",
+        span_of=dp.span if dp is not None and dp.num_nodes > 1 else None,
+        tier_ranks=dp.node_size if dp is not None else None,
+    )
+    return {
+        "numels": tier.numels,
+        "disk": tier.directory.nbytes,
+        "window": tier.window_bytes,
+        "planned_disk": planned.disk,
+        "planned_window": planned.host["nvme_window"],
+    }
+
+
+def _weights_on_the_tier_refused(settings: dict) -> str:
+    """What an engine with the weights on the NVMe tier ("all") says under data parallel."""
+    megatrain = {**settings["megatrain"], "nvme_offload": "all"}
+    try:
+        MegatrainEngine(tiny_models.llama(num_layers=2), parse_engine_config({**settings, "megatrain": megatrain}))
+    except ConfigError as error:
+        return str(error)
+    raise AssertionError("the weights on the NVMe tier were accepted with data parallel")
+
+
 def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
     collectives = count_collective_elements()
@@ -143,7 +177,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     }
     rows = args.rows or MICRO * world_size  # one micro-batch of every rank
     micro = rows // world_size
-    settings = config(args.accumulation, world_size, micro, **long_context)
+    tier = {"nvme_offload": "optimizer", "nvme_path": args.nvme} if args.nvme else {}
+    settings = config(args.accumulation, world_size, micro, **long_context, **tier)
     if args.bf16:
         settings["bf16"] = {"enabled": True}
     engine = MegatrainEngine(model, parse_engine_config(settings))
@@ -177,6 +212,9 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     # What this node holds (node-shared: one copy per node), and what the whole state would take.
     held = {"host_bytes": engine.host_bytes(), "numels": [flat.layout.numel for flat in engine.states]}
     held["collective_elements"] = collectives
+    held["tier"] = _tier_report(engine) if engine.nvme_tier is not None else None
+    if engine.nvme_tier is not None and dp is not None:
+        held["tier"]["weights_refused"] = _weights_on_the_tier_refused(settings)
     # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones too).
     held["shadows_match"] = all(
         torch.equal(flat.shadow, flat.master.to(flat.shadow.dtype)) for flat in engine.states if flat.shadow is not None
@@ -253,6 +291,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
     parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
     parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
+    parser.add_argument("--nvme", help="parity: Adam's moments on the NVMe tier, its swap files under this path")
     parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")

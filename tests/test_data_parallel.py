@@ -265,23 +265,30 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     _assert_parity(ranks, steps, accumulation)
 
 
-def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int) -> None:
+def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool = False) -> None:
     """Each node holds the whole weights and its span of Adam's moments and of the held
-    gradients, 1/N of them (W + S/N, ``engine.host_bytes()``), each element on one node."""
+    gradients, 1/N of them (W + S/N, ``engine.host_bytes()``), each element on one node.
+    With the NVMe tier (one rank per node) the blocks' moments of the span are in the
+    rank's swap files instead, the resident parameters' in host memory."""
     world = nodes * per_node
     numels = ranks[0]["numels"]
     numel = sum(numels)
     ownership = Ownership.of([range(node * per_node, (node + 1) * per_node) for node in range(nodes)], 0)
     slack = len(numels) * world * ALIGN_ELEMENTS * 4  # per state: windows of one size, the last ones short
+    in_memory = ("grad",) if tier else ("exp_avg", "exp_avg_sq", "grad")
     for node, leader in enumerate(ranks[::per_node]):  # one report per node: its ranks map one copy
         held = leader["host_bytes"]
         assert held["master"] == 4 * numel  # W: the weights, whole on every node
-        spans = [ownership.spans(n)[node] for n in numels]
-        for kind in ("exp_avg", "exp_avg_sq", "grad"):  # S: this node's share of them
-            assert held[kind] == 4 * sum(end - start for _, start, end in spans), kind
+        spans = [end - start for _, start, end in (ownership.spans(n)[node] for n in numels)]
+        for kind in in_memory:  # S: this node's share of them
+            assert held[kind] == 4 * sum(spans), kind
             assert abs(held[kind] - 4 * numel / nodes) <= slack, (kind, held[kind], numel)
-        assert sum(held.values()) <= (4 + 12 / nodes) * numel + 3 * slack  # W + S/N
-    for kind in ("exp_avg", "exp_avg_sq", "grad"):  # together the nodes hold each element once
+        if tier:
+            assert leader["tier"]["numels"] == [span for span in spans[:-1] if span > 0]
+            assert leader["tier"]["planned_disk"] == leader["tier"]["disk"]
+            assert held["exp_avg"] == held["exp_avg_sq"] == 4 * spans[-1]
+        assert sum(held.values()) - held.get("nvme_window", 0) <= (4 + 12 / nodes) * numel + 3 * slack  # W + S/N
+    for kind in in_memory:  # together the nodes hold each element once
         assert sum(leader["host_bytes"][kind] for leader in ranks[::per_node]) == 4 * numel
 
 
@@ -349,14 +356,36 @@ def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path: Path, layo
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 
-def test_checkpoint_saved_by_two_ranks_resumes_bit_identically(tmp_path: Path) -> None:
-    straight, resumed, checkpoint = tmp_path / "straight", tmp_path / "resumed", tmp_path / "checkpoint"
+def test_two_ranks_with_the_nvme_tier_match_one_process_and_resume_without_it(tmp_path: Path) -> None:
+    """One node of 2 ranks with Adam's moments on the NVMe tier: each rank keeps its window
+    of every block's m and v in its own swap files, and the run is plain PyTorch's with both
+    batches. Its checkpoint (a span file per rank, written from the swap files) resumes
+    with the state in host memory bit-identically to the uninterrupted run."""
+    straight, resumed, checkpoint, swap = (tmp_path / name for name in ("straight", "resumed", "checkpoint", "swap"))
     for directory in (straight, resumed):
         directory.mkdir()
-    launch("parity", straight, "--steps", "5", "--save-to", str(checkpoint), "--save-at", "3")
+    launch("parity", straight, "--steps", "5", "--save-to", str(checkpoint), "--save-at", "3", "--nvme", str(swap))
+    ranks = [torch.load(straight / f"rank{rank}.pt") for rank in range(2)]
+    _assert_parity(ranks, steps=5, accumulation=2)
+    for rank, report in enumerate(ranks):  # each rank's tier: its window of every block, nothing more
+        windows = [Ownership.of([[0, 1]], rank).window(numel) for numel in report["numels"][:-1]]
+        assert report["tier"]["numels"] == [end - start for start, end in windows]
+        assert report["host_bytes"]["exp_avg"] == 4 * report["numels"][-1]  # only the resident state's in memory
+        assert report["host_bytes"]["nvme_window"] == report["tier"]["window"] > 0
+    # Preflight plans the node's swap files and window slots: both ranks' (blocks of 7808
+    # elements: the windows are half of each, so the plan is exact).
+    for kind in ("disk", "window"):
+        assert ranks[0]["tier"][f"planned_{kind}"] == sum(report["tier"][kind] for report in ranks), kind
+    # The weights on the tier ("all") are one process's, which data parallel cannot share: refused, the fix named.
+    assert '"nvme_offload": "optimizer"' in ranks[0]["tier"]["weights_refused"]
+    assert sorted(p.name for p in (checkpoint / "global_step3").glob("optimizer*")) == [
+        "optimizer-spans-00001-of-00002.safetensors",  # one per rank: each wrote its own windows
+        "optimizer-spans-00002-of-00002.safetensors",
+    ]
+    assert not list(swap.iterdir())  # the swap directories go with the run
     launch("parity", resumed, "--steps", "5", "--resume-from", str(checkpoint))
     for rank in range(2):
-        expected = torch.load(straight / f"rank{rank}.pt")["state_dict"]
+        expected = ranks[rank]["state_dict"]
         got = torch.load(resumed / f"rank{rank}.pt")["state_dict"]
         for key, value in expected.items():
             assert torch.equal(value, got[key]), key
@@ -380,8 +409,9 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
     """2 nodes of 2 ranks (separate torchrun launches), one global batch of 4 rows: they
     train as one process with the whole batch does, each node holding its share of the
     optimizer state. The checkpoint they write at step 2 (each node its span file) resumes
-    in one process, which saves it again as soon as it has loaded it (per parameter, as one
-    node does); that one resumes on 4 nodes of one rank (each keeping its quarter). Both continue as the
+    in one process with Adam's moments on the NVMe tier, which saves it again as soon as it
+    has loaded it (per parameter, as one node does); that one resumes on 4 nodes of one
+    rank, each keeping its quarter, its moments on its own NVMe tier. Both continue as the
     uninterrupted run. (Span files read by other partitions: tests/test_optimizer_spans.py.)"""
     checkpoint, steps, save_at = tmp_path / "checkpoint", 4, 2
     common = ("parity", "--steps", str(steps), "--rows", "4", "--accumulation", "2")
@@ -414,14 +444,16 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
 
     by_one = tmp_path / "checkpoint_of_one"
     resume_and_save = ("--resume-from", str(checkpoint), "--save-to", str(by_one), "--save-at", str(save_at))
-    launch("parity", runs["on1"], *common[1:], *resume_and_save, nproc=1)
+    # With the moments on its NVMe tier: the span files are read into the swap files.
+    launch("parity", runs["on1"], *common[1:], *resume_and_save, "--nvme", str(tmp_path / "swap"), nproc=1)
     assert sorted(p.name for p in (by_one / f"global_step{save_at}").glob("optimizer*")) == [
         "optimizer-00001-of-00001.safetensors"
     ]
-    launch_nodes(4, runs["on4"], *common, "--resume-from", str(by_one))
+    # The 4 nodes keep the moments of their spans on the NVMe tier, each on its own disk.
+    launch_nodes(4, runs["on4"], *common, "--resume-from", str(by_one), "--nvme", str(tmp_path / "swap"))
     on1 = torch.load(runs["on1"] / "rank0.pt")
     on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
-    _assert_node_shares(on4, nodes=4, per_node=1)
+    _assert_node_shares(on4, nodes=4, per_node=1, tier=True)
     for resumed in (on1, on4[0]):
         assert relative_error(resumed["state_dict"], straight[0]["state_dict"]) < 2e-6
         assert resumed["norms"] == pytest.approx(straight[0]["norms"][save_at:], rel=1e-5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_ds.checkpoint.optimizer_spans import SpanFiles, span_file_name, write_span_file
+from megatrain_ds.checkpoint.optimizer_spans import HeldSpan, SpanFiles, span_file_name, write_span_file
 from megatrain_ds.checkpoint.tensor_files import CheckpointError, SafetensorsFile, file_digest
 from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.state.flat_layout import build_flat_layout
@@ -47,6 +47,14 @@ def node_states(nodes: int, per_node: int, node: int, values: dict[str, torch.Te
     return states
 
 
+def held_spans(states: dict[str, HostFlatState]) -> dict[str, HeldSpan]:
+    return {name: HeldSpan.of_state(state) for name, state in states.items()}
+
+
+def numels(states: dict[str, HostFlatState]) -> dict[str, int]:
+    return {name: state.layout.numel for name, state in states.items()}
+
+
 def whole_values() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {
@@ -60,7 +68,7 @@ def save(directory: Path, nodes: int, per_node: int, values: dict[str, torch.Ten
     files = {}
     for node in range(nodes):
         name = span_file_name(node, nodes)
-        digest = write_span_file(directory / name, node_states(nodes, per_node, node, values), KINDS)
+        digest = write_span_file(directory / name, held_spans(node_states(nodes, per_node, node, values)), KINDS)
         files[name] = (SafetensorsFile(directory / name, digest.header_crc32), digest)
     return files
 
@@ -74,7 +82,7 @@ def test_spans_written_by_one_partition_are_read_by_another(
     nodes, per_node = loaded
     for node in range(nodes):
         states = node_states(nodes, per_node, node, None)
-        SpanFiles(files, states, KINDS).read_into_states()
+        SpanFiles(files, numels(states), KINDS).read_into(held_spans(states))
         for name, state in states.items():
             start, end = state.held
             for kind in KINDS:
@@ -115,7 +123,7 @@ def test_forged_spans_are_refused_before_anything_is_read(tmp_path: Path, edit, 
     }
     states = node_states(1, 1, 0, None)
     with pytest.raises(CheckpointError, match=message):
-        SpanFiles(files, states, KINDS)
+        SpanFiles(files, numels(states), KINDS)
     assert all(not getattr(state, kind).any() for state in states.values() for kind in KINDS)  # untouched
 
 
@@ -124,12 +132,13 @@ def test_a_missing_file_a_missing_kind_and_a_flipped_byte_are_named(tmp_path: Pa
     files = save(tmp_path, 2, 1, values)
     first = span_file_name(0, 2)
     with pytest.raises(CheckpointError, match=r"cover elements \[0, 512\) of state 'resident', which has 1024"):
-        SpanFiles({first: files[first]}, node_states(1, 1, 0, None), KINDS)
+        SpanFiles({first: files[first]}, numels(node_states(1, 1, 0, None)), KINDS)
     with pytest.raises(CheckpointError, match=r"no tensor resident\.grad_held of shape \[512\]"):
-        SpanFiles(files, node_states(1, 1, 0, None), ("exp_avg", "grad_held"))  # a kind no file has
+        SpanFiles(files, numels(node_states(1, 1, 0, None)), ("exp_avg", "grad_held"))  # a kind no file has
     path = tmp_path / span_file_name(1, 2)
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF  # in the data of the last tensor
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        SpanFiles(files, node_states(1, 1, 0, None), KINDS).read_into_states()
+        states = node_states(1, 1, 0, None)
+        SpanFiles(files, numels(states), KINDS).read_into(held_spans(states))

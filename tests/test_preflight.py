@@ -201,3 +201,28 @@ def test_with_several_nodes_only_this_nodes_share_of_the_optimizer_state_is_coun
     preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none", span_of=span_of)
     with pytest.raises(preflight.InsufficientMemoryError):
         preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none")
+
+
+def test_with_data_parallel_the_tier_holds_each_ranks_moments_and_auto_stops_short_of_the_weights(tmp_path) -> None:
+    """With data parallel each rank keeps its own NVMe tier of its windows' m and v; the
+    fp32 masters stay in the node's host memory even with bf16 compute (the gather after a
+    step updates them there), and "auto" never puts the weights on the tier (data parallel
+    refuses "all"): it stops at "optimizer", and preflight then names what does not fit."""
+    import tiny_models
+
+    model = tiny_models.llama()
+    config = parse_engine_config(ds_config(bf16=True, megatrain={"nvme_path": str(tmp_path), "nvme_offload": "auto"}))
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    cpu = torch.device("cpu")
+    alone = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="optimizer")
+    ranks = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="optimizer", tier_ranks=2)
+    whole = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="none")
+    assert alone.host["master"] < whole.host["master"] == ranks.host["master"]  # one rank: the tier takes the master
+    assert alone.disk == 1.5 * ranks.disk  # m, v and master against m and v (blocks of whole 4 KiB pages here)
+    room = preflight.AvailableMemory(host=4096)  # nothing fits
+    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room) == "all"
+    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2) == (
+        "optimizer"
+    )
+    with pytest.raises(preflight.InsufficientMemoryError, match="does not fit"):
+        preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2)

@@ -65,6 +65,7 @@ from megatrain_ds.checkpoint.directories import (
 from megatrain_ds.checkpoint.optimizer_spans import (
     RESIDENT,
     SPANS_PREFIX,
+    HeldSpan,
     SpanFiles,
     span_file_name,
     write_span_file,
@@ -115,8 +116,13 @@ class CheckpointedEngine(Protocol):
     resident: ResidentParams
     states: list[HostFlatState]
     """One flat state per block, in block order, then the resident parameters' state."""
+    windows: list[tuple[int, int]]
+    """This rank's ``[start, end)`` of each state (all of it without data parallel)."""
+    optimizer_states: list[HostFlatState]
+    """Views of each state's window: what this rank's optimizer (and NVMe tier) holds."""
     nvme_tier: NvmeTier | None
-    """Holds the blocks' Adam moments when the NVMe tier is on."""
+    """Holds the blocks' Adam moments when the NVMe tier is on (this rank's windows of
+    them with data parallel)."""
     block_path: str
     global_steps: int
     micro_steps: int
@@ -175,6 +181,28 @@ def _state_tensors(engine: CheckpointedEngine) -> Iterator[_StateTensors]:
         return
     with engine.nvme_tier.file_views() as on_tier:
         yield _StateTensors(on_tier)
+
+
+def _windows_on_rank_tiers(engine: CheckpointedEngine) -> bool:
+    """With data parallel and the NVMe tier each rank keeps its windows of the blocks'
+    moments in its own swap files (``state/nvme_tier.py``): only that rank reads or writes them."""
+    return engine.data_parallel is not None and engine.nvme_tier is not None
+
+
+def _held_spans(engine: CheckpointedEngine, flat_of: _StateTensors) -> dict[str, HeldSpan]:
+    """What this process saves and fills of each flat state's optimizer state, by state
+    name: the part its node holds (all of it on one node), or with the NVMe tier and data
+    parallel this rank's window (:func:`_windows_on_rank_tiers`)."""
+    names = {id(state): name for name, state in _states_by_name(engine).items()}
+    if not _windows_on_rank_tiers(engine):
+        return {
+            names[id(state)]: HeldSpan(state.layout.numel, *state.held, lambda kind, s=state: flat_of(s, kind))
+            for state in engine.states
+        }
+    return {
+        names[id(state)]: HeldSpan(state.layout.numel, start, end, lambda kind, w=window: flat_of(w, kind))
+        for state, (start, end), window in zip(engine.states, engine.windows, engine.optimizer_states)
+    }
 
 
 def _entries_by_state(engine: CheckpointedEngine) -> list[list[_Entry]]:
@@ -238,8 +266,9 @@ def save_checkpoint(
     With data parallel every rank calls this (as with DeepSpeed). On one node rank 0 writes
     the whole checkpoint from the node's shared copy, which holds every rank's state; on
     several, each node writes its span of the optimizer state and rank 0 the rest
-    (:func:`_save_tag_by_nodes`). Every rank returns when the checkpoint is published
-    (``save_dir`` must be one filesystem that every rank sees).
+    (:func:`_save_tag_in_parallel`), as each rank writes its window with the NVMe tier.
+    Every rank returns when the checkpoint is published (``save_dir`` must be one
+    filesystem that every rank sees).
     """
     _quiesce(engine)
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
@@ -249,8 +278,8 @@ def save_checkpoint(
 
     request = _SaveRequest(Path(save_dir), tag, encoded, save_latest, exclude_frozen_parameters, max_shard_bytes)
     dp = engine.data_parallel
-    if dp is not None and dp.num_nodes > 1:
-        _save_tag_by_nodes(engine, dp, request)
+    if dp is not None and (dp.num_nodes > 1 or _windows_on_rank_tiers(engine)):
+        _save_tag_in_parallel(engine, dp, request)
     elif dp is not None:
         dp.on_rank0(f"saving checkpoint {tag!r}", lambda: _save_tag(engine, request))
     else:
@@ -309,21 +338,26 @@ def _publish(engine: CheckpointedEngine, request: _SaveRequest, temp: Path, file
     logger.info("megatrain: saved checkpoint %s (%d files)", request.root / request.tag, len(files) + 1)
 
 
-def _save_tag_by_nodes(engine: CheckpointedEngine, dp: DataParallel, request: _SaveRequest) -> None:
-    """Several nodes, each holding its span of the optimizer state: every node's leader
-    writes its span file into rank 0's temporary directory at once (``optimizer_spans.py``),
-    rank 0 the weights (every node holds them whole) and the trainer state; rank 0 then
-    writes the manifest of all of them and publishes, or removes the directory if any rank
-    failed. ``request.root`` must be one filesystem that every node sees."""
+def _save_tag_in_parallel(engine: CheckpointedEngine, dp: DataParallel, request: _SaveRequest) -> None:
+    """Several nodes, each holding its span of the optimizer state (or ranks, each holding
+    its window on its own NVMe tier): every node's leader (every rank) writes its span file
+    into rank 0's temporary directory at once (``optimizer_spans.py``), rank 0 the weights
+    (every node holds them whole) and the trainer state; rank 0 then writes the manifest of
+    all of them and publishes, or removes the directory if any rank failed.
+    ``request.root`` must be one filesystem that every node sees."""
     tag = request.tag
     made = dp.from_rank0(f"creating the directory of checkpoint {tag!r}", lambda: str(make_temp_dir(request.root, tag)))
     temp = Path(made)
     files: dict[str, FileDigest] = {}
     failure = None
+    by_rank = _windows_on_rank_tiers(engine)
     try:
-        if dp.is_node_writer:
-            name = span_file_name(dp.ownership.node, dp.num_nodes)
-            files[name] = write_span_file(temp / name, _states_by_name(engine), _saved_kinds(engine))
+        if by_rank or dp.is_node_writer:
+            name = (
+                span_file_name(dp.rank, dp.world_size) if by_rank else span_file_name(dp.ownership.node, dp.num_nodes)
+            )
+            with _state_tensors(engine) as flat_of:
+                files[name] = write_span_file(temp / name, _held_spans(engine, flat_of), _saved_kinds(engine))
         if dp.rank == 0:
             files.update(_write_model_and_trainer_state(engine, temp, request))
     except Exception as error:  # reported to rank 0, which removes the directory; raised below
@@ -481,11 +515,15 @@ def load_checkpoint(
     _quiesce(engine)
     engine.streamer.begin([])  # no prefetched copy of the old weights may survive
     dp = engine.data_parallel
+    by_rank = _windows_on_rank_tiers(engine)
     if dp is None or dp.is_node_writer:  # node-shared state: one reader per node
         with _state_tensors(engine) as flat_of:
             _read_weights(engine, reads, flat_of)
-            if with_optimizer:
+            if with_optimizer and not by_rank:
                 _read_optimizer_state(engine, reads, flat_of)
+    if with_optimizer and by_rank:  # each rank its windows: on its own tier, disjoint in the node's memory
+        with _state_tensors(engine) as flat_of:
+            _read_optimizer_state(engine, reads, flat_of)
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
     engine.resident.refresh_device()
@@ -551,14 +589,17 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTens
 
 def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTensors) -> None:
     """Adam's moments (and the held gradients, when saved inside an accumulation window)
-    from span files or per-parameter files, into the part of each state this node holds."""
-    for state in engine.states:
-        if state.grad is not None:
-            state.grad.zero_()  # overwritten below when saved inside an accumulation window
+    from span files or per-parameter files, into the part of each state this process
+    holds (:func:`_held_spans`)."""
+    held = _held_spans(engine, flat_of)
+    if engine.states[0].grad is not None:
+        for part in held.values():
+            part.tensor("grad").zero_()  # overwritten below when saved inside an accumulation window
     if reads.span_files is not None:
-        reads.span_files.read_into_states()
+        reads.span_files.read_into(held)
+    held_of = {id(state): held[name] for name, state in _states_by_name(engine).items()}
     for file in reads.optimizer_files.values():
-        with _whole_states(flat_of) as whole_of:
+        with _whole_states(held_of) as whole_of:
             wanted = reads.optimizer_targets.get(file.path, {})
             file.read_into(
                 {name: entry.view(whole_of(entry.state, kind)) for name, (entry, kind) in wanted.items()},
@@ -568,23 +609,24 @@ def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: _S
 
 
 @contextlib.contextmanager
-def _whole_states(flat_of: _StateTensors) -> Iterator[Callable[[HostFlatState, str], torch.Tensor]]:
-    """Per-parameter optimizer files read into states: a state this node holds only a span
-    of (several nodes) is read into a whole temporary buffer, and its span kept at the end."""
-    temporaries: dict[tuple[int, str], tuple[HostFlatState, torch.Tensor]] = {}
+def _whole_states(held_of: Mapping[int, HeldSpan]) -> Iterator[Callable[[HostFlatState, str], torch.Tensor]]:
+    """Per-parameter optimizer files read into states (``held_of``: by the state's id): a
+    state this process holds only a part of (several nodes, or a rank's window on its NVMe
+    tier) is read into a whole temporary buffer, and its part kept at the end."""
+    temporaries: dict[tuple[int, str], tuple[HeldSpan, torch.Tensor]] = {}
 
     def whole_of(state: HostFlatState, kind: str) -> torch.Tensor:
-        flat = flat_of(state, kind)
-        if not state.sharded:
+        part = held_of[id(state)]
+        flat = part.tensor(kind)
+        if (part.start, part.end) == (0, part.numel):
             return flat
         if (id(state), kind) not in temporaries:
-            temporaries[id(state), kind] = (state, torch.zeros(state.layout.numel, dtype=flat.dtype))
+            temporaries[id(state), kind] = (part, torch.zeros(part.numel, dtype=flat.dtype))
         return temporaries[id(state), kind][1]
 
     yield whole_of
-    for (_, kind), (state, whole) in temporaries.items():
-        start, end = state.held
-        getattr(state, kind).copy_(whole[start:end])
+    for (_, kind), (part, whole) in temporaries.items():
+        part.tensor(kind).copy_(whole[part.start : part.end])
 
 
 def _open_span_files(
@@ -600,7 +642,7 @@ def _open_span_files(
     for name in sorted(n for n in manifest["files"] if n.startswith(SPANS_PREFIX)):
         digest = checked_digest(path, manifest, name)
         files[name] = (SafetensorsFile(path / name, digest.header_crc32), digest)
-    return SpanFiles(files, _states_by_name(engine), kinds)
+    return SpanFiles(files, {name: state.layout.numel for name, state in _states_by_name(engine).items()}, kinds)
 
 
 def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:

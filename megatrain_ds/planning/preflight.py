@@ -135,14 +135,24 @@ def _held(numel: int, span_of: SpanOf | None) -> int:
 
 
 def estimate_from_shapes(
-    shapes: _Shapes, config: EngineConfig, device_type: str, staging_chunk: int, span_of: SpanOf | None = None
+    shapes: _Shapes,
+    config: EngineConfig,
+    device_type: str,
+    staging_chunk: int,
+    span_of: SpanOf | None = None,
+    tier_ranks: int | None = None,
 ) -> MemoryNeed:
     """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc).
 
     ``span_of``: with data parallel over several nodes, the part of a state's optimizer
     state (moments, held gradients) this node holds (``distributed/data_parallel.py``:
-    [Note: sharded host state]); ``None``: all of it."""
+    [Note: sharded host state]); ``None``: all of it. ``tier_ranks``: with data parallel,
+    the ranks of this node; each keeps its own NVMe tier of its windows' m and v, the
+    masters stay in host memory (and the weights: data parallel refuses ``"all"``)."""
     options = config.options
+    if tier_ranks is not None and options.nvme_offload == "all":
+        config = _options(config, nvme_offload="optimizer")  # what data parallel can offer
+        options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
     streamed = compute if config.compute_dtype != config.master_dtype else master
@@ -161,14 +171,18 @@ def estimate_from_shapes(
         kinds = (
             WITH_MASTER
             if weights_on_disk
-            else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype)
+            else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype or tier_ranks is not None)
         )
         files = [swap_file_bytes(n, alignment, len(kinds)) for n in shapes.block_numels]
-        disk = sum(files)
+        ranks = 1
+        if tier_ranks is not None:  # each rank's window of the node's share, a file per rank and block
+            ranks = tier_ranks
+            files = [swap_file_bytes(-(-h // ranks), alignment, len(kinds)) for h in held[:-1]]
+        disk = ranks * sum(files)
         host["adam_m_v"] = 2 * _host_buffer(shapes.resident_numel, 4)
         if "master" in kinds:
             host["master"] = _host_buffer(shapes.resident_numel, master)
-        host["nvme_window"] = min(options.nvme_window_blocks, len(files)) * max(files)
+        host["nvme_window"] = ranks * min(options.nvme_window_blocks, len(files)) * max(files)
         if weights_on_disk:
             # The weight window (state/nvme_weights.py): each buffer the largest block in the
             # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
@@ -414,23 +428,26 @@ def preflight(
     available: AvailableMemory | None = None,
     nvme: str | None = None,
     span_of: SpanOf | None = None,
+    tier_ranks: int | None = None,
 ) -> MemoryNeed:
     """Check that the run fits before anything is allocated; returns the estimate.
 
     ``nvme``: what the NVMe tier holds, "none", "optimizer" or "all" (default:
     ``nvme_offload`` resolved by :func:`wants_nvme_tier`); its swap files must fit in the
     free space under ``nvme_path`` (``DiskSpaceError`` naming the path and the bytes).
-    ``span_of``: this node's share of the optimizer state, with several nodes
-    (:func:`estimate_from_shapes`).
+    ``span_of``: this node's share of the optimizer state, with several nodes;
+    ``tier_ranks``: this node's ranks, with data parallel (:func:`estimate_from_shapes`).
     """
     shapes = _shapes(model, config, optimizer)
     have = available if available is not None else available_memory(device)
     if have.device is not None and shapes.device_freed:
         have = dataclasses.replace(have, device=have.device + shapes.device_freed)
     if nvme is None:
-        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, span_of)
+        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, span_of, tier_ranks)
     config = _options(config, nvme_offload=nvme)
-    need = check(lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, span_of), config, have)
+    need = check(
+        lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, span_of, tier_ranks), config, have
+    )
     if need.disk:
         check_free_space(config.options.nvme_path or "", need.disk)
     return need
@@ -444,10 +461,12 @@ def wants_nvme_tier(
     staging_chunk: int,
     available: AvailableMemory | None = None,
     span_of: SpanOf | None = None,
+    tier_ranks: int | None = None,
 ) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
     with which the run's host state (this node's share of it, with ``span_of``) fits in the
-    available host memory ("all" when none does)."""
+    available host memory ("all" when none does; "optimizer" at most with data parallel,
+    ``tier_ranks``)."""
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     return _wants_nvme(
@@ -457,6 +476,7 @@ def wants_nvme_tier(
         staging_chunk,
         available if available is not None else available_memory(device),
         span_of,
+        tier_ranks,
     )
 
 
@@ -467,26 +487,28 @@ def _wants_nvme(
     staging_chunk: int,
     have: AvailableMemory,
     span_of: SpanOf | None = None,
+    tier_ranks: int | None = None,
 ) -> str:
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
+    levels = NVME_OFFLOAD_LEVELS if tier_ranks is None else NVME_OFFLOAD_LEVELS[:-1]  # data parallel: not "all"
     needs = {
         level: estimate_from_shapes(
-            shapes, _options(config, nvme_offload=level), device.type, staging_chunk, span_of
+            shapes, _options(config, nvme_offload=level), device.type, staging_chunk, span_of, tier_ranks
         ).host_total
-        for level in NVME_OFFLOAD_LEVELS
+        for level in levels
     }
-    level = next((level for level in NVME_OFFLOAD_LEVELS if needs[level] <= have.host), "all")
+    level = next((level for level in levels if needs[level] <= have.host), levels[-1])
     where = {
         "none": "nothing goes to NVMe",
         "optimizer": "the optimizer state goes to NVMe",
         "all": "the blocks' weights and optimizer state go to NVMe",
     }[level]
     logger.info(
-        'megatrain: nvme_offload "auto": %s (host state with nothing, the optimizer state, everything '
-        "on the tier: %s; available %s)",
+        'megatrain: nvme_offload "auto": %s (host state with nvme_offload %s: %s; available %s)',
         where,
-        ", ".join(format_bytes(needs[n]) for n in NVME_OFFLOAD_LEVELS),
+        " / ".join(levels),
+        " / ".join(format_bytes(needs[n]) for n in levels),
         format_bytes(have.host),
     )
     return level

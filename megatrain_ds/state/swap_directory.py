@@ -117,11 +117,16 @@ class SwapDirectory:
         clear_stale(root)
         needed = sum(files.values())
         check_free_space(root, needed)
-        self.path = root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path.mkdir()
-        self._lock = _try_lock(self.path / LOCK_FILE)
+        name = f"{PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        # Made under a name clear_stale does not look at, locked and owned, then renamed
+        # into place: a run starting beside this one (another data-parallel rank) never
+        # sees it without its owner file or its lock (the lock is on the directory's
+        # lock file, which the rename keeps).
+        making = root / f".{name}.partial"
+        making.mkdir()
+        self._lock = _try_lock(making / LOCK_FILE)
         assert self._lock is not None, "a fresh directory's lock is free"
-        (self.path / OWNER_FILE).write_text(
+        (making / OWNER_FILE).write_text(
             json.dumps(
                 {
                     "format": FORMAT,
@@ -132,6 +137,8 @@ class SwapDirectory:
                 }
             )
         )
+        self.path = root / name
+        making.rename(self.path)
         self.files = {name: str(self.path / name) for name in files}
         try:
             for name, size in files.items():
