@@ -8,8 +8,11 @@ file, in parallel with the others::
     optimizer-spans-0000k-of-0000n.safetensors   node k's span of every state, flat:
                                                  "<state>.exp_avg", "<state>.exp_avg_sq"
                                                  (and "<state>.grad" inside an
-                                                 accumulation window); the header's
-                                                 "spans" maps each state to [start, end)
+                                                 accumulation window; "<state>.master"
+                                                 where the fp32 master is sharded too,
+                                                 the model files then holding the bf16
+                                                 shadow); the header's "spans" maps each
+                                                 state to [start, end)
 
 A state is named by its block (``model.layers.3``) or ``resident``. Loading reads, for
 each state, the elements this node holds from whichever files cover them, so a checkpoint
@@ -20,7 +23,7 @@ spans of every state must tile it exactly; the files' CRCs are checked as they a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -38,6 +41,10 @@ def span_file_name(node: int, nodes: int) -> str:
     return f"{SPANS_PREFIX}{node + 1:05d}-of-{nodes:05d}.safetensors"
 
 
+MASTER = "master"
+"""The kind of a span file's fp32 masters (written where the master is sharded across nodes)."""
+
+
 def write_span_file(path: Path, states: Mapping[str, HostFlatState], kinds: Sequence[str]) -> FileDigest:
     """Write every state's held span of each of ``kinds`` (views: nothing is copied)."""
     tensors = []
@@ -47,9 +54,21 @@ def write_span_file(path: Path, states: Mapping[str, HostFlatState], kinds: Sequ
         spans[name] = [start, end]
         for kind in kinds:
             flat = getattr(state, kind)
-            assert flat is not None and flat.numel() >= end - start, (name, kind)
-            tensors.append((f"{name}.{kind}", flat[: end - start]))
+            first, last = _held_of(state, kind)
+            assert flat is not None and first <= start <= end <= last, (name, kind)
+            tensors.append((f"{name}.{kind}", flat[start - first : end - first]))
     return write_safetensors(path, tensors, {"format": SPANS_FORMAT, "spans": json.dumps(spans)})
+
+
+def _held_of(state: HostFlatState, kind: str) -> tuple[int, int]:
+    """``[start, end)`` of the state's elements that its buffer of ``kind`` holds: the
+    master may be whole where the optimizer state is a span."""
+    return state.master_held if kind == MASTER else state.held
+
+
+def holds_masters(files: Iterable[SafetensorsFile]) -> bool:
+    """Whether span files hold the fp32 masters (:data:`MASTER`) of their spans."""
+    return any(name.endswith(f".{MASTER}") for file in files for name in file.records)
 
 
 class SpanFiles:
@@ -58,7 +77,8 @@ class SpanFiles:
     Args:
         files: ``name -> (opened file, its manifest digest)``.
         states: this engine's flat states by state name.
-        kinds: what each file must hold for every state (the moments; and ``grad``).
+        kinds: what each file must hold for every state and is read (the moments, ``grad``,
+            :data:`MASTER`).
     """
 
     def __init__(
@@ -69,7 +89,8 @@ class SpanFiles:
     ) -> None:
         self._files = files
         self._states = states
-        self._kinds = list(kinds)
+        self.kinds: tuple[str, ...] = tuple(kinds)
+        """What is read: the optimizer state, and the masters (:data:`MASTER`) where held."""
         self._spans = {name: _spans_of(name, file) for name, (file, _) in files.items()}
         for state_name, state in states.items():
             self._check_tiling(state_name, state.layout.numel)
@@ -84,7 +105,7 @@ class SpanFiles:
                     "the span files of this checkpoint do not fit together (files missing or from another run)"
                 )
             reader, _ = self._files[file]
-            for kind in self._kinds:
+            for kind in self.kinds:
                 record = reader.records.get(f"{state_name}.{kind}")
                 if record is None or list(record.shape) != [end - start]:
                     raise CheckpointError(
@@ -107,11 +128,11 @@ class SpanFiles:
                 state = self._states.get(state_name)
                 if state is None:
                     continue
-                first, last = state.held
-                lo, hi = max(start, first), min(end, last)
-                if lo >= hi:
-                    continue
-                for kind in self._kinds:
+                for kind in self.kinds:
+                    first, last = _held_of(state, kind)
+                    lo, hi = max(start, first), min(end, last)
+                    if lo >= hi:
+                        continue
                     flat = getattr(state, kind)
                     target = flat[lo - first : hi - first]
                     if (lo, hi) == (start, end):

@@ -140,16 +140,19 @@ def estimate_from_shapes(
     """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc).
 
     ``span_of``: with data parallel over several nodes, the part of a state's optimizer
-    state (moments, held gradients) this node holds (``distributed/data_parallel.py``:
-    [Note: sharded host state]); ``None``: all of it."""
+    state (moments, held gradients, and with a bf16 shadow the fp32 master) this node holds
+    (``distributed/data_parallel.py``: [Note: sharded host state]); ``None``: all of it."""
     options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
     streamed = compute if config.compute_dtype != config.master_dtype else master
     numels = [*shapes.block_numels, shapes.resident_numel]
     held = [_held(n, span_of) for n in numels]
+    # With a bf16 shadow the nodes shard the master too (host_store.migrate_to_host), but
+    # not where the NVMe tier takes the blocks' masters (a case not supported yet).
+    master_sharded = config.compute_dtype != config.master_dtype and options.nvme_offload == "none"
     host = {
-        "master": sum(_host_buffer(n, master) for n in numels),
+        "master": sum(_host_buffer(n, master) for n in (held if master_sharded else numels)),
         "adam_m_v": sum(2 * _host_buffer(n, 4) for n in held),
     }
     disk = 0
