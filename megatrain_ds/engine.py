@@ -53,6 +53,7 @@ from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recom
 from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import TraceSchedule
 from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
 from megatrain_ds.state.nvme_tier import WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
@@ -465,9 +466,15 @@ class MegatrainEngine(nn.Module):
                 # A sharded master: the shadow is what the nodes hold whole, and each rank
                 # rounded its window into it as it stepped (HostAdamW.update_range), so the
                 # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
-                for start, end in dp.gather_spans_(state.weights):
-                    if not state.master_sharded:
-                        state.refresh_shadow(start, end)  # the received spans' compute copy
+                received = dp.gather_spans_(state.weights)
+                if state.master_sharded:
+                    # gloo writes the received spans unseen by aten; the race checker sees
+                    # them as it saw the refresh of the shadow they replace.
+                    spans = [state.weights[start:end] for start, end in received]
+                    declare_access(writes=spans, what="the shadow gather")
+                    continue
+                for start, end in received:
+                    state.refresh_shadow(start, end)  # the received spans' compute copy
         # Sync: the next forward streams the weights the leader has just received.
         dp.node_barrier(f"the weight gather of optimizer step {step}")
 
@@ -482,7 +489,8 @@ class MegatrainEngine(nn.Module):
     def _master_state_dict_hook(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        """Report resident parameters by their fp32 master, not their device copy; with the
+        """Report resident parameters by their fp32 master (the host shadow where the master
+        is sharded across nodes, as the blocks' parameters view it), not their device copy; with the
         weights on the NVMe tier, the blocks' parameters (meta tensors) by their masters
         read from the swap files (copies: the whole model in host memory, as the caller asked)."""
         del module, local_metadata
