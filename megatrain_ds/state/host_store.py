@@ -194,7 +194,8 @@ def migrate_to_host(
     span_of: SpanOf | None = None,
     share: Callable[[torch.Tensor], None] | None = None,
 ) -> HostFlatState:
-    """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
+    """Move ``named_params`` into a new flat host state, re-pointing each at its slot of the
+    whole weights (the master; the shadow where the master is sharded, below).
 
     The master buffer is allocated untouched (no resident pages); each parameter is copied
     into its slot and re-pointed at once, which frees its old storage before the next is
