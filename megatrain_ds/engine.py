@@ -53,6 +53,7 @@ from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recom
 from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import TraceSchedule
 from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
@@ -254,6 +255,7 @@ class MegatrainEngine(nn.Module):
                     moments_on_host=nvme == "none",
                     shadow_on_host=nvme != "all",
                     span_of=self._span_of,
+                    share=self._share_initial_weights,
                 )
             )
             if self.nvme_tier is not None:
@@ -276,7 +278,15 @@ class MegatrainEngine(nn.Module):
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
         master, compute = self.config.master_dtype, self.config.compute_dtype
         self.resident = ResidentParams(
-            resident, group_of, self.runtime, master, compute, source=source, shared=shared, span_of=self._span_of
+            resident,
+            group_of,
+            self.runtime,
+            master,
+            compute,
+            source=source,
+            shared=shared,
+            span_of=self._span_of,
+            share=self._share_initial_weights,
         )
         if source is not None:
             source.report_unused(name for name, _ in model.named_buffers())
@@ -301,7 +311,10 @@ class MegatrainEngine(nn.Module):
                 first, last = state.held
                 state.grad = self.runtime.host_zeros(last - first, grad_dtype, shared)
         if dp is not None:
-            self._share_initial_weights(dp)
+            # Sync: the node writers have filled the shared state (and taken the first node's
+            # weights, _share_initial_weights); no rank reads it before this.
+            dp.shared.written()
+            self.resident.refresh_device()
 
         # What this rank updates: every state whole, or with data parallel its window of
         # each (distributed/data_parallel.py: [Note: data-parallel step]).
@@ -482,29 +495,38 @@ class MegatrainEngine(nn.Module):
             return  # one node: its copy is whole already
         if report.outcome is not StepOutcome.SKIPPED:  # a skipped step changed nothing
             for state in self.states:
-                for start, end in dp.gather_spans_(state.master):
+                # A sharded master: the shadow is what the nodes hold whole, and each rank
+                # rounded its window into it as it stepped (HostAdamW.update_range), so the
+                # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
+                received = dp.gather_spans_(state.weights)
+                if state.master_sharded:
+                    # gloo writes the received spans unseen by aten; the race checker sees
+                    # them as it saw the refresh of the shadow they replace.
+                    spans = [state.weights[start:end] for start, end in received]
+                    declare_access(writes=spans, what="the shadow gather")
+                    continue
+                for start, end in received:
                     state.refresh_shadow(start, end)  # the received spans' compute copy
         # Sync: the next forward streams the weights the leader has just received.
         dp.node_barrier(f"the weight gather of optimizer step {step}")
 
-    def _share_initial_weights(self, dp: DataParallel) -> None:
-        """Every node starts from the first node's weights (as DDP starts from rank 0's);
-        then no rank reads the shared state before its writer has filled it."""
-        if dp.leaders_group is not None:  # this node's writer, and there are other nodes
-            for state in self.states:
-                dp.broadcast_from_first_node_(state.master)
-                state.refresh_shadow()
-        dp.shared.written()
-        self.resident.refresh_device()
+    def _share_initial_weights(self, values: torch.Tensor) -> None:
+        """Every node starts from the first node's weights (as DDP starts from rank 0's):
+        ``migrate_to_host`` hands each state's whole values, on node writers, to this before
+        keeping anything of them (a sharded master keeps only its span: its other nodes'
+        values, in fp32, exist only then)."""
+        if self.data_parallel is not None:
+            self.data_parallel.broadcast_from_first_node_(values)
 
     def _master_state_dict_hook(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        """Report resident parameters by their fp32 master, not their device copy; with the
+        """Report resident parameters by their fp32 master (the host shadow where the master
+        is sharded across nodes, as the blocks' parameters view it), not their device copy; with the
         weights on the NVMe tier, the blocks' parameters (meta tensors) by their masters
         read from the swap files (copies: the whole model in host memory, as the caller asked)."""
         del module, local_metadata
-        masters = self.resident.master_by_param()
+        masters = self.resident.weights_by_param()
         # Parked: meta parameters while the engine runs (given their masters back by destroy()).
         parked = [state for state in self.states[: self._resident_index] if any(p.is_meta for p in state.params)]
         with contextlib.ExitStack() as stack:

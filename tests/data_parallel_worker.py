@@ -121,14 +121,16 @@ def count_pieces(engine: MegatrainEngine) -> dict[str, list[int]]:
 
 
 def count_collective_elements() -> dict[str, int]:
-    """Count the elements this process passes to ``dist.reduce`` and ``dist.broadcast`` (the
-    engine's gradient reduce and weight gather; collectives used inside torch not counted)."""
-    counted = {"reduce": 0, "broadcast": 0}
-    for name in counted:
+    """Count the elements (and, as ``<name>_bytes``, the bytes) this process passes to
+    ``dist.reduce`` and ``dist.broadcast`` (the engine's gradient reduce and weight gather;
+    collectives used inside torch not counted)."""
+    counted = {"reduce": 0, "broadcast": 0, "reduce_bytes": 0, "broadcast_bytes": 0}
+    for name in ("reduce", "broadcast"):
         collective = getattr(dist, name)
 
         def counting(tensor: torch.Tensor, *rest: object, name: str = name, collective=collective, **kwargs: object):
             counted[name] += tensor.numel()
+            counted[f"{name}_bytes"] += tensor.numel() * tensor.element_size()
             return collective(tensor, *rest, **kwargs)
 
         setattr(dist, name, counting)
@@ -204,6 +206,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
             engine.backward(engine(**mine).loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
+    if args.save_to and args.save_at == args.steps:  # after the last step
+        engine.save_checkpoint(args.save_to)
     state = {key: value.clone() for key, value in engine.module.state_dict().items()}
     dp = engine.data_parallel
     nodes = {}
@@ -215,12 +219,33 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     held["tier"] = _tier_report(engine) if engine.nvme_tier is not None else None
     if engine.nvme_tier is not None and dp is not None:
         held["tier"]["weights_refused"] = _weights_on_the_tier_refused(settings)
-    # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones too).
+    # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones
+    # too; where the master is sharded, in the span it holds).
     held["shadows_match"] = all(
-        torch.equal(flat.shadow, flat.master.to(flat.shadow.dtype)) for flat in engine.states if flat.shadow is not None
+        torch.equal(flat.shadow[slice(*flat.master_held)], flat.master.to(flat.shadow.dtype))
+        for flat in engine.states
+        if flat.shadow is not None
     )
+    held["flat_states"] = flat_states(engine)
+    if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
+        engine.load_checkpoint(args.load_after)
+        held["loaded_states"] = flat_states(engine)
     torch.save({"state_dict": state, "norms": norms, **pieces, **nodes, **held}, Path(args.out) / f"rank{rank}.pt")
     engine.destroy()
+
+
+def flat_states(engine: MegatrainEngine) -> list[dict[str, object]]:
+    """Copies of what this node holds of every flat state, with the elements each covers."""
+    return [
+        {
+            "held": flat.held,
+            "master_held": flat.master_held,
+            "master": flat.master.clone(),
+            "shadow": flat.shadow.clone() if flat.shadow is not None else None,
+            "exp_avg": flat.exp_avg.clone(),
+        }
+        for flat in engine.states
+    ]
 
 
 def run_fp16(args: argparse.Namespace, rank: int, world_size: int) -> None:
@@ -295,10 +320,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")
-    parser.add_argument("--save-to", help="parity: save a checkpoint here before step --save-at")
+    parser.add_argument(
+        "--save-to", help="parity: save a checkpoint here before step --save-at (--steps: after the last)"
+    )
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--poison-at", type=int, default=4, help="fp16: the step whose loss rank 1 makes infinite")
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
+    parser.add_argument("--load-after", help="parity: load this checkpoint after the run, report the state")
     parser.add_argument(
         "--one-rank-per-node",
         action="store_true",

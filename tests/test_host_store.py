@@ -94,3 +94,69 @@ def test_bf16_master_has_no_shadow_and_is_streamed_directly():
         assert state.streamed is state.master
     finally:
         engine.destroy()
+
+
+def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
+    """Several nodes with bf16 compute (issue 34): ``migrate_to_host`` gives node 1 of 2 the
+    whole bf16 shadow, viewed by the parameters, and only its span of the fp32 master,
+    exact, like the moments; ``share`` replaces the values before either is made from them.
+    The reference is the values laid out by hand at the slots' offsets (zero padding)."""
+    from megatrain_ds.distributed.ownership import Ownership
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+    from megatrain_ds.state.flat_layout import build_flat_layout
+    from megatrain_ds.state.host_store import migrate_to_host
+
+    torch.manual_seed(0)
+    shapes = [(7, 5), (33,), (3, 11), (130,)]  # odd sizes: padding between the slots
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    named = [(f"p{index}", param) for index, param in enumerate(params)]
+    slots = build_flat_layout([(name, p.shape, 0) for name, p in named]).slots
+    first_node = [torch.randn(shape) for shape in shapes]  # what the "first node" started from
+    originals = [param.detach().clone() for param in params]
+    span_of = Ownership.of([[0], [1]], rank=1).span
+
+    def share(values: torch.Tensor) -> None:  # the first node's weights, as the engine broadcasts them
+        for slot, value in zip(slots, first_node):
+            values[slot.offset : slot.offset + slot.numel].copy_(value.flatten())
+
+    runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
+    group_of = dict.fromkeys(params, 0)
+    state = migrate_to_host(named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, share=share)
+    numel = state.layout.numel
+    start, end = span_of(numel)
+    assert 0 < start < end == numel and state.master_sharded and state.held == (start, end)
+    expected = torch.zeros(numel)
+    for slot, value in zip(slots, first_node):
+        expected[slot.offset : slot.offset + slot.numel] = value.flatten()
+    assert torch.equal(state.master, expected[start:end])  # exact fp32, the span only
+    assert state.shadow is not None and torch.equal(state.shadow, expected.bfloat16())
+    for slot, param, original in zip(slots, params, originals):
+        assert param.dtype == torch.bfloat16 and param.data_ptr() == state.shadow[slot.offset :].data_ptr()
+        assert not torch.equal(param.float(), original)  # its own values were replaced by share's
+    assert state.nbytes_by_kind() == {
+        "master": 4 * (end - start),
+        "shadow": 2 * numel,
+        "exp_avg": 4 * (end - start),
+        "exp_avg_sq": 4 * (end - start),
+    }
+    assert state.weights_kind == "shadow" and state.weights is state.shadow
+    # A window (a rank's share, inside the span) sees the master at span-relative offsets.
+    window = state.window(start + 64, end)
+    assert torch.equal(window.master, expected[start + 64 : end])
+    window.master.add_(1.0)
+    state.refresh_shadow(start + 64, end)
+    assert torch.equal(state.shadow[start + 64 :], (expected[start + 64 :] + 1).bfloat16())
+    assert torch.equal(state.shadow[:start], expected[:start].bfloat16())  # outside the span: untouched
+
+    # fp32 compute (no shadow) on the same span: only the moments are sharded.
+    fp32 = [torch.nn.Parameter(value.clone()) for value in first_node]
+    whole = migrate_to_host(
+        [(f"p{i}", p) for i, p in enumerate(fp32)],
+        dict.fromkeys(fp32, 0),
+        runtime,
+        torch.float32,
+        torch.float32,
+        span_of=span_of,
+    )
+    assert not whole.master_sharded and torch.equal(whole.master, expected)
+    assert whole.weights is whole.master and whole.exp_avg.numel() == end - start

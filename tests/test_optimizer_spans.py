@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_ds.checkpoint.optimizer_spans import HeldSpan, SpanFiles, span_file_name, write_span_file
+from megatrain_ds.checkpoint.optimizer_spans import (
+    HeldSpan,
+    SpanFiles,
+    holds_masters,
+    span_file_name,
+    write_span_file,
+)
 from megatrain_ds.checkpoint.tensor_files import CheckpointError, SafetensorsFile, file_digest
 from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.state.flat_layout import build_flat_layout
@@ -82,7 +88,7 @@ def test_spans_written_by_one_partition_are_read_by_another(
     nodes, per_node = loaded
     for node in range(nodes):
         states = node_states(nodes, per_node, node, None)
-        SpanFiles(files, numels(states), KINDS).read_into(held_spans(states))
+        SpanFiles(files, numels(states), KINDS).read_into(held_spans(states), KINDS)
         for name, state in states.items():
             start, end = state.held
             for kind in KINDS:
@@ -141,4 +147,56 @@ def test_a_missing_file_a_missing_kind_and_a_flipped_byte_are_named(tmp_path: Pa
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         states = node_states(1, 1, 0, None)
-        SpanFiles(files, numels(states), KINDS).read_into(held_spans(states))
+        SpanFiles(files, numels(states), KINDS).read_into(held_spans(states), KINDS)
+
+
+def _master_states(nodes: int, node: int, masters: dict[str, torch.Tensor] | None, sharded: bool) -> dict:
+    """Node ``node`` of ``nodes`` (a rank each): its span of the moments, and of the fp32
+    master where ``sharded`` (bf16 compute), else the whole master; from ``masters`` or zero."""
+    states = {}
+    for name, numel in NUMELS.items():
+        layout = build_flat_layout([("w", torch.Size([numel]), 0)])
+        span = Ownership.of([[n] for n in range(nodes)], node).span(layout.numel) if nodes > 1 else None
+        start, end = span if span is not None else (0, layout.numel)
+        first, last = (start, end) if sharded else (0, layout.numel)
+        states[name] = HostFlatState(
+            layout=layout,
+            master=masters[name][first:last].clone() if masters else torch.zeros(last - first),
+            shadow=torch.zeros(layout.numel, dtype=torch.bfloat16),
+            exp_avg=torch.zeros(end - start),
+            exp_avg_sq=torch.zeros(end - start),
+            span=span,
+            master_sharded=sharded and span is not None,
+        )
+    return states
+
+
+@pytest.mark.parametrize(("saved", "loaded", "sharded"), [(2, 1, False), (2, 4, True), (4, 3, True), (2, 2, False)])
+def test_sharded_masters_in_span_files_are_read_by_any_partition(
+    tmp_path: Path, saved: int, loaded: int, sharded: bool
+) -> None:
+    """Nodes that shard the fp32 master (bf16 compute) write their span of it as "master";
+    one process (a whole master), other numbers of nodes sharding it, and nodes holding it
+    whole (fp32 compute: only the moments sharded) read back exactly the values written."""
+    generator = torch.Generator().manual_seed(1)
+    masters = {
+        name: torch.randn(build_flat_layout([("w", torch.Size([n]), 0)]).numel, generator=generator)
+        for name, n in NUMELS.items()
+    }
+    kinds = ("exp_avg", "master")
+    files = {}
+    for node in range(saved):
+        name = span_file_name(node, saved)
+        digest = write_span_file(tmp_path / name, held_spans(_master_states(saved, node, masters, True)), kinds)
+        files[name] = (SafetensorsFile(tmp_path / name, digest.header_crc32), digest)
+    assert holds_masters(file for file, _ in files.values())
+    for node in range(loaded):
+        states = _master_states(loaded, node, None, sharded)
+        spans = SpanFiles(files, numels(states), kinds)
+        spans.read_into({name: HeldSpan.of_masters(state) for name, state in states.items()}, ["master"])
+        spans.read_into(held_spans(states), ["exp_avg"])
+        for name, state in states.items():
+            first, last = state.master_held
+            assert state.master.numel() == last - first and torch.equal(state.master, masters[name][first:last])
+    (tmp_path / "moments").mkdir()  # span files of fp32 nodes: no masters in them
+    assert not holds_masters(file for file, _ in save(tmp_path / "moments", 2, 1, whole_values()).values())

@@ -12,9 +12,10 @@ from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
-from megatrain_ds.optimizer.facade import build_optimizer
+from megatrain_ds.optimizer.facade import build_optimizer, group_index_of
 from megatrain_ds.planning import preflight
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
+from megatrain_ds.state.flat_layout import build_flat_layout
 
 GIB = 1 << 30
 
@@ -226,3 +227,36 @@ def test_with_data_parallel_the_tier_holds_each_ranks_moments_and_auto_stops_sho
     )
     with pytest.raises(preflight.InsufficientMemoryError, match="does not fit"):
         preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2)
+
+
+def test_with_several_nodes_and_bf16_compute_only_the_nodes_span_of_the_master_is_counted() -> None:
+    """bf16 compute on 4 nodes: node 0 holds the whole bf16 shadow and a quarter of the fp32
+    master (host_store.migrate_to_host), of the moments and of the held gradients; the
+    estimate counts each buffer as the engine allocates it (one page of alignment each),
+    computed here from the flat sizes and node 0's spans."""
+    import tiny_models
+
+    from megatrain_ds.distributed.ownership import Ownership
+
+    model = tiny_models.llama()
+    config = parse_engine_config(ds_config(bf16=True))
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    span_of = Ownership.of([[0], [1], [2], [3]], rank=0).span
+    share = preflight.preflight(
+        model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="none", span_of=span_of
+    )
+    group_of = group_index_of(model, optimizer)
+    blocks = list(model.model.layers)
+    block_ids = {id(p) for block in blocks for p in block.parameters()}
+    flats = [[(n, p.shape, group_of[p]) for n, p in block.named_parameters()] for block in blocks]
+    flats.append([(n, p.shape, group_of[p]) for n, p in model.named_parameters() if id(p) not in block_ids])
+    numels = [build_flat_layout(flat).numel for flat in flats]
+    spans = [span_of(numel) for numel in numels]
+    assert share.host["master"] == sum(4 * (end - start) + PAGE_BYTES for start, end in spans)
+    assert share.host["shadow"] == sum(2 * numel + PAGE_BYTES for numel in numels)
+    assert share.host["adam_m_v"] == 2 * share.host["master"]
+    # W + S/N: 2 + (4 + 8 + 2) / 4 B/param (bf16 held gradients), past the pages of the five
+    # buffers of each state, within the spans' alignment (ALIGN_ELEMENTS) of a quarter.
+    held = sum(share.host[kind] for kind in ("master", "shadow", "adam_m_v", "gradients"))
+    per_param = (held - 5 * len(numels) * PAGE_BYTES) / sum(numels)
+    assert abs(per_param - (2 + 14 / 4)) <= 14 * 64 * len(numels) / sum(numels), per_param

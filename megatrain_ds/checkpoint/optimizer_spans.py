@@ -10,8 +10,11 @@ writes one file, of its windows::
     optimizer-spans-0000k-of-0000n.safetensors   writer k's span of every state, flat:
                                                  "<state>.exp_avg", "<state>.exp_avg_sq"
                                                  (and "<state>.grad" inside an
-                                                 accumulation window); the header's
-                                                 "spans" maps each state to [start, end)
+                                                 accumulation window; "<state>.master"
+                                                 where the fp32 master is sharded too,
+                                                 the model files then holding the bf16
+                                                 shadow); the header's "spans" maps each
+                                                 state to [start, end)
 
 A state is named by its block (``model.layers.3``) or ``resident``. Loading reads, for
 each state, the elements this process holds (:class:`HeldSpan`) from whichever files
@@ -23,7 +26,7 @@ files' CRCs are checked as they are read.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +41,10 @@ RESIDENT = "resident"
 """The state name of the parameters outside the blocks."""
 
 
+MASTER = "master"
+"""The kind of a span file's fp32 masters (written where the master is sharded across nodes)."""
+
+
 def span_file_name(writer: int, writers: int) -> str:
     return f"{SPANS_PREFIX}{writer + 1:05d}-of-{writers:05d}.safetensors"
 
@@ -48,8 +55,8 @@ class HeldSpan:
     optimizer state one writer saves, or one reader fills.
 
     Attributes:
-        tensor: ``kind -> `` the ``end - start`` elements of that kind (a host buffer, or a
-            mapping of a swap file).
+        tensor: ``kind -> `` elements ``[start, end)`` of that kind (views of a host buffer,
+            or of a mapping of a swap file).
     """
 
     numel: int
@@ -58,16 +65,36 @@ class HeldSpan:
     tensor: Callable[[str], torch.Tensor]
 
     @classmethod
-    def of_state(cls, state: HostFlatState) -> HeldSpan:
-        """What ``state``'s own buffers hold (:attr:`HostFlatState.held`)."""
+    def of_state(
+        cls, state: HostFlatState, tensor_of: Callable[[HostFlatState, str], torch.Tensor] = getattr
+    ) -> HeldSpan:
+        """The optimizer state's part of ``state`` (:attr:`HostFlatState.held`), each kind
+        from ``tensor_of(state, kind)`` (its buffer by default)."""
         start, end = state.held
-        return cls(state.layout.numel, start, end, lambda kind: _held_tensor(state, kind))
+        return cls(state.layout.numel, start, end, lambda kind: _part(state, kind, tensor_of(state, kind), start, end))
+
+    @classmethod
+    def of_masters(
+        cls, state: HostFlatState, tensor_of: Callable[[HostFlatState, str], torch.Tensor] = getattr
+    ) -> HeldSpan:
+        """What ``state``'s master holds (:attr:`HostFlatState.master_held`: all of it unless
+        it is sharded), to read the masters of span files into."""
+        start, end = state.master_held
+        return cls(state.layout.numel, start, end, lambda kind: tensor_of(state, kind))
 
 
-def _held_tensor(state: HostFlatState, kind: str) -> torch.Tensor:
-    flat = getattr(state, kind)
+def _part(state: HostFlatState, kind: str, flat: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of ``flat``, the buffer of ``kind``: the master may be whole
+    where the optimizer state is a span."""
     assert flat is not None, kind  # held gradients are saved only when they exist
-    return flat
+    first, last = state.master_held if kind == MASTER else state.held
+    assert first <= start <= end <= last, (kind, start, end, first, last)
+    return flat[start - first : end - first]
+
+
+def holds_masters(files: Iterable[SafetensorsFile]) -> bool:
+    """Whether span files hold the fp32 masters (:data:`MASTER`) of their spans."""
+    return any(name.endswith(f".{MASTER}") for file in files for name in file.records)
 
 
 def write_span_file(path: Path, held: Mapping[str, HeldSpan], kinds: Sequence[str]) -> FileDigest:
@@ -78,8 +105,8 @@ def write_span_file(path: Path, held: Mapping[str, HeldSpan], kinds: Sequence[st
         spans[name] = [part.start, part.end]
         for kind in kinds:
             flat = part.tensor(kind)
-            assert flat.numel() >= part.end - part.start, (name, kind)
-            tensors.append((f"{name}.{kind}", flat[: part.end - part.start]))
+            assert flat.numel() == part.end - part.start, (name, kind)
+            tensors.append((f"{name}.{kind}", flat))
     return write_safetensors(path, tensors, {"format": SPANS_FORMAT, "spans": json.dumps(spans)})
 
 
@@ -89,7 +116,7 @@ class SpanFiles:
     Args:
         files: ``name -> (opened file, its manifest digest)``.
         numels: every flat state's size, by state name.
-        kinds: what each file must hold for every state (the moments; and ``grad``).
+        kinds: what each file must hold for every state (the moments, ``grad``, :data:`MASTER`).
     """
 
     def __init__(
@@ -99,7 +126,8 @@ class SpanFiles:
         kinds: Sequence[str],
     ) -> None:
         self._files = files
-        self._kinds = list(kinds)
+        self.kinds: tuple[str, ...] = tuple(kinds)
+        """What the files are checked to hold (and can be read)."""
         self._spans = {name: _spans_of(name, file) for name, (file, _) in files.items()}
         for state_name, numel in numels.items():
             self._check_tiling(state_name, numel)
@@ -114,7 +142,7 @@ class SpanFiles:
                     "the span files of this checkpoint do not fit together (files missing or from another run)"
                 )
             reader, _ = self._files[file]
-            for kind in self._kinds:
+            for kind in self.kinds:
                 record = reader.records.get(f"{state_name}.{kind}")
                 if record is None or list(record.shape) != [end - start]:
                     raise CheckpointError(
@@ -128,8 +156,10 @@ class SpanFiles:
                 "is it a checkpoint of a different model?"
             )
 
-    def read_into(self, held: Mapping[str, HeldSpan]) -> None:
-        """Fill the held elements of every kind of each state, file by file (CRC checked)."""
+    def read_into(self, held: Mapping[str, HeldSpan], kinds: Sequence[str]) -> None:
+        """Fill the held elements of each of ``kinds`` (some of :attr:`kinds`) of each
+        state, file by file (CRC checked)."""
+        assert set(kinds) <= set(self.kinds), (kinds, self.kinds)
         for file_name, (reader, digest) in self._files.items():
             destinations: dict[str, torch.Tensor | None] = {}
             partial: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to)
@@ -141,13 +171,12 @@ class SpanFiles:
                 lo, hi = max(start, first), min(end, last)
                 if lo >= hi:
                     continue
-                for kind in self._kinds:
-                    flat = part.tensor(kind)
-                    target = flat[lo - first : hi - first]
+                for kind in kinds:
+                    target = part.tensor(kind)[lo - first : hi - first]
                     if (lo, hi) == (start, end):
                         destinations[f"{state_name}.{kind}"] = target
                     else:  # resharded: read the file's span whole, keep the part this node holds
-                        whole = torch.empty(end - start, dtype=flat.dtype)
+                        whole = torch.empty(end - start, dtype=target.dtype)
                         destinations[f"{state_name}.{kind}"] = whole
                         partial.append((whole[lo - start : hi - start], target))
             reader.read_into(destinations, digest)

@@ -3,7 +3,9 @@
 A checkpoint is a directory ``<save_dir>/<tag>`` (``tag`` defaults to
 ``global_step<N>``, as in DeepSpeed) that is also a Hugging Face model directory::
 
-    model-0000k-of-0000n.safetensors       master weights (fp32) under Hugging Face names
+    model-0000k-of-0000n.safetensors       master weights (fp32) under Hugging Face names (the
+                                           bf16 shadow where several nodes shard the masters:
+                                           optimizer_spans.py holds those)
     model.safetensors.index.json           so AutoModelForCausalLM.from_pretrained(<tag dir>) loads it
     config.json, generation_config.json    the model's own, when it has them
     optimizer-0000k-of-0000n.safetensors   Adam m and v per trained parameter (and the gradient
@@ -63,10 +65,12 @@ from megatrain_ds.checkpoint.directories import (
     write_manifest,
 )
 from megatrain_ds.checkpoint.optimizer_spans import (
+    MASTER,
     RESIDENT,
     SPANS_PREFIX,
     HeldSpan,
     SpanFiles,
+    holds_masters,
     span_file_name,
     write_span_file,
 )
@@ -195,10 +199,7 @@ def _held_spans(engine: CheckpointedEngine, flat_of: _StateTensors) -> dict[str,
     parallel this rank's window (:func:`_windows_on_rank_tiers`)."""
     names = {id(state): name for name, state in _states_by_name(engine).items()}
     if not _windows_on_rank_tiers(engine):
-        return {
-            names[id(state)]: HeldSpan(state.layout.numel, *state.held, lambda kind, s=state: flat_of(s, kind))
-            for state in engine.states
-        }
+        return {names[id(state)]: HeldSpan.of_state(state, flat_of) for state in engine.states}
     return {
         names[id(state)]: HeldSpan(state.layout.numel, start, end, lambda kind, w=window: flat_of(w, kind))
         for state, (start, end), window in zip(engine.states, engine.windows, engine.optimizer_states)
@@ -231,7 +232,7 @@ def _shards(groups: list[list[_Entry]], max_bytes: int) -> list[list[int]]:
     shards: list[list[int]] = []
     size = 0
     for index, entries in enumerate(groups):
-        nbytes = sum(e.slot.numel for e in entries) * (entries[0].state.master.element_size() if entries else 0)
+        nbytes = sum(e.slot.numel for e in entries) * (entries[0].state.weights.element_size() if entries else 0)
         if not shards or size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -383,17 +384,21 @@ def _states_by_name(engine: CheckpointedEngine) -> dict[str, HostFlatState]:
 
 
 def _saved_kinds(engine: CheckpointedEngine) -> list[str]:
-    """The optimizer state a checkpoint holds: the moments, and the held gradients inside
-    an accumulation window."""
+    """What a node's span file holds: the moments, the held gradients inside an accumulation
+    window, and the fp32 masters where they are sharded (the model files then hold the bf16
+    shadow: a resume is exact only with the masters)."""
     mid_window = _inside_accumulation_window(engine) and engine.states[0].grad is not None
-    return [*_MOMENTS, *(["grad"] if mid_window else [])]
+    masters = any(state.master_sharded for state in engine.states)
+    return [*_MOMENTS, *(["grad"] if mid_window else []), *([MASTER] if masters else [])]
 
 
 def _write_model_and_trainer_state(
     engine: CheckpointedEngine, temp: Path, request: _SaveRequest
 ) -> dict[str, FileDigest]:
     """The weights as a Hugging Face model directory, and the trainer state: everything but
-    the optimizer state."""
+    the optimizer state. The weights are what the node holds whole: the fp32 masters, or
+    the bf16 shadow where the masters are sharded across nodes (their spans go in the span
+    files)."""
     files: dict[str, FileDigest] = {}
     groups = _entries_by_state(engine)
     shards = _shards(groups, request.max_shard_bytes)
@@ -404,7 +409,7 @@ def _write_model_and_trainer_state(
         for number, members in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{count:05d}.safetensors"
             tensors = [
-                (e.name, e.view(flat_of(e.state, "master")))
+                (e.name, e.view(flat_of(e.state, e.state.weights_kind)))
                 for i in members
                 for e in groups[i]
                 if e.trained or not request.exclude_frozen
@@ -449,12 +454,15 @@ def _write_optimizer_files(engine: CheckpointedEngine, temp: Path, shards: list[
 
 
 def _write_model_config(engine: CheckpointedEngine, temp: Path) -> dict[str, FileDigest]:
-    """config.json (dtype set to the master dtype) and generation_config.json, when present."""
+    """config.json (dtype set to the dtype of the weights written: the master's, or the
+    compute dtype's where the masters are sharded) and generation_config.json, when present."""
     config = getattr(engine.module, "config", None)
     written = []
     if config is not None and hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)
-        config.dtype = engine.config.master_dtype  # what from_pretrained should load as
+        sharded = any(state.master_sharded for state in engine.states)
+        # What from_pretrained should load as: the dtype of the model files.
+        config.dtype = engine.config.compute_dtype if sharded else engine.config.master_dtype
         config.save_pretrained(temp)
         written.append("config.json")
     generation = getattr(engine.module, "generation_config", None)
@@ -521,6 +529,7 @@ def load_checkpoint(
             _read_weights(engine, reads, flat_of)
             if with_optimizer and not by_rank:
                 _read_optimizer_state(engine, reads, flat_of)
+            _refresh_shadows(engine, flat_of)
     if with_optimizer and by_rank:  # each rank its windows: on its own tier, disjoint in the node's memory
         with _state_tensors(engine) as flat_of:
             _read_optimizer_state(engine, reads, flat_of)
@@ -541,12 +550,18 @@ class _Reads:
     manifest: Mapping[str, Any]
     model_files: dict[str, SafetensorsFile]
     model_targets: dict[str, dict[str, _Entry]]
-    """``file path -> {tensor name -> entry whose master it fills}``."""
+    """``file path -> {tensor name -> entry whose weights it fills}``."""
     optimizer_files: dict[str, SafetensorsFile]
     optimizer_targets: dict[str, dict[str, tuple[_Entry, str]]]
     """``file path -> {tensor name -> (entry, kind)}`` of per-parameter optimizer files."""
     span_files: SpanFiles | None
-    """The optimizer state of a checkpoint written by several nodes (``optimizer_spans.py``)."""
+    """The optimizer state of a checkpoint written by several nodes (``optimizer_spans.py``),
+    and the fp32 masters, where they were sharded."""
+
+    @property
+    def exact_masters(self) -> bool:
+        """Whether the span files hold the masters (the model files then hold the shadow)."""
+        return self.span_files is not None and MASTER in self.span_files.kinds
 
     def digest(self, file: SafetensorsFile) -> FileDigest:
         return checked_digest(self.path, self.manifest, Path(file.path).name)
@@ -564,27 +579,68 @@ def _plan_reads(
     entries = [e for group in _entries_by_state(engine) for e in group]
     model_files = _open_shards(path, manifest, "model-")
     required = [e for e in entries if e.trained or not manifest.get("exclude_frozen_parameters")]
-    model_targets = _match_weights(engine, path, model_files, entries, required, strict)
-    reads = _Reads(path, manifest, model_files, model_targets, {}, {}, None)
-    if with_optimizer and any(name.startswith(SPANS_PREFIX) for name in manifest["files"]):
-        reads.span_files = _open_span_files(engine, path, manifest, trainer_state)
-    elif with_optimizer:
+    reads = _Reads(path, manifest, model_files, {}, {}, {}, None)
+    if any(name.startswith(SPANS_PREFIX) for name in manifest["files"]):
+        reads.span_files = _open_span_files(engine, path, manifest, trainer_state, with_optimizer)
+    reads.model_targets = _match_weights(engine, path, model_files, entries, required, strict, reads.exact_masters)
+    if with_optimizer and reads.span_files is None:
         reads.optimizer_files = _open_shards(path, manifest, "optimizer-")
         reads.optimizer_targets = _match_optimizer(engine, path, reads.optimizer_files, entries, trainer_state, strict)
     return reads
 
 
 def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTensors) -> None:
-    """The masters from the model files, then the streamed copy made from them."""
+    """The weights from the model files into the buffer that holds them whole: the master,
+    or where it is sharded the shadow (its span is then read from the span files, or, in a
+    checkpoint without masters in span files, kept from a whole temporary: :func:`_whole_masters`)."""
     for file in reads.model_files.values():
-        wanted = reads.model_targets.get(file.path, {})
-        masters = {name: entry.view(flat_of(entry.state, "master")) for name, entry in wanted.items()}
-        file.read_into(masters, reads.digest(file))
+        with _whole_masters(flat_of, reads.exact_masters) as weights_of:
+            wanted = reads.model_targets.get(file.path, {})
+            file.read_into(
+                {name: entry.view(weights_of(entry.state)) for name, entry in wanted.items()}, reads.digest(file)
+            )
         flat_of.release()  # one file's masters mapped at a time
+    if reads.exact_masters:  # the fp32 masters of a checkpoint whose nodes sharded them
+        assert reads.span_files is not None
+        masters = {name: HeldSpan.of_masters(state, flat_of) for name, state in _states_by_name(engine).items()}
+        reads.span_files.read_into(masters, [MASTER])
+        flat_of.release()
+
+
+def _refresh_shadows(engine: CheckpointedEngine, flat_of: _StateTensors) -> None:
+    """The streamed copy of every whole master, once all of it is loaded (a sharded
+    master's shadow came from the model files or the whole temporary)."""
     for state in engine.states:
-        if state.shadow is not None:
-            state.shadow.copy_(flat_of(state, "master"))  # the streamed copy of the loaded master
+        if state.shadow is not None and not state.master_sharded:
+            state.shadow.copy_(flat_of(state, "master"))
             flat_of.release()
+
+
+@contextlib.contextmanager
+def _whole_masters(flat_of: _StateTensors, exact_masters: bool) -> Iterator[Callable[[HostFlatState], torch.Tensor]]:
+    """Where a model file's weights go: the buffer that holds the state whole
+    (:attr:`HostFlatState.weights_kind`), except for a sharded master whose exact values are
+    not in span files (a checkpoint of one node: fp32 model files): a whole temporary in the
+    master's dtype, whose span is kept in the master and whose rounding is the shadow."""
+    temporaries: dict[int, tuple[HostFlatState, torch.Tensor]] = {}
+
+    def weights_of(state: HostFlatState) -> torch.Tensor:
+        if not state.master_sharded or exact_masters:
+            return flat_of(state, state.weights_kind)
+        assert state.shadow is not None  # a sharded master's state streams its shadow
+        if id(state) not in temporaries:
+            start, end = state.held
+            whole = state.shadow.to(state.master.dtype)  # a tensor the files lack keeps its value
+            whole[start:end] = state.master
+            temporaries[id(state)] = (state, whole)
+        return temporaries[id(state)][1]
+
+    yield weights_of
+    for state, whole in temporaries.values():
+        start, end = state.held
+        state.master.copy_(whole[start:end])
+        assert state.shadow is not None
+        state.shadow.copy_(whole)
 
 
 def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTensors) -> None:
@@ -596,7 +652,8 @@ def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: _S
         for part in held.values():
             part.tensor("grad").zero_()  # overwritten below when saved inside an accumulation window
     if reads.span_files is not None:
-        reads.span_files.read_into(held)
+        # The masters were read with the weights (by the node's reader: _read_weights).
+        reads.span_files.read_into(held, [kind for kind in reads.span_files.kinds if kind != MASTER])
     held_of = {id(state): held[name] for name, state in _states_by_name(engine).items()}
     for file in reads.optimizer_files.values():
         with _whole_states(held_of) as whole_of:
@@ -630,19 +687,28 @@ def _whole_states(held_of: Mapping[int, HeldSpan]) -> Iterator[Callable[[HostFla
 
 
 def _open_span_files(
-    engine: CheckpointedEngine, path: Path, manifest: Mapping[str, Any], trainer_state: trainer_states.TrainerState
-) -> SpanFiles:
-    """The span files of a checkpoint saved by several nodes, checked against this engine."""
-    kinds: list[str] = list(_MOMENTS)
-    if trainer_state.mid_window_gradients:
-        if engine.states[0].grad is None:
-            raise CheckpointError(_NO_HELD_GRADIENTS.format(path=path))
-        kinds.append("grad")
+    engine: CheckpointedEngine,
+    path: Path,
+    manifest: Mapping[str, Any],
+    trainer_state: trainer_states.TrainerState,
+    with_optimizer: bool,
+) -> SpanFiles | None:
+    """The span files of a checkpoint saved by several nodes, checked against this engine:
+    what they hold of the optimizer state when it is loaded, and the fp32 masters when they
+    hold them (read even for the weights alone: the model files have them rounded)."""
     files = {}
     for name in sorted(n for n in manifest["files"] if n.startswith(SPANS_PREFIX)):
         digest = checked_digest(path, manifest, name)
         files[name] = (SafetensorsFile(path / name, digest.header_crc32), digest)
-    return SpanFiles(files, {name: state.layout.numel for name, state in _states_by_name(engine).items()}, kinds)
+    kinds: list[str] = [MASTER] if holds_masters(file for file, _ in files.values()) else []
+    if with_optimizer:
+        kinds += _MOMENTS
+        if trainer_state.mid_window_gradients:
+            if engine.states[0].grad is None:
+                raise CheckpointError(_NO_HELD_GRADIENTS.format(path=path))
+            kinds.append("grad")
+    numels = {name: state.layout.numel for name, state in _states_by_name(engine).items()}
+    return SpanFiles(files, numels, kinds) if kinds else None
 
 
 def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:
@@ -680,9 +746,11 @@ def _match_weights(
     entries: list[_Entry],
     required: list[_Entry],
     strict: bool,
+    exact_masters: bool,
 ) -> dict[str, dict[str, _Entry]]:
-    """``file path -> {tensor name -> entry whose master it fills}``; raises on the first
-    mismatch, in the model's parameter order."""
+    """``file path -> {tensor name -> entry whose weights it fills}``; raises on the first
+    mismatch, in the model's parameter order. ``exact_masters``: the span files hold the
+    masters (no conversion of the model files' dtype to warn of)."""
     found = _index_records(files)
     aliases: dict[int, list[str]] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
@@ -704,7 +772,7 @@ def _match_weights(
             continue
         file, record = found[hit]
         _check_shape(hit, file, record, entry, path)
-        if record.dtype != entry.state.master.dtype:
+        if record.dtype != entry.state.master.dtype and not exact_masters:
             logger.warning(
                 "megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
                 hit,

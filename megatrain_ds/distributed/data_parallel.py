@@ -22,21 +22,26 @@ Ranks of one named node on different hosts are an error (``[Note: node identity]
 - Norm: each rank sums the squares of its window; the sum over all ranks is the global
   norm, identical on every rank.
 - Step: each rank updates its window of the weights; after a node barrier each node's
-  leader sends its span of the updated weights to the other nodes' leaders (an
-  all-gather, as broadcasts from each span's leader), and after a second node barrier
-  every rank reads the whole updated model.
+  leader sends its span of the updated streamed weights (the master, or the bf16 shadow
+  where the master is sharded) to the other nodes' leaders (an all-gather, as broadcasts
+  from each span's leader), and after a second node barrier every rank reads the whole
+  updated model.
 - Failure: every collective runs on groups created with the engine's timeout
   (``megatrain.collective_timeout_s``); a dead peer breaks gloo/NCCL connections at once
   and a hung one times out, and either surfaces as :class:`PeerFailureError`.
 
 [Note: sharded host state]
-Each node keeps the whole weights it streams (the fp32 master; with bf16 compute also its
-bf16 shadow), and only its span of the rest: Adam's m and v and the held gradients.
+Each node keeps whole only the weights it streams (the fp32 master; with bf16 compute the
+bf16 shadow), and only its span of the rest: Adam's m and v, the held gradients and, with
+bf16 compute, the fp32 master (``HostFlatState.master_sharded``).
 Per node that is ``W + S/N`` bytes/param for N nodes (fp32 with held gradients: W = 4,
-S = 12; 7 B/param on 4 nodes instead of 16), and each node's optimizer work is 1/N.
+S = 12, 7 B/param on 4 nodes instead of 16; bf16 compute: W = 2, S = 4 + 8 + the held
+gradients' 2 or 4, 6 B/param on 4 nodes instead of 18), and each node's optimizer work is 1/N.
 Network bytes per step: the reduce of the gradients (a reduce-scatter, (N-1)/N of the
-gradient bytes) and the gather of the updated master ((N-1)/N of its bytes): in fp32 one
-all-reduce's worth.
+gradient bytes) and the gather of the updated streamed weights ((N-1)/N of their bytes:
+the fp32 master, or the bf16 shadow that each rank rounded from its window of the master
+as it stepped it): one all-reduce of the gradients' worth. The first node's initial fp32
+weights are broadcast as each state is migrated, the one time a node has them whole.
 Within a node the ranks share that copy instead of each holding its own: sharding within
 the node would still need every rank's own copy of the streamed weights (``16 + 4 (n - 1)``
 B/param for ``n`` fp32 ranks).

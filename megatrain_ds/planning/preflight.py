@@ -145,10 +145,11 @@ def estimate_from_shapes(
     """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc).
 
     ``span_of``: with data parallel over several nodes, the part of a state's optimizer
-    state (moments, held gradients) this node holds (``distributed/data_parallel.py``:
-    [Note: sharded host state]); ``None``: all of it. ``tier_ranks``: with data parallel,
-    the ranks of this node; each keeps its own NVMe tier of its windows' m and v, the
-    masters stay in host memory (and the weights: data parallel refuses ``"all"``)."""
+    state (moments, held gradients, and with a bf16 shadow the fp32 master) this node holds
+    (``distributed/data_parallel.py``: [Note: sharded host state]); ``None``: all of it.
+    ``tier_ranks``: with data parallel, the ranks of this node; each keeps its own NVMe
+    tier of its windows' m and v, the masters stay in host memory (and the weights: data
+    parallel refuses ``"all"``)."""
     options = config.options
     if tier_ranks is not None and options.nvme_offload == "all":
         config = _options(config, nvme_offload="optimizer")  # what data parallel can offer
@@ -158,8 +159,12 @@ def estimate_from_shapes(
     streamed = compute if config.compute_dtype != config.master_dtype else master
     numels = [*shapes.block_numels, shapes.resident_numel]
     held = [_held(n, span_of) for n in numels]
+    # With a bf16 shadow the nodes shard the master too (host_store.migrate_to_host; a rank's
+    # NVMe tier holds only m and v). One process holds all of it (held is whole), with the
+    # tier only the resident state's (below).
+    master_sharded = config.compute_dtype != config.master_dtype
     host = {
-        "master": sum(_host_buffer(n, master) for n in numels),
+        "master": sum(_host_buffer(n, master) for n in (held if master_sharded else numels)),
         "adam_m_v": sum(2 * _host_buffer(n, 4) for n in held),
     }
     disk = 0

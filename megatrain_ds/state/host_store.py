@@ -3,8 +3,9 @@
 The host is the home of every persistent tensor. Each block (and the set of resident
 non-block parameters) owns a :class:`HostFlatState`: page-aligned flat buffers laid out
 by :mod:`megatrain_ds.state.flat_layout`. The user's parameters are re-pointed at views of
-the master buffer, so the model's ``state_dict()`` always shows the trained weights
-without a second copy.
+the whole weights the node holds (the master; the bf16 shadow where the master is sharded
+across nodes), so the model's ``state_dict()`` always shows the trained weights without a
+second copy.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class HostFlatState:
         span: ``[start, end)``, the elements that ``exp_avg``, ``exp_avg_sq`` and ``grad``
             hold: all of them on one node, with data parallel over several nodes this
             node's share (``distributed/data_parallel.py``: [Note: sharded host state]).
+        master_sharded: whether ``master`` too holds only the ``span`` (several nodes with a
+            shadow: the whole weights a node streams are the shadow, :attr:`weights_kind`).
     """
 
     layout: FlatLayout
@@ -48,6 +51,7 @@ class HostFlatState:
     """The user's parameters in slot order (for state_dict mapping and hooks)."""
     span: tuple[int, int] | None = None
     """``None``: the optimizer state covers every element (``[0, layout.numel)``)."""
+    master_sharded: bool = False
 
     @property
     def held(self) -> tuple[int, int]:
@@ -60,13 +64,30 @@ class HostFlatState:
         return self.held != (0, self.layout.numel)
 
     @property
+    def master_held(self) -> tuple[int, int]:
+        """``[start, end)`` of the elements ``master`` holds (:attr:`held` where it is sharded)."""
+        return self.held if self.master_sharded else (0, self.layout.numel)
+
+    @property
+    def weights_kind(self) -> str:
+        """The buffer that holds every weight on this node: ``"master"``, or ``"shadow"``
+        where the master is sharded (checkpoints write the model files from it)."""
+        return "shadow" if self.master_sharded else "master"
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Every weight of the state (:attr:`weights_kind`): what the user's parameters view."""
+        return self.shadow if self.master_sharded and self.shadow is not None else self.master
+
+    @property
     def streamed(self) -> torch.Tensor:
         """The buffer whose bytes go to the device."""
         return self.shadow if self.shadow is not None else self.master
 
-    def master_view(self, slot_index: int) -> torch.Tensor:
+    def weight_view(self, slot_index: int) -> torch.Tensor:
+        """Slot ``slot_index`` of :attr:`weights` (the fp32 master unless it is sharded)."""
         slot = self.layout.slots[slot_index]
-        return self.master[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return self.weights[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def nbytes_by_kind(self) -> dict[str, int]:
         """Host bytes held, by kind (for memory accounting and tests)."""
@@ -91,9 +112,10 @@ class HostFlatState:
         def part(tensor: torch.Tensor | None, base: int = 0) -> torch.Tensor | None:
             return None if tensor is None else tensor[start - base : end - base]
 
+        master_first = self.master_held[0]  # a sharded master starts at the span, as the moments do
         return HostFlatState(
             layout=self.layout.window(start, end),
-            master=self.master[start:end],
+            master=self.master[start - master_first : end - master_first],
             shadow=part(self.shadow),
             exp_avg=self.exp_avg[start - first : end - first],
             exp_avg_sq=self.exp_avg_sq[start - first : end - first],
@@ -114,10 +136,15 @@ class HostFlatState:
         for slot, param in zip(self.layout.slots, self.params):
             _repoint(param, torch.empty(slot.shape, dtype=self.master.dtype, device="meta"))
 
-    def refresh_shadow(self, start: int = 0, end: int | None = None) -> None:
-        """Round the updated master into the streamed shadow (no-op without a shadow)."""
-        if self.shadow is not None:
-            self.shadow[start:end].copy_(self.master[start:end])
+    def refresh_shadow(self, start: int | None = None, end: int | None = None) -> None:
+        """Round the updated master into the streamed shadow over ``[start, end)`` (state
+        elements, default all the master holds; no-op without a shadow)."""
+        if self.shadow is None:
+            return
+        first, last = self.master_held
+        start, end = first if start is None else start, last if end is None else end
+        assert first <= start <= end <= last, (start, end, self.master_held)
+        self.shadow[start:end].copy_(self.master[start - first : end - first])
 
 
 def _repoint(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -165,8 +192,10 @@ def migrate_to_host(
     moments_on_host: bool = True,
     shadow_on_host: bool = True,
     span_of: SpanOf | None = None,
+    share: Callable[[torch.Tensor], None] | None = None,
 ) -> HostFlatState:
-    """Move ``named_params`` into a new flat host state, re-pointing each at its master slot.
+    """Move ``named_params`` into a new flat host state, re-pointing each at its slot of the
+    whole weights (the master; the shadow where the master is sharded, below).
 
     The master buffer is allocated untouched (no resident pages); each parameter is copied
     into its slot and re-pointed at once, which frees its old storage before the next is
@@ -180,40 +209,45 @@ def migrate_to_host(
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
     own values are dropped, as DDP drops them for rank 0's) and must not read the state
-    before :meth:`NodeSharedMemory.written`.
+    before :meth:`NodeSharedMemory.written`. ``share(values)``, on the writer, may replace
+    the state's whole values before anything is derived from them (data parallel: the
+    first node's initial weights).
 
     With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_on_host`):
     the NVMe tier holds them. With ``shadow_on_host=False`` no shadow is made: the weights
     are streamed from the tier, rounded as they are read (``state/nvme_weights.py``).
 
     With ``span_of`` the moments hold only the elements ``span_of(numel)`` of the state
-    (this node's share, :attr:`HostFlatState.span`).
+    (this node's share, :attr:`HostFlatState.span`). Where a shadow is made the master holds
+    only the span too (:attr:`HostFlatState.master_sharded`; with several nodes an NVMe tier
+    is each rank's, of m and v only): the parameters view the whole shadow, and the values
+    pass through a whole temporary of the state (one state more at the peak).
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     span = span_of(layout.numel) if span_of is not None else None
-    held = span[1] - span[0] if span is not None else layout.numel
-    by_name = dict(named_params)
-    master = runtime.host_empty(layout.numel, master_dtype, shared)
+    first, last = span if span is not None else (0, layout.numel)
     writes = shared is None or shared.is_writer
-    params = []
-    for index, slot in enumerate(layout.slots):
-        param = by_name[slot.name]
-        view = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        if writes and source is not None:
-            source.copy_into(slot.name, view)
-        elif writes:
-            view.copy_(param.detach())
-        _repoint(param, view)
-        params.append(param)
-        if writes:
-            # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
-            pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
-            master[slot.offset + slot.numel : pad_end].zero_()
-    shadow = None
-    if compute_dtype != master_dtype and shadow_on_host:
-        shadow = runtime.host_empty(layout.numel, compute_dtype, shared)
-        if writes:
+    with_shadow = compute_dtype != master_dtype and shadow_on_host
+    shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
+    sharded = span is not None and shadow is not None
+    if sharded:
+        assert shadow is not None
+        master = runtime.host_empty(last - first, master_dtype, shared)
+        whole = torch.empty(layout.numel, dtype=master_dtype) if writes else None  # freed on return
+        params = _fill_slots(named_params, layout, whole, shadow, source)
+        if whole is not None:
+            if share is not None:
+                share(whole)
+            shadow.copy_(whole)  # every weight, rounded: what the node streams
+            master.copy_(whole[first:last])  # this node's span, exact
+    else:
+        master = runtime.host_empty(layout.numel, master_dtype, shared)
+        params = _fill_slots(named_params, layout, master if writes else None, master, source)
+        if writes and share is not None:
+            share(master)
+        if writes and shadow is not None:
             shadow.copy_(master)
+    held = last - first
     return HostFlatState(
         layout=layout,
         master=master,
@@ -222,4 +256,33 @@ def migrate_to_host(
         exp_avg_sq=runtime.host_zeros(held, torch.float32, shared) if moments_on_host else absent_on_host(held),
         params=params,
         span=span,
+        master_sharded=sharded,
     )
+
+
+def _fill_slots(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
+    values: torch.Tensor | None,
+    viewed: torch.Tensor,
+    source: TensorSource | None,
+) -> list[nn.Parameter]:
+    """Copy each parameter's value (or ``source``'s) into its slot of ``values`` (``None``:
+    not this rank's to write), then re-point the parameter at its slot of ``viewed``: its old
+    storage is freed before the next one is copied. Returns the parameters in slot order."""
+    by_name = dict(named_params)
+    params = []
+    for index, slot in enumerate(layout.slots):
+        param = by_name[slot.name]
+        if values is not None:
+            view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if source is not None:
+                source.copy_into(slot.name, view)
+            else:
+                view.copy_(param.detach())
+            # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
+            pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
+            values[slot.offset + slot.numel : pad_end].zero_()
+        _repoint(param, viewed[slot.offset : slot.offset + slot.numel].view(slot.shape))
+        params.append(param)
+    return params

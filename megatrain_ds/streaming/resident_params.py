@@ -41,6 +41,7 @@ class ResidentParams:
         shared: node-shared allocation (data parallel); the device copy is valid only after
             the node's writer has filled the state and :meth:`refresh_device` ran.
         span_of: this node's share of the optimizer state (see ``migrate_to_host``).
+        share: data parallel: gives the node writer's values the first node's (``migrate_to_host``).
     """
 
     def __init__(
@@ -53,9 +54,18 @@ class ResidentParams:
         source: TensorSource | None = None,
         shared: NodeSharedMemory | None = None,
         span_of: SpanOf | None = None,
+        share: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.state: HostFlatState = migrate_to_host(
-            named_params, group_of, runtime, master_dtype, compute_dtype, source=source, shared=shared, span_of=span_of
+            named_params,
+            group_of,
+            runtime,
+            master_dtype,
+            compute_dtype,
+            source=source,
+            shared=shared,
+            span_of=span_of,
+            share=share,
         )
         streamed = self.state.streamed
         if runtime.shares_host_memory:
@@ -118,9 +128,10 @@ class ResidentParams:
         if not self.aliases_host:
             self.device_flat.copy_(self.state.streamed, non_blocking=True)
 
-    def master_by_param(self) -> dict[int, torch.Tensor]:
-        """``id(param) -> fp32 master view`` for ``state_dict``."""
-        return {id(p): self.state.master_view(i) for i, p in enumerate(self.state.params)}
+    def weights_by_param(self) -> dict[int, torch.Tensor]:
+        """``id(param) -> host weight view`` for ``state_dict``: the fp32 master, or the
+        shadow where the master is sharded across nodes (``HostFlatState.weights``)."""
+        return {id(p): self.state.weight_view(i) for i, p in enumerate(self.state.params)}
 
 
 def _make_gradient_hook(
