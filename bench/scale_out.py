@@ -24,6 +24,10 @@ reports, the maximum over the nodes:
 - ``adamw s``: the engine's AdamW arithmetic alone, per step (sum of its ``adamw`` spans on
   the optimizer-worker track of a tracer installed for the timed steps, wherever they ran).
 
+With ``--bf16`` both systems compute in bf16 (fp32 masters). With ``--nvme PATH`` the
+engine keeps Adam's m and v of the blocks on the NVMe tier, 2 blocks in host memory (each
+rank its own swap files under ``PATH``, on its node's disk: docs/nvme-tier.md).
+
 With ``--systems megatrain deepspeed`` DeepSpeed's ZeRO-3 with ``offload_optimizer`` and
 ``offload_param`` on the CPU runs under the same launches (model built under
 ``deepspeed.zero.Init``, gloo; ``engine.step()`` timed the same way); a run that fails keeps
@@ -114,6 +118,7 @@ def _llama(args: argparse.Namespace) -> Any:
 
 def _batch_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
     return {
+        **({"bf16": {"enabled": True}} if args.bf16 else {}),
         "train_micro_batch_size_per_gpu": args.global_batch // world,
         "gradient_accumulation_steps": 1,
         "train_batch_size": args.global_batch,
@@ -275,6 +280,9 @@ def worker(args: argparse.Namespace) -> None:
     else:
         model = llama(_llama(args))
         params = sum(p.numel() for p in model.parameters())
+        if args.nvme:  # each rank's window of the blocks' m and v in its own swap files
+            # A window of 2 blocks (default 4): this model has only 6.
+            config["megatrain"] = {"nvme_offload": "optimizer", "nvme_path": args.nvme, "nvme_window_blocks": 2}
         engine = megatrain_ds.MegatrainEngine(model, megatrain_ds.parse_engine_config(config))
     init_pss = pss_bytes("self")
     micro = args.global_batch // world
@@ -348,6 +356,10 @@ def _torchrun_commands(args: argparse.Namespace, system: str, nodes: int, out: P
         for k, v in vars(args).items()
         if k in ("hidden", "layers", "global_batch", "seq_len", "warmup", "steps", "threads", "timeout")
     ]
+    if args.nvme:
+        forwarded.append(f"--nvme={args.nvme}")
+    if args.bf16:
+        forwarded.append("--bf16")
     return [
         [
             *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)),
@@ -586,6 +598,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch (all its nodes)")
+    parser.add_argument("--nvme", help="megatrain: Adam's m and v on the NVMe tier, swap files under this path")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 masters (both systems)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -628,7 +642,7 @@ def _document(args: argparse.Namespace, rows: list[dict[str, Any]], total: float
             "hidden": args.hidden,
             "layers": args.layers,
             "vocab": VOCAB,
-            "dtype": "fp32",
+            "dtype": "bf16 compute, fp32 master" if args.bf16 else "fp32",
             "params": next((r[s]["params"] for r in rows for s in args.systems if "params" in r[s]), None),
         },
         "settings": {
@@ -637,6 +651,7 @@ def _document(args: argparse.Namespace, rows: list[dict[str, Any]], total: float
             "warmup_steps": args.warmup,
             "timed_steps": args.steps,
             "threads_per_node": args.threads,
+            "megatrain_nvme": "optimizer, nvme_window_blocks 2" if args.nvme else "none",
             "gradient_clipping": CLIPPING,
             "launch": "one torchrun --nnodes N --node-rank i --nproc-per-node 1 per node, c10d on 127.0.0.1",
             "deepspeed": "ZeRO-3, offload_optimizer and offload_param cpu, zero.Init, gloo",
