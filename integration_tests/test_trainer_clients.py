@@ -168,29 +168,3 @@ def test_trainer_save_and_resume(clients) -> None:
     # Resumed, not restarted: step 4's loss is not step 1's.
     assert result["losses_after_resume"][0] < result["uninterrupted_losses"][0] - 0.1
     assert {"latest", "global_step3", "trainer_state.json"} <= set(result["checkpoint_files"])
-
-
-def test_minimal_json_under_accelerate_launch(tmp_path) -> None:
-    """``{"engine": "megatrain"}`` named by an Accelerate config, the script's own optimizer
-    and scheduler: the same run as the shipped ``configs/ds_megatrain_accelerate.json`` on
-    DeepSpeed (its "auto" keys and stage 0 are what the hook supplies)."""
-    minimal = tmp_path / "minimal.json"
-    minimal.write_text(json.dumps({"engine": "megatrain"}), encoding="utf-8")
-    shipped = (REPO_ROOT / "configs" / "accelerate_megatrain.yaml").read_text(encoding="utf-8")
-    yaml = tmp_path / "accelerate_minimal.yaml"
-    yaml.write_text(shipped.replace("configs/ds_megatrain_accelerate.json", str(minimal)), encoding="utf-8")
-    assert str(minimal) in yaml.read_text(encoding="utf-8")
-    script = SCRIPT.with_name("accelerate_clm.py")
-    runs = run_side_by_side(
-        [
-            Run("megatrain", script, tmp_path / "megatrain", accelerate_config=yaml),
-            Run("deepspeed", script, tmp_path / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
-        ]
-    )
-    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
-    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
-    assert len(ours["losses"]) == len(reference["losses"]) == 24
-    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
-        assert a == pytest.approx(b, rel=1e-5), f"micro-batch {step}"
-    assert ours["learning_rates"] == reference["learning_rates"]
-    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
