@@ -3,33 +3,62 @@
 ``accelerate_clm.py`` never imports ``megatrain_ds``; it is launched with
 ``accelerate launch --config_file configs/accelerate_megatrain.yaml`` three times, side by
 side: on the engine (lr 3e-3), on the engine with lr 0, and on DeepSpeed itself (stage 0,
-fp32, the same script and configs with ``MEGATRAIN_DISABLE_HOOK=1``) as the reference.
+fp32, the same script and configs with ``MEGATRAIN_DISABLE_HOOK=1``) as the reference; and
+a fourth time with an Accelerate config naming the minimal ``{"engine": "megatrain"}`` JSON,
+compared with the same reference run (one launch of DeepSpeed serves both comparisons).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, load_weights, run_side_by_side
+from launching import (
+    ACCELERATE_CONFIG,
+    Run,
+    assert_zero_lr_kept_weights,
+    eval_loss_of_saved_model,
+    load_weights,
+    run_side_by_side,
+)
 
 SCRIPT = Path(__file__).with_name("accelerate_clm.py")
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
 DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 
 
+def minimal_accelerate_config(root: Path) -> Path:
+    """The shipped Accelerate YAML, its DeepSpeed JSON replaced by ``{"engine": "megatrain"}``."""
+    minimal = root / "minimal.json"
+    minimal.write_text(json.dumps({"engine": "megatrain"}), encoding="utf-8")
+    shipped = ACCELERATE_CONFIG.read_text(encoding="utf-8")
+    yaml = root / "accelerate_minimal.yaml"
+    yaml.write_text(shipped.replace("configs/ds_megatrain_accelerate.json", str(minimal)), encoding="utf-8")
+    assert str(minimal) in yaml.read_text(encoding="utf-8")
+    return yaml
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("accelerate")
-    return run_side_by_side(
+    minimal = Run(
+        "megatrain_minimal", SCRIPT, root / "megatrain_minimal", accelerate_config=minimal_accelerate_config(root)
+    )
+    minimal.start()  # side by side with the others; a failure of it fails only its own test
+    runs = run_side_by_side(
         [
             Run("megatrain", SCRIPT, root / "megatrain"),
             Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"]),
             Run("deepspeed", SCRIPT, root / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
         ]
     )
+    with contextlib.suppress(AssertionError):
+        minimal.wait()
+    return {**runs, minimal.name: minimal}
 
 
 def test_the_engine_is_megatrain_without_an_import(runs) -> None:
@@ -95,3 +124,18 @@ def test_weights_match_deepspeed(runs) -> None:
     diff = sum(float(((ours[k].double() - reference[k].double()) ** 2).sum()) for k in ours)
     norm = sum(float((reference[k].double() ** 2).sum()) for k in ours)
     assert math.sqrt(diff / norm) < 1e-5
+
+
+def test_minimal_json_under_accelerate_launch(runs) -> None:
+    """``{"engine": "megatrain"}`` named by an Accelerate config, the script's own optimizer
+    and scheduler: the same run as the shipped ``configs/ds_megatrain_accelerate.json`` on
+    DeepSpeed (its "auto" keys and stage 0 are what the hook supplies). The reference is the
+    module's DeepSpeed run: the same script, arguments, shipped config and environment."""
+    runs["megatrain_minimal"].wait()  # raises with the log's tail if that run failed
+    ours, reference = runs["megatrain_minimal"].result(), runs["deepspeed"].result()
+    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
+    assert len(ours["losses"]) == len(reference["losses"]) == 24
+    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
+        assert a == pytest.approx(b, rel=1e-5), f"micro-batch {step}"
+    assert ours["learning_rates"] == reference["learning_rates"]
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)

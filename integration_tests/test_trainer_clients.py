@@ -2,10 +2,13 @@
 
 Each client of ``trainer_clients.py`` (gradient checkpointing, TRL's ``SFTTrainer`` with its
 defaults and with packing, PEFT LoRA, a minimal hand-written JSON, save and resume) runs
-twice in fresh processes: routed to this engine, and with ``MEGATRAIN_DISABLE_HOOK=1`` on
-DeepSpeed's ``DeepSpeedEngine`` (stage 0, fp32), the reference. The scripts never import
-``megatrain_ds``. Losses and evaluation losses must agree to 1e-5 relative, as in
-``test_accelerate.py`` (fp32 on both sides: room for summation order only).
+twice, each time in a process of its own: routed to this engine, and with
+``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's ``DeepSpeedEngine`` (stage 0, fp32), the
+reference. Per engine one launched script imports the libraries and forks a child per
+client (the imports are most of a run's time; a child starts with no Trainer, Accelerate
+or DeepSpeed state in it). The scripts never import ``megatrain_ds``. Losses and
+evaluation losses must agree to 1e-5 relative, as in ``test_accelerate.py`` (fp32 on both
+sides: room for summation order only).
 """
 
 from __future__ import annotations
@@ -45,40 +48,41 @@ MINIMAL_SPELLED_OUT = {
 }
 
 
+CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume")
+
+
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory: pytest.TempPathFactory):
-    """``clients(name)``: the client's runs on both engines, run once (side by side) when first asked for."""
+    """``clients(name)``: the client's runs on both engines. One process per engine, side by
+    side, runs every client, each in a child forked after the imports (``trainer_clients.py``):
+    two launches instead of twelve, each of which spent most of its time importing torch,
+    transformers, TRL and PEFT. A client that failed fails its own test, with its log."""
     root = tmp_path_factory.mktemp("clients")
-    done: dict[str, dict[str, Run]] = {}
+    sides = {}
+    for engine, minimal, env in (
+        ("megatrain", MINIMAL, {}),
+        ("deepspeed", MINIMAL_SPELLED_OUT, {"MEGATRAIN_DISABLE_HOOK": "1"}),
+    ):
+        path = root / f"{engine}_minimal.json"
+        path.write_text(json.dumps(minimal), encoding="utf-8")
+        args = [
+            arg
+            for client in CLIENT_NAMES
+            for arg in ("--client", f"{client}={path}" if client == "minimal" else client)
+        ]
+        sides[engine] = Run(engine, SCRIPT, root / engine, accelerate=False, args=args, env=env)
+    run_side_by_side(list(sides.values()))
+    exit_codes = {engine: side.result("exit_codes.json") for engine, side in sides.items()}
 
     def runs(client: str) -> dict[str, Run]:
-        if client not in done:
-            config = {"megatrain": [], "deepspeed": []}
-            if client == "minimal":
-                for name, content in (("megatrain", MINIMAL), ("deepspeed", MINIMAL_SPELLED_OUT)):
-                    path = root / f"{name}_minimal.json"
-                    path.write_text(json.dumps(content), encoding="utf-8")
-                    config[name] = ["--deepspeed-config", str(path)]
-            done[client] = run_side_by_side(
-                [
-                    Run(
-                        "megatrain",
-                        SCRIPT,
-                        root / f"{client}_megatrain",
-                        accelerate=False,
-                        args=["--client", client, *config["megatrain"]],
-                    ),
-                    Run(
-                        "deepspeed",
-                        SCRIPT,
-                        root / f"{client}_deepspeed",
-                        accelerate=False,
-                        args=["--client", client, *config["deepspeed"]],
-                        env={"MEGATRAIN_DISABLE_HOOK": "1"},
-                    ),
-                ]
-            )
-        return done[client]
+        done = {}
+        for engine, side in sides.items():
+            run = Run(engine, SCRIPT, side.output_dir / client, accelerate=False)
+            if exit_codes[engine][client] != 0:
+                tail = run.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+                raise AssertionError(f"client {client!r} on {engine} exited with {exit_codes[engine][client]}:\n{tail}")
+            done[engine] = run
+        return done
 
     return runs
 
@@ -168,29 +172,3 @@ def test_trainer_save_and_resume(clients) -> None:
     # Resumed, not restarted: step 4's loss is not step 1's.
     assert result["losses_after_resume"][0] < result["uninterrupted_losses"][0] - 0.1
     assert {"latest", "global_step3", "trainer_state.json"} <= set(result["checkpoint_files"])
-
-
-def test_minimal_json_under_accelerate_launch(tmp_path) -> None:
-    """``{"engine": "megatrain"}`` named by an Accelerate config, the script's own optimizer
-    and scheduler: the same run as the shipped ``configs/ds_megatrain_accelerate.json`` on
-    DeepSpeed (its "auto" keys and stage 0 are what the hook supplies)."""
-    minimal = tmp_path / "minimal.json"
-    minimal.write_text(json.dumps({"engine": "megatrain"}), encoding="utf-8")
-    shipped = (REPO_ROOT / "configs" / "accelerate_megatrain.yaml").read_text(encoding="utf-8")
-    yaml = tmp_path / "accelerate_minimal.yaml"
-    yaml.write_text(shipped.replace("configs/ds_megatrain_accelerate.json", str(minimal)), encoding="utf-8")
-    assert str(minimal) in yaml.read_text(encoding="utf-8")
-    script = SCRIPT.with_name("accelerate_clm.py")
-    runs = run_side_by_side(
-        [
-            Run("megatrain", script, tmp_path / "megatrain", accelerate_config=yaml),
-            Run("deepspeed", script, tmp_path / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
-        ]
-    )
-    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
-    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
-    assert len(ours["losses"]) == len(reference["losses"]) == 24
-    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
-        assert a == pytest.approx(b, rel=1e-5), f"micro-batch {step}"
-    assert ours["learning_rates"] == reference["learning_rates"]
-    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)

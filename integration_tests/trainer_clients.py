@@ -4,6 +4,14 @@
 own (``MEGATRAIN_DISABLE_HOOK=1``, stage 0, fp32) as the reference::
 
     python integration_tests/trainer_clients.py --client CLIENT --output-dir DIR [--deepspeed-config JSON]
+    python integration_tests/trainer_clients.py --client CLIENT[=JSON] --client ... --output-dir DIR
+
+With several clients each runs in a child process forked after the libraries are imported
+(torch, transformers, TRL, PEFT: most of a run's time, the same for every client), with
+``DIR/CLIENT`` its output directory, ``DIR/CLIENT.log`` its output and ``JSON`` its
+``--deepspeed-config``; ``DIR/exit_codes.json`` holds each child's exit code. A child starts
+with nothing of a Trainer, Accelerate or DeepSpeed in it (the parent only imports), so
+each client runs as in a fresh process.
 
 Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
 
@@ -32,8 +40,12 @@ the evaluation loss, and what each client reports), ``initial.safetensors``,
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
+import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -292,20 +304,9 @@ def train_and_resume(args: argparse.Namespace, model: torch.nn.Module) -> tuple[
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--client", choices=CLIENTS, required=True)
-    parser.add_argument("--output-dir", type=Path, required=True)
-    parser.add_argument("--deepspeed-config", type=Path, default=HF_CONFIG)
-    parser.add_argument("--model-dir", type=Path, default=None, help="the pretrained client's model")
-    parser.add_argument("--fp16", action="store_true", help="the pretrained client: TrainingArguments(fp16=True)")
-    parser.add_argument(
-        "--max-steps", type=int, default=None, help="the pretrained client: TrainingArguments(max_steps)"
-    )
-    parser.add_argument("--record-steps", action="store_true", help="the pretrained client: write steps.json")
-    args = parser.parse_args()
+def run_client(args: argparse.Namespace) -> None:
+    """Train ``args.client`` and write its outputs under ``args.output_dir``."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
-
     transformers.set_seed(0)
     model = tiny_llama(args.output_dir)
     eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
@@ -334,6 +335,80 @@ def main() -> None:
         **extra,
     }
     (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+
+
+def run_in_child(args: argparse.Namespace) -> int:
+    """:func:`run_client` in a forked child, its output in ``<output-dir>.log``; its exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with open(args.output_dir.with_name(args.output_dir.name + ".log"), "w", encoding="utf-8") as log:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+            run_client(args)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            # The exit handlers a process end runs (process groups, DeepSpeed's), then out
+            # without tearing the interpreter down (the parent does that once).
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--client", action="append", required=True, help="CLIENT (one, in this process) or CLIENT=JSON (several)"
+    )
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--deepspeed-config", type=Path, default=HF_CONFIG)
+    parser.add_argument("--model-dir", type=Path, default=None, help="the pretrained client's model")
+    parser.add_argument("--fp16", action="store_true", help="the pretrained client: TrainingArguments(fp16=True)")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="the pretrained client: TrainingArguments(max_steps)"
+    )
+    parser.add_argument("--record-steps", action="store_true", help="the pretrained client: write steps.json")
+    args = parser.parse_args()
+    clients = [(name, Path(config) if config else args.deepspeed_config) for name, _, config in
+               (spec.partition("=") for spec in args.client)]  # fmt: skip
+    for name, _ in clients:
+        if name not in CLIENTS:
+            parser.error(f"--client {name!r}: one of {', '.join(CLIENTS)}")
+    if len(clients) == 1:
+        args.client, args.deepspeed_config = clients[0]
+        run_client(args)
+        return
+    # What the clients import when they first need it, imported once before the forks (the
+    # names touched load the modules transformers, TRL and PEFT import lazily; DeepSpeed is
+    # what the Trainer imports for its config, routed by the start-up hook as it would be there).
+    import datasets  # noqa: F401
+    import deepspeed  # noqa: F401
+    import peft
+    import trl
+
+    for module, names in (
+        (transformers, ("Trainer", "TrainingArguments", "LlamaForCausalLM", "AutoModelForCausalLM")),
+        (trl, ("SFTConfig", "SFTTrainer")),
+        (peft, ("LoraConfig", "get_peft_model")),
+    ):
+        for name in names:
+            getattr(module, name)
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    codes = {}
+    for name, config in clients:
+        child = argparse.Namespace(**{**vars(args), "client": name, "deepspeed_config": config})
+        child.output_dir = args.output_dir / name
+        codes[name] = run_in_child(child)
+    (args.output_dir / "exit_codes.json").write_text(json.dumps(codes), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ memory, and runs the GPU's copy path on the CPU (``test_fragments.py``'s ``_copy
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import tiny_models
@@ -22,6 +20,7 @@ from test_fragments import _copying
 from test_parity import assert_parity
 from test_planner import CPU
 
+from megatrain_ds import cli
 from megatrain_ds.cli import shape_of
 from megatrain_ds.config import ConfigError, MegatrainOptions
 from megatrain_ds.planning import recompute_policy
@@ -180,27 +179,12 @@ def test_auto_in_the_engine_on_the_cpu_copies_nothing_in_pieces(caplog):
         engine.destroy()
 
 
-def test_cli_prints_the_step_with_and_without_fragments():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatrain_ds.cli",
-            "plan",
-            "--model",
-            "configs/models/tiny_llama.json",
-            "--gpu",
-            "h100",
-            "--host-memory",
-            "64GB",
-            "--seq-len",
-            "256",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    lines = result.stdout.splitlines()
+def test_cli_prints_the_step_with_and_without_fragments(capsys):
+    # In this process: a launch spends seconds importing what this process has imported
+    # (`python -m megatrain_ds.cli` is tests/test_planner.py's CPU plan test).
+    argv = ["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h100", "--host-memory", "64GB"]
+    assert cli.main([*argv, "--seq-len", "256"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("fragmented weight streaming"))
     assert "whole blocks" in lines[header + 1] and "predicted step" in lines[header + 1]
     assert "predicted step" in lines[header + 2]
