@@ -401,7 +401,8 @@ def test_two_nodes_with_bf16_compute_shard_the_master_and_gather_the_shadow(tmp_
     the master. They train as one bf16 process with both batches does (a one-process engine
     run here, the reference), and close to fp32 plain PyTorch. Checkpoints: the nodes' one
     (span files with the fp32 masters, bf16 model files) loads into one process with the
-    masters exact; the one process's (fp32 model files) loads into each node's spans exactly."""
+    masters exact; the one process's (fp32 model files) loads into each node's spans exactly.
+    With the NVMe tier on each node the run is the same to the bit."""
     steps, accumulation = 2, 1
     by_one, by_nodes = tmp_path / "checkpoint_of_one", tmp_path / "checkpoint_of_nodes"
     single = _one_bf16_process(steps, accumulation, save_to=by_one)
@@ -436,6 +437,23 @@ def test_two_nodes_with_bf16_compute_shard_the_master_and_gather_the_shadow(tmp_
         for loaded, reference in zip(rank["loaded_states"], single["states"]):
             assert torch.equal(loaded["shadow"], reference["master"].bfloat16())
     _assert_nodes_checkpoint_loads_exactly(by_nodes / f"global_step{steps}", ranks)
+
+    # The same run with Adam's moments on each node's NVMe tier: the same arithmetic, so the
+    # same weights and norms to the bit, and the same sharded master in host memory.
+    on_tier = tmp_path / "tier"
+    on_tier.mkdir()
+    common = ("parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bf16")
+    launch_nodes(2, on_tier, *common, "--nvme", str(tmp_path / "swap"))
+    for rank, report in enumerate(torch.load(on_tier / f"rank{r}.pt") for r in range(2)):
+        assert report["norms"] == ranks[rank]["norms"]
+        for key, value in report["state_dict"].items():
+            assert torch.equal(value, ranks[rank]["state_dict"][key]), key
+        for kind in ("master", "shadow", "grad"):
+            assert report["host_bytes"][kind] == ranks[rank]["host_bytes"][kind], kind
+        # The node's span of m: the blocks' on the tier, the resident state's in host memory.
+        assert (
+            4 * sum(report["tier"]["numels"]) + report["host_bytes"]["exp_avg"] == ranks[rank]["host_bytes"]["exp_avg"]
+        )
 
 
 BF16_PARITY = 1e-3
