@@ -209,16 +209,28 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     if args.save_to and args.save_at == args.steps:  # after the last step
         engine.save_checkpoint(args.save_to)
     state = {key: value.clone() for key, value in engine.module.state_dict().items()}
-    dp = engine.data_parallel
-    nodes = {}
-    if dp is not None:
-        nodes = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
-    # What this node holds (node-shared: one copy per node), and what the whole state would take.
-    held = {"host_bytes": engine.host_bytes(), "numels": [flat.layout.numel for flat in engine.states]}
+    held = _held_report(engine, settings)
     held["collective_elements"] = collectives
-    held["tier"] = _tier_report(engine) if engine.nvme_tier is not None else None
-    if engine.nvme_tier is not None and dp is not None:
-        held["tier"]["weights_refused"] = _weights_on_the_tier_refused(settings)
+    if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
+        engine.load_checkpoint(args.load_after)
+        held["loaded_states"] = flat_states(engine)
+    torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"rank{rank}.pt")
+    engine.destroy()
+
+
+def _held_report(engine: MegatrainEngine, settings: dict) -> dict:
+    """This rank's place in its node, what its node holds (node-shared: one copy per node)
+    and what the whole state would take, its NVMe tier, and its flat states."""
+    dp = engine.data_parallel
+    held: dict = {}
+    if dp is not None:
+        held = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
+    held.update(host_bytes=engine.host_bytes(), numels=[flat.layout.numel for flat in engine.states])
+    held["tier"] = None
+    if engine.nvme_tier is not None:
+        held["tier"] = tier = _tier_report(engine)
+        if dp is not None:
+            tier["weights_refused"] = _weights_on_the_tier_refused(settings)
     # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones
     # too; where the master is sharded, in the span it holds).
     held["shadows_match"] = all(
@@ -227,11 +239,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
         if flat.shadow is not None
     )
     held["flat_states"] = flat_states(engine)
-    if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
-        engine.load_checkpoint(args.load_after)
-        held["loaded_states"] = flat_states(engine)
-    torch.save({"state_dict": state, "norms": norms, **pieces, **nodes, **held}, Path(args.out) / f"rank{rank}.pt")
-    engine.destroy()
+    return held
 
 
 def flat_states(engine: MegatrainEngine) -> list[dict[str, object]]:

@@ -438,8 +438,12 @@ def test_two_nodes_with_bf16_compute_shard_the_master_and_gather_the_shadow(tmp_
             assert torch.equal(loaded["shadow"], reference["master"].bfloat16())
     _assert_nodes_checkpoint_loads_exactly(by_nodes / f"global_step{steps}", ranks)
 
-    # The same run with Adam's moments on each node's NVMe tier: the same arithmetic, so the
-    # same weights and norms to the bit, and the same sharded master in host memory.
+    _assert_the_tier_changes_nothing(tmp_path, ranks, steps, accumulation)
+
+
+def _assert_the_tier_changes_nothing(tmp_path: Path, ranks: list[dict], steps: int, accumulation: int) -> None:
+    """The same bf16 run with Adam's moments on each node's NVMe tier: the same arithmetic,
+    so the same weights and norms to the bit, and the same sharded master in host memory."""
     on_tier = tmp_path / "tier"
     on_tier.mkdir()
     common = ("parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bf16")

@@ -170,32 +170,8 @@ def estimate_from_shapes(
     disk = 0
     weights_on_disk = options.nvme_offload == "all"
     if options.nvme_offload in ("optimizer", "all"):
-        # The blocks' m and v (and fp32 master, unless it is what is streamed from host
-        # memory) in swap files, a window of them in host memory (state/nvme_tier.py).
-        alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
-        kinds = (
-            WITH_MASTER
-            if weights_on_disk
-            else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype or tier_ranks is not None)
-        )
-        files = [swap_file_bytes(n, alignment, len(kinds)) for n in shapes.block_numels]
-        ranks = 1
-        if tier_ranks is not None:  # each rank's window of the node's share, a file per rank and block
-            ranks = tier_ranks
-            files = [swap_file_bytes(-(-h // ranks), alignment, len(kinds)) for h in held[:-1]]
-        disk = ranks * sum(files)
-        host["adam_m_v"] = 2 * _host_buffer(shapes.resident_numel, 4)
-        if "master" in kinds:
-            host["master"] = _host_buffer(shapes.resident_numel, master)
-        host["nvme_window"] = ranks * min(options.nvme_window_blocks, len(files)) * max(files)
-        if weights_on_disk:
-            # The weight window (state/nvme_weights.py): each buffer the largest block in the
-            # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
-            per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
-            buffers = weight_window_buffers(
-                options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks
-            )
-            host["nvme_weights"] = buffers * per_buffer
+        on_tier, disk = _nvme_tier_need(shapes, config, held, tier_ranks)
+        host.update(on_tier)
     if config.compute_dtype != config.master_dtype:
         host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
     if config.holds_gradients:
@@ -221,6 +197,38 @@ def estimate_from_shapes(
         host["weight_buffers"] = 0
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
+
+
+def _nvme_tier_need(
+    shapes: _Shapes, config: EngineConfig, held: list[int], tier_ranks: int | None
+) -> tuple[dict[str, int], int]:
+    """With the NVMe tier: the host memory that replaces the blocks' state it takes (their m
+    and v, and fp32 master unless it is what is streamed from host memory, state/nvme_tier.py),
+    by kind, and the bytes of its swap files. ``held``: each state's share on this node, the
+    resident state's last; ``tier_ranks``: see :func:`estimate_from_shapes`."""
+    options = config.options
+    master = torch.empty((), dtype=config.master_dtype).element_size()
+    compute = torch.empty((), dtype=config.compute_dtype).element_size()
+    weights_on_disk = options.nvme_offload == "all"
+    alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
+    kinds = (
+        WITH_MASTER
+        if weights_on_disk
+        else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype or tier_ranks is not None)
+    )
+    ranks = tier_ranks or 1  # with data parallel each rank's window of the node's share: a file per rank and block
+    files = [swap_file_bytes(-(-h // ranks), alignment, len(kinds)) for h in held[:-1]]
+    host = {"adam_m_v": 2 * _host_buffer(held[-1], 4)}  # the resident state's stay
+    if "master" in kinds:
+        host["master"] = _host_buffer(shapes.resident_numel, master)
+    host["nvme_window"] = ranks * min(options.nvme_window_blocks, len(files)) * max(files)
+    if weights_on_disk:
+        # The weight window (state/nvme_weights.py): each buffer the largest block in the
+        # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
+        per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
+        buffers = weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks)
+        host["nvme_weights"] = buffers * per_buffer
+    return host, ranks * sum(files)
 
 
 def available_memory(device: torch.device) -> AvailableMemory:
