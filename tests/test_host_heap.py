@@ -53,6 +53,22 @@ def _rss_bytes() -> int:
 
 
 def test_large_transients_get_pages_of_their_own():
+    """In a fresh process: malloc serves a request from a free chunk of the heap big enough
+    for it before it maps pages, whatever the threshold, and a test worker's heap has such
+    chunks after other tests (which one depends on the order xdist hands the tests out)."""
+    _glibc()
+    _in_fresh_process("_large_transients_get_pages_of_their_own")
+
+
+def _in_fresh_process(function: str, env: dict[str, str] | None = None) -> None:
+    """Run this module's ``function`` in a new interpreter; fail with its error output."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_host_heap as t; "
+    code += f"t.{function}()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _large_transients_get_pages_of_their_own() -> None:
     libc = _glibc()
     # Free a 20 MiB block first: left to itself glibc would now serve the 8 MiB tensor
     # below from its heap (its threshold rises to the size of a mapped block freed).
@@ -106,10 +122,7 @@ def test_mkl_gemm_buffers_go_back_to_the_system():
     _glibc()
     if not torch.backends.mkl.is_available():
         pytest.skip("PyTorch built without MKL")
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_host_heap as t; "
-    code += "t._mkl_gemm_buffers_go_back_to_the_system()"
     # torch's own thread count (a worker's OMP_NUM_THREADS=1 makes MKL keep no packing
     # buffers to free while the other cores are busy).
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _in_fresh_process("_mkl_gemm_buffers_go_back_to_the_system", env)
