@@ -9,7 +9,9 @@ is tested in ``tests/test_stream_ordering.py``.
 
 from __future__ import annotations
 
+import ast
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +243,14 @@ def test_synchronize_orders_the_host_after_every_stream(runtime: DeviceRuntime) 
             runtime.synchronize()
             with runtime.host_work():
                 staging.zero_()
+
+
+def test_every_test_named_for_a_checked_variant_exists() -> None:
+    """A renamed test must not drop out of the race checker's runs unnoticed
+    (``tests/conftest.py``: ``CHECKED_SUITES`` names tests by their function names)."""
+    from conftest import CHECKED_SUITES
+
+    for module, names in CHECKED_SUITES.items():
+        tree = ast.parse((Path(__file__).parent / module).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert set(names or ()) <= defined, (module, set(names or ()) - defined)
