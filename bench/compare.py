@@ -413,7 +413,25 @@ def _add_prediction(result: dict, prediction: dict) -> None:
 def _versions() -> dict:
     import importlib.metadata as metadata
 
-    return {name: metadata.version(name) for name in ("torch", "deepspeed", "transformers", "megatrain_ds")}
+    def version(name: str) -> str:
+        # A checkout run without `pip install` (the GPU machines) has no megatrain_ds metadata.
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {name: version(name) for name in ("torch", "deepspeed", "transformers", "megatrain_ds")}
+
+
+def _git_rev() -> str:
+    """The checkout's commit, or "unknown" where the tree was copied without git."""
+    try:
+        return (
+            subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        return "unknown"
 
 
 def main() -> None:
@@ -479,6 +497,12 @@ def main() -> None:
                     _add_prediction(result, prediction)
             if system not in best or result["step_seconds"] < best[system]["step_seconds"]:
                 best[system] = result
+            # Written after every system, so that a run cut off by its time limit keeps what it has.
+            report(args, best, rounds)
+
+
+def report(args: argparse.Namespace, best: dict[str, dict], rounds: dict[str, list[dict]]) -> None:
+    """Print the table of the best rounds so far and write them with their ratios as JSON."""
     print(
         f"{'system':24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'step s':>8s} {'fwd':>6s} {'bwd':>6s} "
         f"{'opt':>6s} {'idle':>6s} {'host B/param':>12s} {'GPU GiB':>8s}"
@@ -535,7 +559,7 @@ def main() -> None:
     )
     params = next(iter(best.values()))["params"] if best else 0
     out = Path(args.out or f"bench/results/compare_{device.split()[0].lower()}_{params // 10**6}M.json")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = _git_rev()
     out.write_text(
         json.dumps(
             {

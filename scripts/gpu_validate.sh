@@ -2,7 +2,7 @@
 # One command that validates the engine on a GPU machine and keeps the evidence.
 #
 # Run from anywhere on a machine with CUDA (no network needed):
-#   bash scripts/gpu_validate.sh [--out DIR] [--skip STEP]... [--compare-args "ARGS"]
+#   bash scripts/gpu_validate.sh [--out DIR] [--skip STEP]... [--limit STEP=SECONDS]... [--compare-args "ARGS"]
 #   bash scripts/gpu_validate.sh --dry-run     # the plan, on any machine
 #
 # Steps, in order (each one's log and result files go to DIR, default bench/results/gpu_<device>/):
@@ -13,18 +13,23 @@
 #   sanitizer     the CUDA parity and checkpoint cases again under PyTorch's CUDA sanitizer
 #                 (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
-#   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
 #   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 offload and megatrain side by side
-#                 (--compare-args, default a 3.5B Llama that both fit in host memory)
+#                 (--compare-args, default the 940M Llama of configs/models/llama_940m.json)
+#   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
 #   timeline      bench/timeline.py --record --device cuda: the traced step as a PNG
-# Every step runs even when an earlier one fails; a summary table ends the run and is
-# written to DIR/summary.json. Exit status: 0 when no step failed, 1 otherwise, 2 for
+# Every step runs even when an earlier one fails, each under its own time limit (--limit: a
+# lease is short, and one hung step must not cost the others); a summary table ends the run
+# and is written to DIR/summary.json. Exit status: 0 when no step failed, 1 otherwise, 2 for
 # bad arguments or no CUDA device (without --dry-run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=(install gpu-tests sanitizer data-parallel triton-adamw compare timeline)
-DEFAULT_COMPARE_ARGS="--hidden 4096 --intermediate 11008 --layers 16 --seq-len 1024 --micro-batch 4 --steps 3"
+STEPS=(install gpu-tests sanitizer data-parallel compare triton-adamw timeline)
+# Seconds each step may take before it is stopped and recorded as FAIL(124).
+declare -A LIMITS=([install]=120 [gpu-tests]=600 [sanitizer]=300 [data-parallel]=300 [compare]=900
+                   [triton-adamw]=120 [timeline]=120)
+# configs/models/llama_940m.json's shape: all four systems in about 2 minutes of a 15-minute lease.
+DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4 --steps 3"
 
 usage() {
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -32,6 +37,7 @@ usage() {
     echo "  --dry-run            print each step's command and the summary; run nothing"
     echo "  --out DIR            where logs and results go (default bench/results/gpu_<device>)"
     echo "  --skip STEP          leave a step out (repeatable): ${STEPS[*]}"
+    echo "  --limit STEP=SECONDS stop a step after SECONDS (repeatable; defaults: $(for s in "${STEPS[@]}"; do printf '%s=%s ' "$s" "${LIMITS[$s]}"; done))"
     echo "  --compare-args ARGS  arguments for bench/compare.py (default: $DEFAULT_COMPARE_ARGS)"
     echo "  -h, --help           this text"
 }
@@ -51,6 +57,10 @@ while [ $# -gt 0 ]; do
             [ $# -ge 2 ] || fail_usage "--skip needs a step name"
             [[ " ${STEPS[*]} " == *" $2 "* ]] || fail_usage "unknown step '$2'; steps: ${STEPS[*]}"
             SKIPPED[$2]=1; shift ;;
+        --limit)
+            [[ $# -ge 2 && "$2" =~ ^([a-z-]+)=([0-9]+)$ ]] || fail_usage "--limit needs STEP=SECONDS"
+            [[ " ${STEPS[*]} " == *" ${BASH_REMATCH[1]} "* ]] || fail_usage "unknown step '${BASH_REMATCH[1]}'; steps: ${STEPS[*]}"
+            LIMITS[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
         --compare-args) [ $# -ge 2 ] || fail_usage "--compare-args needs a value"; COMPARE_ARGS="$2"; shift ;;
         *) fail_usage "unknown argument '$1'" ;;
     esac
@@ -84,7 +94,8 @@ mkdir -p "$OUT_DIR"
 NAMES=(); STATUSES=(); SECONDS_TAKEN=(); NOTES=()
 record() { NAMES+=("$1"); STATUSES+=("$2"); SECONDS_TAKEN+=("$3"); NOTES+=("$4"); }
 
-# step NAME NOTE -- COMMAND...: run one step (or plan it), its output in OUT_DIR/NAME.log.
+# step NAME NOTE -- COMMAND...: run one step (or plan it) under its limit, its output in
+# OUT_DIR/NAME.log. COMMAND may be a function of this script (exported below).
 step() {
     local name=$1 note=$2
     shift 3
@@ -92,12 +103,12 @@ step() {
         record "$name" skipped 0 "--skip"; return
     fi
     if [ "$DRY_RUN" = 1 ]; then
-        echo "[dry-run] $name: $*"
+        echo "[dry-run] $name: (at most ${LIMITS[$name]} s) $*"
         record "$name" planned 0 "$note"; return
     fi
     echo "== $name: $*"
     local started=$SECONDS
-    "$@" > >(tee "$OUT_DIR/$name.log") 2>&1
+    timeout --kill-after=15 "${LIMITS[$name]}" bash -c '"$@"' "$name" "$@" > >(tee "$OUT_DIR/$name.log") 2>&1
     local status=$?
     record "$name" "$([ $status = 0 ] && echo pass || echo "FAIL($status)")" $((SECONDS - started)) "$note"
 }
@@ -111,6 +122,8 @@ install_wheels() {
     fi
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
+export -f install_wheels
+export PYTHON OUT_DIR NUM_GPUS
 
 step install "wheels from .whl/" -- install_wheels
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -139,19 +152,21 @@ for rank in range(world):
     assert error < 1e-4, f"rank {rank} differs from one process: {error}"
 EOF
 }
+export -f data_parallel_vs_one_process
 
 if [ "$NUM_GPUS" -gt 1 ]; then
     step data-parallel "$NUM_GPUS ranks on NCCL vs one process" -- data_parallel_vs_one_process
 else
     record data-parallel skipped 0 "one GPU (NCCL needs two)"
 fi
-step triton-adamw "bandwidth vs device copy and torch fused AdamW" -- \
-    "$PYTHON" bench/triton_adamw.py --output "$OUT_DIR/triton_adamw.json"
 # shellcheck disable=SC2086  # COMPARE_ARGS is a list of arguments
 step compare "torch / ZeRO-3 offload / megatrain: $COMPARE_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_ARGS --out "$OUT_DIR/compare.json"
-step timeline "a traced step of configs/models/tiny_llama.json" -- \
-    "$PYTHON" bench/timeline.py "$OUT_DIR/timeline.json" --record --device cuda --seq-len 1024 --micro-batch 4
+step triton-adamw "bandwidth vs device copy and torch fused AdamW" -- \
+    "$PYTHON" bench/triton_adamw.py --output "$OUT_DIR/triton_adamw.json"
+step timeline "a traced step of configs/models/llama_940m.json (compare's default model)" -- \
+    "$PYTHON" bench/timeline.py "$OUT_DIR/timeline.json" --record --device cuda --model configs/models/llama_940m.json \
+    --seq-len 1024 --micro-batch 4 --threads "$(nproc)"
 
 echo
 printf '%-14s %-10s %8s  %s\n' step result seconds note

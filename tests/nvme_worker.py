@@ -27,11 +27,9 @@ def build(seed: int, nvme_path: str | None, bf16: bool = False, level: str = "op
     (with ``bf16`` compute the tier holds the fp32 masters too; ``level`` "all": the weights
     too).
 
-    ATen's fused kernel: DeepSpeed's CPU Adam op keeps its bias-correction powers inside
-    the op, updated by one multiplication per step, and recomputes them with ``pow`` after
-    a load, which rounds differently; and where a range starts changes how it rounds the
-    last elements (``optimizer/speculative_step.py``). Either would make a resumed run
-    differ from the uninterrupted one by an ulp, with or without the tier."""
+    ATen's fused kernel, chosen when DeepSpeed's op made a resumed run differ from the
+    uninterrupted one by an ulp (its bias-correction powers multiplied along, and its
+    scalar tail); ``optimizer/cpu_adam.py`` has since made both path-independent."""
     torch.manual_seed(seed)
     megatrain: dict = {"cpu_adam_kernel": "torch_fused"}
     if nvme_path:

@@ -9,6 +9,7 @@ from torch import nn
 
 from megatrain_ds import ConfigError, initialize
 from megatrain_ds.model.block_discovery import BlockDiscoveryError
+from megatrain_ds.runtime.device_runtime import canonical_device
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -90,6 +91,16 @@ def test_batch_on_the_wrong_device(engine):
         r"on cpu: move the batch there first",
     ):
         engine(**{**batch, "attention_mask": batch["attention_mask"].to("meta")})
+
+
+def test_plain_cuda_names_the_device_its_tensors_are_on(monkeypatch):
+    """``device=torch.device("cuda")`` used to refuse every batch made with ``.cuda()``:
+    those are on ``cuda:0``, and torch.device("cuda") != torch.device("cuda:0"). Found on
+    the first GPU run (bench/timeline.py --device cuda)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert canonical_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert canonical_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert canonical_device(torch.device("cpu")) == torch.device("cpu")
 
 
 def test_sequence_longer_than_the_models_positions(engine):

@@ -8,7 +8,14 @@ thread, DeepSpeed's own split), which itself is checked against DeepSpeed's own 
 the op (``DeepSpeedCPUAdam``; ``scripts/setup.sh`` builds it, and the test fails where it
 cannot be loaded on a machine that should build it). Bit for bit,
 not a tolerance: the pass only moves where each operation runs, never what it computes.
-Sizes are odd (not multiples of a block or a SIMD width) so the scalar tail runs.
+Sizes are odd (not multiples of a block or a SIMD width) so the padded tail runs.
+
+Two things are meant to differ from DeepSpeed's own op, and are checked here too: a range's
+last elements (length mod SIMD width) go through the SIMD loop in a padded buffer, not
+DeepSpeed's scalar loop, and the bias-correction powers come from ``pow`` at every step,
+not by multiplying the last ones. DeepSpeed's choices made an element's update depend on
+where its call's range ended and on the steps the op had seen before (a resumed run was an
+ulp off on the GPU, where chunking varies from run to run).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from megatrain_ds.optimizer.cpu_adam import DeepSpeedKernel
 
 BLOCK = 256  # small blocks: many per call, so every thread takes several in any order
 N = 7 * BLOCK + 77
+SIMD_N = 7 * BLOCK
+"""A length of whole SIMD passes (128 elements: 8-way unroll x 16 AVX-512 lanes)."""
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -166,26 +175,66 @@ CANNOT_BUILD_DEEPSPEED_OP = _deepspeed_op_cannot_build_here()
 @pytest.mark.skipif(CANNOT_BUILD_DEEPSPEED_OP is not None, reason=str(CANNOT_BUILD_DEEPSPEED_OP))
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 def test_fp32_update_is_deepspeeds_op_bit_for_bit(kernel, decoupled):
-    """The engine's blocks give exactly what one call of DeepSpeed's own op gives.
+    """The engine's blocks give exactly what one call of DeepSpeed's own op gives, where
+    DeepSpeed's op takes its SIMD loop for every element and its powers are pow's (a
+    length of whole SIMD passes; steps 1 and 2).
 
     ``DeepSpeedCPUAdam`` loads the op from the extension cache (``scripts/setup.sh`` built
     it), or builds it here; an error doing so fails the test.
     """
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    ours = _state(N, 7)
+    ours = _state(SIMD_N, 7)
     param = torch.nn.Parameter(ours["p"].clone())
     optimizer = DeepSpeedCPUAdam([param], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, adamw_mode=decoupled)
     optimizer.state[param] = {"step": 0, "exp_avg": ours["m"].clone(), "exp_avg_sq": ours["v"].clone()}
     hyper = AdamHyper(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
     gen = torch.Generator().manual_seed(8)
-    for step in (1, 2, 3):
-        grad = torch.randn(N, generator=gen)
+    for step in (1, 2):  # from step 3 DeepSpeed's 0.999 * 0.999 * 0.999 is not pow's
+        grad = torch.randn(SIMD_N, generator=gen)
         kernel.step_(ours["p"], grad, ours["m"], ours["v"], None, step=step, hyper=hyper)
         param.grad = grad.clone()
         optimizer.step()
     state = optimizer.state[param]
     _assert_same(ours, {"p": param.detach(), "m": state["exp_avg"], "v": state["exp_avg_sq"]})
+
+
+@pytest.mark.parametrize(
+    "grad_dtype, scale, with_shadow",
+    [(torch.float32, 1.0, False), (torch.bfloat16, 0.37, True)],
+    ids=["fp32", "bf16-scaled+shadow"],
+)
+def test_an_update_does_not_depend_on_how_the_range_is_split(kernel, grad_dtype, scale, with_shadow):
+    """One call for the whole range, or calls for pieces ending anywhere (as gradient chunks,
+    speculation and the journal split a step): the same bits. DeepSpeed's scalar tail
+    rounded m and v differently from its SIMD loop."""
+    hyper = AdamHyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True)
+    grad = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(grad_dtype)
+    whole, pieces = _state(N, 11), _state(N, 11)
+    shadows = [torch.zeros(N, dtype=torch.bfloat16) if with_shadow else None for _ in range(2)]
+    kernel.step_(whole["p"], grad, whole["m"], whole["v"], shadows[0], step=5, hyper=hyper, grad_scale=scale)
+    for start, end in ((0, 1001), (1001, 1003), (1003, 1500), (1500, N)):
+        piece = {name: tensor[start:end] for name, tensor in pieces.items()}
+        shadow = shadows[1][start:end] if shadows[1] is not None else None
+        kernel.step_(piece["p"], grad[start:end], piece["m"], piece["v"], shadow, step=5, hyper=hyper, grad_scale=scale)
+    _assert_same(whole, pieces)
+    if with_shadow:
+        assert torch.equal(_bits(shadows[0]), _bits(shadows[1]))
+
+
+def test_an_update_does_not_depend_on_the_steps_before_it():
+    """Step s of a kernel that did steps 1..s-1 before (an uninterrupted run) is step s of a
+    fresh kernel (a resumed run): DeepSpeed's op multiplied its bias-correction powers along,
+    which differed from its pow after a load from step 3 on (betas 0.9, 0.999)."""
+    hyper = AdamHyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True)
+    grad = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    running = DeepSpeedKernel(block_numel=BLOCK)
+    for step in range(1, 21):
+        uninterrupted, resumed = _state(N, step), _state(N, step)
+        running.step_(uninterrupted["p"], grad, uninterrupted["m"], uninterrupted["v"], None, step=step, hyper=hyper)
+        fresh = DeepSpeedKernel(block_numel=BLOCK)
+        fresh.step_(resumed["p"], grad, resumed["m"], resumed["v"], None, step=step, hyper=hyper)
+        _assert_same(uninterrupted, resumed)
 
 
 def test_block_size_is_a_multiple_of_every_simd_unroll():

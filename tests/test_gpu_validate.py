@@ -10,7 +10,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_validate.sh"
-STEPS = ["install", "gpu-tests", "sanitizer", "data-parallel", "triton-adamw", "compare", "timeline"]
+STEPS = ["install", "gpu-tests", "sanitizer", "data-parallel", "compare", "triton-adamw", "timeline"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -25,6 +25,7 @@ def test_help_names_every_step_and_option():
         "--dry-run",
         "--out",
         "--skip",
+        "--limit",
         "--compare-args",
         "TORCH_CUDA_SANITIZER=1",
         "prepare_wheels.sh",
@@ -56,6 +57,18 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
         assert any(line.split()[:2] == [step, outcome] for line in table.splitlines()), (step, table)
 
 
+def test_each_step_has_a_limit_that_limit_overrides(tmp_path):
+    result = run("--dry-run", "--out", str(tmp_path), "--limit", "gpu-tests=150", "--limit", "timeline=30")
+    assert result.returncode == 0, result.stderr
+    limits = {
+        line.split(":")[0].removeprefix("[dry-run] "): line.split("(at most ")[1].split(" s)")[0]
+        for line in result.stdout.splitlines()
+        if line.startswith("[dry-run] ")
+    }
+    assert limits["gpu-tests"] == "150" and limits["timeline"] == "30"
+    assert limits["install"] == "120" and limits["compare"] == "900", "the others keep their defaults"
+
+
 def test_a_dry_run_without_out_leaves_the_repository_alone():
     before = set((SCRIPT.parents[1] / "bench" / "results").iterdir())
     assert run("--dry-run").returncode == 0
@@ -68,6 +81,8 @@ def test_a_dry_run_without_out_leaves_the_repository_alone():
         (["--skip", "nope"], "unknown step 'nope'"),
         (["--out"], "--out needs a directory"),
         (["--frobnicate"], "unknown argument '--frobnicate'"),
+        (["--limit", "compare"], "--limit needs STEP=SECONDS"),
+        (["--limit", "nope=5"], "unknown step 'nope'"),
     ],
 )
 def test_bad_arguments_are_named(args, message):

@@ -363,13 +363,14 @@ def _valid(n: int = 8) -> dict:
         ("shadow", torch.zeros(8), "shadow must be bfloat16"),
         ("grad", torch.zeros(9), "grad has 9 elements, param has 8"),
         ("exp_avg", torch.zeros(2, 4), "exp_avg must be 1-D"),
-        ("grad", torch.zeros(16)[::2], "grad must be contiguous"),
+        ("grad", torch.zeros(16).as_strided((8,), (2,)), "grad must be contiguous"),
         ("shadow", torch.zeros(7, dtype=torch.bfloat16), "shadow has 7 elements"),
     ],
 )
 def test_rejects_bad_inputs(name, bad, match):
     tensors = _valid()
-    tensors[name] = bad.to(DEVICE)
+    # Strides kept: a plain .to() makes a contiguous copy on CUDA, hiding the strided case.
+    tensors[name] = torch.empty_strided(bad.shape, bad.stride(), dtype=bad.dtype, device=DEVICE).copy_(bad)
     with pytest.raises(ValueError, match=match):
         adamw_step_(
             tensors.pop("param"),

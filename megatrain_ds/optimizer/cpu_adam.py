@@ -261,6 +261,32 @@ void round_to_bf16(const float* src, uint16_t* out, int64_t n)
     }
 }
 
+// DeepSpeed's Step_8 does a range's last (length mod SIMD width) elements in a scalar loop
+// that rounds m and v differently from its SIMD loop (by an ulp), so an element's update
+// would depend on where the call's range ends: on how a step happens to be split into calls
+// (gradient chunks as they arrive, speculation, threads), which varies from run to run on a
+// GPU (tests/test_gpu.py's resume was an ulp off). Every element goes through the SIMD loop
+// instead: a tail is stepped in a zero-padded buffer of one whole SIMD pass.
+constexpr int64_t kSimdPass = 128;  // Step_8's unroll 8 x the SIMD width: 16 (AVX-512) or 8 (AVX2)
+
+void step_every_element_vectorized(Adam_Optimizer& opt, float* p, float* g, float* m, float* v, int64_t n)
+{
+    const int64_t body = n / kSimdPass * kSimdPass;
+    if (body > 0) opt.Step_8(p, g, m, v, static_cast<size_t>(body), false);
+    const int64_t tail = n - body;
+    if (tail == 0) return;
+    alignas(64) float tp[kSimdPass] = {}, tg[kSimdPass] = {}, tm[kSimdPass] = {}, tv[kSimdPass] = {};
+    const size_t bytes = static_cast<size_t>(tail) * sizeof(float);
+    std::memcpy(tp, p + body, bytes);
+    std::memcpy(tg, g + body, bytes);
+    std::memcpy(tm, m + body, bytes);
+    std::memcpy(tv, v + body, bytes);
+    opt.Step_8(tp, tg, tm, tv, static_cast<size_t>(kSimdPass), false);  // zeros stay finite
+    std::memcpy(p + body, tp, bytes);
+    std::memcpy(m + body, tm, bytes);
+    std::memcpy(v + body, tv, bytes);
+}
+
 void check_flat(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, const char* name)
 {
     TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel,
@@ -283,6 +309,12 @@ void adam_step(int optimizer_id, int64_t step, float lr, float beta1, float beta
     auto found = s_optimizers.find(optimizer_id);
     TORCH_CHECK(found != s_optimizers.end(), "no Adam optimizer with id ", optimizer_id);
     auto opt = std::static_pointer_cast<Adam_Optimizer>(found->second);
+    // The bias-correction powers from std::pow at every call: IncrementStep multiplies the
+    // last ones by the betas when the step follows the op's last, which rounds differently,
+    // so a resumed run (pow at its first step) would drift from the uninterrupted one. After
+    // a call for step + 2 the op's last step is step + 2, whatever it was: the call for step
+    // then takes the pow branch.
+    opt->IncrementStep(step + 2, beta1, beta2);
     opt->IncrementStep(step, beta1, beta2);
     opt->update_state(lr, eps, weight_decay, true);
 
@@ -313,7 +345,7 @@ void adam_step(int optimizer_id, int64_t step, float lr, float beta1, float beta
                 else scale_fp32(g32 + start, grad_scale, t_scratch.data(), len);
                 g = t_scratch.data();
             }
-            opt->Step_8(p + start, g, m + start, v + start, static_cast<size_t>(len), false);
+            step_every_element_vectorized(*opt, p + start, g, m + start, v + start, len);
             if (out) round_to_bf16(p + start, out + start, len);
         }
     }

@@ -30,9 +30,8 @@ needs neither (the steady state of a healthy run) and validates at ``engine.step
   Copying back is a bit copy, so (b) and (c) end in exactly the state a non-speculative
   step gives, bit for bit (``tests/test_nonfinite_steps.py``,
   ``tests/test_speculative_step.py``). (a) applies the same arithmetic to the same values,
-  so it is bit-identical too, for kernels whose results do not depend on where a range
-  starts (the ATen kernel; DeepSpeed's does a range's last few elements in a scalar loop,
-  which may round differently from its SIMD loop by an ulp).
+  so it is bit-identical too: no kernel's results depend on where a range starts or ends
+  (the DeepSpeed pass takes every element through its SIMD loop, ``cpu_adam.py``).
 
 Cost. Memory: one journal slot per journal block, ``12 B (+2 B with a bf16 shadow)`` per
 element of the block, allocated once (``journal_bytes``; about 0.5 B per model parameter

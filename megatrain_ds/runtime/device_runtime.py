@@ -135,6 +135,15 @@ class ClockAnchor:
     host_ns: int
 
 
+def canonical_device(device: torch.device) -> torch.device:
+    """``device`` as the tensors on it name theirs. Plain ``cuda`` becomes ``cuda:<current>``:
+    ``tensor.cuda()`` is on ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``,
+    so the engine's checks would refuse a batch on the very device it computes on."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass
 class DeviceRuntime:
     """The compute device, the engine's side streams, and how host memory is allocated.
@@ -167,6 +176,7 @@ class DeviceRuntime:
     @classmethod
     def create(cls, device: torch.device, pin_memory: bool = True) -> DeviceRuntime:
         """Streams for ``device``; pinned host memory only where CUDA can use it."""
+        device = canonical_device(device)
         if device.type == "cuda":
             # Created once here; every other module refers to these two by purpose.
             return cls(
