@@ -15,6 +15,8 @@
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
 #   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 offload and megatrain side by side
 #                 (--compare-args, default the 940M Llama of configs/models/llama_940m.json)
+#   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
+#                 Python-busy thread (what set the H200's step: bench/results/gpu_H200)
 #   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
 #   timeline      bench/timeline.py --record --device cuda: the traced step as a PNG
 # Every step runs even when an earlier one fails, each under its own time limit (--limit: a
@@ -24,10 +26,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=(install gpu-tests sanitizer data-parallel compare triton-adamw timeline)
+STEPS=(install gpu-tests sanitizer data-parallel compare gradient-worker triton-adamw timeline)
 # Seconds each step may take before it is stopped and recorded as FAIL(124).
 declare -A LIMITS=([install]=120 [gpu-tests]=600 [sanitizer]=300 [data-parallel]=300 [compare]=900
-                   [triton-adamw]=120 [timeline]=120)
+                   [gradient-worker]=120 [triton-adamw]=120 [timeline]=120)
 # configs/models/llama_940m.json's shape: all four systems in about 2 minutes of a 15-minute lease.
 DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4 --steps 3"
 
@@ -162,6 +164,8 @@ fi
 # shellcheck disable=SC2086  # COMPARE_ARGS is a list of arguments
 step compare "torch / ZeRO-3 offload / megatrain: $COMPARE_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_ARGS --out "$OUT_DIR/compare.json"
+step gradient-worker "the gradient worker's rate: alone, beside Python, one thread, the kernels alone" -- \
+    "$PYTHON" bench/gradient_worker.py --out "$OUT_DIR/gradient_worker.json"
 step triton-adamw "bandwidth vs device copy and torch fused AdamW" -- \
     "$PYTHON" bench/triton_adamw.py --output "$OUT_DIR/triton_adamw.json"
 step timeline "a traced step of configs/models/llama_940m.json (compare's default model)" -- \
@@ -169,10 +173,10 @@ step timeline "a traced step of configs/models/llama_940m.json (compare's defaul
     --seq-len 1024 --micro-batch 4 --threads "$(nproc)"
 
 echo
-printf '%-14s %-10s %8s  %s\n' step result seconds note
+printf '%-16s %-10s %8s  %s\n' step result seconds note
 failed=0
 for i in "${!NAMES[@]}"; do
-    printf '%-14s %-10s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${SECONDS_TAKEN[$i]}" "${NOTES[$i]}"
+    printf '%-16s %-10s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${SECONDS_TAKEN[$i]}" "${NOTES[$i]}"
     [[ "${STATUSES[$i]}" == FAIL* ]] && failed=1
 done
 "$PYTHON" - "$OUT_DIR/summary.json" "$DEVICE" "$DRY_RUN" "${#NAMES[@]}" \

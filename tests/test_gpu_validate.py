@@ -10,7 +10,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_validate.sh"
-STEPS = ["install", "gpu-tests", "sanitizer", "data-parallel", "compare", "triton-adamw", "timeline"]
+STEPS = ["install", "gpu-tests", "sanitizer", "data-parallel", "compare", "gradient-worker", "triton-adamw", "timeline"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
