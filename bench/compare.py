@@ -70,7 +70,10 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
     }
     if system in ENGINE_SYSTEMS:
         config["engine"] = "megatrain"
-        config["megatrain"] = {"recompute": "none"} if system == "megatrain_no_recompute" else {}
+        config["megatrain"] = {
+            **args.megatrain,
+            **({"recompute": "none"} if system == "megatrain_no_recompute" else {}),
+        }
         if trace is not None:  # every step after the warm-up
             config["megatrain"].update(trace=str(trace), trace_steps=max(1, args.steps - 1))
         if args.nvme_path:  # a ZeRO-Infinity JSON: the optimizer state on NVMe (the engine's NVMe tier)
@@ -471,6 +474,12 @@ def main() -> None:
         action="store_true",
         help='with --nvme-path: the weights there too (offload_param.device "nvme")',
     )
+    parser.add_argument(
+        "--megatrain",
+        type=json.loads,
+        default={},
+        help='more of the engine\'s "megatrain" block, as JSON (e.g. \'{"optimizer_device": "cpu"}\')',
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -574,6 +583,7 @@ def report(args: argparse.Namespace, best: dict[str, dict], rounds: dict[str, li
                     "params": params,
                 },
                 "batch": {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "gradient_clipping": args.clip},
+                "megatrain_options": args.megatrain,
                 "results": {RESULT_KEY[s]: r for s, r in best.items()},
                 "comparisons": comparisons,
                 "rounds": {
