@@ -21,7 +21,6 @@ CHECKED_SUITES: dict[str, tuple[str, ...] | None] = {
     "test_fp16.py": None,
     "test_data_parallel.py": (
         "test_two_ranks_match_one_process_with_both_batches",
-        "test_two_ranks_with_the_nvme_tier_match_one_process_and_resume_without_it",
         "test_two_simulated_nodes_from_two_torchrun_launches_match_one_process",
     ),
 }

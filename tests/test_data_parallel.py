@@ -357,11 +357,19 @@ def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path: Path, layo
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 
-def test_two_ranks_with_the_nvme_tier_match_one_process_and_resume_without_it(tmp_path: Path) -> None:
+def test_two_ranks_with_the_nvme_tier_match_one_process_and_resume_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One node of 2 ranks with Adam's moments on the NVMe tier: each rank keeps its window
     of every block's m and v in its own swap files, and the run is plain PyTorch's with both
     batches. Its checkpoint (a span file per rank, written from the swap files) resumes
-    with the state in host memory bit-identically to the uninterrupted run."""
+    with the state in host memory bit-identically to the uninterrupted run.
+
+    Under the race checker only (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``), which also
+    copies what the plain CPU path computes in place: that path, with two ranks and with the
+    tier, runs in the tests above and in ``tests/test_nvme_tier.py`` (a plain variant here
+    cost CI's 10-minute test command 12 s)."""
+    monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
     straight, resumed, checkpoint, swap = (tmp_path / name for name in ("straight", "resumed", "checkpoint", "swap"))
     for directory in (straight, resumed):
         directory.mkdir()
