@@ -13,7 +13,10 @@ summed into the held gradients, ``LossScaling.unscale_into_``; its squared norm,
 - ``python_busy``: a thread runs Python meanwhile, as backward's autograd thread does with
   the blocks' recompute (the GIL: the worker needs it between its kernels);
 - ``one_thread``: torch's intra-op threads set to 1 before the worker starts;
-- ``ops_on_main``: the same kernels on the main thread, no sink: the kernels' own rate.
+- ``ops_on_main``: the same kernels on the main thread, no sink: the kernels' own rate;
+- ``direct``: a design to compare, not the engine's: each chunk copied straight into the
+  held gradients on the d2h stream and its norm computed on the device, so the host has
+  nothing to do per chunk (the copies' rate is then the ceiling).
 
     python bench/gradient_worker.py [--elements N] [--out PATH]
 
@@ -81,6 +84,25 @@ def ops_on_main(grads: torch.Tensor, held: torch.Tensor) -> float:
     return held.numel() / (time.perf_counter() - started)
 
 
+def direct_into_held(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Tensor) -> float:
+    """Elements per second when chunks go straight into ``held`` and their norms are
+    computed where the gradient is, read once at the end."""
+    norms = []
+    runtime.synchronize()
+    started = time.perf_counter()
+    for offset in range(0, grads.numel(), CHUNK):
+        piece = grads[offset : offset + CHUNK]
+        produced = runtime.event()
+        produced.record(runtime.compute_stream())
+        with runtime.on(runtime.d2h_stream):
+            runtime.d2h_stream.wait_event(produced)  # the gradient is finished before it is read
+            held[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
+        norms.append(torch.linalg.vector_norm(piece, dtype=torch.float32))
+    float(torch.stack(norms).square().sum())
+    runtime.synchronize()  # every copy has landed
+    return grads.numel() / (time.perf_counter() - started)
+
+
 def with_python_busy(measure: Callable[[], float]) -> float:
     """``measure()`` while another thread runs Python the whole time."""
     stop = threading.Event()
@@ -115,6 +137,7 @@ def run(elements: int) -> dict:
     finally:
         torch.set_num_threads(threads)
     rates["ops_on_main"] = ops_on_main(grads, held)
+    rates["direct"] = direct_into_held(runtime, grads, held)
     return {
         "device": runtime.device_name,
         "elements": elements,

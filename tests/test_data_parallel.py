@@ -249,11 +249,15 @@ def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1) -> None:
 
 
 def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
-    tmp_path: Path, cpu_single_thread: None
+    tmp_path: Path, cpu_single_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two ``torchrun --nnodes 2`` launches on this one host, a rank each: torchrun's
     GROUP_RANK makes them 2 nodes (the hostname would have made them one), each with its own
-    host copy, and they still train as one process with both batches."""
+    host copy, and they still train as one process with both batches.
+
+    Under the race checker only (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``): nodes of
+    one rank on the plain path run in the resharding test below (its 4-node resume)."""
+    monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
     steps, accumulation = 5, 2
     # Buckets of a few parameters: a block's gradients reach the reducer in several buckets,
     # in backward order, which is not the layout's (the MLP before the attention, the norms last).
