@@ -28,12 +28,16 @@ loop of small torch ops that took 0.04 s alone took 40 s while a worker called
 ``adam_update`` back to back on 16M elements (``bench/optimizer.py`` measures it for every
 kernel). The engine therefore compiles DeepSpeed's kernel source with a binding of its own
 (:data:`_BINDING`) whose update releases the GIL, as every ATen op does; the arithmetic is
-DeepSpeed's (its ``Adam_Optimizer::Step_8``), bit for bit.
+DeepSpeed's SIMD loop (its ``Adam_Optimizer::Step_8``), bit for bit, with two differences
+that make an update independent of how a step is split into calls and of the steps before
+it: a range's last elements take the SIMD loop too (in a padded buffer) instead of its
+scalar loop, and the bias-correction powers come from ``pow`` at every step.
 
 [Note: one pass over DeepSpeed's kernel]
-For an fp32 gradient at scale 1 and no shadow, the engine's update is exactly one call of
-DeepSpeed's op on the range: the same arithmetic and the same split (one contiguous share
-per OpenMP thread), so the same speed as ``DeepSpeedCPUAdam`` (``bench/optimizer.py``).
+For an fp32 gradient at scale 1 and no shadow, the engine's update is one call of
+DeepSpeed's op on the range (up to the two differences above): the same split (one
+contiguous share per OpenMP thread), so the same speed as ``DeepSpeedCPUAdam``
+(``bench/optimizer.py``).
 The engine's usual update has more to do: a bf16 gradient to widen, a clipping scale, a
 bf16 shadow to write. It used to run as a Python loop over ``CHUNK_ELEMENTS`` chunks of
 four thread-team launches each (widen, scale, DeepSpeed's op, shadow copy): 20-25% slower
