@@ -426,6 +426,19 @@ def _versions() -> dict:
     return {name: version(name) for name in ("torch", "deepspeed", "transformers", "megatrain_ds")}
 
 
+def _json_object(text: str) -> dict:
+    """``--megatrain``'s value: a JSON object, or an error naming what it got."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'a JSON object is needed, e.g. \'{{"optimizer_device": "cpu"}}\'; got {text!r}'
+        )
+    return value
+
+
 def _git_rev() -> str:
     """The checkout's commit, or "unknown" where the tree was copied without git."""
     try:
@@ -476,7 +489,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--megatrain",
-        type=json.loads,
+        type=_json_object,
         default={},
         help='more of the engine\'s "megatrain" block, as JSON (e.g. \'{"optimizer_device": "cpu"}\')',
     )
