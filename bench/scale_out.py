@@ -26,7 +26,10 @@ reports, the maximum over the nodes:
 
 With ``--bf16`` both systems compute in bf16 (fp32 masters). With ``--nvme PATH`` the
 engine keeps Adam's m and v of the blocks on the NVMe tier, 2 blocks in host memory (each
-rank its own swap files under ``PATH``, on its node's disk: docs/nvme-tier.md).
+rank its own swap files under ``PATH``, on its node's disk: docs/nvme-tier.md); with
+``--nvme-weights`` too, the blocks' weights as well (``"nvme_offload": "all"``): each rank
+keeps only its window of every block and the blocks are gathered from the windows when
+used (docs/data-parallel.md).
 
 With ``--systems megatrain deepspeed`` DeepSpeed's ZeRO-3 with ``offload_optimizer`` and
 ``offload_param`` on the CPU runs under the same launches (model built under
@@ -280,9 +283,10 @@ def worker(args: argparse.Namespace) -> None:
     else:
         model = llama(_llama(args))
         params = sum(p.numel() for p in model.parameters())
-        if args.nvme:  # each rank's window of the blocks' m and v in its own swap files
+        if args.nvme:  # each rank's window of the blocks' m and v (and weights) in its own swap files
             # A window of 2 blocks (default 4): this model has only 6.
-            config["megatrain"] = {"nvme_offload": "optimizer", "nvme_path": args.nvme, "nvme_window_blocks": 2}
+            level = "all" if args.nvme_weights else "optimizer"
+            config["megatrain"] = {"nvme_offload": level, "nvme_path": args.nvme, "nvme_window_blocks": 2}
         engine = megatrain_ds.MegatrainEngine(model, megatrain_ds.parse_engine_config(config))
     init_pss = pss_bytes("self")
     micro = args.global_batch // world
@@ -358,6 +362,8 @@ def _torchrun_commands(args: argparse.Namespace, system: str, nodes: int, out: P
     ]
     if args.nvme:
         forwarded.append(f"--nvme={args.nvme}")
+    if args.nvme_weights:
+        forwarded.append("--nvme-weights")
     if args.bf16:
         forwarded.append("--bf16")
     return [
@@ -599,6 +605,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch (all its nodes)")
     parser.add_argument("--nvme", help="megatrain: Adam's m and v on the NVMe tier, swap files under this path")
+    parser.add_argument("--nvme-weights", action="store_true", help="with --nvme: the blocks' weights on it too")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 masters (both systems)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -651,7 +658,9 @@ def _document(args: argparse.Namespace, rows: list[dict[str, Any]], total: float
             "warmup_steps": args.warmup,
             "timed_steps": args.steps,
             "threads_per_node": args.threads,
-            "megatrain_nvme": "optimizer, nvme_window_blocks 2" if args.nvme else "none",
+            "megatrain_nvme": (f"{'all' if args.nvme_weights else 'optimizer'}, nvme_window_blocks 2")
+            if args.nvme
+            else "none",
             "gradient_clipping": CLIPPING,
             "launch": "one torchrun --nnodes N --node-rank i --nproc-per-node 1 per node, c10d on 127.0.0.1",
             "deepspeed": "ZeRO-3, offload_optimizer and offload_param cpu, zero.Init, gloo",

@@ -26,8 +26,9 @@ from torch import nn
 
 from megatrain_ds.checkpoint import save_load
 from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
-from megatrain_ds.config import ConfigError, EngineConfig
+from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
 from megatrain_ds.gradients.sink import GradientPort, GradientSink
 from megatrain_ds.model.batch_checks import check_batch
@@ -55,7 +56,7 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import TraceSchedule
-from megatrain_ds.state.host_store import HostFlatState, flat_numel, migrate_to_host
+from megatrain_ds.state.host_store import HostFlatState, TensorSource, flat_numel, migrate_to_host
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
@@ -132,6 +133,9 @@ class MegatrainEngine(nn.Module):
         self.nvme_tier: NvmeTier | None = None
         self.nvme_weights: NvmeWeights | None = None
         """The weight window, with the blocks' weights on the NVMe tier (``"nvme_offload": "all"``)."""
+        self.gathered_weights: GatheredWeights | None = None
+        """With the weights on the NVMe tier and data parallel: every rank keeps only its window
+        of each block, gathered whole when used (``distributed/gathered_weights.py``)."""
         try:
             self._build(model)
         except BaseException:
@@ -180,19 +184,13 @@ class MegatrainEngine(nn.Module):
         # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
         # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
         # With several nodes, each holds only its share of the optimizer state (_span_of); with
-        # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier).
+        # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier),
+        # and with "all" of its windows' masters, the weights gathered whole when used.
         dp, device, span_of = self.data_parallel, self.runtime.device, self._span_of
         tier_ranks = dp.node_size if dp is not None else None
         nvme = wants_nvme_tier(
             model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, span_of=span_of, tier_ranks=tier_ranks
         )
-        if nvme == "all" and dp is not None:
-            raise ConfigError(
-                'megatrain.nvme_offload "all" (offload_param.device "nvme") keeps the only copy of the weights '
-                "in one process's swap files, and with data parallel every rank streams all of them: use "
-                '"nvme_offload": "optimizer" (offload_optimizer.device "nvme": each rank\'s share of Adam\'s '
-                "m and v on its node's disk) and keep the weights in host memory, or train on one rank"
-            )
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(
                 *(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS),
@@ -243,25 +241,44 @@ class MegatrainEngine(nn.Module):
             templates.append(template)
             # Migrating block by block frees each block's original storage before the
             # next is copied: the model never exists twice in host memory.
-            self.states.append(
-                migrate_to_host(
-                    list(block.named_parameters()),
-                    group_of,
-                    self.runtime,
-                    master,
-                    compute,
-                    source=source.scoped(f"{self.block_path}.{index}.") if source is not None else None,
-                    shared=shared,
-                    moments_on_host=nvme == "none",
-                    shadow_on_host=nvme != "all",
-                    span_of=self._span_of,
-                    share=self._share_initial_weights,
-                )
-            )
+            scoped = source.scoped(f"{self.block_path}.{index}.") if source is not None else None
+            self.states.append(self._migrate_block(block, group_of, scoped, shared, nvme))
             if self.nvme_tier is not None:
                 self.nvme_tier.adopt(self.states[-1])
         self.num_templates = len(templates_by_key)
         return templates
+
+    def _migrate_block(
+        self,
+        block: nn.Module,
+        group_of: dict[nn.Parameter, int],
+        source: TensorSource | None,
+        shared: NodeSharedMemory | None,
+        nvme: str,
+    ) -> HostFlatState:
+        """One block's flat host state. With the weights on the NVMe tier and data parallel,
+        only this rank's window of it, in its own memory: the whole weights are gathered when
+        used (``distributed/gathered_weights.py``), and every rank takes its window of rank 0's."""
+        master, compute, dp = self.config.master_dtype, self.config.compute_dtype, self.data_parallel
+        named = list(block.named_parameters())
+        if nvme == "all" and dp is not None:
+            return migrate_to_host(
+                *(named, group_of, self.runtime, master, compute),
+                source=source,
+                moments_on_host=False,
+                shadow_on_host=False,
+                span_of=dp.window,
+                share=dp.broadcast_from_rank0_,
+            )
+        return migrate_to_host(
+            *(named, group_of, self.runtime, master, compute),
+            source=source,
+            shared=shared,
+            moments_on_host=nvme == "none",
+            shadow_on_host=nvme != "all",
+            span_of=self._span_of,
+            share=self._share_initial_weights,
+        )
 
     def _build_resident(
         self,
@@ -309,7 +326,8 @@ class MegatrainEngine(nn.Module):
             grad_dtype = self.config.held_gradient_dtype
             for state in self.states:
                 first, last = state.held
-                state.grad = self.runtime.host_zeros(last - first, grad_dtype, shared)
+                # A gathered state's window is this rank's alone: its gradients too.
+                state.grad = self.runtime.host_zeros(last - first, grad_dtype, None if state.gathered else shared)
         if dp is not None:
             # Sync: the node writers have filled the shared state (and taken the first node's
             # weights, _share_initial_weights); no rank reads it before this.
@@ -358,17 +376,21 @@ class MegatrainEngine(nn.Module):
         need to be seen by the node's other ranks: each rank's swap files are its own, on
         its node's disk, and only its windows' share of host memory is a window slot. The
         masters stay in the node's shared host memory, which the gather after each step
-        updates. An empty window (a state smaller than the ranks' windows) has nothing on
-        the tier."""
+        updates -- or with the weights on the tier (gathered states) the tier holds the
+        windows' masters too, and no rank holds any block whole. An empty window (a state
+        smaller than the ranks' windows) has nothing on the tier."""
         blocks = self.optimizer_states[: self._resident_index]
+        gathered = self.states[0].gathered
         on_tier = [window for window in blocks if window.layout.numel > 0]
         numels = [window.layout.numel for window in on_tier]
-        self.nvme_tier = open_nvme_tier(numels, MOMENTS, self.runtime, self.config.options)
-        for window in blocks:
+        self.nvme_tier = open_nvme_tier(numels, WITH_MASTER if gathered else MOMENTS, self.runtime, self.config.options)
+        for state, window in zip(self.states, blocks):
             if window.layout.numel > 0:
-                self.nvme_tier.adopt(window)
+                self.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
             else:  # no placeholder left to trip over: nothing to step, nothing to save
                 window.exp_avg, window.exp_avg_sq = torch.zeros(0), torch.zeros(0)
+            if gathered:
+                state.master = window.master  # the state's own reference goes too: on disk only
 
     def _build_streams(self, templates: list[BlockTemplate], nvme: str) -> None:
         """What crosses between host and device: gradients out (the sink, behind the
@@ -387,6 +409,7 @@ class MegatrainEngine(nn.Module):
         self.sink: GradientPort = (
             sink if dp is None else GradientReducer(self.runtime, dp, sink, [s.layout.numel for s in self.states])
         )
+        num_slots = options.num_buffers + options.checkpoint_interval - 1
         if nvme == "all":  # forward and backward read the blocks' weights from the tier
             assert self.nvme_tier is not None  # opened above for any nvme setting but "none"
             self.nvme_weights = NvmeWeights(
@@ -394,16 +417,29 @@ class MegatrainEngine(nn.Module):
                 compute,
                 weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks),
             )
+            if dp is not None:  # each rank's tier holds its windows: gathered whole when used
+                self.gathered_weights = self._gather_from_windows(self.nvme_weights, dp, num_slots + 1)
         self.streamer = WeightStreamer(
             self.runtime,
             self.states[: self._resident_index],
-            num_slots=options.num_buffers + options.checkpoint_interval - 1,
-            source=self.nvme_weights,
+            num_slots=num_slots,
+            source=self.gathered_weights or self.nvme_weights,
             # "auto" crosses whole blocks until the first training forward decides.
             fragment_elements=(options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
             // compute.itemsize,
             parts_of=lambda block: templates[block].parts_in_use(),
         )
+
+    def _gather_from_windows(self, windows: NvmeWeights, dp: DataParallel, capacity: int) -> GatheredWeights:
+        """The streamer's source when every rank keeps only its windows of the weights on its
+        NVMe tier ([Note: gathered weights]); a rank's empty window is on no tier."""
+        tier_index: list[int | None] = []
+        on_tier = 0
+        for window in self.optimizer_states[: self._resident_index]:
+            tier_index.append(on_tier if window.layout.numel > 0 else None)
+            on_tier += window.layout.numel > 0
+        numels = [state.layout.numel for state in self.states[: self._resident_index]]
+        return GatheredWeights(windows, tier_index, numels, dp, self.runtime, capacity)
 
     def _build_streamed_blocks(
         self, model: nn.Module, blocks: nn.ModuleList, templates: list[BlockTemplate], block_modules: set[int]
@@ -494,7 +530,8 @@ class MegatrainEngine(nn.Module):
         if dp.num_nodes == 1:
             return  # one node: its copy is whole already
         if report.outcome is not StepOutcome.SKIPPED:  # a skipped step changed nothing
-            for state in self.states:
+            # Gathered states are never sent after a step: the next use gathers them.
+            for state in (state for state in self.states if not state.gathered):
                 # A sharded master: the shadow is what the nodes hold whole, and each rank
                 # rounded its window into it as it stepped (HostAdamW.update_range), so the
                 # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
@@ -524,7 +561,9 @@ class MegatrainEngine(nn.Module):
         """Report resident parameters by their fp32 master (the host shadow where the master
         is sharded across nodes, as the blocks' parameters view it), not their device copy; with the
         weights on the NVMe tier, the blocks' parameters (meta tensors) by their masters
-        read from the swap files (copies: the whole model in host memory, as the caller asked)."""
+        read from the swap files (copies: the whole model in host memory, as the caller asked),
+        or with data parallel gathered from every rank's window (then every rank must call
+        ``state_dict()``, as every rank joins a ZeRO-3 gather)."""
         del module, local_metadata
         masters = self.resident.weights_by_param()
         # Parked: meta parameters while the engine runs (given their masters back by destroy()).
@@ -533,10 +572,15 @@ class MegatrainEngine(nn.Module):
             if parked:
                 assert self.nvme_tier is not None  # only blocks with their weights on the tier are parked
                 on_tier = stack.enter_context(self.nvme_tier.file_views())
-                for state in parked:
-                    views = on_tier(state)
-                    assert views is not None  # every block is on the tier
-                    master = views["master"]
+                for index, state in enumerate(parked):
+                    if self.gathered_weights is not None:  # every block is parked: block order is index order
+                        window = on_tier(self.optimizer_states[index])  # None: this rank's window is empty
+                        mine = window["master"] if window is not None else torch.zeros(0, dtype=state.master.dtype)
+                        master = self.gathered_weights.whole(index, mine)
+                    else:
+                        views = on_tier(state)
+                        assert views is not None  # every block is on the tier
+                        master = views["master"]
                     for slot, param in zip(state.layout.slots, state.params):
                         masters[id(param)] = master[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
             for name, param in self.module.named_parameters(remove_duplicate=False):
@@ -665,15 +709,21 @@ class MegatrainEngine(nn.Module):
     def host_bytes(self) -> dict[str, int]:
         """Host memory of the persistent training state, by kind."""
         totals: dict[str, int] = {}
+        tier = self.nvme_tier
         for state in self.states:
+            # A block bound to a slot of the NVMe window views the slot: counted in nvme_window.
+            on_tier = tier.kinds if tier is not None and tier.holds(state) else ()
             for kind, nbytes in state.nbytes_by_kind().items():
-                totals[kind] = totals.get(kind, 0) + nbytes
+                if kind not in on_tier:
+                    totals[kind] = totals.get(kind, 0) + nbytes
         if self.stepper.journal.nbytes:
             totals["journal"] = self.stepper.journal.nbytes
         if self.nvme_tier is not None:
             totals["nvme_window"] = self.nvme_tier.window_bytes
         if self.nvme_weights is not None:
             totals["nvme_weights"] = self.nvme_weights.nbytes
+        if self.gathered_weights is not None:  # the NVMe weight window is part of it
+            totals["nvme_weights"] = self.gathered_weights.nbytes
         return totals
 
     def destroy(self) -> None:

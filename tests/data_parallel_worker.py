@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.config import ConfigError
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.model import causal_lm_loss
 from megatrain_ds.planning.preflight import AvailableMemory, preflight
@@ -122,16 +121,19 @@ def count_pieces(engine: MegatrainEngine) -> dict[str, list[int]]:
 
 def count_collective_elements() -> dict[str, int]:
     """Count the elements (and, as ``<name>_bytes``, the bytes) this process passes to
-    ``dist.reduce`` and ``dist.broadcast`` (the engine's gradient reduce and weight gather;
-    collectives used inside torch not counted)."""
-    counted = {"reduce": 0, "broadcast": 0, "reduce_bytes": 0, "broadcast_bytes": 0}
-    for name in ("reduce", "broadcast"):
+    ``dist.reduce``, ``dist.broadcast`` and ``dist.all_gather`` (the engine's gradient
+    reduce, weight gather after a step, and gathers of weights kept as windows; collectives
+    used inside torch not counted). An all-gather counts the elements this process sends."""
+    counted = {name: 0 for base in ("reduce", "broadcast", "all_gather") for name in (base, f"{base}_bytes")}
+    for name in ("reduce", "broadcast", "all_gather"):
         collective = getattr(dist, name)
 
-        def counting(tensor: torch.Tensor, *rest: object, name: str = name, collective=collective, **kwargs: object):
+        def counting(*args: object, name: str = name, collective=collective, **kwargs: object):
+            tensor = args[1] if name == "all_gather" else args[0]
+            assert isinstance(tensor, torch.Tensor)
             counted[name] += tensor.numel()
             counted[f"{name}_bytes"] += tensor.numel() * tensor.element_size()
-            return collective(tensor, *rest, **kwargs)
+            return collective(*args, **kwargs)
 
         setattr(dist, name, counting)
     return counted
@@ -145,7 +147,7 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     planned = preflight(
         *(engine.module, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS),
         available=AvailableMemory(host=1 << 50),
-        nvme="optimizer",
+        nvme=engine.config.options.nvme_offload,
         span_of=dp.span if dp is not None and dp.num_nodes > 1 else None,
         tier_ranks=dp.node_size if dp is not None else None,
     )
@@ -156,16 +158,6 @@ def _tier_report(engine: MegatrainEngine) -> dict:
         "planned_disk": planned.disk,
         "planned_window": planned.host["nvme_window"],
     }
-
-
-def _weights_on_the_tier_refused(settings: dict) -> str:
-    """What an engine with the weights on the NVMe tier ("all") says under data parallel."""
-    megatrain = {**settings["megatrain"], "nvme_offload": "all"}
-    try:
-        MegatrainEngine(tiny_models.llama(num_layers=2), parse_engine_config({**settings, "megatrain": megatrain}))
-    except ConfigError as error:
-        return str(error)
-    raise AssertionError("the weights on the NVMe tier were accepted with data parallel")
 
 
 def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
@@ -179,7 +171,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     }
     rows = args.rows or MICRO * world_size  # one micro-batch of every rank
     micro = rows // world_size
-    tier = {"nvme_offload": "optimizer", "nvme_path": args.nvme} if args.nvme else {}
+    tier = {"nvme_offload": "all" if args.nvme_weights else "optimizer", "nvme_path": args.nvme} if args.nvme else {}
     settings = config(args.accumulation, world_size, micro, **long_context, **tier)
     if args.bf16:
         settings["bf16"] = {"enabled": True}
@@ -209,16 +201,20 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     if args.save_to and args.save_at == args.steps:  # after the last step
         engine.save_checkpoint(args.save_to)
     state = {key: value.clone() for key, value in engine.module.state_dict().items()}
-    held = _held_report(engine, settings)
-    held["collective_elements"] = collectives
+    held = _held_report(engine)
+    held["collective_elements"] = dict(collectives)
+    held["transfers"] = sum(engine.streamer.transfers.values())
+    if engine.gathered_weights is not None:
+        held["gathers"] = engine.gathered_weights.gathers
     if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
         engine.load_checkpoint(args.load_after)
         held["loaded_states"] = flat_states(engine)
+        held["loaded_state_dict"] = engine.module.state_dict()
     torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"rank{rank}.pt")
     engine.destroy()
 
 
-def _held_report(engine: MegatrainEngine, settings: dict) -> dict:
+def _held_report(engine: MegatrainEngine) -> dict:
     """This rank's place in its node, what its node holds (node-shared: one copy per node)
     and what the whole state would take, its NVMe tier, and its flat states."""
     dp = engine.data_parallel
@@ -228,9 +224,7 @@ def _held_report(engine: MegatrainEngine, settings: dict) -> dict:
     held.update(host_bytes=engine.host_bytes(), numels=[flat.layout.numel for flat in engine.states])
     held["tier"] = None
     if engine.nvme_tier is not None:
-        held["tier"] = tier = _tier_report(engine)
-        if dp is not None:
-            tier["weights_refused"] = _weights_on_the_tier_refused(settings)
+        held["tier"] = _tier_report(engine)
     # With bf16 compute: the streamed copy is the master rounded, every span of it (received ones
     # too; where the master is sharded, in the span it holds).
     held["shadows_match"] = all(
@@ -248,9 +242,9 @@ def flat_states(engine: MegatrainEngine) -> list[dict[str, object]]:
         {
             "held": flat.held,
             "master_held": flat.master_held,
-            "master": flat.master.clone(),
+            "master": flat.master.clone() if not flat.master.is_meta else None,  # meta: on the NVMe tier
             "shadow": flat.shadow.clone() if flat.shadow is not None else None,
-            "exp_avg": flat.exp_avg.clone(),
+            "exp_avg": flat.exp_avg.clone() if not flat.exp_avg.is_meta else None,
         }
         for flat in engine.states
     ]
@@ -325,6 +319,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
     parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
     parser.add_argument("--nvme", help="parity: Adam's moments on the NVMe tier, its swap files under this path")
+    parser.add_argument("--nvme-weights", action="store_true", help='parity: with --nvme, "nvme_offload": "all"')
     parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")

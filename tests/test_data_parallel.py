@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import tiny_models
 import torch
 import transformers
@@ -361,47 +362,90 @@ def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path: Path, layo
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 
-def test_two_ranks_with_the_nvme_tier_match_one_process_and_resume_without_it(
+def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_owners(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One node of 2 ranks with Adam's moments on the NVMe tier: each rank keeps its window
-    of every block's m and v in its own swap files, and the run is plain PyTorch's with both
-    batches. Its checkpoint (a span file per rank, written from the swap files) resumes
-    with the state in host memory bit-identically to the uninterrupted run.
+    """One node of 2 ranks with the weights on the NVMe tier too (``"nvme_offload": "all"``,
+    issue 34): each rank keeps only its window of every block -- its fp32 master, m and v --
+    in its own swap files, no rank holds a block whole, and every block is gathered from
+    the two windows each time it is used (``distributed/gathered_weights.py``). The run is
+    plain PyTorch's with both batches. Network: a gather per block taken (forward and
+    backward), the updated blocks never sent. Its checkpoint (a span file per rank with the
+    masters, model files gathered a block at a time) resumes bit-identically to the
+    uninterrupted run, and a one-process checkpoint loads into the windows exactly.
 
-    Under the race checker only (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``), which also
-    copies what the plain CPU path computes in place: that path, with two ranks and with the
-    tier, runs in the tests above and in ``tests/test_nvme_tier.py`` (a plain variant here
-    cost CI's 10-minute test command 12 s)."""
+    The first run is under the race checker (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``),
+    which copies each gathered block to its device slot as a GPU does; the resumed one is
+    the plain CPU path, whose slots are the gathered blocks themselves, held until released."""
     monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
-    straight, resumed, checkpoint, swap = (tmp_path / name for name in ("straight", "resumed", "checkpoint", "swap"))
+    straight, resumed, checkpoint = (tmp_path / name for name in ("straight", "resumed", "checkpoint"))
     for directory in (straight, resumed):
         directory.mkdir()
-    launch("parity", straight, "--steps", "5", "--save-to", str(checkpoint), "--save-at", "3", "--nvme", str(swap))
+    on_tier = ("--nvme", str(tmp_path / "swap"), "--nvme-weights")
+    launch("parity", straight, "--steps", "5", "--save-to", str(checkpoint), "--save-at", "3", *on_tier)
     ranks = [torch.load(straight / f"rank{rank}.pt") for rank in range(2)]
     _assert_parity(ranks, steps=5, accumulation=2)
+    resident = ranks[0]["numels"][-1]
     for rank, report in enumerate(ranks):  # each rank's tier: its window of every block, nothing more
         windows = [Ownership.of([[0, 1]], rank).window(numel) for numel in report["numels"][:-1]]
         assert report["tier"]["numels"] == [end - start for start, end in windows]
-        assert report["host_bytes"]["exp_avg"] == 4 * report["numels"][-1]  # only the resident state's in memory
+        # In host memory only the resident state's master and moments: no block's weights.
+        assert report["host_bytes"]["master"] == report["host_bytes"]["exp_avg"] == 4 * resident
         assert report["host_bytes"]["nvme_window"] == report["tier"]["window"] > 0
+        # A gather per block taken by the streamer, one for the checkpoint's model files and one
+        # for state_dict(); each sends this rank's window of the block.
+        blocks = len(windows)
+        assert report["gathers"] == report["transfers"] + 2 * blocks
+        assert report["transfers"] == 2 * blocks * 5 * 2  # forward and backward, 5 steps of 2 micro-batches
+        chunk = sum(Ownership.of([[0, 1]], rank).chunk(numel) for numel in report["numels"][:-1])
+        assert report["collective_elements"]["all_gather"] == chunk * report["gathers"] // blocks
+        # Broadcasts: the blocks' initial weights (rank 0's) once; no updated block ever.
+        assert report["collective_elements"]["broadcast"] == sum(report["numels"][:-1])
     # Preflight plans the node's swap files and window slots: both ranks' (blocks of 7808
     # elements: the windows are half of each, so the plan is exact).
     for kind in ("disk", "window"):
         assert ranks[0]["tier"][f"planned_{kind}"] == sum(report["tier"][kind] for report in ranks), kind
-    # The weights on the tier ("all") are one process's, which data parallel cannot share: refused, the fix named.
-    assert '"nvme_offload": "optimizer"' in ranks[0]["tier"]["weights_refused"]
     assert sorted(p.name for p in (checkpoint / "global_step3").glob("optimizer*")) == [
         "optimizer-spans-00001-of-00002.safetensors",  # one per rank: each wrote its own windows
         "optimizer-spans-00002-of-00002.safetensors",
     ]
-    assert not list(swap.iterdir())  # the swap directories go with the run
-    launch("parity", resumed, "--steps", "5", "--resume-from", str(checkpoint))
+    assert not list((tmp_path / "swap").iterdir())  # the swap directories go with the run
+
+    one_process = tmp_path / "one_process"
+    _save_one_process_checkpoint(one_process)
+    resume = ("--resume-from", str(checkpoint), "--load-after", str(one_process))
+    monkeypatch.delenv("MEGATRAIN_STREAM_CHECK")
+    launch("parity", resumed, "--steps", "5", *resume, *on_tier)
+    expected_loaded = _one_process_weights(one_process)
     for rank in range(2):
+        report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
-        got = torch.load(resumed / f"rank{rank}.pt")["state_dict"]
         for key, value in expected.items():
-            assert torch.equal(value, got[key]), key
+            assert torch.equal(value, report["state_dict"][key]), key
+        for key, value in expected_loaded.items():  # the model files read into this rank's windows
+            assert torch.equal(value, report["loaded_state_dict"][key]), key
+
+
+def _save_one_process_checkpoint(directory: Path) -> None:
+    """A checkpoint of one process (fp32 model files, per-parameter optimizer files) after
+    one step of the worker's model, seeded unlike the ranks' start."""
+    torch.manual_seed(7)
+    engine = MegatrainEngine(tiny_models.llama(num_layers=4), parse_engine_config(worker_config(1, 1)))
+    try:
+        engine.backward(engine(**global_batch(0, MICRO)).loss)
+        engine.step()
+        engine.save_checkpoint(str(directory))
+    finally:
+        engine.destroy()
+
+
+def _one_process_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The weights in the model files of ``directory``'s latest checkpoint."""
+    tag = directory / (directory / "latest").read_text().strip()
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(tag.glob("model-*.safetensors")):
+        weights.update(safetensors.torch.load_file(shard))
+    return weights
 
 
 def test_two_nodes_with_bf16_compute_shard_the_master_and_gather_the_shadow(tmp_path: Path) -> None:
@@ -573,9 +617,10 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
     train as one process with the whole batch does, each node holding its share of the
     optimizer state. The checkpoint they write at step 2 (each node its span file) resumes
     in one process with Adam's moments on the NVMe tier, which saves it again as soon as it
-    has loaded it (per parameter, as one node does); that one resumes on 4 nodes of one
-    rank, each keeping its quarter, its moments on its own NVMe tier. Both continue as the
-    uninterrupted run. (Span files read by other partitions: tests/test_optimizer_spans.py.)"""
+    has loaded it (per parameter, as one node does), and on 4 nodes of one rank, each
+    keeping its quarter, its moments on its own NVMe tier. Both continue as the
+    uninterrupted run. (Span files read by other partitions: tests/test_optimizer_spans.py;
+    a one-process checkpoint loaded by several nodes: the bf16 test above.)"""
     checkpoint, steps, save_at = tmp_path / "checkpoint", 4, 2
     common = ("parity", "--steps", str(steps), "--rows", "4", "--accumulation", "2")
     runs = {name: tmp_path / name for name in ("straight", "on1", "on4")}
@@ -613,7 +658,7 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
         "optimizer-00001-of-00001.safetensors"
     ]
     # The 4 nodes keep the moments of their spans on the NVMe tier, each on its own disk.
-    launch_nodes(4, runs["on4"], *common, "--resume-from", str(by_one), "--nvme", str(tmp_path / "swap"))
+    launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint), "--nvme", str(tmp_path / "swap"))
     on1 = torch.load(runs["on1"] / "rank0.pt")
     on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
     _assert_node_shares(on4, nodes=4, per_node=1, tier=True)

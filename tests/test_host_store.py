@@ -160,3 +160,48 @@ def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
     )
     assert not whole.master_sharded and torch.equal(whole.master, expected)
     assert whole.weights is whole.master and whole.exp_avg.numel() == end - start
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_parameters(compute: torch.dtype):
+    """The weights on the NVMe tier with data parallel (issue 34): ``migrate_to_host`` with
+    ``shadow_on_host=False`` and a rank's window keeps only that window of the fp32 master,
+    exact, and no whole copy at all (the blocks are gathered from every rank's window when
+    used): the parameters become meta tensors of their shapes and dtype. ``share`` (rank 0's
+    values, as the engine broadcasts them) replaces the values first. The reference is the
+    values laid out by hand at the slots' offsets."""
+    from megatrain_ds.distributed.ownership import Ownership
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+    from megatrain_ds.state.flat_layout import build_flat_layout
+    from megatrain_ds.state.host_store import migrate_to_host
+
+    torch.manual_seed(0)
+    shapes = [(7, 5), (33,), (3, 11), (130,)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    named = [(f"p{index}", param) for index, param in enumerate(params)]
+    slots = build_flat_layout([(name, p.shape, 0) for name, p in named]).slots
+    rank0 = [torch.randn(shape) for shape in shapes]
+    window_of = Ownership.of([[0, 1, 2]], rank=1).window
+
+    def share(values: torch.Tensor) -> None:
+        for slot, value in zip(slots, rank0):
+            values[slot.offset : slot.offset + slot.numel].copy_(value.flatten())
+
+    runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
+    state = migrate_to_host(
+        *(named, dict.fromkeys(params, 0), runtime, torch.float32, compute),
+        moments_on_host=False,
+        shadow_on_host=False,
+        span_of=window_of,
+        share=share,
+    )
+    start, end = window_of(state.layout.numel)
+    assert 0 < start < end < state.layout.numel and state.gathered and state.held == (start, end)
+    expected = torch.zeros(state.layout.numel)
+    for slot, value in zip(slots, rank0):
+        expected[slot.offset : slot.offset + slot.numel] = value.flatten()
+    assert torch.equal(state.master, expected[start:end])  # exact fp32, the window only
+    assert state.shadow is None
+    for param, shape in zip(params, shapes):
+        assert param.is_meta and param.shape == shape and param.dtype == torch.float32
+    assert state.nbytes_by_kind() == {"master": 4 * (end - start)}  # m and v: on the tier

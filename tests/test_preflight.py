@@ -204,27 +204,39 @@ def test_with_several_nodes_only_this_nodes_share_of_the_optimizer_state_is_coun
         preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none")
 
 
-def test_with_data_parallel_the_tier_holds_each_ranks_moments_and_auto_stops_short_of_the_weights(tmp_path) -> None:
+def test_with_data_parallel_each_rank_has_a_tier_of_its_windows_and_auto_goes_up_to_the_weights(tmp_path) -> None:
     """With data parallel each rank keeps its own NVMe tier of its windows' m and v; the
     fp32 masters stay in the node's host memory even with bf16 compute (the gather after a
-    step updates them there), and "auto" never puts the weights on the tier (data parallel
-    refuses "all"): it stops at "optimizer", and preflight then names what does not fit."""
+    step updates them there). With the weights on the tier too ("all") each rank's tier
+    holds its windows' masters as well, no block's weights are in host memory, and each
+    rank has gather buffers of whole blocks (distributed/gathered_weights.py): "auto" goes
+    up to it, and preflight then names what still does not fit."""
     import tiny_models
 
     model = tiny_models.llama()
     config = parse_engine_config(ds_config(bf16=True, megatrain={"nvme_path": str(tmp_path), "nvme_offload": "auto"}))
     optimizer = build_optimizer(model, None, config.optimizer, None)
     cpu = torch.device("cpu")
-    alone = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="optimizer")
-    ranks = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="optimizer", tier_ranks=2)
-    whole = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="none")
+
+    def need(nvme: str, tier_ranks: int | None = None) -> preflight.MemoryNeed:
+        settings = (model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS)
+        return preflight.preflight(*settings, nvme=nvme, tier_ranks=tier_ranks)
+
+    alone, ranks, whole = need("optimizer"), need("optimizer", tier_ranks=2), need("none")
     assert alone.host["master"] < whole.host["master"] == ranks.host["master"]  # one rank: the tier takes the master
     assert alone.disk == 1.5 * ranks.disk  # m, v and master against m and v (blocks of whole 4 KiB pages here)
+    all_alone, all_ranks = need("all"), need("all", tier_ranks=2)
+    assert all_ranks.host["master"] == all_alone.host["master"] < ranks.host["master"]  # the resident state's only
+    assert all_ranks.disk == all_alone.disk == alone.disk  # the masters, m and v (each rank its windows of them)
+    # Two ranks' weight windows of half a block each, plus each rank's whole blocks gathered
+    # (one more than its 2 device slots, bf16): 2 x 3 x the largest block x 2 bytes.
+    largest = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers)
+    padding = 64 * len(list(model.model.layers[0].parameters()))  # alignment of each slot
+    gather_buffers = all_ranks.host["nvme_weights"] - all_alone.host["nvme_weights"]
+    assert 2 * 3 * largest * 2 <= gather_buffers <= 2 * 3 * (largest + padding) * 2
     room = preflight.AvailableMemory(host=4096)  # nothing fits
     assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room) == "all"
-    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2) == (
-        "optimizer"
-    )
+    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2) == "all"
     with pytest.raises(preflight.InsufficientMemoryError, match="does not fit"):
         preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2)
 

@@ -83,6 +83,7 @@ from megatrain_ds.checkpoint.tensor_files import (
 )
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.gradients.sink import GradientPort
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, ParamSlot
@@ -127,6 +128,9 @@ class CheckpointedEngine(Protocol):
     nvme_tier: NvmeTier | None
     """Holds the blocks' Adam moments when the NVMe tier is on (this rank's windows of
     them with data parallel)."""
+    gathered_weights: GatheredWeights | None
+    """With the weights on the NVMe tier and data parallel: the blocks' weights, which no
+    rank holds whole, gathered from every rank's window (its master on its tier)."""
     block_path: str
     global_steps: int
     micro_steps: int
@@ -359,8 +363,8 @@ def _save_tag_in_parallel(engine: CheckpointedEngine, dp: DataParallel, request:
             )
             with _state_tensors(engine) as flat_of:
                 files[name] = write_span_file(temp / name, _held_spans(engine, flat_of), _saved_kinds(engine))
-        if dp.rank == 0:
-            files.update(_write_model_and_trainer_state(engine, temp, request))
+        if dp.rank == 0 or engine.gathered_weights is not None:  # gathered: every rank joins each block's gather
+            files.update(_write_model_and_trainer_state(engine, temp, request, writes=dp.rank == 0))
     except Exception as error:  # reported to rank 0, which removes the directory; raised below
         failure = f"rank {dp.rank}: {type(error).__name__}: {error}"
     reports = dp.all_gather_object(f"writing checkpoint {tag!r}", (files, failure))
@@ -393,34 +397,47 @@ def _saved_kinds(engine: CheckpointedEngine) -> list[str]:
 
 
 def _write_model_and_trainer_state(
-    engine: CheckpointedEngine, temp: Path, request: _SaveRequest
+    engine: CheckpointedEngine, temp: Path, request: _SaveRequest, writes: bool = True
 ) -> dict[str, FileDigest]:
     """The weights as a Hugging Face model directory, and the trainer state: everything but
     the optimizer state. The weights are what the node holds whole: the fp32 masters, or
     the bf16 shadow where the masters are sharded across nodes (their spans go in the span
-    files)."""
+    files). Blocks no rank holds whole (gathered weights) are gathered one at a time, in
+    the compute dtype as they are streamed, their exact masters in the span files: every
+    rank runs this, only ``writes`` writes, and it joins every gather even after a failed
+    write (raised at the end), so that no rank is left waiting in one."""
     files: dict[str, FileDigest] = {}
     groups = _entries_by_state(engine)
     shards = _shards(groups, request.max_shard_bytes)
     count = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
+    failure: Exception | None = None
     with _state_tensors(engine) as flat_of:
         for number, members in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{count:05d}.safetensors"
             tensors = [
-                (e.name, e.view(flat_of(e.state, e.state.weights_kind)))
+                (e.name, e.view(weights))
                 for i in members
+                for weights in [_whole_weights(engine, i, flat_of)]
                 for e in groups[i]
                 if e.trained or not request.exclude_frozen
             ]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
-            files[name] = write_safetensors(temp / name, tensors, {"format": "pt"})
+            if writes and failure is None:
+                try:
+                    files[name] = write_safetensors(temp / name, tensors, {"format": "pt"})
+                except Exception as error:  # the other ranks still gather the next shards' blocks
+                    failure = error
             weight_map.update((tensor_name, name) for tensor_name, _ in tensors)
             total += sum(t.numel() * t.element_size() for _, t in tensors)
             del tensors
             flat_of.release()  # one shard's masters mapped at a time
+        if failure is not None:
+            raise failure
+        if not writes:
+            return files
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         files[MODEL_INDEX] = write_bytes_durably(temp / MODEL_INDEX, json.dumps(index, indent=2).encode())
         files.update(_write_model_config(engine, temp))
@@ -431,6 +448,16 @@ def _write_model_and_trainer_state(
         temp / trainer_states.ENGINE_TENSORS, request.encoded.tensors, {"format": "megatrain-state"}
     )
     return files
+
+
+def _whole_weights(engine: CheckpointedEngine, group: int, flat_of: _StateTensors) -> torch.Tensor:
+    """Every weight of the state of ``group`` (:func:`_entries_by_state`: the resident state,
+    then the blocks): what the node holds whole, or gathered from every rank's window."""
+    state = engine.resident.state if group == 0 else engine.states[group - 1]
+    if state.gathered:
+        assert engine.gathered_weights is not None  # the engine gathers every state kept as windows
+        return engine.gathered_weights.whole(group - 1)
+    return flat_of(state, state.weights_kind)
 
 
 def _write_optimizer_files(engine: CheckpointedEngine, temp: Path, shards: list[list[int]]) -> dict[str, FileDigest]:
@@ -533,6 +560,9 @@ def load_checkpoint(
     if with_optimizer and by_rank:  # each rank its windows: on its own tier, disjoint in the node's memory
         with _state_tensors(engine) as flat_of:
             _read_optimizer_state(engine, reads, flat_of)
+    if engine.gathered_weights is not None:  # each rank the masters of its windows, on its own tier
+        with _state_tensors(engine) as flat_of:
+            _read_window_masters(engine, reads, flat_of)
     if dp is not None:
         dp.world_barrier(f"loading checkpoint {tag!r}")  # Sync: every node's copy is read in
     engine.resident.refresh_device()
@@ -597,14 +627,71 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTens
         with _whole_masters(flat_of, reads.exact_masters) as weights_of:
             wanted = reads.model_targets.get(file.path, {})
             file.read_into(
-                {name: entry.view(weights_of(entry.state)) for name, entry in wanted.items()}, reads.digest(file)
+                {
+                    name: entry.view(weights_of(entry.state))
+                    for name, entry in wanted.items()
+                    if not entry.state.gathered  # read by every rank: _read_window_masters
+                },
+                reads.digest(file),
             )
         flat_of.release()  # one file's masters mapped at a time
     if reads.exact_masters:  # the fp32 masters of a checkpoint whose nodes sharded them
         assert reads.span_files is not None
-        masters = {name: HeldSpan.of_masters(state, flat_of) for name, state in _states_by_name(engine).items()}
+        masters = {
+            name: HeldSpan.of_masters(state, flat_of)
+            for name, state in _states_by_name(engine).items()
+            if not state.gathered
+        }
         reads.span_files.read_into(masters, [MASTER])
         flat_of.release()
+
+
+def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTensors) -> None:
+    """This rank's window of the master of every block it keeps only as a window (gathered
+    weights): from the span files where they hold the masters (exact), else from the model
+    files, each such state read whole into a temporary of which the window is kept."""
+    windows = {id(state): window for state, window in zip(engine.states, engine.optimizer_states) if state.gathered}
+    if reads.exact_masters:
+        assert reads.span_files is not None
+
+        def window_of(state: HostFlatState) -> HeldSpan:
+            start, end = state.held
+            return HeldSpan(state.layout.numel, start, end, lambda kind: flat_of(windows[id(state)], kind))
+
+        held = {name: window_of(state) for name, state in _states_by_name(engine).items() if state.gathered}
+        reads.span_files.read_into(held, [MASTER])
+        flat_of.release()
+        return
+    for file in reads.model_files.values():
+        with _whole_windows(windows, flat_of) as whole_of:
+            wanted = reads.model_targets.get(file.path, {})
+            file.read_into(
+                {name: entry.view(whole_of(entry.state)) for name, entry in wanted.items() if entry.state.gathered},
+                reads.digest(file),
+            )
+        flat_of.release()  # one file's windows mapped at a time
+
+
+@contextlib.contextmanager
+def _whole_windows(
+    windows: Mapping[int, HostFlatState], flat_of: _StateTensors
+) -> Iterator[Callable[[HostFlatState], torch.Tensor]]:
+    """Where a model file's weights go for a state this rank keeps only a window of
+    (``windows``: by the state's id): a whole fp32 temporary, of which the window's master is kept."""
+    temporaries: dict[int, tuple[HostFlatState, torch.Tensor]] = {}
+
+    def whole_of(state: HostFlatState) -> torch.Tensor:
+        if id(state) not in temporaries:
+            start, end = state.held
+            whole = torch.zeros(state.layout.numel, dtype=torch.float32)
+            whole[start:end] = flat_of(windows[id(state)], MASTER)  # a tensor the files lack keeps its value
+            temporaries[id(state)] = (state, whole)
+        return temporaries[id(state)][1]
+
+    yield whole_of
+    for state, whole in temporaries.values():
+        start, end = state.held
+        flat_of(windows[id(state)], MASTER).copy_(whole[start:end])
 
 
 def _refresh_shadows(engine: CheckpointedEngine, flat_of: _StateTensors) -> None:

@@ -26,6 +26,10 @@ Ranks of one named node on different hosts are an error (``[Note: node identity]
   where the master is sharded) to the other nodes' leaders (an all-gather, as broadcasts
   from each span's leader), and after a second node barrier every rank reads the whole
   updated model.
+- Weights on the NVMe tier (``"nvme_offload": "all"``): no node holds the blocks' weights;
+  each rank keeps its window of each block (master, m, v) on its own disk, nothing is sent
+  after the step, and every use of a block gathers it from the windows
+  (``distributed/gathered_weights.py``: [Note: gathered weights]).
 - Failure: every collective runs on groups created with the engine's timeout
   (``megatrain.collective_timeout_s``); a dead peer breaks gloo/NCCL connections at once
   and a hung one times out, and either surfaces as :class:`PeerFailureError`.
@@ -224,6 +228,9 @@ class DataParallel:
         control_group: gloo group of every rank, for host-side agreement (checkpoints).
         node_group: gloo group of this node's ranks (shared memory, norm, barriers).
         leaders_group: gloo group of each node's first rank; ``None`` on one node.
+        gather_group: gloo group of every rank, for the host-side gathers of weights kept
+            only as windows (``distributed/gathered_weights.py``), apart from the gradient
+            reduces so that neither waits behind the other.
         shared: the node-shared allocator of the host state.
         timeout_s: how long any collective waits for a peer.
         ownership: every rank's window and every node's span of a flat state.
@@ -237,6 +244,7 @@ class DataParallel:
     control_group: dist.ProcessGroup
     node_group: dist.ProcessGroup
     leaders_group: dist.ProcessGroup | None
+    gather_group: dist.ProcessGroup
     shared: NodeSharedMemory
     timeout_s: float
     ownership: Ownership
@@ -266,6 +274,7 @@ class DataParallel:
         # new_group is collective over the whole world, in the same order everywhere.
         comm_group = _member(dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout))
         control_group = _member(dist.new_group(backend="gloo", timeout=timeout))
+        gather_group = _member(dist.new_group(backend="gloo", timeout=timeout))
         node_group = None
         for members in nodes.values():
             group = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
@@ -284,6 +293,7 @@ class DataParallel:
             control_group=control_group,
             node_group=node_group,
             leaders_group=_member(leaders_group) if leaders_group is not None and rank in leaders else None,
+            gather_group=gather_group,
             shared=NodeSharedMemory(node_group, writer=mine[0], rank=rank),
             timeout_s=timeout_s,
             ownership=Ownership.of(list(nodes.values()), rank),
@@ -347,6 +357,19 @@ class DataParallel:
                 if leader != self.rank:
                     received.append((start, end))
         return received
+
+    def gather_windows_(self, whole: torch.Tensor, mine: torch.Tensor, what: str) -> None:
+        """Fill ``whole`` (``world_size`` windows of ``mine``'s size, in position order: the
+        :class:`Ownership` layout) with every rank's ``mine``: an all-gather over the gather
+        group, whose ranks come in global order, so each rank's part lands at its position."""
+        chunk = mine.numel()
+        by_position = {rank: position for position, rank in enumerate(self.ownership.positions)}
+        parts = [whole[by_position[rank] * chunk : (by_position[rank] + 1) * chunk] for rank in range(self.world_size)]
+        self._guard(what, lambda: dist.all_gather(parts, mine, group=self.gather_group))
+
+    def broadcast_from_rank0_(self, tensor: torch.Tensor) -> None:
+        """Give every rank rank 0's values of ``tensor`` (every rank calls this)."""
+        self._guard("the initial weight broadcast", lambda: dist.broadcast(tensor, src=0, group=self.control_group))
 
     def node_barrier(self, what: str) -> None:
         """Wait for every rank of the node; names the ranks that do not arrive."""

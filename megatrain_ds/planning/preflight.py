@@ -148,12 +148,10 @@ def estimate_from_shapes(
     state (moments, held gradients, and with a bf16 shadow the fp32 master) this node holds
     (``distributed/data_parallel.py``: [Note: sharded host state]); ``None``: all of it.
     ``tier_ranks``: with data parallel, the ranks of this node; each keeps its own NVMe
-    tier of its windows' m and v, the masters stay in host memory (and the weights: data
-    parallel refuses ``"all"``)."""
+    tier of its windows' m and v, the masters stay in host memory -- or with ``"all"`` its
+    windows' masters too, and each rank gathers whole blocks into buffers of its own
+    (``distributed/gathered_weights.py``)."""
     options = config.options
-    if tier_ranks is not None and options.nvme_offload == "all":
-        config = _options(config, nvme_offload="optimizer")  # what data parallel can offer
-        options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
     streamed = compute if config.compute_dtype != config.master_dtype else master
@@ -223,11 +221,15 @@ def _nvme_tier_need(
         host["master"] = _host_buffer(shapes.resident_numel, master)
     host["nvme_window"] = ranks * min(options.nvme_window_blocks, len(files)) * max(files)
     if weights_on_disk:
-        # The weight window (state/nvme_weights.py): each buffer the largest block in the
-        # compute dtype, plus an fp32 staging buffer to round from when that is not fp32.
+        # The weight window (state/nvme_weights.py): each buffer the largest block (a rank's
+        # window of it with data parallel) in the compute dtype, plus an fp32 staging buffer
+        # to round from when that is not fp32.
         per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
         buffers = weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks)
-        host["nvme_weights"] = buffers * per_buffer
+        host["nvme_weights"] = ranks * buffers * per_buffer
+        if tier_ranks is not None:  # every rank's whole blocks gathered from the windows: one more than its slots
+            slots = options.num_buffers + options.checkpoint_interval - 1
+            host["nvme_weights"] += ranks * (slots + 1) * max(shapes.block_numels) * compute
     return host, ranks * sum(files)
 
 
@@ -478,8 +480,7 @@ def wants_nvme_tier(
 ) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
     with which the run's host state (this node's share of it, with ``span_of``) fits in the
-    available host memory ("all" when none does; "optimizer" at most with data parallel,
-    ``tier_ranks``)."""
+    available host memory ("all" when none does)."""
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     return _wants_nvme(
@@ -504,7 +505,7 @@ def _wants_nvme(
 ) -> str:
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
-    levels = NVME_OFFLOAD_LEVELS if tier_ranks is None else NVME_OFFLOAD_LEVELS[:-1]  # data parallel: not "all"
+    levels = NVME_OFFLOAD_LEVELS
     needs = {
         level: estimate_from_shapes(
             shapes, _options(config, nvme_offload=level), device.type, staging_chunk, span_of, tier_ranks

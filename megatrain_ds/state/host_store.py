@@ -69,6 +69,12 @@ class HostFlatState:
         return self.held if self.master_sharded else (0, self.layout.numel)
 
     @property
+    def gathered(self) -> bool:
+        """Whether this process keeps only its span of the weights and no whole copy: they
+        are gathered from every rank's window when used (``distributed/gathered_weights.py``)."""
+        return self.master_sharded and self.shadow is None
+
+    @property
     def weights_kind(self) -> str:
         """The buffer that holds every weight on this node: ``"master"``, or ``"shadow"``
         where the master is sharded (checkpoints write the model files from it)."""
@@ -221,7 +227,10 @@ def migrate_to_host(
     (this node's share, :attr:`HostFlatState.span`). Where a shadow is made the master holds
     only the span too (:attr:`HostFlatState.master_sharded`; with several nodes an NVMe tier
     is each rank's, of m and v only): the parameters view the whole shadow, and the values
-    pass through a whole temporary of the state (one state more at the peak).
+    pass through a whole temporary of the state (one state more at the peak). So does a
+    state that keeps only its span and no shadow (``shadow_on_host=False`` with ``span_of``:
+    a rank's window of a block whose weights are gathered when used,
+    ``distributed/gathered_weights.py``); its parameters are then parked (meta tensors).
     """
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     span = span_of(layout.numel) if span_of is not None else None
@@ -229,17 +238,19 @@ def migrate_to_host(
     writes = shared is None or shared.is_writer
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
-    sharded = span is not None and shadow is not None
+    sharded = span is not None and (shadow is not None or not shadow_on_host)
     if sharded:
-        assert shadow is not None
         master = runtime.host_empty(last - first, master_dtype, shared)
         whole = torch.empty(layout.numel, dtype=master_dtype) if writes else None  # freed on return
-        params = _fill_slots(named_params, layout, whole, shadow, source)
+        viewed = shadow if shadow is not None else whole
+        assert viewed is not None, "a rank that keeps no whole weights fills its own span (no shared memory)"
+        params = _fill_slots(named_params, layout, whole, viewed, source)
         if whole is not None:
             if share is not None:
                 share(whole)
-            shadow.copy_(whole)  # every weight, rounded: what the node streams
-            master.copy_(whole[first:last])  # this node's span, exact
+            if shadow is not None:
+                shadow.copy_(whole)  # every weight, rounded: what the node streams
+            master.copy_(whole[first:last])  # this span, exact
     else:
         master = runtime.host_empty(layout.numel, master_dtype, shared)
         params = _fill_slots(named_params, layout, master if writes else None, master, source)
@@ -248,7 +259,7 @@ def migrate_to_host(
         if writes and shadow is not None:
             shadow.copy_(master)
     held = last - first
-    return HostFlatState(
+    state = HostFlatState(
         layout=layout,
         master=master,
         shadow=shadow,
@@ -258,6 +269,9 @@ def migrate_to_host(
         span=span,
         master_sharded=sharded,
     )
+    if sharded and shadow is None:
+        state.park_params()  # no whole weights on this rank: they are gathered when used
+    return state
 
 
 def _fill_slots(

@@ -130,12 +130,14 @@ class NvmeWeights:
             self._taken.setdefault(block, deque()).append(buffer)
             return buffer.weights[: self.numel(block)]
 
-    def give_back(self, block: int, device_done: Event) -> None:
-        """The device reads what :meth:`take` returned for ``block`` until ``device_done``."""
+    def give_back(self, block: int, device_done: Event | None) -> None:
+        """The device reads what :meth:`take` returned for ``block`` until ``device_done``
+        (``None``: nothing reads it any more, the host copied it out)."""
         with self._lock:
             buffer = self._taken[block].popleft()
             buffer.holders -= 1
-            buffer.device_reads.append(device_done)
+            if device_done is not None:
+                buffer.device_reads.append(device_done)
 
     # -- internals (under the lock) ------------------------------------------------------------
 
