@@ -150,9 +150,13 @@ def _env(package_root: Path) -> dict[str, str]:
 def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.CompletedProcess[str]:
     """The scenario that exercises ``site`` (all of them for ``None``) on the package in ``root``."""
     if site is not None and site.path.parts[0] == "distributed":
-        # Gradient all-reduce runs only with several ranks.
+        # Gradient all-reduce runs only with several ranks; the blocks are gathered from the
+        # ranks' windows only with the weights on their NVMe tiers.
         sys.path.insert(0, str(REPO / "integration_tests"))
         from launching import free_port
+
+        (root / "dp_out").mkdir(exist_ok=True)  # a mutant that runs through writes its results
+        gathered = ["--nvme", str(root / "swap"), "--nvme-weights"] if site.path.name == "gathered_weights.py" else []
 
         command = [
             sys.executable,
@@ -168,6 +172,7 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
             str(root / "dp_out"),
             "--steps",
             "1",
+            *gathered,
         ]
     else:
         device_optimizer = site is not None and site.path.name == "device_adamw.py"
