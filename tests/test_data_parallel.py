@@ -371,8 +371,10 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     the two windows each time it is used (``distributed/gathered_weights.py``). The run is
     plain PyTorch's with both batches. Network: a gather per block taken (forward and
     backward), the updated blocks never sent. Its checkpoint (a span file per rank with the
-    masters, model files gathered a block at a time) resumes bit-identically to the
-    uninterrupted run, and a one-process checkpoint loads into the windows exactly.
+    masters, model files gathered a block at a time) resumes on 2 simulated nodes of one
+    rank (separate torchrun launches: the resident state sharded across them too)
+    bit-identically to the uninterrupted run, and a one-process checkpoint loads into their
+    windows exactly.
 
     The first run is under the race checker (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``),
     which copies each gathered block to its device slot as a GPU does; the resumed one is
@@ -415,7 +417,7 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     _save_one_process_checkpoint(one_process)
     resume = ("--resume-from", str(checkpoint), "--load-after", str(one_process))
     monkeypatch.delenv("MEGATRAIN_STREAM_CHECK")
-    launch("parity", resumed, "--steps", "5", *resume, *on_tier)
+    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier)
     expected_loaded = _one_process_weights(one_process)
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
