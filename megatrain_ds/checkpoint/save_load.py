@@ -416,13 +416,10 @@ def _write_model_and_trainer_state(
     with _state_tensors(engine) as flat_of:
         for number, members in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{count:05d}.safetensors"
-            tensors = [
-                (e.name, e.view(weights))
-                for i in members
-                for weights in [_whole_weights(engine, i, flat_of)]
-                for e in groups[i]
-                if e.trained or not request.exclude_frozen
-            ]
+            tensors = []
+            for i in members:
+                weights = _whole_weights(engine, i, flat_of)  # a gather on every rank where no node holds them
+                tensors += [(e.name, e.view(weights)) for e in groups[i] if e.trained or not request.exclude_frozen]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
             if writes and failure is None:

@@ -47,8 +47,6 @@ from megatrain_ds.state.nvme_weights import NvmeWeights
 @dataclass
 class _Whole:
     tensor: torch.Tensor
-    holders: int = 0
-    """Takes not given back yet."""
     device_reads: list[Event] = field(default_factory=list)
     """After these the device no longer reads ``tensor``."""
 
@@ -88,6 +86,8 @@ class GatheredWeights:
             _Whole(runtime.host_empty(chunk * data_parallel.world_size, self.dtype)) for _ in range(capacity)
         )
         self._taken: dict[int, deque[_Whole]] = {}
+        """The buffers taken and not given back, by block."""
+        self._buffer_bytes = capacity * chunk * data_parallel.world_size * self._mine.element_size()
         self._lock = threading.Lock()  # the streamer may run on the autograd device thread
         self.gathers = 0
         """Blocks gathered so far (by the streamer and by :meth:`whole`)."""
@@ -95,9 +95,7 @@ class GatheredWeights:
     @property
     def nbytes(self) -> int:
         """Host memory of the whole-block buffers, the window being sent, and the NVMe weight window."""
-        buffers = list(self._free) + [b for taken in self._taken.values() for b in taken]
-        whole = sum(b.tensor.numel() * b.tensor.element_size() for b in buffers)
-        return whole + self._mine.numel() * self._mine.element_size() + self._windows.nbytes
+        return self._buffer_bytes + self._mine.numel() * self._mine.element_size() + self._windows.nbytes
 
     def numel(self, block: int) -> int:
         return self._numels[block]
@@ -125,7 +123,6 @@ class GatheredWeights:
             # Host code on host buffers, finished before the copy that reads the buffer is queued.
             with self._runtime.host_work():
                 self._gather(block, buffer.tensor, self._read_window(block))
-            buffer.holders += 1
             self._taken.setdefault(block, deque()).append(buffer)
             return buffer.tensor[: self._numels[block]]
 
@@ -133,10 +130,8 @@ class GatheredWeights:
         """The device reads what :meth:`take` returned for ``block`` until ``device_done``."""
         with self._lock:
             buffer = self._taken[block].popleft()
-            buffer.holders -= 1
             buffer.device_reads.append(device_done)
-            if buffer.holders == 0:
-                self._free.append(buffer)
+            self._free.append(buffer)
 
     def whole(self, block: int, window: torch.Tensor | None = None) -> torch.Tensor:
         """``block``'s whole weights in a new tensor (collective, like :meth:`take`): every
