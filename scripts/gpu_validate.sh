@@ -13,7 +13,7 @@
 #   sanitizer     the CUDA parity and checkpoint cases again under PyTorch's CUDA sanitizer
 #                 (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
-#   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 offload and megatrain side by side
+#   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 and ZeRO-2 offload and megatrain side by side
 #                 (--compare-args, default the 940M Llama of configs/models/llama_940m.json)
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
 #                 Python-busy thread (what set the H200's step: bench/results/gpu_H200)
@@ -30,8 +30,8 @@ STEPS=(install gpu-tests sanitizer data-parallel compare gradient-worker triton-
 # Seconds each step may take before it is stopped and recorded as FAIL(124).
 declare -A LIMITS=([install]=120 [gpu-tests]=600 [sanitizer]=300 [data-parallel]=300 [compare]=900
                    [gradient-worker]=120 [triton-adamw]=120 [timeline]=120)
-# configs/models/llama_940m.json's shape: all four systems in about 2 minutes of a 15-minute lease.
-DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4 --steps 3"
+# configs/models/llama_940m.json's shape, 3 warm-up and 5 measured steps (compare.py's defaults) per system.
+DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4"
 
 usage() {
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
