@@ -11,7 +11,10 @@ accumulation) and holds it to the host-traffic budget of issue 42, derived in
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import tiny_models
@@ -205,3 +208,27 @@ def test_bf16_clipped_step_within_host_budget(stream_check, cpu_single_thread, t
     assert steady.copy_written_bytes >= 2 * trained  # every block's gradient crossed
     per_param = steady.traffic_bytes / engine.num_params
     assert per_param <= 36, f"host traffic {per_param:.1f} B/param per step: {steady.per_param(engine.num_params)}"
+
+
+def test_host_pipeline_bench_runs(cpu_single_thread, tmp_path, monkeypatch):
+    """``bench/host_pipeline.py`` on a small Llama: its figures add up (the step holds the
+    busy loops of every block, the critical path is what is left of it) and the JSON
+    records the settings it ran with."""
+    bench = Path(__file__).parents[1] / "bench"
+    spec = importlib.util.spec_from_file_location("host_pipeline", bench / "host_pipeline.py")
+    assert spec is not None and spec.loader is not None
+    host_pipeline = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "host_pipeline", host_pipeline)  # its dataclasses look it up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the bench puts bench/ first: not for later tests
+    spec.loader.exec_module(host_pipeline)
+    out = tmp_path / "result.json"
+    flags = "--hidden 64 --intermediate 128 --layers 3 --vocab 64 --block-ms 5 --steps 2 --no-ledger"
+    result = host_pipeline.main([*flags.split(), "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["settings"]["layers"] == 3 and result["settings"]["block_ms"] == 5.0
+    for step in result["steps"]:
+        assert step["compute_s"] >= 3 * 5e-3  # every block's busy loop ran
+        assert step["step_s"] >= step["compute_s"] + step["push_blocked_s"] + step["finish_s"]
+    assert result["host_critical_path_s"] == pytest.approx(result["step_s"] - result["compute_s"])
+    assert 0 <= result["push_blocked_fraction"] < 1
+    assert result["worker_elements_per_s"]["alone"] > 0 and result["plain_copy_elements_per_s"] > 0
