@@ -29,8 +29,9 @@ Reported (medians over ``--steps`` steps after a warm-up step):
   same bytes (the chunk's bf16 gradient into a held buffer) on the calling thread.
 
 Coupling: only ``engine.sink.push_block`` (the ``GradientPort`` interface backward uses),
-``engine.optimizer.step()``, ``engine.states`` (each block's flat layout) and the plain CPU
-runtime; a new gradient path behind the sink is measured as it is.
+``engine.optimizer.step()``, ``engine.states`` (each block's flat layout), the plain CPU
+runtime and its ``on(stream)`` (timed, see :class:`InlineDeviceWork`); a new gradient path
+behind the sink (its consume, the stepper) is measured as it is, with no change here.
 
     python bench/host_pipeline.py [--hidden 1024 --layers 4 --block-ms 100 --steps 3] [--no-bf16] [--out PATH]
 

@@ -167,9 +167,10 @@ _READ_ONLY_MUTABLES = {
     torch.ops.aten._fused_adamw_: ("grads",),
     torch.ops.aten._fused_adam_: ("grads",),
 }
-"""Arguments the schema marks mutable that the CPU kernel only reads (the fused Adam ops
-write their gradients only to unscale them with a ``grad_scale``, which the engine never
-passes): read, for the host ledger; still writes for the race checker, as declared."""
+"""Arguments the schema marks mutable that the CPU kernel only reads as the engine calls it
+(the fused Adam ops write their gradients back only for options the engine never passes:
+``grad_scale``, ``maximize``): read, for the host ledger; still writes for the race
+checker, as the schema declares."""
 
 _SKIP_FILES = (
     os.sep + "torch" + os.sep,
