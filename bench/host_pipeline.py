@@ -23,8 +23,8 @@ Reported (medians over ``--steps`` steps after a warm-up step):
   CPU it runs inline, on a GPU it is queued; see :class:`InlineDeviceWork`), and its share
   of the step (target after issue 42: under 5%);
 - ``finish_s``: ``engine.optimizer.step()``;
-- the **worker's rate**: gradient elements per second through the pipeline with nothing
-  between pushes (alone, and with another thread running Python the whole time:
+- the **worker's rate**: gradient elements per second from the first push to the drain
+  with nothing between pushes (alone, and with another thread running Python the whole time:
   ``bench/gradient_worker.py``'s ``with_python_busy``), against a plain ``copy_`` of the
   same bytes (the chunk's bf16 gradient into a held buffer) on the calling thread.
 
@@ -176,12 +176,18 @@ def push_state(
     return time.perf_counter() - started - inline, inline
 
 
+def backward_order(num_states: int) -> list[int]:
+    """The order backward hands states over: blocks last first, then the resident state
+    (the embedding's backward comes last)."""
+    return [*reversed(range(num_states - 1)), num_states - 1]
+
+
 def run_step(engine: MegatrainEngine, grads: list[torch.Tensor], block_s: float, device: InlineDeviceWork) -> StepTimes:
     """One optimizer step: blocks last first, each after ``block_s`` of Python; then the
     resident parameters' gradients (the embedding's backward comes last) and the step."""
     started = time.perf_counter()
     blocked = inline = compute = 0.0
-    for index in [*reversed(range(len(grads) - 1)), len(grads) - 1]:
+    for index in backward_order(len(grads)):
         if index < len(grads) - 1:
             spun = time.perf_counter()
             spin(block_s)
@@ -194,11 +200,16 @@ def run_step(engine: MegatrainEngine, grads: list[torch.Tensor], block_s: float,
     return StepTimes(ended - started, compute, blocked, inline, ended - finishing)
 
 
-def pipeline_rate(engine: MegatrainEngine, grads: list[torch.Tensor], device: InlineDeviceWork) -> float:
-    """Gradient elements per second through sink, worker and step with nothing in between."""
+def worker_rate(engine: MegatrainEngine, grads: list[torch.Tensor], device: InlineDeviceWork) -> float:
+    """Gradient elements per second from the first push to the drain (the worker has
+    consumed every chunk), pushed with nothing in between; the step's end is not timed."""
     started = time.perf_counter()
-    run_step(engine, grads, 0.0, device)
-    return sum(g.numel() for g in grads) / (time.perf_counter() - started)
+    for index in backward_order(len(grads)):
+        push_state(engine, index, grads[index], device)
+    engine.sink.drain()
+    rate = sum(g.numel() for g in grads) / (time.perf_counter() - started)
+    engine.optimizer.step()
+    return rate
 
 
 def copy_rate(grads: list[torch.Tensor]) -> float:
@@ -221,8 +232,8 @@ def measure(settings: Settings) -> dict:
         block_s = settings.block_ms / 1e3
         run_step(engine, grads, block_s, device)  # warm-up: kernels loaded, pages touched
         steps = [run_step(engine, grads, block_s, device) for _ in range(settings.steps)]
-        alone = pipeline_rate(engine, grads, device)
-        python_busy = with_python_busy(lambda: pipeline_rate(engine, grads, device))
+        alone = worker_rate(engine, grads, device)
+        python_busy = with_python_busy(lambda: worker_rate(engine, grads, device))
         plain_copy = copy_rate(grads)
         num_params = engine.num_params
     finally:
