@@ -33,7 +33,7 @@ Coupling: only ``engine.sink.push_block`` (the ``GradientPort`` interface backwa
 runtime and its ``on(stream)`` (timed, see :class:`InlineDeviceWork`); a new gradient path
 behind the sink (its consume, the stepper) is measured as it is, with no change here.
 
-    python bench/host_pipeline.py [--hidden 1024 --layers 4 --block-ms 100 --steps 3] [--no-bf16] [--out PATH]
+    python bench/host_pipeline.py [--hidden 1024 --layers 4 --block-ms 100 --steps 5] [--no-bf16] [--out PATH]
 
 Writes ``bench/results/host_pipeline_<device>.json`` unless ``--out`` (about 30 s with the
 defaults on 2 cores). Rerun after a change to the gradient path and compare
@@ -83,7 +83,7 @@ class Settings:
     clipping: float = 1.0
     block_ms: float = 100.0
     """Python busy loop per block on the pushing thread (a block's recompute and backward)."""
-    steps: int = 3
+    steps: int = 5
     """Measured steps (after one warm-up step)."""
 
 
