@@ -293,12 +293,18 @@ def ledger_of(bf16: bool, clipping: float, accumulation: int) -> dict:
 
 
 def git_rev() -> str:
-    """The checkout's commit (``-dirty`` with uncommitted changes), or "unknown"."""
+    """The checkout's commit, ``-dirty`` with uncommitted changes to tracked files outside
+    ``bench/results/`` (where the result itself is written), or "unknown"."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
     try:
-        command = ["git", "describe", "--always", "--dirty", "--abbrev=12"]
-        return subprocess.run(command, capture_output=True, text=True, cwd=REPO).stdout.strip() or "unknown"
+        rev = git("rev-parse", "--short=12", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
     except OSError:
         return "unknown"
+    return f"{rev}-dirty" if rev and changed else rev or "unknown"
 
 
 def machine() -> dict:
