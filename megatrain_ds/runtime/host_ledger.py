@@ -40,6 +40,12 @@ a step after ``engine.step()`` at the accumulation boundary), so a step with gra
 accumulation counts every micro-batch's work. Per parameter figures divide by the
 parameters the engine trains and streams (every parameter of every flat state, padding
 excluded).
+
+There is a ledger only under the checker: the plain CPU path computes on host memory and
+copies nothing (its figures would say nothing of a GPU's), and on a GPU nothing observes
+the accesses (``runtime.host_ledger`` and ``engine.last_host_ledger`` are then ``None``).
+Since the CPU path runs the GPU's code with virtual streams (``[Note: one code path]`` in
+``device_runtime.py``), the checker's counts are the host traffic a GPU run has.
 """
 
 from __future__ import annotations

@@ -521,8 +521,8 @@ class StreamChecker:
         schema = func._schema
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
+        # What the host ledger counts as read and as written (an update in place is both).
         counted: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        """What the host ledger counts as read and as written (an update is both)."""
         for position, argument in enumerate(schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             tensors = _tensors(value)
