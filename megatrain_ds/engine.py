@@ -53,6 +53,7 @@ from megatrain_ds.planning.preflight import available_memory, preflight, wants_n
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
 from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.host_ledger import LedgerCounts
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import TraceSchedule
@@ -143,6 +144,11 @@ class MegatrainEngine(nn.Module):
                 self.nvme_tier.close()  # its swap files are this engine's working state
             raise
         self._tracing = _trace_schedule(self.runtime, config, model, self.data_parallel)
+        self.num_params = sum(slot.numel for state in self.states for slot in state.layout.slots)
+        """Parameters in the flat states (what the host ledger's per-parameter figures divide by)."""
+        self.last_host_ledger: LedgerCounts | None = None
+        """The host traffic of the last optimizer step (``runtime/host_ledger.py``); kept only
+        with the race checker on (``MEGATRAIN_STREAM_CHECK=1``), which sees the accesses."""
         self._batch_checked = False  # the transfer-hiding warning, at the first training forward
 
     # -- construction --------------------------------------------------------------------
@@ -658,9 +664,18 @@ class MegatrainEngine(nn.Module):
             if self.lr_scheduler is not None and self._step_applied:  # DeepSpeed: not after a skip
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
-            self._tracing.after_step(self.global_steps - 1)  # writes the trace after its last step
+            # Writes the trace after its last step; the step's span carries its host ledger.
+            self._tracing.after_step(self.global_steps - 1, **self._close_ledger_step())
         self.micro_steps += 1
         self._boundary_override = None
+
+    def _close_ledger_step(self) -> dict[str, Any]:
+        """Close the host ledger's step (race checker on): its figures, for the trace."""
+        ledger = self.runtime.host_ledger
+        if ledger is None:
+            return {}
+        counts = self.last_host_ledger = ledger.close_step()
+        return {"host_ledger": {**counts.as_dict(), "per_param": counts.per_param(self.num_params)}}
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

@@ -504,7 +504,8 @@ class DeepSpeedKernel(CpuAdamKernel):
         # The C++ kernel reads and writes through raw pointers, unseen by aten: tell the race checker.
         declare_access(
             reads=(grad,),
-            writes=(param, exp_avg, exp_avg_sq, *(() if shadow is None else (shadow,))),
+            writes=() if shadow is None else (shadow,),
+            updates=(param, exp_avg, exp_avg_sq),
             what="DeepSpeed's CPU Adam kernel",
         )
         self._op.adam_step(

@@ -5,6 +5,7 @@
 - ``stream_check``: the race checker (``MEGATRAIN_STREAM_CHECK=1``): virtual streams and
   host threads with vector clocks; an access no synchronisation orders raises.
 - ``trace``: Chrome/Perfetto traces of copies, compute and the optimizer worker.
+- ``host_ledger``: host bytes read and written and copied per step, fed by the race checker.
 - ``host_heap``: how the CPU path keeps transient host memory from piling up.
 - ``node_shared_memory``: host memory mapped by every rank of a node.
 - ``measurement_cache``: figures of this machine measured once and kept in a JSON file.

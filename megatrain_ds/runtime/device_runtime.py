@@ -34,6 +34,7 @@ import torch
 
 from megatrain_ds.runtime import stream_check
 from megatrain_ds.runtime.host_heap import keep_large_transients_mapped, return_free_memory
+from megatrain_ds.runtime.host_ledger import HostLedger
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import CheckedStream, StreamChecker
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
@@ -212,6 +213,12 @@ class DeviceRuntime:
         to be computed on, and a "device" buffer costs host memory. Not under the race
         checker, which keeps the two apart to judge the copies a GPU would make."""
         return self.device.type == "cpu" and self.checker is None
+
+    @property
+    def host_ledger(self) -> HostLedger | None:
+        """The host traffic counted per step (``runtime/host_ledger.py``): kept by the race
+        checker, which sees every access; ``None`` unless it is on."""
+        return self.checker.ledger if self.checker is not None else None
 
     def compute_stream(self) -> Stream:
         """The stream the caller computes on (the current stream, as PyTorch sets it)."""

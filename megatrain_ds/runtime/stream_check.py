@@ -37,7 +37,9 @@ Each has a vector clock. Work is attributed as a GPU would run it:
 
 Accesses are read from aten ops through a per-thread ``TorchDispatchMode`` (inputs are
 reads; outputs and arguments the schema marks mutable are writes; view ops access
-nothing), at byte granularity within each storage. What bypasses aten is declared with
+nothing), at byte granularity within each storage. The same accesses, with who made
+them, feed the checker's :class:`~megatrain_ds.runtime.host_ledger.HostLedger` (``ledger``):
+the host traffic of each step. What bypasses aten is declared with
 :func:`declare_access` where it happens: DeepSpeed's CPU Adam binding, the Triton
 interpreter, checkpoint files read into or written from host buffers.
 
@@ -62,6 +64,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from megatrain_ds.runtime.host_ledger import HostLedger
 
 ENV = "MEGATRAIN_STREAM_CHECK"
 
@@ -145,6 +149,28 @@ _ALLOCATIONS = {
     torch.ops.aten.new_empty_strided,
 }
 """Ops that only allocate: their outputs are new memory, not yet written."""
+
+_OVERWRITES = {
+    torch.ops.aten.copy_,
+    torch.ops.aten.zero_,
+    torch.ops.aten.fill_,
+    torch.ops.aten.normal_,
+    torch.ops.aten.uniform_,
+    torch.ops.aten.bernoulli_,
+    torch.ops.aten.random_,
+    torch.ops.aten.exponential_,
+}
+"""In-place ops that write their ``self`` without reading it (for the host ledger, which
+counts an argument updated in place as read and written)."""
+
+_READ_ONLY_MUTABLES = {
+    torch.ops.aten._fused_adamw_: ("grads",),
+    torch.ops.aten._fused_adam_: ("grads",),
+}
+"""Arguments the schema marks mutable that the CPU kernel only reads as the engine calls it
+(the fused Adam ops write their gradients back only for options the engine never passes:
+``grad_scale``, ``maximize``): read, for the host ledger; still writes for the race
+checker, as the schema declares."""
 
 _SKIP_FILES = (
     os.sep + "torch" + os.sep,
@@ -316,6 +342,8 @@ class StreamChecker:
         """Every race found (the first also raised)."""
         self.num_accesses = 0
         """Accesses checked so far (tests: the checker saw the engine's work)."""
+        self.ledger = HostLedger()
+        """The host traffic of the accesses seen (``runtime/host_ledger.py``)."""
 
     # -- agents ----------------------------------------------------------------------
 
@@ -493,13 +521,23 @@ class StreamChecker:
         schema = func._schema
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
+        # What the host ledger counts as read and as written (an update in place is both).
+        counted: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for position, argument in enumerate(schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             tensors = _tensors(value)
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                writes += tensors
-            else:
+            if argument.alias_info is None or not argument.alias_info.is_write:
                 reads += tensors
+                counted[0].extend(tensors)
+                continue
+            writes += tensors
+            if argument.is_out or func.overloadpacket in _OVERWRITES:
+                counted[1].extend(tensors)
+            elif argument.name in _READ_ONLY_MUTABLES.get(func.overloadpacket, ()):
+                counted[0].extend(tensors)
+            else:  # updated in place: the old values are read
+                counted[0].extend(tensors)
+                counted[1].extend(tensors)
         returns = schema.returns
         if returns and not writes and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
             return  # a view: no data is touched
@@ -508,13 +546,20 @@ class StreamChecker:
         if func.overloadpacket in _ALLOCATIONS:
             self._allocated(fresh)  # uninitialised memory: nothing is read or written yet
             return
-        agent = self._access(reads, writes, fresh, str(func))
+        agent = self._access(reads, writes, fresh, str(func), (counted[0], counted[1] + fresh))
         if func is torch.ops.aten._local_scalar_dense.default and agent.is_stream:
             self._host_waits(agent.clock)  # .item(): the host waits for the stream to get there
 
-    def declare(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor], what: str) -> None:
+    def declare(
+        self,
+        reads: Iterable[torch.Tensor],
+        writes: Iterable[torch.Tensor],
+        what: str,
+        updates: Iterable[torch.Tensor] = (),
+    ) -> None:
         """Accesses that bypass aten (see :func:`declare_access`)."""
-        self._access(list(reads), list(writes), [], what)
+        reads, writes, updates = list(reads), list(writes), list(updates)
+        self._access(reads, writes + updates, [], what, (reads + updates, writes + updates))
 
     def _allocated(self, fresh: list[torch.Tensor]) -> None:
         with self._lock:
@@ -531,8 +576,14 @@ class StreamChecker:
                     record.host, record.allocated_by = not agent.is_stream, agent if agent.is_stream else None
 
     def _access(
-        self, reads: list[torch.Tensor], writes: list[torch.Tensor], fresh: list[torch.Tensor], what: str
+        self,
+        reads: list[torch.Tensor],
+        writes: list[torch.Tensor],
+        fresh: list[torch.Tensor],
+        what: str,
+        counted: tuple[list[torch.Tensor], list[torch.Tensor]],
     ) -> _Agent:
+        """Check one op's accesses, and count ``counted`` (read, written) in the ledger."""
         with self._lock:
             self._judge_frees()
             agent = self._agent_for(reads + writes)
@@ -547,7 +598,16 @@ class StreamChecker:
                     where = where or f"{what} at {_call_site()}"
                     access = _Access(extent[1], extent[2], is_write, agent, tick, f"{where} on {_shape(tensor)}")
                     self._check(self._storage(tensor, extent[0]), access, agent.clock)
+            self.ledger.count(*counted, on_stream=agent.is_stream, host_extent=self._host_extent)
             return agent
+
+    def _host_extent(self, tensor: torch.Tensor) -> int | None:
+        """The bytes ``tensor`` spans if its storage is host memory, else ``None``."""
+        extent = _extent(tensor)
+        if extent is None:
+            return None
+        record = self._storages.get(extent[0])
+        return extent[2] - extent[1] if record is not None and record.host else None
 
     def _check(self, record: _Storage, access: _Access, clock: Clock) -> None:
         self.num_accesses += 1
@@ -612,10 +672,17 @@ def active() -> StreamChecker | None:
     return _thread.checker
 
 
-def declare_access(reads: Iterable[torch.Tensor] = (), writes: Iterable[torch.Tensor] = (), *, what: str) -> None:
+def declare_access(
+    reads: Iterable[torch.Tensor] = (),
+    writes: Iterable[torch.Tensor] = (),
+    *,
+    what: str,
+    updates: Iterable[torch.Tensor] = (),
+) -> None:
     """Tell the checker observing this thread (if any) of accesses no aten op performs:
     a C++ kernel reading or writing tensors through raw pointers, file I/O into host
-    buffers. A no-op when nothing is checked."""
+    buffers. ``updates`` are read and written in place (writes for the checker; both for
+    the host ledger). A no-op when nothing is checked."""
     checker = _thread.checker
     if checker is not None:
-        checker.declare(reads, writes, what)
+        checker.declare(reads, writes, what, updates)

@@ -6,6 +6,9 @@ one complete ("X") event per span, one thread id per track) that https://ui.perf
 and chrome://tracing open; ``bench/timeline.py`` draws one step of it. Tracks (:data:`TRACKS`):
 
 - ``step``: each traced optimizer step, from its first forward to ``engine.step()`` (host);
+  with the race checker on (``MEGATRAIN_STREAM_CHECK=1``) its args carry the step's
+  ``host_ledger``: host bytes read and written by host threads, host bytes the copies
+  move, host ops, and each per parameter (``runtime/host_ledger.py``);
 - ``compute``: each block's forward, recompute and backward (compute stream);
 - ``h2d``: each block's weight copy (host-to-device stream);
 - ``d2h``: gradient copies (device-to-host stream);
@@ -201,11 +204,17 @@ class Tracer:
             self.step = step
             self._step_start_ns = time.perf_counter_ns()
 
-    def end_step(self) -> None:
-        """The step's host work is done: record its span on the ``step`` track."""
+    def end_step(self, **args: Any) -> None:
+        """The step's host work is done: record its span on the ``step`` track, with ``args``."""
         if self.step is not None:
             self._host.append(
-                Span(f"step {self.step}", "step", self._step_start_ns, time.perf_counter_ns(), {"step": self.step})
+                Span(
+                    f"step {self.step}",
+                    "step",
+                    self._step_start_ns,
+                    time.perf_counter_ns(),
+                    {"step": self.step, **args},
+                )
             )
         self.step = None
 
@@ -310,10 +319,11 @@ class TraceSchedule:
         self._runtime.tracer = self.tracer
         self.tracer.begin_step(step)
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, **step_args: Any) -> None:
+        """Step ``step`` is finished; ``step_args`` go on its span (its host ledger)."""
         if self.tracer is None or self.written or self.tracer.step != step:
             return
-        self.tracer.end_step()
+        self.tracer.end_step(**step_args)
         if not self._traced(step + 1):
             self.close()
 
