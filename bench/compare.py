@@ -472,6 +472,8 @@ def run_planner(args: argparse.Namespace) -> dict | None:
         ]
         if not args.clip:
             command.append("--no-clipping")
+        if gpu != "cpu":  # this machine's host AdamW and copy rates, not a typical host's
+            command.append("--probe")
         completed = subprocess.run(command, capture_output=True, text=True)
     if completed.returncode != 0:
         print(f"planner: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")

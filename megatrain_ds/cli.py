@@ -8,7 +8,9 @@ a ``config.json`` (with ``model_type``), so its blocks are found exactly as the 
 finds them. ``--gpu cpu`` plans a run whose device is this machine's CPU: it measures
 the model's own matmul shapes, one real block, memory copies and the engine's AdamW here
 first, and caches the figures (:func:`cpu_profile`; ``--recalibrate`` measures again).
-``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
+``--probe`` with a GPU target measures
+this machine's host instead (the engine's CPU AdamW and memory copies: run it on the
+machine that will train). ``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
 sequential O_DIRECT bandwidth there is measured once and cached the same way.
 """
 
@@ -210,12 +212,31 @@ def _copy_bytes_per_s(seconds: float) -> float:
     return source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
 
 
-def _measure_profile(
-    config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype, seconds: float
-) -> dict:
+def _adam_bytes_per_s(seconds: float) -> float:
+    """The engine's CPU AdamW kernel on fp32 states past the caches, bytes of state touched
+    per second (28 per element: p, m, v read and written, g read)."""
     from megatrain_ds.optimizer.adamw_math import AdamHyper
     from megatrain_ds.optimizer.cpu_adam import make_cpu_kernel
 
+    kernel, hyper = make_cpu_kernel("auto"), AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True)
+    p, g, m, v = (torch.rand(_ADAM_ELEMENTS) for _ in range(4))
+    return 28 * _ADAM_ELEMENTS / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
+
+
+def probe_host(hardware: Hardware, seconds: float = 0.3) -> Hardware:
+    """``--probe``: a GPU machine's figures with its host measured here, on the machine that
+    will train: the engine's CPU AdamW kernel (the optimizer pass that clipping serialises,
+    planning/planner.py: [Note: clipping's serialisation]) and the memory copy rate, instead
+    of the table's typical host."""
+    copy_rate = _copy_bytes_per_s(seconds)
+    # Copies move bytes once each way: read+write traffic is twice the copy rate.
+    adam = _adam_bytes_per_s(seconds)
+    return dataclasses.replace(hardware, host_memory_bytes_per_s=2 * copy_rate, adam_bytes_per_s=adam)
+
+
+def _measure_profile(
+    config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype, seconds: float
+) -> dict:
     tokens = seq_len * micro_batch
     block, model = _one_block_model(config, block_path, dtype)
     weight_shapes = [tuple(p.shape) for p in block.parameters() if p.dim() == 2]
@@ -252,9 +273,7 @@ def _measure_profile(
     block_seconds = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
     del block  # the model's memory goes with the closures when this function returns
     copy_rate = _copy_bytes_per_s(seconds)
-    kernel, hyper = make_cpu_kernel("auto"), AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True)
-    p, g, m, v = (torch.rand(_ADAM_ELEMENTS) for _ in range(4))
-    adam = 28 * _ADAM_ELEMENTS / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
+    adam = _adam_bytes_per_s(seconds)
     return {
         "flops": matmul_flops,
         "head_flops": head_flops,
@@ -402,6 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help='with --nvme: the blocks\' weights on the tier too ("nvme_offload": "all")',
     )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="with a GPU target: measure this machine's host (CPU AdamW, memory copies) instead of a typical one's",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -427,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
     else:
         hardware = GPU_HARDWARE[args.gpu]
+        if args.probe:
+            hardware = probe_host(hardware)
     if args.nvme is not None:
         from megatrain_ds.optimizer.placement import cache_path
 

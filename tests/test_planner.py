@@ -28,6 +28,7 @@ from megatrain_ds.planning.planner import (
     predicted_step_seconds,
     stash_bytes_per_block,
     step_seconds,
+    weight_fill_seconds,
 )
 
 
@@ -397,3 +398,33 @@ def test_auto_on_the_cpu_is_bound_by_host_memory(host_left, expected):
         assert transients + stashed * per_block <= left
     steps = [predicted_step_seconds(shape, _with(settings, stashed_blocks=n), cpu) for n in chosen]
     assert steps == sorted(steps, reverse=True)
+
+
+def test_held_gradients_serialise_the_optimizer_after_backward_on_a_gpu():
+    """[Note: clipping's serialisation]: with clipping the update waits for the global norm,
+    so the predicted step is the longest overlapped bound plus the whole optimizer pass; with
+    no gradient held the optimizer hides behind backward but for the last block's update."""
+    shape = shape_of(tiny_models.llama(8))
+    hardware = GPU_HARDWARE["h200"]
+    clipped = RunSettings(seq_len=1024, micro_batch=4, clipping=True)
+    unclipped = _with(clipped, clipping=False)
+    fill = weight_fill_seconds(shape, clipped, hardware)
+    parts = step_seconds(shape, clipped, hardware)
+    overlapped = max(t for bound, t in parts.items() if bound != "optimizer")
+    assert predicted_step_seconds(shape, clipped, hardware) == pytest.approx(overlapped + parts["optimizer"] + fill)
+    parts = step_seconds(shape, unclipped, hardware)
+    expected = max(parts.values()) + parts["optimizer"] / shape.num_blocks + fill
+    assert predicted_step_seconds(shape, unclipped, hardware) == pytest.approx(expected)
+
+
+def test_probe_measures_the_host_of_a_gpu_machine(capsys):
+    """``--probe``: the optimizer bound comes from the AdamW kernel measured here (28 bytes
+    of state per element), at ``24 + g + s`` bytes per parameter, as on the CPU target."""
+    argv = ["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h200", "--seq-len", "256", "--json"]
+    assert cli.main([*argv, "--probe"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    hardware = data["hardware"]
+    assert hardware["adam_bytes_per_s"] > 0
+    assert hardware["host_memory_bytes_per_s"] != GPU_HARDWARE["h200"].host_memory_bytes_per_s
+    expected = (24 + 2 + 2) * data["params"] / hardware["adam_bytes_per_s"]  # bf16 gradients and shadow
+    assert data["step_seconds_by_bound"]["optimizer"] == pytest.approx(expected)

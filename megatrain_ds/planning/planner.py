@@ -10,7 +10,19 @@ weight (2 in bf16, 4 in fp32):
 - host->device: ``2 * w * P_b`` bytes (forward and backward) + checkpoints coming back;
 - device->host: ``w * P`` bytes of gradients + checkpoints going out;
 - host optimizer: ~30 bytes of host memory traffic per parameter (read p, g, m, v;
-  write p, m, v, shadow), overlapped with backward on a GPU machine.
+  write p, m, v, shadow), at the host AdamW kernel's measured rate where ``megatrain plan
+  --probe`` measured it; overlapped with backward on a GPU machine only where no gradient
+  is held (see [Note: clipping's serialisation]).
+
+[Note: clipping's serialisation]
+With clipping (or accumulation, fp16, skipped non-finite steps) the engine holds the
+gradients and updates nothing before the global norm is known, i.e. before backward's
+last gradient has reached the host (``optimizer/speculative_step.py``). So on a GPU
+machine the step is the longest of the overlapped bounds (compute, the copies, the host's
+gradient path, the disk) *plus* the whole optimizer pass, not the longest of all of them:
+the first GPU run measured 0.83 s at 940M where the all-overlapped model said 0.15 s. Only
+without held gradients does the optimizer run behind backward, chunk by chunk, and then
+only the last block's update is exposed.
 
 With ``n`` blocks stashing their activations instead of recomputing
 (``"megatrain": {"recompute": ...}``, ``streaming/activation_stash.py``) the blocks'
@@ -496,7 +508,7 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
         * (2 * w * shape.total_block_params + checkpoint_traffic + stash_traffic)
         / hardware.h2d_bytes_per_s,
         "device_to_host": passes * (w * shape.params + checkpoint_traffic + stash_traffic) / hardware.d2h_bytes_per_s,
-        "optimizer": ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s,
+        "optimizer": _gpu_machine_optimizer_seconds(shape, settings, hardware),
     }
     if settings.fragment_bytes:
         # Every copy past a block's first costs the link its overhead, twice per weight pass.
@@ -505,6 +517,16 @@ def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -
     if settings.nvme:
         bounds["disk"] = _disk_seconds(shape, settings, hardware)
     return bounds
+
+
+def _gpu_machine_optimizer_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
+    """One host AdamW pass over every parameter: at the kernel's measured rate where it was
+    measured (``megatrain plan --probe``: ``24 + g + s`` bytes per parameter, as on the CPU
+    target), else at the host's memory bandwidth at :data:`ADAM_HOST_BYTES_PER_PARAM`."""
+    if hardware.adam_bytes_per_s:
+        shadow = 2 if settings.bf16 else 0
+        return (24 + settings.grad_bytes + shadow) * shape.params / hardware.adam_bytes_per_s
+    return ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s
 
 
 def _pieces_per_block(shape: ModelShape, settings: RunSettings) -> int:
@@ -557,18 +579,24 @@ def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware
     }
 
 
-def _predicted_step(by_bound: dict[str, float], shape: ModelShape, hardware: Hardware) -> float:
+def _predicted_step(by_bound: dict[str, float], shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
     if hardware.shares_host_memory:
         # One set of cores does everything in turn; the disk works beside the optimizer.
         cores = {bound: t for bound, t in by_bound.items() if bound not in ("optimizer", "disk")}
         return sum(cores.values()) + max(by_bound["optimizer"], by_bound.get("disk", 0.0))
+    if settings.holds_gradients:
+        # [Note: clipping's serialisation] The update needs the global norm, known when
+        # backward's last gradient has reached the host: the optimizer pass follows the
+        # copies and the compute instead of hiding behind them.
+        overlapped = [t for bound, t in by_bound.items() if bound != "optimizer"]
+        return max(overlapped) + by_bound["optimizer"]
     # Streams and the optimizer worker overlap; the last block's update cannot hide.
     tail = by_bound["optimizer"] / shape.num_blocks
     return max(by_bound.values()) + tail
 
 
 def predicted_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    return _predicted_step(step_seconds(shape, settings, hardware), shape, hardware) + weight_fill_seconds(
+    return _predicted_step(step_seconds(shape, settings, hardware), shape, settings, hardware) + weight_fill_seconds(
         shape, settings, hardware
     )
 
@@ -657,7 +685,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
     """Memory, speed and recommendations for ``settings`` on ``hardware``."""
     by_bound = step_seconds(shape, settings, hardware)
     fill = weight_fill_seconds(shape, settings, hardware)
-    step = _predicted_step(by_bound, shape, hardware) + fill
+    step = _predicted_step(by_bound, shape, settings, hardware) + fill
     fragments = fragment_policies(shape, settings, hardware)
     state_bytes = sum(host_bytes(shape, _with(settings, stashed_blocks=0)).values())
     policies = recompute_policies(shape, settings, hardware, host_memory_bytes - state_bytes)
@@ -730,7 +758,7 @@ def _accumulation_hiding_disk(shape: ModelShape, settings: RunSettings, hardware
     accumulation = settings.accumulation
     while accumulation < limit:
         by_bound = step_seconds(shape, _with(settings, accumulation=accumulation), hardware)
-        if by_bound["disk"] <= DISK_BOUND_SHARE * _predicted_step(by_bound, shape, hardware):
+        if by_bound["disk"] <= DISK_BOUND_SHARE * _predicted_step(by_bound, shape, settings, hardware):
             break
         accumulation *= 2
     return accumulation
