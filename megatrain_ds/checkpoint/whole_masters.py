@@ -30,8 +30,9 @@ in the same order (block order, then the resident state), so the n-th gather of 
 rank is the same state's. :func:`state_dict_is_collective` says whether a run is one of
 them; :func:`join_state_dict_collectives` runs a rank's part without keeping anything (a
 rank that writes nothing, in ``save_16bit_model``).
-Before anything is read from the tier or sent, the gradient worker is drained and the
-device synchronised: no update is in flight while the masters are read.
+Before anything is read from the tier or sent, the gradient worker is drained, the device
+synchronised and, with data parallel, every rank waits at a barrier (``save_load.quiesce``,
+as for a checkpoint): no update is in flight on any rank while the masters are read.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from megatrain_ds.checkpoint.save_load import quiesce
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.gradients.sink import GradientPort
@@ -102,9 +104,9 @@ def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.
             yield state, state.master
         return
     # Sync: the gradient worker may still be stepping blocks (on the tier too); nothing is
-    # read or sent while an update is in flight.
-    engine.sink.drain()
-    engine.runtime.synchronize()
+    # read or sent while an update is in flight on any rank. With data parallel only
+    # gathered or sharded masters lead here, so every rank comes to this barrier.
+    quiesce(engine, "the state_dict barrier")
     with contextlib.ExitStack() as stack:
         on_tier: OnTier | None = None
         if engine.nvme_tier is not None:
