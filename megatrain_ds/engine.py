@@ -14,7 +14,6 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from torch import nn
 
 from megatrain_ds.checkpoint import save_load
 from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
+from megatrain_ds.checkpoint.whole_masters import masters_by_param, state_dict_is_collective
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
@@ -564,35 +564,31 @@ class MegatrainEngine(nn.Module):
     def _master_state_dict_hook(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        """Report resident parameters by their fp32 master (the host shadow where the master
-        is sharded across nodes, as the blocks' parameters view it), not their device copy; with the
-        weights on the NVMe tier, the blocks' parameters (meta tensors) by their masters
-        read from the swap files (copies: the whole model in host memory, as the caller asked),
-        or with data parallel gathered from every rank's window (then every rank must call
-        ``state_dict()``, as every rank joins a ZeRO-3 gather)."""
+        """Report every parameter by its master, the weights the optimizer updates, whatever
+        the placement (``checkpoint/whole_masters.py``: [Note: one answer from state_dict]):
+        views of the host masters where they are whole there, copies read from the NVMe
+        tier or gathered from the other ranks or nodes where not."""
         del module, local_metadata
-        masters = self.resident.weights_by_param()
-        # Parked: meta parameters while the engine runs (given their masters back by destroy()).
-        parked = [state for state in self.states[: self._resident_index] if any(p.is_meta for p in state.params)]
-        with contextlib.ExitStack() as stack:
-            if parked:
-                assert self.nvme_tier is not None  # only blocks with their weights on the tier are parked
-                on_tier = stack.enter_context(self.nvme_tier.file_views())
-                for index, state in enumerate(parked):
-                    if self.gathered_weights is not None:  # every block is parked: block order is index order
-                        window = on_tier(self.optimizer_states[index])  # None: this rank's window is empty
-                        mine = window["master"] if window is not None else torch.zeros(0, dtype=state.master.dtype)
-                        master = self.gathered_weights.whole(index, mine)
-                    else:
-                        views = on_tier(state)
-                        assert views is not None  # every block is on the tier
-                        master = views["master"]
-                    for slot, param in zip(state.layout.slots, state.params):
-                        masters[id(param)] = master[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-            for name, param in self.module.named_parameters(remove_duplicate=False):
-                key = prefix + name
-                if key in state_dict and id(param) in masters:
-                    state_dict[key] = masters[id(param)]
+        masters = masters_by_param(self)  # collective where state_dict_is_collective(self)
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key in state_dict and id(param) in masters:
+                state_dict[key] = masters[id(param)]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.state_dict`` of the engine (the model's under ``module.``): every
+        parameter by its master, as ``engine.module.state_dict()`` gives it. Collective where
+        :attr:`state_dict_is_collective`: every rank must call it, in the same order as its
+        other collectives."""
+        return super().state_dict(*args, **kwargs)
+
+    @property
+    def state_dict_is_collective(self) -> bool:
+        """Whether ``state_dict()`` (and whatever takes it: ``save_pretrained``,
+        ``save_16bit_model``, Accelerate's ``get_state_dict``) runs collectives: with the
+        weights on the NVMe tier and data parallel, or the masters sharded across nodes.
+        Then every rank must take it, as every rank joins a ZeRO-3 gather."""
+        return state_dict_is_collective(self)
 
     # -- DeepSpeed engine API ---------------------------------------------------------------
 
@@ -837,7 +833,10 @@ class MegatrainEngine(nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> Literal[True]:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
-        directory (fp32 masters); crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`."""
+        directory; crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`.
+
+        Collective with data parallel: every rank must call it (barriers, the span files,
+        the blocks gathered for the model files); every rank returns once it is published."""
         # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.
         with self.runtime.observe(), self.runtime.host_work():
             return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
@@ -853,7 +852,10 @@ class MegatrainEngine(nn.Module):
         custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
-        ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.save_load`."""
+        ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.save_load`.
+
+        Collective with data parallel: every rank must call it (barriers; each node reads
+        its copy, each rank its windows)."""
         with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
             return save_load.load_checkpoint(
                 self,

@@ -19,14 +19,15 @@ CHECKED_SUITES: dict[str, tuple[str, ...] | None] = {
     "test_checkpoint.py": None,
     "test_nonfinite_steps.py": None,
     "test_fp16.py": None,
+    "test_state_dict_placements.py": None,
     "test_data_parallel.py": ("test_two_ranks_match_one_process_with_both_batches",),
 }
 """Test modules (``None``: every test; else the tests named) that run twice: as they are, and
 with ``MEGATRAIN_STREAM_CHECK=1`` (their ``[checked]`` variant), so the parity suite (every
 family, GA 1/2, K 1/2, offload on/off), the optimizer placements and speculative steps,
 stashed activations and fragmented weights, models that checkpoint their own layers, the
-NVMe tier and its checkpoints, checkpoints, fp16 and 2-rank data parallel are all proved
-race-free on the CPU (``tests/test_stream_ordering.py`` proves the checker bites). Two
+NVMe tier and its checkpoints, checkpoints, fp16, every placement's state dict and 2-rank
+data parallel are all proved race-free on the CPU (``tests/test_stream_ordering.py`` proves the checker bites). Two
 data-parallel tests run only checked, to keep the test command under 10 minutes: two
 simulated nodes, and two ranks with the NVMe tier (their docstrings say what covers their
 plain path)."""

@@ -578,12 +578,14 @@ def _assert_bf16_node_shares(ranks: list[dict], held_gradient_bytes: int) -> Non
 def _assert_bf16_network(ranks: list[dict], steps: int, accumulation: int) -> None:
     """What each node leader hands the collectives: the bf16 gradients reduced once per
     micro-batch, the fp32 initial weights broadcast once, then per step the bf16 shadow
-    (each element once): no more than one all-reduce of bf16 gradients per step."""
+    (each element once): no more than one all-reduce of bf16 gradients per step. The
+    worker's ``state_dict()`` adds the nodes' spans of the fp32 master, each element once."""
     numel = sum(ranks[0]["numels"])
     for rank in ranks:
         counted = rank["collective_elements"]
-        assert counted["broadcast_bytes"] == 4 * numel + 2 * numel * steps  # initial fp32 + a shadow per step
-        assert counted["broadcast"] == numel * (steps + 1)
+        # initial fp32 + a shadow per step + the fp32 masters of state_dict()
+        assert counted["broadcast_bytes"] == 4 * numel + 2 * numel * steps + 4 * numel
+        assert counted["broadcast"] == numel * (steps + 2)
         assert counted["reduce_bytes"] <= 2 * numel * steps * accumulation  # bf16 gradients
 
 
@@ -592,9 +594,9 @@ def _assert_nodes_checkpoint_loads_exactly(tag_dir: Path, ranks: list[dict]) -> 
     them as the shadow) and span files with the masters, which one process restores exactly."""
     assert json.loads((tag_dir / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tag_dir)
-    shadow = ranks[0]["state_dict"]
+    masters = ranks[0]["state_dict"]  # the fp32 masters: the shadow is them rounded (shadows_match)
     for name, value in loaded.state_dict().items():
-        assert value.dtype == torch.bfloat16 and torch.equal(value, shadow[name]), name
+        assert value.dtype == torch.bfloat16 and torch.equal(value, masters[name].bfloat16()), name
     torch.manual_seed(1)
     settings = worker_config(1, world_size=1, micro=MICRO * 2)
     engine = MegatrainEngine(

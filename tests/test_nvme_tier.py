@@ -47,12 +47,12 @@ def tier_state_of(engine: MegatrainEngine) -> list[dict[str, torch.Tensor]]:
 
 
 def assert_bit_identical(a: MegatrainEngine, b: MegatrainEngine) -> None:
-    """Same masters and moments; the models' state dicts agree too (a model whose masters
-    are on the tier shows the bf16 shadow: ``b``'s masters rounded the same way)."""
+    """Same masters and moments; the models' state dicts agree too, dtype and bits (both
+    give the masters, wherever they are: ``checkpoint/whole_masters.py``)."""
     ours, theirs = a.module.state_dict(), b.module.state_dict()
     assert ours.keys() == theirs.keys()
     for key in ours:
-        assert torch.equal(ours[key], theirs[key].to(ours[key].dtype)), key
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
     for index, (x, y) in enumerate(zip(tier_state_of(a), tier_state_of(b))):
         for kind in x:
             assert torch.equal(x[kind], y[kind]), (index, kind)

@@ -6,6 +6,7 @@
 - ``rng_state``: the RNG states of Python, NumPy, the CPU and CUDA, validated before restoring.
 - ``trainer_state``: counters, hyperparameters, scheduler, RNG, client_state; old pickles read safely.
 - ``save_load``: the engine's ``save_checkpoint``/``load_checkpoint`` (DeepSpeed's API).
+- ``whole_masters``: every parameter's master, wherever it is, for ``state_dict()`` (gathered where needed).
 - ``safetensors_source``: ``load_from``, parameters filled straight from HF shards.
 
 May import: every room below it: ``config``, ``runtime``, ``state``, ``gradients``,

@@ -245,13 +245,22 @@ def _shards(groups: list[list[_Entry]], max_bytes: int) -> list[list[int]]:
     return shards
 
 
-def _quiesce(engine: CheckpointedEngine) -> None:
+class Quiescent(Protocol):
+    """What :func:`quiesce` waits for (the engine; also ``whole_masters.py``'s ``MasterHolder``)."""
+
+    sink: GradientPort
+    runtime: DeviceRuntime
+    data_parallel: DataParallel | None
+
+
+def quiesce(engine: Quiescent, what: str = "the checkpoint barrier") -> None:
     """No update may be in flight while the host state is read or overwritten (by any
-    rank: with data parallel the state is node-shared)."""
+    rank: with data parallel the state is node-shared). Collective with data parallel: a
+    barrier of every rank (``what`` names it)."""
     engine.sink.drain()
     engine.runtime.synchronize()
     if engine.data_parallel is not None:
-        engine.data_parallel.world_barrier("the checkpoint barrier")
+        engine.data_parallel.world_barrier(what)
 
 
 # -- save ---------------------------------------------------------------------------------
@@ -275,7 +284,7 @@ def save_checkpoint(
     Every rank returns when the checkpoint is published (``save_dir`` must be one
     filesystem that every rank sees).
     """
-    _quiesce(engine)
+    quiesce(engine)
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     # Encoded first: a client_state value a checkpoint cannot hold fails before anything is written.
     state = trainer_states.capture(engine, client_state or {}, _inside_accumulation_window(engine))
@@ -544,7 +553,7 @@ def load_checkpoint(
         trainer_states.check_compatible(engine, trainer_state, path, with_optimizer, load_lr_scheduler_states)
     reads = _plan_reads(engine, path, manifest, trainer_state, with_optimizer, load_module_strict)
 
-    _quiesce(engine)
+    quiesce(engine)
     engine.streamer.begin([])  # no prefetched copy of the old weights may survive
     dp = engine.data_parallel
     by_rank = _windows_on_rank_tiers(engine)

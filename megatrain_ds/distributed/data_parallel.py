@@ -358,6 +358,17 @@ class DataParallel:
                     received.append((start, end))
         return received
 
+    def gather_spans_to_every_rank_(self, flat: torch.Tensor, what: str) -> None:
+        """Give every rank's ``flat`` (a whole state, this node's span already in place) every
+        other node's span of it: one broadcast from each span's node leader over the control
+        group. Unlike :meth:`gather_spans_` every rank joins and receives, not only the node
+        leaders: for what each process keeps for itself (a state dict of sharded masters).
+        Every rank must call it, with states in the same order."""
+        for leader, start, end in self.ownership.spans(flat.numel()):
+            if start < end:
+                send = functools.partial(dist.broadcast, flat[start:end], src=leader, group=self.control_group)
+                self._guard(what, send)
+
     def gather_windows_(self, whole: torch.Tensor, mine: torch.Tensor, what: str) -> None:
         """Fill ``whole`` (``world_size`` windows of ``mine``'s size, in position order: the
         :class:`Ownership` layout) with every rank's ``mine``: an all-gather over the gather

@@ -49,6 +49,7 @@ from deepspeed.utils.timer import (
 from pydantic import ValidationError
 from torch import nn
 
+from megatrain_ds.checkpoint.whole_masters import join_state_dict_collectives
 from megatrain_ds.config import ConfigError, Fp16Options, SchedulerSpec
 from megatrain_ds.engine import MegatrainEngine
 from megatrain_ds.optimizer.loss_scaling import deepspeed_rank_known, dynamic_loss_scale_args
@@ -252,7 +253,8 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         return 0
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """True: there is nothing to gather, so a full state dict is always available."""
+        """True: a full state dict is always available (where no process holds the masters
+        whole, :meth:`_zero3_consolidated_16bit_state_dict` gathers them)."""
         return True
 
     def module_state_dict(
@@ -262,10 +264,10 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         keep_vars: bool = False,
         exclude_frozen_parameters: bool = False,
     ) -> dict[str, Any]:
-        """The model's state dict: fp32 masters (see ``MegatrainEngine``), except the blocks'
-        weights while the NVMe tier holds their masters (bf16 compute): those show the bf16
-        copy that is trained on, as DeepSpeed's bf16 module does; ``save_checkpoint`` writes
-        the fp32 masters (``state/nvme_tier.py``)."""
+        """The model's state dict: every parameter's master, the weights the optimizer
+        updates, for every placement (``checkpoint/whole_masters.py``: [Note: one answer from
+        state_dict]). Collective where :attr:`state_dict_is_collective` (the weights on the
+        NVMe tier with data parallel, or the masters sharded across nodes): every rank calls it."""
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
             frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -273,9 +275,12 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         return state
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> OrderedDict[str, Any]:
-        """What Accelerate and the HF Trainer save when the config says ZeRO stage 3: the full
-        model, here at full precision (fp32 masters; the blocks' bf16 copy while the NVMe
-        tier holds their masters, as with DeepSpeed), copied so that it outlives training."""
+        """What Accelerate's ``get_state_dict`` and the HF Trainer's ``save_model`` take when the
+        config says ZeRO stage 3: the whole model at the masters' precision (fp32; DeepSpeed's
+        gives its 16-bit copies), the same values as ``state_dict()``, copied so that they
+        outlive training. Every rank gets the whole dict (DeepSpeed's ranks but the first get
+        ``None``). Collective where :attr:`state_dict_is_collective`: every rank must call it,
+        as with DeepSpeed (Accelerate and the Trainer do)."""
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         return OrderedDict((key, value.detach().clone()) for key, value in state.items())  # DeepSpeed's type
 
@@ -286,19 +291,32 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """DeepSpeed's ``save_16bit_model``: the whole model's state dict in one file,
-        ``torch.save`` d by the first rank to ``save_dir/save_filename``; here the state of
-        :meth:`_zero3_consolidated_16bit_state_dict` (fp32 masters: the engine holds no
-        16-bit copy to save). Always ``True``: nothing needs gathering, whatever
-        ``stage3_gather_16bit_weights_on_model_save`` says. Every rank calls it, as with
-        DeepSpeed; the others wait until the file is written."""
+        ``torch.save`` d by the first rank to ``save_dir/save_filename``. It holds the state of
+        :meth:`_zero3_consolidated_16bit_state_dict`: the masters (fp32), not a 16-bit copy,
+        whatever the compute dtype -- the same values as ``state_dict()``, ``save_pretrained``
+        and Accelerate's ``get_state_dict`` (docs/checkpoints.md). Always ``True``, whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says.
+
+        Every rank must call it, as with DeepSpeed: where :attr:`state_dict_is_collective` the
+        other ranks join each gather of the first rank's state dict (keeping nothing), and
+        every rank returns once the file is written, raising if the write failed."""
         path = Path(save_dir) / save_filename
-        if self.data_parallel is None or self.data_parallel.rank == 0:
+        dp = self.data_parallel
+        state = None
+        if dp is None or dp.rank == 0:
             state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        else:  # the same collectives, in the same order, as rank 0's state dict
+            join_state_dict_collectives(self)
+
+        def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             log_dist(f"Saving model weights to {path}", ranks=[0])
             torch.save(state, path)
-        if self.data_parallel is not None:
-            torch.distributed.barrier(group=self.data_parallel.control_group)
+
+        if dp is None:
+            write()
+        else:  # Sync: every rank returns once rank 0 has written the file (or raises with it)
+            dp.on_rank0(f"saving the model to {path}", write)
         return True
 
     @contextlib.contextmanager

@@ -4,8 +4,8 @@ The host is the home of every persistent tensor. Each block (and the set of resi
 non-block parameters) owns a :class:`HostFlatState`: page-aligned flat buffers laid out
 by :mod:`megatrain_ds.state.flat_layout`. The user's parameters are re-pointed at views of
 the whole weights the node holds (the master; the bf16 shadow where the master is sharded
-across nodes), so the model's ``state_dict()`` always shows the trained weights without a
-second copy.
+across nodes), so the model has the trained weights without a second copy; its
+``state_dict()`` reports the masters wherever they are (``checkpoint/whole_masters.py``).
 """
 
 from __future__ import annotations

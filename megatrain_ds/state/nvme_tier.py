@@ -17,11 +17,11 @@ The block's :class:`HostFlatState` holds meta-device placeholders for the kinds 
 (:func:`~megatrain_ds.state.host_store.absent_on_host`), so a read that skipped
 :meth:`NvmeTier.acquire` fails loudly instead of reading stale memory. With the master on
 disk the block's parameters view the bf16 shadow (:meth:`HostFlatState.point_params_at`),
-as a DeepSpeed bf16 model's parameters are bf16: ``model.state_dict()`` shows the
-weights rounded to bf16, and a checkpoint (``engine.save_checkpoint``) holds the fp32
-masters, streamed from the swap files. With no shadow either (weights on the tier) the
-parameters are meta tensors, as a ZeRO-3 model's are partitioned: ``model.state_dict()``
-reads the masters from the swap files (the engine's state-dict hook, through :meth:`NvmeTier.file_views`).
+as a DeepSpeed bf16 model's parameters are bf16; with no shadow either (weights on the
+tier) they are meta tensors, as a ZeRO-3 model's are partitioned. Either way
+``model.state_dict()`` gives the fp32 masters, read from the swap files through
+:meth:`NvmeTier.file_views` (``checkpoint/whole_masters.py``: [Note: one answer from
+state_dict]), and a checkpoint (``engine.save_checkpoint``) streams them from there.
 When the engine is destroyed the parameters get their fp32 masters back
 (:meth:`NvmeTier.close`), so a model trained on and then handed to another engine (the HF
 Trainer's second ``train()``) loses no precision.

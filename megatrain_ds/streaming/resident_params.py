@@ -128,11 +128,6 @@ class ResidentParams:
         if not self.aliases_host:
             self.device_flat.copy_(self.state.streamed, non_blocking=True)
 
-    def weights_by_param(self) -> dict[int, torch.Tensor]:
-        """``id(param) -> host weight view`` for ``state_dict``: the fp32 master, or the
-        shadow where the master is sharded across nodes (``HostFlatState.weights``)."""
-        return {id(p): self.state.weight_view(i) for i, p in enumerate(self.state.params)}
-
 
 def _make_gradient_hook(
     push: PushFn, offset: int, name: str, redirected: RowChunkedModule | None

@@ -1,0 +1,156 @@
+"""The trained weights whole, as the optimizer holds them, wherever they live: what ``state_dict()`` reports.
+
+The engine answers every way of taking the model's weights -- ``model.state_dict()``,
+``save_pretrained``, Accelerate's ``get_state_dict``, DeepSpeed's
+``_zero3_consolidated_16bit_state_dict`` and ``save_16bit_model`` -- with one value per
+parameter: its master, the weights the optimizer updates (fp32 unless
+``megatrain.master_dtype`` says otherwise), for every placement of the state. The
+engine's state-dict hook (``engine.py``) puts these in place of the parameters' values.
+
+[Note: one answer from state_dict]
+Where each state's master is, and what taking it costs:
+
+- Host memory, whole (no NVMe tier; the tier with fp32 compute, or with data parallel
+  on one node, which keeps only Adam's moments on it): the parameters are views of the
+  master. The state dict holds those views: no copy, no collective.
+- The NVMe tier, one process, with bf16/fp16 compute (``"optimizer"``, where the tier takes
+  the master too) or with the weights on it (``"all"``): the parameters view the
+  compute-dtype shadow, or are meta tensors. The masters are read from the swap files
+  (``NvmeTier.file_views``) and copied: no collective.
+- The weights on the NVMe tier with data parallel (gathered states): each rank holds its
+  window of the master on its own tier. Each block's master is gathered whole from every
+  rank's window (``GatheredWeights.whole``, an all-gather over the gather group).
+- Several nodes with bf16/fp16 compute (``HostFlatState.master_sharded``): each node
+  holds its span of the master, the parameters view the whole shadow. Every node's span is
+  broadcast by its leader to every rank (``DataParallel.gather_spans_to_every_rank_``,
+  over the control group).
+
+The last two are collectives: every rank must take the state dict, and takes the states
+in the same order (block order, then the resident state), so the n-th gather of every
+rank is the same state's. :func:`state_dict_is_collective` says whether a run is one of
+them; :func:`join_state_dict_collectives` runs a rank's part without keeping anything (a
+rank that writes nothing, in ``save_16bit_model``).
+Before anything is read from the tier or sent, the gradient worker is drained, the device
+synchronised and, with data parallel, every rank waits at a barrier (``save_load.quiesce``,
+as for a checkpoint): no update is in flight on any rank while the masters are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+from megatrain_ds.checkpoint.save_load import quiesce
+from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.gathered_weights import GatheredWeights
+from megatrain_ds.gradients.sink import GradientPort
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.stream_check import declare_access
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.nvme_tier import NvmeTier
+
+OnTier = Callable[[HostFlatState], "dict[str, torch.Tensor] | None"]
+
+
+class MasterHolder(Protocol):
+    """What taking the masters reads of the engine (``MegatrainEngine``; this module sits below it)."""
+
+    states: list[HostFlatState]
+    """One flat state per block, in block order, then the resident parameters' state."""
+    optimizer_states: list[HostFlatState]
+    """This rank's window of each state: what its NVMe tier holds with data parallel."""
+    nvme_tier: NvmeTier | None
+    gathered_weights: GatheredWeights | None
+    data_parallel: DataParallel | None
+    sink: GradientPort
+    runtime: DeviceRuntime
+
+
+def state_dict_is_collective(engine: MasterHolder) -> bool:
+    """Whether taking the masters runs collectives (see [Note: one answer from state_dict]):
+    then every rank must take them, in the same order."""
+    return engine.data_parallel is not None and any(state.master_sharded for state in engine.states)
+
+
+def masters_by_param(engine: MasterHolder) -> dict[int, torch.Tensor]:
+    """``id(param) -> its master`` for every parameter of the engine's states (views of the
+    live host masters where they are whole in host memory, else copies). Collective where
+    :func:`state_dict_is_collective`: every rank calls it."""
+    masters: dict[int, torch.Tensor] = {}
+    for state, whole in _whole_masters(engine):
+        for slot, param in zip(state.layout.slots, state.params):
+            masters[id(param)] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return masters
+
+
+def join_state_dict_collectives(engine: MasterHolder) -> None:
+    """This rank's part of the collectives of :func:`masters_by_param`, keeping nothing (one
+    state's master at a time): for a rank whose state dict nobody uses. A no-op where none
+    is collective."""
+    if not state_dict_is_collective(engine):
+        return
+    for _ in _whole_masters(engine):
+        pass
+
+
+def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.Tensor]]:
+    """``(state, its whole master)`` for every state in order: block order, then the
+    resident state (every rank the same)."""
+    if all(_master_is_live(engine, state) for state in engine.states):
+        for state in engine.states:  # nothing to read or send
+            yield state, state.master
+        return
+    # Sync: the gradient worker may still be stepping blocks (on the tier too); nothing is
+    # read or sent while an update is in flight on any rank. With data parallel only
+    # gathered or sharded masters lead here, so every rank comes to this barrier.
+    quiesce(engine, "the state_dict barrier")
+    with contextlib.ExitStack() as stack:
+        on_tier: OnTier | None = None
+        if engine.nvme_tier is not None:
+            on_tier = stack.enter_context(engine.nvme_tier.file_views())
+        for index, state in enumerate(engine.states):
+            yield state, _whole_master(engine, index, on_tier)
+
+
+def _master_is_live(engine: MasterHolder, state: HostFlatState) -> bool:
+    """Whether ``state.master`` is its whole master, current, in this process's host memory:
+    not sharded, not on the NVMe tier -- where a block bound to a window slot has a master
+    in host memory that the tier may take back, unless the tier has given the masters back
+    for good (``engine.destroy()``: the parameters then view them)."""
+    if state.master_sharded or state.master.is_meta:
+        return False
+    tier = engine.nvme_tier
+    if tier is None or "master" not in tier.kinds or all(held is not state for held in tier.states):
+        return True
+    storage = state.master.untyped_storage().data_ptr()
+    return all(not param.is_meta and param.untyped_storage().data_ptr() == storage for param in state.params)
+
+
+def _whole_master(engine: MasterHolder, index: int, on_tier: OnTier | None) -> torch.Tensor:
+    """State ``index``'s whole master, from wherever this process holds it (a new tensor
+    unless it is live here)."""
+    state = engine.states[index]
+    if _master_is_live(engine, state):
+        return state.master
+    if state.gathered:  # this rank's window on its tier: every rank's gathered
+        assert engine.gathered_weights is not None and on_tier is not None  # gathered states are on the tier
+        window = on_tier(engine.optimizer_states[index])  # None: this rank's window is empty
+        mine = window["master"] if window is not None else torch.zeros(0, dtype=torch.float32)
+        return engine.gathered_weights.whole(index, mine)
+    if state.master_sharded:  # this node's span: every node's broadcast to every rank
+        dp = engine.data_parallel
+        assert dp is not None  # only several nodes shard the master
+        first, last = state.master_held
+        whole = torch.empty(state.layout.numel, dtype=state.master.dtype)
+        whole[first:last].copy_(state.master)
+        # gloo writes the received spans unseen by aten; the race checker sees them here.
+        declare_access(reads=[state.master], writes=[whole], what="the master gather for state_dict")
+        dp.gather_spans_to_every_rank_(whole, f"the master gather of state {index} for state_dict")
+        return whole
+    # One process, the master on the NVMe tier (the parameters view the shadow, or are meta).
+    mapped = on_tier(state) if on_tier is not None else None
+    assert mapped is not None and "master" in mapped, f"state {index}: its master is nowhere"
+    return mapped["master"].clone()  # the mapping goes with file_views
