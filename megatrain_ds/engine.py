@@ -96,6 +96,9 @@ class MegatrainEngine(nn.Module):
         device: where blocks compute; CUDA when available, else the CPU.
     """
 
+    _destroyed: bool = False
+    """Set by the first :meth:`destroy` (a class default: readable before ``__init__`` sets anything)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -731,7 +734,13 @@ class MegatrainEngine(nn.Module):
 
         The model stays usable: its parameters keep viewing the (now unpinned) host masters
         (the NVMe tier hands back the masters it held: ``NvmeTier.close``).
+        Idempotent: DeepSpeed's ``__del__`` calls it again on the engine the adapter builds,
+        and a second call must neither remap removed swap files nor hand back the
+        process's mmap threshold twice.
         """
+        if self._destroyed:
+            return
+        self._destroyed = True
         self._tracing.close()  # a trace cut short is still written
         self.sink.close()
         self.blocks.uninstall()
