@@ -1,7 +1,11 @@
-"""Streams, events, threads and host/device allocations: the only module that talks to CUDA.
+"""Streams, events, threads and host/device allocations: the one owner of CUDA's streams and memory.
 
 Everything else asks a :class:`DeviceRuntime` for streams, events, buffers, host threads
-and the queues between them. On a machine without CUDA the runtime hands out no-op
+and the queues between them. Elsewhere the package calls CUDA only for questions that
+involve no stream or buffer: whether there is a device and which is current
+(``engine.py``), the device a rank takes (``distributed/data_parallel.py``), its name
+(``optimizer/placement.py``) and free memory (``planning/preflight.py``), and the RNG
+states (``streaming/streamed_blocks.py``, ``checkpoint/rng_state.py``). On a machine without CUDA the runtime hands out no-op
 streams and events and unpinned host memory, so the CPU runs exactly the scheduling code
 the GPU runs (see ``[Note: one code path]`` below).
 
