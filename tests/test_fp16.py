@@ -20,8 +20,8 @@ kernel (its own arithmetic, ulps from torch's) such flips are more frequent: <= 
 Losses. Up to the first applied step both sides run the same fp16 forward on the same
 weights: bit-equal on any machine. Without clipping the weights stay bit-identical, and so
 do all losses. After an applied step with clipping the weights may differ as above, and
-whether they do depends on the CPU (torch's fp32 norms are summed in another order with
-AVX-512 than with AVX2: an AMD EPYC gave a loss 6.3e-7 relative off at step 7, an Intel
+whether they do depends on the CPU (the last bits of a reduction depend on the kernels and
+vector widths the CPU gets: an AMD EPYC gave a loss 6.3e-7 relative off at step 7, an Intel
 Xeon none): a relative weight error <= 1e-5 turns a few of the forward's fp16 roundings
 (2^-11 relative each) the other way, each moving one term of the loss's mean by a fraction
 of 2^-11; rel_tol 1e-4 bounds that with margin. The skip decisions and scales stay equal:
