@@ -22,7 +22,6 @@ import torch
 from launching import REPO_ROOT, Run, load_weights, run_side_by_side
 from tiny_clm import tiny_llama_config
 
-pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("trainer_clients.py")
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
 DEEPSPEED_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"

@@ -58,7 +58,6 @@ from trainer_clients import LR
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # the reference lives with the unit tests
 from side_by_side import Fp16Reference
 
-pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"

@@ -33,7 +33,6 @@ from launching import REPO_ROOT, Run, eval_loss_of_saved_model, load_weights, ru
 from tiny_clm import byte_blocks, corpus
 from trainer_clients import sft_examples
 
-pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"

@@ -104,6 +104,11 @@ _REMOVED_FROM_DEEPSPEED = (
 _OPTIMIZER_TYPES = ("adamw", "adam")
 
 
+def _is_integer_at_least(value: object, minimum: float) -> bool:
+    """``value`` is a JSON integer (not a bool, which Python counts as one) >= ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _block_value(value: Any, key: str, default: Any) -> Any:
     return value.get(key, default) if isinstance(value, Mapping) else default
 
@@ -305,7 +310,7 @@ class AioSettings:
             raise ConfigError(f'{name}.engine must be one of "auto", "aio", "threads"; got {settings.engine!r}')
         for key in ("block_size", "queue_depth", "thread_count"):
             value = getattr(settings, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_integer_at_least(value, 1):
                 raise ConfigError(f"{name}.{key} must be an integer >= 1, got {value!r}")
         if settings.block_size % 4096:
             raise ConfigError(
@@ -442,75 +447,9 @@ class MegatrainOptions:
     """How swap files are read and written (:class:`AioSettings`; DeepSpeed's ``"aio"``)."""
 
     def __post_init__(self) -> None:
-        if self.block_path is not None and not isinstance(self.block_path, str):
-            raise ConfigError(f"megatrain.block_path must be a string, got {self.block_path!r}")
-        if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
-            raise ConfigError(f"megatrain.load_from must be a directory path, got {self.load_from!r}")
-        if self.trace is not None and not (isinstance(self.trace, (str, os.PathLike)) and str(self.trace)):
-            raise ConfigError(f"megatrain.trace must be a file path (a .json), got {self.trace!r}")
-        if not isinstance(self.trace_steps, int) or isinstance(self.trace_steps, bool) or self.trace_steps < 1:
-            raise ConfigError(f"megatrain.trace_steps must be an integer >= 1, got {self.trace_steps!r}")
-        for name, choices in (
-            ("optimizer_device", ("auto", "cpu", "gpu")),
-            ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
-            ("non_finite_steps", ("auto", "skip", "raise")),
-        ):
-            if getattr(self, name) not in choices:
-                raise ConfigError(
-                    f"megatrain.{name} must be one of {', '.join(map(repr, choices))}; got {getattr(self, name)!r}"
-                )
-        if self.speculative_blocks != "auto" and (
-            not isinstance(self.speculative_blocks, int)
-            or isinstance(self.speculative_blocks, bool)
-            or self.speculative_blocks < 0
-        ):
-            raise ConfigError(
-                f'megatrain.speculative_blocks must be "auto" or an integer >= 0, got {self.speculative_blocks!r}'
-            )
-        if self.recompute not in RECOMPUTE_CHOICES and (
-            not isinstance(self.recompute, int) or isinstance(self.recompute, bool) or self.recompute < 0
-        ):
-            raise ConfigError(
-                'megatrain.recompute must be "full" (recompute every block), "none" (stash '
-                'every block\'s activations in host memory), "auto" (the planner chooses) or an '
-                f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}"
-            )
-        if self.fragment_bytes not in ("auto", None, 0) and (
-            not isinstance(self.fragment_bytes, int)
-            or isinstance(self.fragment_bytes, bool)
-            or self.fragment_bytes < 4096
-        ):
-            raise ConfigError(
-                'megatrain.fragment_bytes must be "auto" (the planner decides), a number of bytes '
-                ">= 4096 (a piece of a block's weights per copy), or null or 0 for whole blocks; "
-                f"got {self.fragment_bytes!r}"
-            )
-        for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
-            value = getattr(self, name)
-            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ConfigError(f'megatrain.{name} must be "auto", 0 (off) or a number of tokens >= 1, got {value!r}')
-        for name, minimum in (
-            ("checkpoint_interval", 1),
-            ("num_buffers", 2),
-            ("num_staging_buffers", 1),
-            ("max_consecutive_skips", 0),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ConfigError(f"megatrain.{name} must be an integer >= {minimum}, got {value!r}")
-        if (
-            not isinstance(self.collective_timeout_s, (int, float))
-            or isinstance(self.collective_timeout_s, bool)
-            or not self.collective_timeout_s > 0
-        ):
-            raise ConfigError(
-                f"megatrain.collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}"
-            )
-        if self.master_dtype not in ("fp32", "bf16"):
-            raise ConfigError(f'megatrain.master_dtype must be one of "fp32", "bf16"; got {self.master_dtype!r}')
-        for name in ("pin_memory", "offload_checkpoints", "preflight"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
+        self._check_paths()
+        self._check_choices()
+        self._check_counts()
         self.nvme_aio = AioSettings.from_dict(self.nvme_aio, "megatrain.nvme_aio")
         if self.nvme_offload not in NVME_OFFLOAD_LEVELS + ("auto",):
             raise ConfigError(
@@ -521,12 +460,72 @@ class MegatrainOptions:
                 f"megatrain.nvme_offload is {self.nvme_offload!r} but megatrain.nvme_path is "
                 f"{self.nvme_path!r}: give a directory on a local disk for the swap files"
             )
-        if (
-            not isinstance(self.nvme_window_blocks, int)
-            or isinstance(self.nvme_window_blocks, bool)
-            or self.nvme_window_blocks < 2
+
+    def _check_paths(self) -> None:
+        if self.block_path is not None and not isinstance(self.block_path, str):
+            raise ConfigError(f"megatrain.block_path must be a string, got {self.block_path!r}")
+        if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
+            raise ConfigError(f"megatrain.load_from must be a directory path, got {self.load_from!r}")
+        if self.trace is not None and not (isinstance(self.trace, (str, os.PathLike)) and str(self.trace)):
+            raise ConfigError(f"megatrain.trace must be a file path (a .json), got {self.trace!r}")
+
+    def _check_choices(self) -> None:
+        """The keys that take one of a few words (or, for some, a number as well)."""
+        for name, choices in (
+            ("optimizer_device", ("auto", "cpu", "gpu")),
+            ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
+            ("non_finite_steps", ("auto", "skip", "raise")),
         ):
-            raise ConfigError(f"megatrain.nvme_window_blocks must be an integer >= 2, got {self.nvme_window_blocks!r}")
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"megatrain.{name} must be one of {', '.join(map(repr, choices))}; got {getattr(self, name)!r}"
+                )
+        if self.master_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f'megatrain.master_dtype must be one of "fp32", "bf16"; got {self.master_dtype!r}')
+        for name in ("pin_memory", "offload_checkpoints", "preflight"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.speculative_blocks != "auto" and not _is_integer_at_least(self.speculative_blocks, 0):
+            raise ConfigError(
+                f'megatrain.speculative_blocks must be "auto" or an integer >= 0, got {self.speculative_blocks!r}'
+            )
+        if self.recompute not in RECOMPUTE_CHOICES and not _is_integer_at_least(self.recompute, 0):
+            raise ConfigError(
+                'megatrain.recompute must be "full" (recompute every block), "none" (stash '
+                'every block\'s activations in host memory), "auto" (the planner chooses) or an '
+                f"integer >= 0 (blocks recomputed, the rest stashed); got {self.recompute!r}"
+            )
+        if self.fragment_bytes not in ("auto", None, 0) and not _is_integer_at_least(self.fragment_bytes, 4096):
+            raise ConfigError(
+                'megatrain.fragment_bytes must be "auto" (the planner decides), a number of bytes '
+                ">= 4096 (a piece of a block's weights per copy), or null or 0 for whole blocks; "
+                f"got {self.fragment_bytes!r}"
+            )
+        for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
+            value = getattr(self, name)
+            if value != "auto" and not _is_integer_at_least(value, 0):
+                raise ConfigError(f'megatrain.{name} must be "auto", 0 (off) or a number of tokens >= 1, got {value!r}')
+
+    def _check_counts(self) -> None:
+        for name, minimum in (
+            ("trace_steps", 1),
+            ("checkpoint_interval", 1),
+            ("num_buffers", 2),
+            ("num_staging_buffers", 1),
+            ("max_consecutive_skips", 0),
+            ("nvme_window_blocks", 2),
+        ):
+            value = getattr(self, name)
+            if not _is_integer_at_least(value, minimum):
+                raise ConfigError(f"megatrain.{name} must be an integer >= {minimum}, got {value!r}")
+        if (
+            not isinstance(self.collective_timeout_s, (int, float))
+            or isinstance(self.collective_timeout_s, bool)
+            or not self.collective_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"megatrain.collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}"
+            )
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any]) -> MegatrainOptions:
@@ -686,7 +685,7 @@ class Fp16Options:
             ("min_loss_scale", minimum),
         ):
             value = getattr(options, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            if not _is_integer_at_least(value, least):
                 bound = "" if least == -math.inf else f" >= {least}"
                 raise ConfigError(f"fp16.{key} must be an integer{bound}, got {value!r}")
         return dataclasses.replace(options, loss_scale=float(scale))
@@ -799,7 +798,7 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
     value = config.get(key)
     if value is None or value == AUTO:  # "auto": derived from the other two, as Accelerate does
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _is_integer_at_least(value, 1):
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     return value
 

@@ -14,9 +14,11 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,6 +86,17 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _destroy_at_exit(engine: weakref.ref[MegatrainEngine]) -> Callable[[], None]:
+    """An exit handler that destroys ``engine`` if it is still alive (see ``__init__``)."""
+
+    def destroy() -> None:
+        alive = engine()
+        if alive is not None:
+            alive.destroy()
+
+    return destroy
+
+
 class MegatrainEngine(nn.Module):
     """Trains ``model`` with every persistent tensor in host memory.
 
@@ -96,6 +109,11 @@ class MegatrainEngine(nn.Module):
         lr_scheduler: stepped after every optimizer step, as DeepSpeed does.
         device: where blocks compute; CUDA when available, else the CPU.
     """
+
+    _destroyed: bool = False
+    """Set by the first :meth:`destroy` (a class default: readable before ``__init__`` sets anything)."""
+    _exit_handler: Callable[[], None] | None = None
+    """Registered with ``atexit`` at the end of ``__init__``: :meth:`destroy` if the script did not."""
 
     def __init__(
         self,
@@ -142,6 +160,7 @@ class MegatrainEngine(nn.Module):
         except BaseException:
             if self.nvme_tier is not None:
                 self.nvme_tier.close()  # its swap files are this engine's working state
+            self.runtime.release_host_memory()  # pinned buffers, the process's mmap threshold
             raise
         self._tracing = _trace_schedule(self.runtime, config, model, self.data_parallel)
         self.num_params = sum(slot.numel for state in self.states for slot in state.layout.slots)
@@ -150,6 +169,15 @@ class MegatrainEngine(nn.Module):
         """The host traffic of the last optimizer step (``runtime/host_ledger.py``); kept only
         with the race checker on (``MEGATRAIN_STREAM_CHECK=1``), which sees the accesses."""
         self._batch_checked = False  # the transfer-hiding warning, at the first training forward
+        # A script may return without destroy(). The engine's host threads are daemons, and
+        # at interpreter exit Python ends a daemon thread that wants the GIL back from inside
+        # C++ code: an NVMe tier's I/O thread still writing the last step behind, in DeepSpeed's
+        # async I/O op (which releases the GIL), was unwound through a noexcept destructor and
+        # the process aborted (SIGABRT, "terminate called without an active exception").
+        # destroy() at exit lets the writes finish and joins the threads first. atexit runs
+        # before the interpreter's finalization; the weak reference keeps the engine collectable.
+        self._exit_handler = _destroy_at_exit(weakref.ref(self))
+        atexit.register(self._exit_handler)
 
     # -- construction --------------------------------------------------------------------
 
@@ -199,7 +227,11 @@ class MegatrainEngine(nn.Module):
         )
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(
-                *(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS),
+                model,
+                self.config,
+                self.optimizer,
+                device,
+                STAGING_CHUNK_ELEMENTS,
                 nvme=nvme,
                 span_of=span_of,
                 tier_ranks=tier_ranks,
@@ -269,7 +301,11 @@ class MegatrainEngine(nn.Module):
         named = list(block.named_parameters())
         if nvme == "all" and dp is not None:
             return migrate_to_host(
-                *(named, group_of, self.runtime, master, compute),
+                named,
+                group_of,
+                self.runtime,
+                master,
+                compute,
                 source=source,
                 moments_on_host=False,
                 shadow_on_host=False,
@@ -277,7 +313,11 @@ class MegatrainEngine(nn.Module):
                 share=dp.broadcast_from_rank0_,
             )
         return migrate_to_host(
-            *(named, group_of, self.runtime, master, compute),
+            named,
+            group_of,
+            self.runtime,
+            master,
+            compute,
             source=source,
             shared=shared,
             moments_on_host=nvme == "none",
@@ -742,7 +782,15 @@ class MegatrainEngine(nn.Module):
 
         The model stays usable: its parameters keep viewing the (now unpinned) host masters
         (the NVMe tier hands back the masters it held: ``NvmeTier.close``).
+        Idempotent: DeepSpeed's ``__del__`` calls it again on the engine the adapter builds,
+        and a second call must neither remap removed swap files nor hand back the
+        process's mmap threshold twice.
         """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._exit_handler is not None:
+            atexit.unregister(self._exit_handler)
         self._tracing.close()  # a trace cut short is still written
         self.sink.close()
         self.blocks.uninstall()

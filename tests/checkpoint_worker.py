@@ -19,6 +19,8 @@ from side_by_side import ds_config
 from megatrain_ds import MegatrainEngine, parse_engine_config
 
 ACCUMULATION = 2
+CLIENT_STATE = {"epoch": 2, "ids": [1, 2], "pair": (3, 0.5), "by_id": {7: "x", "$odd": None}, "t": torch.arange(3)}
+"""Saved with the engine by the ``saved`` fixture (``conftest.py``): values JSON cannot hold as they are."""
 
 
 def build(seed: int, device: torch.device | None = None) -> MegatrainEngine:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 import torch
 
 import megatrain_ds.engine
+from megatrain_ds.checkpoint import save_load
 
 CHECKED_SUITES: dict[str, tuple[str, ...] | None] = {
     "test_parity.py": None,
@@ -83,3 +87,32 @@ def stream_check(monkeypatch):
     """CPU runtimes created in the test check stream ordering (``MEGATRAIN_STREAM_CHECK=1``):
     virtual streams and events, and ``StreamRaceError`` on an access no synchronisation orders."""
     monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
+
+
+@dataclass
+class SavedCheckpoint:
+    """What the :func:`saved` fixture gives: a checkpoint directory and the engine saved into it."""
+
+    root: Path
+    engine: megatrain_ds.MegatrainEngine
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory):
+    """``checkpoint_worker``'s engine after one step, saved as tag "good" under ``root`` (its
+    model in 3 shards, with ``checkpoint_worker.CLIENT_STATE``); the engine lives until the
+    module's tests are done. Tests copy the directory before damaging it."""
+    import checkpoint_worker  # a test helper beside this file: only the modules that use it pay for it
+
+    root = tmp_path_factory.mktemp("saved")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as cpu_single_thread, which runs after module-scoped fixtures
+    engine = checkpoint_worker.build(seed=0)
+    checkpoint_worker.train(engine, 1)
+    torch.set_num_threads(threads)
+    save_load.save_checkpoint(
+        engine, str(root), tag="good", client_state=checkpoint_worker.CLIENT_STATE, max_shard_bytes=120_000
+    )
+    assert len(list((root / "good").glob("model-*.safetensors"))) == 3
+    yield SavedCheckpoint(root, engine)
+    engine.destroy()

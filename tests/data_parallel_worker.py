@@ -145,7 +145,11 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     tier, dp = engine.nvme_tier, engine.data_parallel
     assert tier is not None
     planned = preflight(
-        *(engine.module, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS),
+        engine.module,
+        engine.config,
+        engine.optimizer,
+        engine.runtime.device,
+        STAGING_CHUNK_ELEMENTS,
         available=AvailableMemory(host=1 << 50),
         nvme=engine.config.options.nvme_offload,
         span_of=dp.span if dp is not None and dp.num_nodes > 1 else None,

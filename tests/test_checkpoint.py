@@ -383,26 +383,11 @@ def test_save_and_load_on_cuda(tmp_path):
 # -- integrity --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One saved checkpoint of the worker's model; tests copy it before damaging it."""
-    root = tmp_path_factory.mktemp("saved")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as on_the_cpu, which runs after module-scoped fixtures
-    engine = checkpoint_worker.build(seed=0)
-    checkpoint_worker.train(engine, 1)
-    torch.set_num_threads(threads)
-    checkpointing.save_checkpoint(engine, root, tag="good", max_shard_bytes=120_000)
-    engine.destroy()
-    assert len(list((root / "good").glob("model-*.safetensors"))) == 3
-    return root
-
-
 @pytest.fixture
 def damaged(saved, tmp_path):
     import shutil
 
-    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(saved.root, tmp_path, dirs_exist_ok=True)
     return tmp_path
 
 
@@ -473,7 +458,7 @@ def test_checkpoint_of_another_model_names_the_tensor(saved, make_model, message
     engine = MegatrainEngine(make_model(), parse_engine_config(ds_config()))
     try:
         with pytest.raises(checkpointing.CheckpointError, match=message):
-            engine.load_checkpoint(saved)
+            engine.load_checkpoint(saved.root)
     finally:
         engine.destroy()
 
@@ -497,6 +482,6 @@ def test_different_shape_names_the_tensor_and_both_shapes(saved):
             match=r"tensor 'transformer.h.0.mlp.c_fc.weight': the checkpoint \(model-\d+-of-\d+"
             r".safetensors\) has shape \[32, 128\], this model has \[32, 64\]",
         ):
-            engine.load_checkpoint(saved)
+            engine.load_checkpoint(saved.root)
     finally:
         engine.destroy()

@@ -227,12 +227,10 @@ def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     launches = [
         subprocess.Popen(
-            [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node)),
-                *("--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
-                *("--rdzv-conf", f"is_host={int(node == 0)}"),  # node 0 hosts the rendezvous store
-                *(str(WORKER), "--out", str(out), *args),
-            ],
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node)]
+            + ["--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+            + ["--rdzv-conf", f"is_host={int(node == 0)}"]  # node 0 hosts the rendezvous store
+            + [str(WORKER), "--out", str(out), *args],
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -467,8 +465,18 @@ def test_two_nodes_with_bf16_compute_shard_the_master_and_gather_the_shadow(tmp_
     launch_nodes(
         2,
         tmp_path,
-        *("parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bf16"),
-        *("--save-to", str(by_nodes), "--save-at", str(steps), "--load-after", str(by_one)),
+        "parity",
+        "--steps",
+        str(steps),
+        "--accumulation",
+        str(accumulation),
+        "--bf16",
+        "--save-to",
+        str(by_nodes),
+        "--save-at",
+        str(steps),
+        "--load-after",
+        str(by_one),
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(rank["shadows_match"] for rank in ranks)

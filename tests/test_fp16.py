@@ -16,6 +16,16 @@ round the other way (a 2^-11 ~ 4.9e-4 relative change of that one weight, which 
 steps carry): relative weight error <= 1e-5 (measured 6e-7). With DeepSpeed's CPU Adam
 kernel (its own arithmetic, ulps from torch's) such flips are more frequent: <= 1e-3
 (measured 1.2e-4 after 8 steps), still below one fp16 rounding of every weight.
+
+Losses. Up to the first applied step both sides run the same fp16 forward on the same
+weights: bit-equal on any machine. Without clipping the weights stay bit-identical, and so
+do all losses. After an applied step with clipping the weights may differ as above, and
+whether they do depends on the CPU (the last bits of a reduction depend on the kernels and
+vector widths the CPU gets: an AMD EPYC gave a loss 6.3e-7 relative off at step 7, an Intel
+Xeon none): a relative weight error <= 1e-5 turns a few of the forward's fp16 roundings
+(2^-11 relative each) the other way, each moving one term of the loss's mean by a fraction
+of 2^-11; rel_tol 1e-4 bounds that with margin. The skip decisions and scales stay equal:
+a flip needs a scaled gradient within that 1e-5 of fp16's overflow threshold.
 """
 
 from __future__ import annotations
@@ -50,6 +60,20 @@ def _relative_error(engine, reference) -> float:
     return float((diff / sum((theirs[k].double() ** 2).sum() for k in theirs)).sqrt())
 
 
+LOSS_RTOL = 1e-4
+"""Losses after a clipped step (see the module's docstring)."""
+
+
+def _micro_steps_on_the_same_weights(skipped: list[bool], accumulation: int, clipping: float) -> int:
+    """How many micro-batch losses both sides compute from bit-identical weights: all of them
+    without clipping, else those up to the first applied step (its own micro-batches included:
+    they run before it)."""
+    applied = [step for step, was_skipped in enumerate(skipped) if not was_skipped]
+    if clipping == 0 or not applied:
+        return len(skipped) * accumulation
+    return (applied[0] + 1) * accumulation
+
+
 CASES = {
     # 2^32: the first steps overflow and the scale comes down (hysteresis 1: halved at once).
     "scale_too_high": ({"initial_scale_power": 32, "hysteresis": 1}, 1.0, 1, 18),
@@ -79,7 +103,10 @@ def test_fp16_matches_pytorch_with_deepspeeds_scaler(case):
         assert engine.skipped_steps == sum(trace.reference_skipped)
         if fp16.get("loss_scale", 0) == 0:  # the case exercises what it names: skips, then steps
             assert any(trace.reference_skipped) and not all(trace.reference_skipped), trace.reference_skipped
-        assert trace.engine_losses == trace.reference_losses  # same fp16 forward, same weights before
+        same_weights = _micro_steps_on_the_same_weights(trace.reference_skipped, accumulation, clipping)
+        assert trace.engine_losses[:same_weights] == trace.reference_losses[:same_weights]
+        for ours, theirs in zip(trace.engine_losses[same_weights:], trace.reference_losses[same_weights:]):
+            assert math.isclose(ours, theirs, rel_tol=LOSS_RTOL), (trace.engine_losses, trace.reference_losses)
         error = _relative_error(engine, reference)
         if clipping == 0:
             assert error == 0.0

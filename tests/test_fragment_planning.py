@@ -20,7 +20,7 @@ from test_fragments import _copying
 from test_parity import assert_parity
 from test_planner import CPU
 
-from megatrain_ds import cli
+from megatrain_ds import cli, parse_engine_config
 from megatrain_ds.cli import shape_of
 from megatrain_ds.config import ConfigError, MegatrainOptions
 from megatrain_ds.planning import recompute_policy
@@ -129,7 +129,11 @@ def test_fragment_bytes_accepts_auto_off_and_sizes(value):
 
 
 def test_fragment_bytes_defaults_to_auto():
-    assert MegatrainOptions().fragment_bytes == "auto"
+    """A JSON without the key is read as one with ``"auto"`` (and not as whole blocks): the
+    engine tests below run on the default, and see the planner's choice made for it."""
+    without = parse_engine_config(ds_config()).options
+    assert without == parse_engine_config(ds_config(megatrain={"fragment_bytes": "auto"})).options
+    assert without != parse_engine_config(ds_config(megatrain={"fragment_bytes": 0})).options
 
 
 @pytest.mark.parametrize("value", ["big", 100, -4096, True, 4096.0])

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_ds.runtime.host_heap import MMAP_THRESHOLD_BYTES, keep_large_transients_mapped, return_free_memory
+from megatrain_ds.runtime.host_heap import (
+    MMAP_THRESHOLD_BYTES,
+    keep_large_transients_mapped,
+    release_large_transients_mapping,
+    return_free_memory,
+)
 
 MIB = 1 << 20
 
@@ -126,3 +131,27 @@ def test_mkl_gemm_buffers_go_back_to_the_system():
     # buffers to free while the other cores are busy).
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     _in_fresh_process("_mkl_gemm_buffers_go_back_to_the_system", env)
+
+
+def test_the_last_holder_restores_the_threshold():
+    """Two engines in one process: the threshold stays fixed until both have handed it back,
+    then glibc maps a request of its initial threshold and up again. In a fresh process, with
+    no ``MALLOC_MMAP_THRESHOLD_`` (its value would be the one restored)."""
+    _glibc()
+    env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    _in_fresh_process("_the_last_holder_restores_the_threshold", env)
+
+
+def _the_last_holder_restores_the_threshold() -> None:
+    libc = _glibc()
+    size = MMAP_THRESHOLD_BYTES * 3 // 4  # under the fixed threshold, far over glibc's 128 KiB
+    assert keep_large_transients_mapped() and keep_large_transients_mapped()
+    release_large_transients_mapping()  # one holder left: still fixed
+    before = _mapped_bytes(libc)
+    from_the_heap = torch.ones(size, dtype=torch.uint8)  # kept: its heap chunk stays taken
+    assert _mapped_bytes(libc) - before < size
+    release_large_transients_mapping()  # the last: glibc's threshold again
+    before = _mapped_bytes(libc)
+    mapped = torch.ones(size, dtype=torch.uint8)
+    assert _mapped_bytes(libc) - before >= size
+    del from_the_heap, mapped

@@ -189,7 +189,11 @@ def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_para
 
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
     state = migrate_to_host(
-        *(named, dict.fromkeys(params, 0), runtime, torch.float32, compute),
+        named,
+        dict.fromkeys(params, 0),
+        runtime,
+        torch.float32,
+        compute,
         moments_on_host=False,
         shadow_on_host=False,
         span_of=window_of,

@@ -21,6 +21,7 @@ from side_by_side import ds_config, train_side_by_side
 from test_parity import assert_parity
 
 from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
+from megatrain_ds.runtime.host_heap import holds_of_large_transients_mapping
 from megatrain_ds.state.nvme_tier import NvmeTier
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
@@ -123,6 +124,29 @@ def test_swap_directory_is_removed_by_destroy(tmp_path):
     assert directory.parent == tmp_path and len(list(directory.glob("block*.swap"))) == 4
     engine.destroy()
     assert not directory.exists()
+
+
+def test_destroy_twice_is_destroy_once(tmp_path):
+    """DeepSpeed's ``__del__`` calls ``destroy`` again after the user's call. With the
+    masters on the tier the first call maps each block's swap file into its parameters and
+    removes the files; a second must neither map the removed files again (it raised, or
+    gave the model other bytes) nor hand the process's mmap threshold back twice."""
+    config = ds_config(megatrain=nvme_options(tmp_path, nvme_offload="all"))
+    holds = holds_of_large_transients_mapping()
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
+    assert "master" in engine.nvme_tier.kinds
+    assert holds_of_large_transients_mapping() == holds + engine.runtime.holds_mmap_threshold
+    loss = engine(**tiny_models.make_batch(0)).loss
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    weights = {name: tensor.clone() for name, tensor in engine.module.state_dict().items()}
+    assert engine.nvme_tier.closed and holds_of_large_transients_mapping() == holds
+    engine.destroy()
+    engine.nvme_tier.close()
+    assert holds_of_large_transients_mapping() == holds
+    for name, tensor in engine.module.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
 
 
 def test_a_missed_fetch_fails_loudly(tmp_path):

@@ -158,9 +158,25 @@ def test_pinned_bytes_above_ulimit_l_warn(caplog):
 
 
 def test_preflight_can_be_switched_off(monkeypatch):
+    """1 MiB of host memory: the check refuses the run; switched off, it is never asked (its
+    estimate would refuse), and the engine is built and trains a step."""
+    import tiny_models
+
     _available(monkeypatch, 1 << 20)
-    engine = MegatrainEngine(_model(), parse_engine_config(ds_config(megatrain={"preflight": False})))
-    engine.destroy()
+    with pytest.raises(preflight.InsufficientMemoryError):
+        MegatrainEngine(_model(), parse_engine_config(ds_config()))
+    asked = []
+    monkeypatch.setattr(preflight, "available_memory", lambda device: asked.append(device))
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"preflight": False})))
+    try:
+        assert asked == []
+        loss = engine(**tiny_models.make_batch(0)).loss
+        engine.backward(loss)
+        engine.step()
+        assert engine.global_steps == 1 and engine.was_step_applied()
+    finally:
+        engine.destroy()
 
 
 def test_meta_model_needs_its_whole_state():

@@ -34,7 +34,6 @@ def _open_files() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-@pytest.mark.slow
 def test_soak_keeps_memory_threads_and_files_flat(tmp_path):
     threads_before, files_before = threading.active_count(), _open_files()
     torch.manual_seed(0)

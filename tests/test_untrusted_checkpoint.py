@@ -33,7 +33,7 @@ WORKER_ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])),
 }
-CLIENT_STATE = {"epoch": 2, "ids": [1, 2], "pair": (3, 0.5), "by_id": {7: "x", "$odd": None}, "t": torch.arange(3)}
+CLIENT_STATE = checkpoint_worker.CLIENT_STATE  # what the saved fixture (conftest.py) saved
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
@@ -77,23 +77,9 @@ def record(path: Path) -> dict:
     return entry
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A checkpoint of the worker's engine after one step, and what each load must restore."""
-    root = tmp_path_factory.mktemp("saved")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as cpu_single_thread, which runs after module-scoped fixtures
-    engine = checkpoint_worker.build(seed=0)
-    checkpoint_worker.train(engine, 1)
-    torch.set_num_threads(threads)
-    engine.save_checkpoint(root, tag="good", client_state=CLIENT_STATE)
-    yield root, engine
-    engine.destroy()
-
-
 @pytest.fixture
 def copy(saved, tmp_path):
-    shutil.copytree(saved[0], tmp_path / "ckpt")
+    shutil.copytree(saved.root, tmp_path / "ckpt")
     return tmp_path / "ckpt"
 
 
@@ -136,7 +122,7 @@ def test_a_pickle_beside_a_current_checkpoint_is_never_opened(copy, fresh, saved
     restamp(copy / "good")  # listed in the manifest, with its right checksum
     fresh.load_checkpoint(copy)
     assert not marker.exists()
-    checkpoint_worker_state = checkpoint_worker.host_state(saved[1])
+    checkpoint_worker_state = checkpoint_worker.host_state(saved.engine)
     for key, value in checkpoint_worker.host_state(fresh).items():
         assert torch.equal(value, checkpoint_worker_state[key]), key
 
@@ -206,7 +192,7 @@ def test_a_version_1_checkpoint_loads_exactly(tmp_path):
 def test_a_version_1_checkpoint_with_other_objects_is_refused(copy, fresh, saved):
     import datetime
 
-    state = _old_trainer_state(saved[1], {"when": datetime.date(2026, 1, 1)})
+    state = _old_trainer_state(saved.engine, {"when": datetime.date(2026, 1, 1)})
     _make_legacy(copy / "good", state)
     with pytest.raises(CheckpointError, match="holds objects a safe load refuses.*datetime"):
         fresh.load_checkpoint(copy)
@@ -219,7 +205,7 @@ def test_client_state_round_trips_and_unstorable_values_fail_the_save(copy, fres
         assert type(client_state[key]) is type(value), key
         assert torch.equal(client_state[key], value) if key == "t" else client_state[key] == value, key
     with pytest.raises(ValueError, match=r"client_state\['sampler'\]\['order'\]: cannot save a builtins.set"):
-        saved[1].save_checkpoint(tmp_path / "new", tag="bad", client_state={"sampler": {"order": {1, 2}}})
+        saved.engine.save_checkpoint(tmp_path / "new", tag="bad", client_state={"sampler": {"order": {1, 2}}})
     assert not (tmp_path / "new").exists() or not any((tmp_path / "new").iterdir())
 
 
@@ -232,7 +218,7 @@ def test_client_state_round_trips_and_unstorable_values_fail_the_save(copy, fres
 )
 def test_manifest_names_outside_the_tag_directory_are_refused(copy, fresh, name):
     tag_dir = copy / "good"
-    shutil.copy(tag_dir / "model-00001-of-00001.safetensors", copy / "outside.safetensors")
+    shutil.copy(next(tag_dir.glob("model-*.safetensors")), copy / "outside.safetensors")
     document = json.loads((tag_dir / MANIFEST_FILE).read_text())
     document["body"]["files"][name] = record(copy / "outside.safetensors")
     document["crc32"] = zlib.crc32(json.dumps(document["body"], sort_keys=True).encode())
@@ -243,7 +229,7 @@ def test_manifest_names_outside_the_tag_directory_are_refused(copy, fresh, name)
 
 @pytest.mark.parametrize("tag", ["../elsewhere", "/abs/elsewhere", "..", ".hidden", "good/.."])
 def test_latest_naming_a_directory_outside_is_refused(copy, fresh, saved, tag):
-    shutil.copytree(saved[0] / "good", copy.parent / "elsewhere")  # a complete checkpoint it would reach
+    shutil.copytree(saved.root / "good", copy.parent / "elsewhere")  # a complete checkpoint it would reach
     (copy / LATEST_FILE).write_text(tag)
     with pytest.raises(CheckpointError, match=f"{LATEST_FILE} names .*, not a tag directory inside"):
         fresh.load_checkpoint(copy)

@@ -1,6 +1,6 @@
 """The device and the host as the engine sees them: streams, events, host allocations, tracing.
 
-- ``device_runtime``: the only module that talks to CUDA; hands out streams, events,
+- ``device_runtime``: the one owner of CUDA streams, events and memory; hands out streams, events,
   pinned or page-aligned host buffers and device buffers (no-op streams on the CPU).
 - ``stream_check``: the race checker (``MEGATRAIN_STREAM_CHECK=1``): virtual streams and
   host threads with vector clocks; an access no synchronisation orders raises.

@@ -1,9 +1,13 @@
-"""Streams, events, threads and host/device allocations: the only module that talks to CUDA.
+"""Streams, events, threads and host/device allocations: the one owner of CUDA's streams and memory.
 
 Everything else asks a :class:`DeviceRuntime` for streams, events, buffers, host threads
-and the queues between them. On a machine without CUDA the runtime hands out no-op
-streams and events and unpinned host memory, so the CPU runs exactly the scheduling code
-the GPU runs (see ``[Note: one code path]`` below).
+and the queues between them. Elsewhere the package calls CUDA only for questions that
+involve no stream or buffer: whether there is a device and which is current
+(``engine.py``), the device a rank takes (``distributed/data_parallel.py``), its name
+(``optimizer/placement.py``) and free memory (``planning/preflight.py``), and the RNG
+states (``streaming/streamed_blocks.py``, ``checkpoint/rng_state.py``). On a machine
+without CUDA the runtime hands out no-op streams and events and unpinned host memory, so
+the CPU runs exactly the scheduling code the GPU runs (see ``[Note: one code path]`` below).
 
 [Note: one code path]
 The engine never branches on "is this a GPU". It records events, makes streams wait
@@ -33,7 +37,11 @@ from typing import Any, Protocol, cast
 import torch
 
 from megatrain_ds.runtime import stream_check
-from megatrain_ds.runtime.host_heap import keep_large_transients_mapped, return_free_memory
+from megatrain_ds.runtime.host_heap import (
+    keep_large_transients_mapped,
+    release_large_transients_mapping,
+    return_free_memory,
+)
 from megatrain_ds.runtime.host_ledger import HostLedger
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import CheckedStream, StreamChecker
@@ -173,6 +181,9 @@ class DeviceRuntime:
     checker: StreamChecker | None = field(default=None, repr=False)
     _registered: list[torch.Tensor] = field(default_factory=list, repr=False)
     """Host tensors pinned with cudaHostRegister; held so none is freed while registered."""
+    holds_mmap_threshold: bool = field(default=False, repr=False)
+    """This runtime fixed the process's mmap threshold (``runtime/host_heap.py``) and has not
+    handed it back yet (:meth:`release_host_memory`)."""
 
     @classmethod
     def create(cls, device: torch.device, pin_memory: bool = True) -> DeviceRuntime:
@@ -200,8 +211,10 @@ class DeviceRuntime:
                 checker=checker,
             )
         # The step's transients will be host memory: keep the large ones out of glibc's heap.
-        keep_large_transients_mapped()
-        return cls(device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False)
+        held = keep_large_transients_mapped()
+        return cls(
+            device=device, h2d_stream=NullStream(), d2h_stream=NullStream(), pin_memory=False, holds_mmap_threshold=held
+        )
 
     @property
     def is_cuda(self) -> bool:
@@ -343,10 +356,15 @@ class DeviceRuntime:
                 return
 
     def release_host_memory(self) -> None:
-        """Unpin every registered host tensor (they stay valid as ordinary memory)."""
+        """Unpin every registered host tensor (they stay valid as ordinary memory) and hand back
+        this runtime's hold of the process's mmap threshold (the last holder restores the
+        setting from before). Idempotent: a second call finds nothing left to release."""
         for tensor in self._registered:
             _cudart().cudaHostUnregister(tensor.data_ptr())
         self._registered.clear()
+        if self.holds_mmap_threshold:
+            self.holds_mmap_threshold = False
+            release_large_transients_mapping()
 
     def return_transient_memory(self) -> None:
         """Called between the step's phases (``streaming/streamed_blocks.py``). When the device is the

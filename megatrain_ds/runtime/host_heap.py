@@ -28,6 +28,15 @@ than the 0.05 B/param it saves.
 
 Both are process-wide and change only how memory is held, never a tensor's contents;
 without glibc, or with a PyTorch built without MKL, they do nothing.
+
+The threshold is the process's, and several engines may live in one process: each
+engine that fixed it (``DeviceRuntime.create``) hands it back once
+(:func:`release_large_transients_mapping`, from ``engine.destroy()``), and the last one
+restores the threshold that was in force before. glibc has no getter for it: that is
+the value of ``MALLOC_MMAP_THRESHOLD_`` or of the ``glibc.malloc.mmap_threshold``
+tunable when the process was started with one, else glibc's initial 128 KiB. glibc's
+sliding of the threshold (the first habit above) stays off after any ``mallopt`` of it,
+ours or the restore: glibc offers no way to switch it back on.
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +55,18 @@ MMAP_THRESHOLD_BYTES = 4 << 20
 logits) are mapped, not taken from the heap."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+_GLIBC_INITIAL_MMAP_THRESHOLD = 128 << 10  # DEFAULT_MMAP_THRESHOLD_MIN in glibc's malloc.c
+
+
+@dataclass
+class _ThresholdHolders:
+    """How many callers hold :data:`MMAP_THRESHOLD_BYTES` in force (under ``lock``)."""
+
+    count: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_holders = _ThresholdHolders()
 
 
 @functools.cache
@@ -71,10 +94,44 @@ def _mkl_free_buffers() -> Callable[[], object] | None:
 def keep_large_transients_mapped() -> bool:
     """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (see the module doc).
 
-    Returns whether it was set. Idempotent; memory already allocated is not moved.
+    Returns whether it was set; each call that returns True is one hold, handed back by
+    one :func:`release_large_transients_mapping`. Memory already allocated is not moved.
     """
     libc = _libc()
-    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    if libc is None:
+        return False
+    with _holders.lock:
+        if libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+            return False
+        _holders.count += 1
+        return True
+
+
+def release_large_transients_mapping() -> None:
+    """Hand back one hold of :func:`keep_large_transients_mapped`; the last one restores the
+    threshold in force before the first (see the module doc)."""
+    libc = _libc()
+    with _holders.lock:
+        assert _holders.count > 0, "released more often than kept"
+        _holders.count -= 1
+        if _holders.count == 0 and libc is not None:
+            libc.mallopt(_M_MMAP_THRESHOLD, threshold_before())
+
+
+def holds_of_large_transients_mapping() -> int:
+    """How many holds of :func:`keep_large_transients_mapped` are not handed back yet."""
+    return _holders.count
+
+
+def threshold_before() -> int:
+    """The mmap threshold the process started with: its environment's, else glibc's initial."""
+    tunables = dict(
+        item.split("=", 1) for item in os.environ.get("GLIBC_TUNABLES", "").replace(":", " ").split() if "=" in item
+    )
+    for value in (os.environ.get("MALLOC_MMAP_THRESHOLD_"), tunables.get("glibc.malloc.mmap_threshold")):
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return _GLIBC_INITIAL_MMAP_THRESHOLD
 
 
 def return_free_memory() -> None:

@@ -256,6 +256,8 @@ class NvmeTier:
         """Time the training threads spent waiting for swap reads (and writes) so far."""
         self._step_mark: tuple[float, float, int] | None = None  # (time, wait_seconds, bytes moved)
         self._warned = False
+        self.closed = False
+        """Set by the first :meth:`close`; later calls do nothing."""
         what = "the fp32 master, Adam m and v" if "master" in self.kinds else "Adam m and v"
         logger.info(
             "megatrain: NVMe tier: %s of %d blocks (%.2f GiB) in %s, %d-block window "
@@ -505,7 +507,12 @@ class NvmeTier:
         block's parameters view a private mapping of its swap file (``torch.from_file``,
         ``MAP_PRIVATE``), which outlives the file's removal. The fp32 model then costs page
         cache that the kernel can drop and read again, not host memory, and its disk space
-        is freed when the model is."""
+        is freed when the model is.
+
+        Idempotent: a second call would map files that the first one removed."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             if "master" in self.kinds and self._failure is None:
                 self.flush()
