@@ -82,7 +82,7 @@ _MARKER = "__megatrain_original__"
 """Set on every replacement, holding what it replaced: a patch is applied once."""
 
 SUPPORTED: dict[str, tuple[str, str]] = {
-    "deepspeed": ("0.16", "0.20"),
+    "deepspeed": ("0.19.8", "0.20"),
     "accelerate": ("1.0", "2.0"),
     "transformers": ("4.56", "6.0"),
 }
