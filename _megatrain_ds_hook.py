@@ -8,14 +8,16 @@ in ``site-packages``; Python runs the ``.pth`` line at start-up::
 ``install`` only registers an import watcher (this module imports nothing heavy: it runs
 in every Python process of the environment). When, and only when, a watched module is
 imported, the watcher lets it execute normally and then hands it to
-:func:`megatrain_ds.integration.deepspeed_hook.patch`:
+:func:`megatrain_ds.integration.compat.patch` (every patch of a third-party module is there):
 
 - ``deepspeed``: ``deepspeed.initialize`` is wrapped; configs with ``"engine": "megatrain"``
   go to this engine, every other call to DeepSpeed unchanged. Because the wrapper replaces
   the module attribute before anyone can read it, callers that look
   ``deepspeed.initialize`` up at call time (Accelerate) or bind it once after importing
   (``from deepspeed import initialize``) are routed alike. ``deepspeed.zero.Init`` given a
-  megatrain config builds the model whole (does nothing).
+  megatrain config builds the model whole (does nothing), and ``deepspeed.comm.get_rank``
+  answers rank 0 (or torch.distributed's rank) where it would assert for want of
+  DeepSpeed's backend, for DeepSpeed's loss scalers and monitors in the megatrain engine.
 - ``accelerate.utils.deepspeed``: its ``HfDeepSpeedConfig`` (which Accelerate's
   ``DeepSpeedPlugin`` and the HF Trainer read the JSON with, before ``deepspeed`` itself
   is imported) completes a megatrain config with ``zero_optimization: {stage: 0}`` and
@@ -25,7 +27,10 @@ imported, the watcher lets it execute normally and then hands it to
   under ``deepspeed.zero.Init`` ([Note: ZeRO-3 configs]).
 
 ``MEGATRAIN_DISABLE_HOOK=1`` switches both off: at start-up nothing is installed, and an
-already patched function checks the variable at every call.
+already patched function checks the variable at every call. An installed version that
+breaks a patch's third-party contract makes the import of the watched module fail with
+``megatrain_ds.integration.compat.IncompatibleVersionError``, which names the contract, the
+version and the supported range; nothing is patched then.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from types import ModuleType
 from typing import Any
 
 DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
-WATCHED = ("deepspeed", "accelerate.utils.deepspeed")  # = deepspeed_hook.PATCHES' keys
+WATCHED = ("deepspeed", "accelerate.utils.deepspeed")  # = compat.PATCHES' keys
 
 
 def disabled() -> bool:
@@ -98,13 +103,17 @@ class DeepSpeedImportWatcher(importlib.abc.MetaPathFinder):
 
 def _patch(module: ModuleType) -> None:
     try:
-        from megatrain_ds.integration import deepspeed_hook
+        from megatrain_ds.integration import compat
     except Exception as error:  # never break `import deepspeed` for a broken megatrain_ds
         import warnings
 
         warnings.warn(f"megatrain_ds: could not patch {module.__name__} ({error!r})", RuntimeWarning, stacklevel=3)
         return
-    deepspeed_hook.patch(module)
+    # An installed version that breaks a patch's contract stops this import with
+    # compat.IncompatibleVersionError (naming the version, the supported range and
+    # MEGATRAIN_DISABLE_HOOK=1): unpatched, a megatrain config would train silently on
+    # DeepSpeed's own engine.
+    compat.patch(module)
 
 
 def install() -> None:

@@ -7,7 +7,8 @@ host memory; each transformer block's weights stream to the GPU just in time.
 :func:`initialize`, which returns a ``DeepSpeedEngine`` subclass
 (:class:`megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine`). The routing is
 installed with the package (a ``.pth`` start-up hook), so scripts need not import this
-package; importing it installs the routing too (see :mod:`megatrain_ds.integration.deepspeed_hook`).
+package; importing it installs the routing too (the rules: :mod:`megatrain_ds.integration.deepspeed_hook`;
+every patch of DeepSpeed and Accelerate: :mod:`megatrain_ds.integration.compat`).
 """
 
 import _megatrain_ds_hook

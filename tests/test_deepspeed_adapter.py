@@ -50,8 +50,17 @@ def test_no_deepspeed_engine_code_runs_on_state_it_never_built():
 
 
 def test_unsupported_deepspeed_api_raises_naming_it(engine):
+    """The stubs' error is an AttributeError too: ``hasattr`` answers False for a stubbed
+    property (a method stub exists until called), and the message still names it."""
+    from megatrain_ds.integration.deepspeed_adapter import UnsupportedEngineAPIError
+
     with pytest.raises(NotImplementedError, match=r"DeepSpeedEngine.allreduce_gradients is not supported"):
         engine.allreduce_gradients()
+    assert not hasattr(engine, "communication_data_type")
+    assert getattr(engine, "communication_data_type", "missing") == "missing"
+    with pytest.raises(UnsupportedEngineAPIError, match=r"DeepSpeedEngine.communication_data_type is not supported"):
+        _ = engine.communication_data_type
+    assert issubclass(UnsupportedEngineAPIError, AttributeError)
     with pytest.raises(NotImplementedError, match=r"engine.compile is not supported"):
         engine.compile()
 

@@ -1,9 +1,13 @@
 """The engine as DeepSpeed, Accelerate and the HF Trainer expect to find it.
 
-- ``deepspeed_hook``: routes ``deepspeed.initialize`` for configs with ``"engine": "megatrain"``.
+- ``compat``: every patch of DeepSpeed and Accelerate (transformers is reached through
+  Accelerate's config class), each with the contract it relies on and its start-up check.
+- ``deepspeed_hook``: the routing rules: which ``deepspeed.initialize`` calls and configs
+  are megatrain's, and what a minimal or ZeRO-3 megatrain config is read as.
 - ``initialize``: DeepSpeed's entry point, returning this engine.
 - ``deepspeed_adapter``: ``MegatrainDeepSpeedEngine``, the engine as a ``DeepSpeedEngine``.
 
 May import: everything below it, ``megatrain_ds.engine`` included. The only room that
-imports DeepSpeed's engine classes.
+imports DeepSpeed's engine classes, and the only one that patches third-party modules
+(``compat`` alone).
 """

@@ -3,8 +3,9 @@
 Accelerate (``extract_model_from_parallel``, ``get_state_dict``) and the HF Trainer decide
 what to do with ``isinstance(model, DeepSpeedEngine)`` and then call DeepSpeed's engine API.
 ``deepspeed.initialize`` therefore returns this subclass of both :class:`MegatrainEngine`
-and ``DeepSpeedEngine``. It is the only module that imports ``deepspeed``: the core engine
-does not depend on it.
+and ``DeepSpeedEngine``. It is the only module that imports DeepSpeed's engine classes (the
+core engine does not depend on them); the layers below import only DeepSpeed's op
+builders and loss scalers, and ``compat.py`` patches ``deepspeed`` itself.
 
 ``DeepSpeedEngine.__init__`` never runs (it would build DeepSpeed's own engine), so none of
 DeepSpeed's state exists. Every attribute lookup therefore resolves, in this order, to:
@@ -13,8 +14,9 @@ DeepSpeed's state exists. Every attribute lookup therefore resolves, in this ord
 2. the DeepSpeed API defined below, which Accelerate and the HF Trainer call;
 3. ``nn.Module`` for ``train``/``eval``, which ``DeepSpeedEngine`` overrides for its state;
 4. for any other method or property of ``DeepSpeedEngine``: a stub that raises
-   ``NotImplementedError`` naming it, instead of DeepSpeed code failing deep inside on
-   state that was never built.
+   ``UnsupportedEngineAPIError`` (a ``NotImplementedError`` and an ``AttributeError``, so
+   ``hasattr`` answers ``False`` for a property) naming it, instead of DeepSpeed code
+   failing deep inside on state that was never built.
 
 DeepSpeed's ``__getattr__`` (unknown attributes are looked up on ``engine.module``) and
 ``__del__`` (calls ``destroy``) are kept: both are DeepSpeed behaviour that only needs
@@ -52,9 +54,16 @@ from torch import nn
 from megatrain_ds.checkpoint.whole_masters import join_state_dict_collectives
 from megatrain_ds.config import ConfigError, Fp16Options, SchedulerSpec
 from megatrain_ds.engine import MegatrainEngine
-from megatrain_ds.optimizer.loss_scaling import deepspeed_rank_known, dynamic_loss_scale_args
+from megatrain_ds.optimizer.loss_scaling import dynamic_loss_scale_args
 
 logger = logging.getLogger(__name__)
+
+
+class UnsupportedEngineAPIError(NotImplementedError, AttributeError):
+    """DeepSpeed engine API the megatrain engine does not provide (the stubs at the end of
+    this module). An ``AttributeError`` too, so ``hasattr(engine, name)`` and
+    ``getattr(engine, name, default)`` answer as for a missing attribute, as code written for
+    several DeepSpeed versions probes."""
 
 
 class _DeepSpeedEngineBase(DeepSpeedEngine):
@@ -76,8 +85,7 @@ def build_monitor(blocks: dict[str, Any]) -> MonitorMaster:
         monitor_config = get_monitor_config(blocks)
     except ValidationError as error:
         raise ConfigError(f"monitor config ({', '.join(blocks) or 'none'}) rejected by DeepSpeed: {error}") from error
-    with deepspeed_rank_known():
-        return MonitorMaster(monitor_config)
+    return MonitorMaster(monitor_config)  # asks deepspeed.comm for the rank: compat.py answers it
 
 
 class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
@@ -197,8 +205,7 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
             self.timers.log(timers.global_timers)
 
     def _write_events(self, events: list[tuple[str, Any, int]]) -> None:
-        with deepspeed_rank_known():
-            self.monitor.write_events(events)
+        self.monitor.write_events(events)  # asks deepspeed.comm for the rank: compat.py answers it
 
     # -- DeepSpeed engine API used by Accelerate, the HF Trainer and DeepSpeed scripts ----------
 
@@ -346,6 +353,14 @@ class MegatrainDeepSpeedEngine(MegatrainEngine, _DeepSpeedEngineBase):
         finally:
             self._inside_no_sync = False
 
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's (``nn.Module``'s, then the model's attributes), except for a stubbed
+        property: its :class:`UnsupportedEngineAPIError` is an ``AttributeError``, which makes
+        Python try ``__getattr__`` next; raised again here, so the message names it."""
+        if name in _STUBBED_PROPERTIES:
+            raise UnsupportedEngineAPIError(_not_available_message(name))
+        return super().__getattr__(name)
+
     @property
     def is_compiled(self) -> bool:
         return False
@@ -393,11 +408,15 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) ->
 # -- everything else DeepSpeedEngine defines: a clear error ------------------------------------
 
 
+def _not_available_message(name: str) -> str:
+    return f"megatrain: DeepSpeedEngine.{name} is not supported by the megatrain engine"
+
+
 def _not_available(name: str) -> Callable[..., Any]:
-    message = f"megatrain: DeepSpeedEngine.{name} is not supported by the megatrain engine"
+    message = _not_available_message(name)
 
     def unavailable(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(message)
+        raise UnsupportedEngineAPIError(message)
 
     unavailable.__name__ = name
     unavailable.__qualname__ = f"MegatrainDeepSpeedEngine.{name}"
@@ -416,7 +435,13 @@ def _install_stubs() -> None:
             setattr(MegatrainDeepSpeedEngine, name, getattr(nn.Module, name))
             continue
         stub = _not_available(name)
+        if isinstance(value, property):
+            _STUBBED_PROPERTIES.add(name)
         setattr(MegatrainDeepSpeedEngine, name, property(stub) if isinstance(value, property) else stub)
+
+
+_STUBBED_PROPERTIES: set[str] = set()
+"""DeepSpeedEngine properties stubbed above (``MegatrainDeepSpeedEngine.__getattr__``)."""
 
 
 _install_stubs()

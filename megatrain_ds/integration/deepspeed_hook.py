@@ -1,27 +1,29 @@
-"""Route ``deepspeed.initialize`` to this engine when the config says ``"engine": "megatrain"``.
+"""What the routing of ``deepspeed.initialize`` decides, for configs with ``"engine": "megatrain"``.
 
-This is the one place the project patches third-party functions (:func:`patch`, per module):
+Pure functions over configs and call arguments; the patches that apply them to DeepSpeed
+and Accelerate are all in ``compat.py`` (the one module that changes third-party objects):
 
-- :func:`wrap` replaces ``deepspeed.initialize`` with a wrapper that sends configs with
-  ``"engine": "megatrain"`` to :func:`megatrain_ds.initialize.initialize` and every other
-  call, unchanged, to the original.
-- :func:`supply_missing_keys` makes Accelerate's ``HfDeepSpeedConfig`` (the base of the
-  HF Trainer's and of transformers') complete a minimal megatrain config, ``{"engine":
-  "megatrain"}`` plus what the user cares about, with ``"zero_optimization": {"stage": 0}``
-  and ``"auto"`` batch, accumulation and clipping keys ([Note: the minimal config]), and
-  read a ZeRO-3 megatrain config as stage 0 ([Note: ZeRO-3 configs]).
-- :func:`build_models_whole` makes ``deepspeed.zero.Init`` a context that does nothing
-  when it is given a megatrain config ([Note: ZeRO-3 configs]).
+- :func:`initialize_config`: the config a ``deepspeed.initialize`` call names; the wrapper of
+  ``deepspeed.initialize`` sends megatrain configs to
+  :func:`megatrain_ds.integration.initialize.initialize` and every other call, unchanged,
+  to DeepSpeed.
+- :func:`complete_minimal_config`: what Accelerate's ``HfDeepSpeedConfig`` (the base of the
+  HF Trainer's and of transformers') adds to a megatrain config, ``{"engine": "megatrain"}``
+  plus what the user cares about: ``"zero_optimization": {"stage": 0}`` and ``"auto"``
+  batch, accumulation and clipping keys ([Note: the minimal config]), and a ZeRO-3
+  config read as stage 0 ([Note: ZeRO-3 configs]).
+- :func:`zero_init_config`: the config a ``deepspeed.zero.Init`` call names; given a
+  megatrain config it does nothing ([Note: ZeRO-3 configs]).
 
 Set ``MEGATRAIN_DISABLE_HOOK=1`` to turn all of them off (checked per call).
 
 Two ways in, one mechanism (``_megatrain_ds_hook.install``, the start-up module installed
-beside the package; it imports this module, never the other way round):
+beside the package; it imports ``compat.py``, never the other way round):
 
 - zero-code: ``_megatrain_ds_hook.pth`` registers an import watcher at interpreter
   start-up, so a script that never imports ``megatrain_ds`` (an Accelerate or HF Trainer
   script) is routed as soon as it, or a library, imports ``deepspeed``;
-- explicit: ``import megatrain_ds`` calls the same ``install``, which wraps ``deepspeed``
+- explicit: ``import megatrain_ds`` calls the same ``install``, which patches ``deepspeed``
   now if it is imported, or registers the watcher.
 
 Accelerate looks ``deepspeed.initialize`` up when it prepares the model and the HF Trainer
@@ -30,23 +32,19 @@ goes through Accelerate, so both see the wrapper.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import inspect
-import os
-from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
-from megatrain_ds.config import AUTO, is_megatrain_config, load_config_dict
+from megatrain_ds.config import AUTO, load_config_dict
 
 DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"
 """Also read by ``_megatrain_ds_hook`` at start-up, which must not import this package."""
-_MARKER = "__megatrain_original__"
 
 
-def _config_of(args: tuple, kwargs: dict[str, Any]) -> Any:
+def initialize_config(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The config a ``deepspeed.initialize(...)`` call names (``config=``, ``config_params=``
+    or ``args.deepspeed_config``), as a dict, or ``None``."""
     config = kwargs.get("config", kwargs.get("config_params"))
     if config is None:
         cli_args = kwargs.get("args", args[0] if args else None)
@@ -57,25 +55,6 @@ def _config_of(args: tuple, kwargs: dict[str, Any]) -> Any:
         return load_config_dict(config)
     except (OSError, ValueError, TypeError):
         return None  # not ours to judge: DeepSpeed reports its own config errors
-
-
-def wrap(deepspeed: ModuleType) -> None:
-    """Replace ``deepspeed.initialize`` by the routing wrapper (idempotent)."""
-    original = deepspeed.initialize
-    if getattr(original, _MARKER, None) is not None:
-        return
-
-    @functools.wraps(original)
-    def initialize(*args: Any, **kwargs: Any) -> Any:
-        if os.environ.get(DISABLE_ENV) != "1" and is_megatrain_config(_config_of(args, kwargs)):
-            from megatrain_ds.integration.initialize import initialize as megatrain_initialize
-
-            return megatrain_initialize(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    setattr(initialize, _MARKER, original)
-    # ModuleType's stub reads any attribute (__getattr__) but declares none to assign.
-    deepspeed.initialize = initialize  # pyright: ignore[reportAttributeAccessIssue]
 
 
 FILLED_BY_THE_CLIENT: dict[str, Any] = {
@@ -89,9 +68,11 @@ FILLED_BY_THE_CLIENT: dict[str, Any] = {
 it leaves out ([Note: the minimal config])."""
 
 
-def supply_missing_keys(accelerate_deepspeed: ModuleType) -> None:
-    """Make ``accelerate.utils.deepspeed.HfDeepSpeedConfig`` give a megatrain config the
-    keys of :data:`FILLED_BY_THE_CLIENT` it leaves out (idempotent).
+def complete_minimal_config(config: dict[str, Any]) -> None:
+    """Give a megatrain config, in place (a reader's copy), the keys of
+    :data:`FILLED_BY_THE_CLIENT` it leaves out, and read its ZeRO stage 3 as 0
+    (:func:`read_zero3_as_stage0`). ``compat.complete_megatrain_configs`` calls it from
+    ``accelerate.utils.deepspeed.HfDeepSpeedConfig.__init__``.
 
     [Note: the minimal config]
     A user writes ``{"engine": "megatrain", "optimizer": ...}`` and runs it under the HF
@@ -111,25 +92,9 @@ def supply_missing_keys(accelerate_deepspeed: ModuleType) -> None:
     ``deepspeed.initialize`` called directly is not involved: like DeepSpeed it needs a
     batch size.
     """
-    cls = accelerate_deepspeed.HfDeepSpeedConfig
-    original = cls.__init__
-    if getattr(original, _MARKER, None) is not None:
-        return
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        config = getattr(self, "config", None)
-        if os.environ.get(DISABLE_ENV) == "1" or not isinstance(config, dict) or not is_megatrain_config(config):
-            return
-        assert isinstance(config, dict)  # HfDeepSpeedConfig parses or deep-copies it into a dict
-        for key, value in FILLED_BY_THE_CLIENT.items():
-            config.setdefault(key, copy.deepcopy(value))
-        read_zero3_as_stage0(config)
-        self.set_stage_and_offload()  # what __init__ derived from the config, again
-
-    setattr(__init__, _MARKER, original)
-    cls.__init__ = __init__
+    for key, value in FILLED_BY_THE_CLIENT.items():
+        config.setdefault(key, copy.deepcopy(value))
+    read_zero3_as_stage0(config)
 
 
 def read_zero3_as_stage0(config: dict[str, Any]) -> None:
@@ -155,7 +120,7 @@ def read_zero3_as_stage0(config: dict[str, Any]) -> None:
     file or dict is untouched (Accelerate deep-copies a dict and parses a file).
     ``deepspeed.zero.Init`` given a megatrain config (a script of the user's that builds
     its model under it, as DeepSpeed's docs show) does nothing, for the same reason
-    (:func:`build_models_whole`). A model partitioned anyway (``zero.Init`` without a
+    (``compat.build_models_whole``). A model partitioned anyway (``zero.Init`` without a
     config, or with another one) is refused by ``initialize`` with the way out.
     """
     zero = config.get("zero_optimization")
@@ -163,7 +128,7 @@ def read_zero3_as_stage0(config: dict[str, Any]) -> None:
         zero["stage"] = 0
 
 
-def _zero_init_config(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> Any:
+def zero_init_config(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> Any:
     """The config a ``deepspeed.zero.Init(...)`` call names, as a dict, or ``None``."""
     try:
         bound = signature.bind_partial(None, *args, **kwargs).arguments  # None: ``self``
@@ -176,48 +141,3 @@ def _zero_init_config(signature: inspect.Signature, args: tuple, kwargs: dict[st
         return load_config_dict(config) if config is not None else None
     except (OSError, ValueError, TypeError):
         return None
-
-
-def build_models_whole(deepspeed: ModuleType) -> None:
-    """Make ``deepspeed.zero.Init`` do nothing for a megatrain config (idempotent; [Note:
-    ZeRO-3 configs]).
-
-    ``deepspeed.zero.Init`` becomes a subclass whose construction returns
-    ``contextlib.nullcontext()`` when the call names a megatrain config (and the hook is on),
-    and DeepSpeed's own context otherwise; ``isinstance`` checks and class attributes are kept.
-    """
-    original = deepspeed.zero.Init
-    if getattr(original, _MARKER, None) is not None:
-        return
-    signature = inspect.signature(original.__init__)
-
-    class Init(original):  # type: ignore[misc, valid-type]
-        __doc__ = original.__doc__
-
-        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            config = _zero_init_config(signature, args, kwargs)
-            if os.environ.get(DISABLE_ENV) != "1" and is_megatrain_config(config):
-                return contextlib.nullcontext()  # not an Init: Python skips __init__
-            return super().__new__(cls)
-
-    Init.__module__, Init.__qualname__ = original.__module__, original.__qualname__
-    setattr(Init, _MARKER, original)
-    deepspeed.zero.Init = Init
-
-
-def patch_deepspeed(deepspeed: ModuleType) -> None:
-    """Everything ``deepspeed`` gets: :func:`wrap` and :func:`build_models_whole`."""
-    wrap(deepspeed)
-    build_models_whole(deepspeed)
-
-
-PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    "deepspeed": patch_deepspeed,
-    "accelerate.utils.deepspeed": supply_missing_keys,
-}
-"""What each module watched by ``_megatrain_ds_hook`` (its ``WATCHED``) gets once imported."""
-
-
-def patch(module: ModuleType) -> None:
-    """Apply ``module``'s entry of :data:`PATCHES` (idempotent)."""
-    PATCHES[module.__name__](module)

@@ -1,6 +1,7 @@
 """``initialize``: DeepSpeed's entry point, for configs with ``"engine": "megatrain"``.
 
-``deepspeed.initialize`` lands here through :mod:`megatrain_ds.integration.deepspeed_hook`, with the
+``deepspeed.initialize`` lands here through the wrapper :mod:`megatrain_ds.integration.compat`
+installs (the routing decided by :mod:`megatrain_ds.integration.deepspeed_hook`), with the
 arguments DeepSpeed takes, as scripts, Accelerate (``model``, ``config_params``,
 ``optimizer`` or ``model_parameters``, ``lr_scheduler``) and the HF Trainer (through
 Accelerate) pass them.

@@ -27,9 +27,7 @@ bf16 and fp32 too), so ``optimizer.loss_scale`` reads 1.0 and nothing is scaled.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,8 +106,9 @@ class LossScaling:
         """Tell the scaler how the step went (DeepSpeed's ``update_scale``): an overflow may
         lower the scale, or raise DeepSpeed's error when it is already at the minimum."""
         if self.enabled:
-            with deepspeed_rank_known():
-                self.scaler.update_scale(overflow)
+            # DeepSpeed's scaler asks deepspeed.comm for the rank to log an overflow on rank 0
+            # only; integration/compat.py makes that query answer without DeepSpeed's backend.
+            self.scaler.update_scale(overflow)
 
     def state_dict(self) -> dict[str, float | int]:
         """The scaler's running state as plain numbers (for the checkpoint's trainer state);
@@ -134,27 +133,3 @@ class LossScaling:
             return
         for name in names:
             setattr(self.scaler, name, state[name])
-
-
-@contextlib.contextmanager
-def deepspeed_rank_known() -> Iterator[None]:
-    """DeepSpeed's loss scalers and monitors call ``deepspeed.comm.get_rank()`` to log or
-    write on rank 0 only, which asserts unless DeepSpeed's communication backend is
-    initialised. ``deepspeed.initialize`` and Accelerate initialise it; an engine built
-    directly need not, and initialising it would make a process group as a side effect.
-    Then, for the duration of the block, ``deepspeed.comm.get_rank`` answers this process's
-    rank (torch.distributed's, else 0). The one place this engine patches DeepSpeed: the
-    scalers' rules and the monitors run unchanged, only the rank they ask for comes from here."""
-    import deepspeed.comm as comm
-
-    if comm.is_initialized():
-        yield
-        return
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if distributed else 0
-    saved = comm.get_rank
-    comm.get_rank = lambda group=None: rank  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        comm.get_rank = saved

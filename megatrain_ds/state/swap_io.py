@@ -23,13 +23,14 @@ logged when it does not) and the log names the engine that runs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import socket
-import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,6 @@ class AioEngine:
                 "(libaio missing: apt-get install libaio-dev)"
             )
         self._module = builder.load(verbose=False)
-        _warn_about_write_endurance_here()
         s = self.settings
         self._handle = self._module.aio_handle(
             s.block_size, s.queue_depth, s.single_submit, s.overlap_events, s.thread_count
@@ -111,7 +111,7 @@ class AioEngine:
             )
 
     def write(self, buffer: torch.Tensor, path: str, offset: int) -> None:
-        with self._turn:
+        with self._turn, _first_write_alone():
             failed = self._handle.sync_pwrite(buffer, path, offset) < 0
         if failed:
             raise SwapIOError(
@@ -131,19 +131,28 @@ class AioEngine:
         self._locked.clear()
 
 
-def _warn_about_write_endurance_here() -> None:
-    """DeepSpeed's op logs a once-per-process warning (heavy writes wear consumer SSDs) from
-    inside the first write, taking the GIL and a C++ ``call_once`` from an I/O thread; two
-    I/O threads writing at once for the first time deadlock there (seen with DeepSpeed
-    0.19). Log it from this thread instead and set the op's own "already said" marker."""
-    utils = sys.modules.get("deepspeed.utils")  # loaded by deepspeed.ops; not imported from here
-    marker = "_deepspeed_nvme_write_warning_emitted"
-    if utils is not None and not getattr(utils, marker, False):
-        logger.warning(
-            "megatrain: the NVMe tier rewrites the optimizer state every step: on consumer SSDs "
-            "this wears the drive's rated write endurance (TBW); prefer datacenter SSDs"
-        )
-        setattr(utils, marker, True)
+_FIRST_WRITE_LOCK = threading.Lock()
+_first_write_done = threading.Event()
+
+
+@contextlib.contextmanager
+def _first_write_alone() -> Iterator[None]:
+    """Let the process's first write through DeepSpeed's op run alone (no later write waits).
+
+    DeepSpeed's ``sync_pwrite`` logs a once-per-process warning (heavy writes wear consumer
+    SSDs) from a C++ ``call_once`` it enters while holding the GIL, and the logging inside
+    can hand the GIL over: a second I/O thread entering the ``call_once`` then blocks holding
+    the GIL, and the first cannot finish (seen with DeepSpeed 0.19 and two engines writing
+    at once for the first time). A second first writer waits here instead, on a Python lock,
+    which releases the GIL; DeepSpeed's own warning is logged as it is, once. (This replaces
+    setting the op's private "already warned" attribute on ``deepspeed.utils``: no
+    third-party state is touched, see ``integration/compat.py``.)"""
+    if _first_write_done.is_set():
+        yield
+        return
+    with _FIRST_WRITE_LOCK:
+        yield
+        _first_write_done.set()
 
 
 @dataclass
