@@ -1,22 +1,25 @@
-"""How fast the gradient worker takes gradient chunks on this machine, and what slows it.
+"""How fast the gradient path takes gradient chunks on this machine, and what slows it.
 
 On one H200 (``bench/results/gpu_H200``) backward waited at every block for the gradient
 worker, which handled 1.9 G elements/s whatever it computed: widening the chunks to fp32
-first (4x faster kernels on warm buffers) changed nothing. This measures the worker alone,
-through the engine's own :class:`~megatrain_ds.gradients.sink.GradientSink` (device-to-host
-copies into pinned staging on a GPU, the worker thread, its back-pressure), with what the
-worker does for a bf16 step without accumulation (``engine._consume_gradient``: the chunk
-summed into the held gradients, ``LossScaling.unscale_into_``; its squared norm,
-``OptimizerStepper.consume_final``). Cases:
+first (4x faster kernels on warm buffers) changed nothing. Since then a step without
+accumulation (held dtype == compute dtype) takes the *direct* path: each chunk is copied
+straight into the held gradients on the d2h stream and its squared norm summed on the
+device, read once at the step (``gradients/sink.py``, ``gradients/squared_norm.py``); the
+worker still takes the chunks that need a host pass (accumulation, fp16). Both run through
+the engine's own :class:`~megatrain_ds.gradients.sink.GradientSink`. Cases:
 
-- ``alone``: nothing else runs;
-- ``python_busy``: a thread runs Python meanwhile, as backward's autograd thread does with
-  the blocks' recompute (the GIL: the worker needs it between its kernels);
+- ``alone``: the staged path (pinned staging, the worker thread, its back-pressure), with
+  what the worker does for a staged final chunk (``engine._consume_gradient``: the chunk
+  added into the held gradients, ``LossScaling.unscale_into_``; its squared norm,
+  ``SquaredNorm.add_on_host``), nothing else running;
+- ``python_busy``: the same while a thread runs Python, as backward's autograd thread does
+  with the blocks' recompute (the GIL: the worker needs it between its kernels);
 - ``one_thread``: torch's intra-op threads set to 1 before the worker starts;
 - ``ops_on_main``: the same kernels on the main thread, no sink: the kernels' own rate;
-- ``direct``: a design to compare, not the engine's: each chunk copied straight into the
-  held gradients on the d2h stream and its norm computed on the device, so the host has
-  nothing to do per chunk (the copies' rate is then the ceiling).
+- ``direct``: the engine's direct path (``land`` returns the held view): on a GPU the
+  copies' rate is the ceiling; on the CPU the copy and norm run on the pushing thread;
+- ``direct_python_busy``: the direct path beside a thread running Python.
 
     python bench/gradient_worker.py [--elements N] [--out PATH]
 
@@ -39,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatrain_ds.gradients.sink import GradientSink
+from megatrain_ds.gradients.sink import GradientSink, Landing
+from megatrain_ds.gradients.squared_norm import SquaredNorm
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 
 CHUNK = 1 << 22
@@ -48,21 +52,20 @@ NUM_STAGING = 4
 """The engine's default ``num_staging_buffers``."""
 
 
-def consume_into(held: torch.Tensor, sums: list[float]) -> Callable[[int, int, torch.Tensor, bool], None]:
-    """The worker's work for a bf16 step without accumulation, as the engine does it."""
+def consume_into(held: torch.Tensor, norm: SquaredNorm) -> Callable[[int, int, torch.Tensor, bool, Landing], None]:
+    """The worker's work for a staged final chunk (an added micro-batch), as the engine does it."""
 
-    def consume(_state: int, offset: int, chunk: torch.Tensor, _final: bool) -> None:
+    def consume(_state: int, offset: int, chunk: torch.Tensor, _final: bool, _landing: Landing) -> None:
         accumulated = held[offset : offset + chunk.numel()]
         accumulated.add_(chunk)
-        sums.append(float(torch.linalg.vector_norm(accumulated, dtype=torch.float32)) ** 2)
+        norm.add_on_host(accumulated)
 
     return consume
 
 
 def through_sink(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Tensor) -> float:
     """Elements per second from the first push to the drain, through a fresh sink."""
-    sums: list[float] = []
-    sink = GradientSink(runtime, CHUNK, grads.dtype, NUM_STAGING, consume_into(held, sums))
+    sink = GradientSink(runtime, CHUNK, grads.dtype, NUM_STAGING, consume_into(held, SquaredNorm(runtime.device)))
     try:
         runtime.synchronize()
         started = time.perf_counter()
@@ -77,30 +80,35 @@ def through_sink(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Tensor
 def ops_on_main(grads: torch.Tensor, held: torch.Tensor) -> float:
     """The same kernels on host chunks, on the calling thread."""
     host = grads[:CHUNK].cpu()
-    consume = consume_into(held, [])
+    consume = consume_into(held, SquaredNorm(torch.device("cpu")))
     started = time.perf_counter()
     for offset in range(0, held.numel(), CHUNK):
-        consume(0, offset, host, True)
+        consume(0, offset, host, True, Landing())
     return held.numel() / (time.perf_counter() - started)
 
 
 def direct_into_held(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Tensor) -> float:
-    """Elements per second when chunks go straight into ``held`` and their norms are
-    computed where the gradient is, read once at the end."""
-    norms = []
-    runtime.synchronize()
-    started = time.perf_counter()
-    for offset in range(0, grads.numel(), CHUNK):
-        piece = grads[offset : offset + CHUNK]
-        produced = runtime.event()
-        produced.record(runtime.compute_stream())
-        with runtime.on(runtime.d2h_stream):
-            runtime.d2h_stream.wait_event(produced)  # the gradient is finished before it is read
-            held[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
-        norms.append(torch.linalg.vector_norm(piece, dtype=torch.float32))
-    float(torch.stack(norms).square().sum())
-    runtime.synchronize()  # every copy has landed
-    return grads.numel() / (time.perf_counter() - started)
+    """Elements per second of the engine's direct path: every chunk lands in ``held`` by
+    the copy, its norm summed where the gradient is, read once after the drain."""
+    norm = SquaredNorm(runtime.device)
+
+    def land(_state: int, offset: int, numel: int, _final: bool) -> Landing:
+        return Landing(held=held[offset : offset + numel], fresh=True, notify=False)
+
+    def consume(*_chunk: object) -> None:
+        raise AssertionError("a direct chunk reached the worker")
+
+    sink = GradientSink(runtime, CHUNK, grads.dtype, NUM_STAGING, consume, land=land, norm=norm)
+    try:
+        runtime.synchronize()
+        started = time.perf_counter()
+        for offset in range(0, grads.numel(), CHUNK):
+            sink.push(0, offset, grads[offset : offset + CHUNK], True)
+        sink.drain()
+        norm.take()
+        return grads.numel() / (time.perf_counter() - started)
+    finally:
+        sink.close()
 
 
 def with_python_busy(measure: Callable[[], float]) -> float:
@@ -138,6 +146,7 @@ def run(elements: int) -> dict:
         torch.set_num_threads(threads)
     rates["ops_on_main"] = ops_on_main(grads, held)
     rates["direct"] = direct_into_held(runtime, grads, held)
+    rates["direct_python_busy"] = with_python_busy(lambda: direct_into_held(runtime, grads, held))
     return {
         "device": runtime.device_name,
         "elements": elements,

@@ -32,7 +32,8 @@ from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
-from megatrain_ds.gradients.sink import GradientPort, GradientSink
+from megatrain_ds.gradients.held_writes import HeldWrites
+from megatrain_ds.gradients.sink import STAGED, GradientPort, GradientSink, Landing
 from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
@@ -414,6 +415,7 @@ class MegatrainEngine(nn.Module):
             self.nvme_tier.settle = self.adamw.flush
             self.adamw.residency = self.nvme_tier
             self.stepper.plan_access()
+        self.held_writes = HeldWrites(len(self.optimizer_states))
         self.optimizer.attach(self._finish_optimizer_step)
 
     def _open_rank_tier(self) -> None:
@@ -450,6 +452,8 @@ class MegatrainEngine(nn.Module):
             compute,
             options.num_staging_buffers,
             self._consume_gradient,
+            land=self._land_gradient,
+            norm=self.stepper.norm,
         )
         dp = self.data_parallel
         self.sink: GradientPort = (
@@ -801,8 +805,20 @@ class MegatrainEngine(nn.Module):
 
     # -- optimizer ---------------------------------------------------------------------------
 
-    def _consume_gradient(self, index: int, offset: int, grad: torch.Tensor, final: bool) -> None:
-        """Runs on the gradient worker for every host chunk of this rank's windows (see GradientSink)."""
+    def _land_gradient(self, index: int, offset: int, numel: int, final: bool) -> Landing:
+        """Where a chunk of this rank's windows lands (GradientSink, on the pushing thread);
+        see ``HeldWrites.land``."""
+        grad = self.optimizer_states[index].grad
+        if grad is None:  # nothing held: the worker steps each chunk as it arrives
+            return STAGED
+        start = offset - self.windows[index][0]
+        speculative = final and self.stepper.may_speculate(index)  # the worker steps it during backward
+        with self.runtime.host_work():  # a partly written chunk's zeroing: no write of it in flight
+            return self.held_writes.land(index, grad, start, numel, self.config.compute_dtype, speculative)
+
+    def _consume_gradient(self, index: int, offset: int, grad: torch.Tensor, final: bool, landing: Landing) -> None:
+        """Runs on the gradient worker for every host chunk of this rank's windows that
+        reaches it (see GradientSink)."""
         state = self.optimizer_states[index]
         offset -= self.windows[index][0]
         step = self.optimizer_steps + 1
@@ -810,18 +826,24 @@ class MegatrainEngine(nn.Module):
             assert not self.loss_scaling.enabled, "fp16 holds gradients (EngineConfig.holds_gradients)"
             self.stepper.consume_final(index, offset, grad, step)
             return
+        if landing.held is not None:  # copied in place, its norm summed on the device
+            self.stepper.consume_final(index, offset, grad, step, counted=True)
+            return
         accumulated = state.grad[offset : offset + grad.numel()]
         # fp16: divided by the scale here, in fp32; the scale changes only between steps,
-        # after the worker has drained (optimizer/loss_scaling.py).
-        self.loss_scaling.unscale_into_(accumulated, grad)
+        # after the worker has drained (optimizer/loss_scaling.py). The first write of the
+        # step copies: the held gradients are never zeroed (gradients/held_writes.py).
+        self.loss_scaling.unscale_into_(accumulated, grad, overwrite=landing.fresh)
         if final:
             self.stepper.consume_final(index, offset, accumulated, step)
 
     def _finish_optimizer_step(self) -> None:
-        self.sink.drain()
-        # After the drain the worker is idle: the rest of the update is host code here.
+        self.sink.drain()  # the worker is idle and every direct copy has landed
+        # After the drain the rest of the update is host code here.
         with self.runtime.tracer.span("step finish", "optimizer worker"), self.runtime.host_work():
+            self.held_writes.settle(self.optimizer_states)  # zeros where nothing was written
             report = self.stepper.finish(self.optimizer_steps + 1)
+            self.held_writes.clear()
         if self.data_parallel is not None:
             self._gather_updated_weights(self.data_parallel, report)
         self.last_step_report = report
@@ -887,6 +909,9 @@ class MegatrainEngine(nn.Module):
         the blocks gathered for the model files); every rank returns once it is published."""
         # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.
         with self.runtime.observe(), self.runtime.host_work():
+            if self._inside_accumulation_window():  # the held gradients are saved: all of them valid
+                self.sink.drain()
+                self.held_writes.settle(self.optimizer_states)
             return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -905,7 +930,7 @@ class MegatrainEngine(nn.Module):
         Collective with data parallel: every rank must call it (barriers; each node reads
         its copy, each rank its windows)."""
         with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
-            return save_load.load_checkpoint(
+            loaded = save_load.load_checkpoint(
                 self,
                 load_dir,
                 tag,
@@ -915,6 +940,16 @@ class MegatrainEngine(nn.Module):
                 load_module_only,
                 custom_load_fn,
             )
+        # Inside an accumulation window the held gradients were loaded: later writes add to
+        # them; at a boundary the next write of each element is its first.
+        self.held_writes.clear()
+        if self._inside_accumulation_window():
+            self.held_writes.mark_all_written()
+        return loaded
+
+    def _inside_accumulation_window(self) -> bool:
+        """Between micro-batches of one optimizer step (held gradients hold a partial sum)."""
+        return self.micro_steps % self.gradient_accumulation_steps() != 0
 
 
 def _trace_schedule(

@@ -49,6 +49,12 @@ EXPECTED_SURVIVORS: dict[str, str] = {
         "that device memory held for copies stays bounded when the link is slower than "
         "compute. No access depends on it, so there is no race to catch."
     ),
+    "gradients/sink.py:_push_direct:oldest.synchronize": (
+        "Backpressure, not ordering: a gradient copied straight into the held gradients takes "
+        "no staging buffer, so backward waits for the copy num_staging direct chunks back to "
+        "keep the device memory of gradients waiting for the link bounded. What reads the "
+        "held gradients and the device norm is ordered by drain()'s wait for the last copy."
+    ),
 }
 """``"file.py:function:call"`` -> why removing that call is not caught.
 

@@ -111,7 +111,7 @@ def test_streamer_reports_exhausted_buffers():
 def test_gradient_sink_chunks_in_order_and_surfaces_worker_errors():
     received = []
 
-    def consume(index, offset, chunk, final):
+    def consume(index, offset, chunk, final, landing):
         if index == 99:
             raise ValueError("boom")
         received.append((index, offset, chunk.clone(), final, threading.current_thread().name))

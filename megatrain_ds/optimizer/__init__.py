@@ -9,6 +9,6 @@
 - ``loss_scaling``: fp16 loss scaling with DeepSpeed's loss scalers, and their checkpointed state.
 - ``facade``: the optimizer object ``deepspeed.initialize`` returns.
 
-May import: ``config``, ``runtime``, ``state``; of DeepSpeed, besides its op builders, its loss
+May import: ``config``, ``runtime``, ``state``, ``gradients``; of DeepSpeed, besides its op builders, its loss
 scalers (``deepspeed.runtime.fp16.loss_scaler``, and ``deepspeed.comm``, which they ask for the rank).
 """

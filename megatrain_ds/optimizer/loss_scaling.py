@@ -92,12 +92,18 @@ class LossScaling:
         """``loss`` times the scale (DeepSpeed's ``scale_loss``); ``loss`` itself without fp16."""
         return self.scaler.scale_loss(loss) if self.enabled else loss
 
-    def unscale_into_(self, accumulated: torch.Tensor, grad: torch.Tensor) -> None:
-        """``accumulated += grad / scale``, in ``accumulated``'s dtype (fp32 with fp16).
+    def unscale_into_(self, accumulated: torch.Tensor, grad: torch.Tensor, *, overwrite: bool = False) -> None:
+        """``accumulated += grad / scale``, in ``accumulated``'s dtype (fp32 with fp16);
+        with ``overwrite`` ``accumulated = grad / scale`` (the step's first write: no zeroed
+        buffer to add to, the same values as adding to zeros).
 
         Dynamic scales are powers of two, so the division is exact; inf and NaN stay what
         they are, for the overflow check of the global norm."""
-        if self.enabled:
+        if overwrite:
+            accumulated.copy_(grad)  # widened first: multiplying in fp16 could underflow
+            if self.enabled:
+                accumulated.mul_(1.0 / self.scale)
+        elif self.enabled:
             accumulated.add_(grad, alpha=1.0 / self.scale)
         else:
             accumulated.add_(grad)

@@ -11,9 +11,14 @@ step need the norm of *all* gradients, known only when backward ends; waiting fo
 serialises the whole update after backward. Instead the worker *speculates* that the step
 needs neither (the steady state of a healthy run) and validates at ``engine.step()``:
 
-- Every final chunk adds its squared norm to a running sum (in double). The sum only
-  grows, so as soon as ``sqrt(sum) + eps > clip`` clipping is certain, and once it is not
-  finite the step is certainly skipped: speculation stops for the rest of the step.
+- Every final chunk adds its squared norm to the step's running sum (in double,
+  ``gradients/squared_norm.py``): on the host where the worker handles the chunk anyway
+  (accumulation, fp16, no held gradients), on the device where the chunk is copied
+  straight into the held gradients (``gradients/sink.py``). The sum only grows, so as
+  soon as what the host knows of it proves ``sqrt(sum) + eps > clip`` clipping is certain,
+  and once it is not finite the step is certainly skipped: speculation stops for the rest
+  of the step. Device-side sums are known only at ``engine.step()``: there speculation
+  goes on until validation (the predictor alone decides).
 - The journal blocks (``speculative_blocks``: the highest-numbered blocks, whose gradients
   backward finishes first) are stepped *as their chunks arrive*, with scale 1, if the
   previous step was applied unclipped (a clipped or skipped step predicts another) and
@@ -59,6 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatrain_ds.gradients.squared_norm import SquaredNorm
 from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.runtime.trace import NULL_TRACER
@@ -207,26 +213,35 @@ class OptimizerStepper:
         self.holds_gradients = holds_gradients
         self._sum_over_ranks = sum_over_ranks
         self.journal = Journal(states, journal_indices if holds_gradients else ())
+        self.norm = SquaredNorm(runtime.device if runtime is not None else torch.device("cpu"))
+        """The step's squared gradient norm: the one place it is summed and read."""
         self.speculate_next = True
         """The predictor: speculate in the next step (the last one was applied unclipped)."""
         self._begin_step()
 
     def _begin_step(self) -> None:
-        self._sum_squares = 0.0
         self._speculating: bool | None = None  # decided at the step's first final chunk
         self._hyper_read: dict[int, AdamHyper] = {}
         self._speculated = 0
 
     # -- gradient worker ------------------------------------------------------------------
 
-    def consume_final(self, index: int, offset: int, grad: torch.Tensor, step: int) -> None:
+    def may_speculate(self, index: int) -> bool:
+        """Whether a final chunk of state ``index`` may be stepped during backward (a journal
+        block, the predictor speculating): the sink hands such a chunk to the worker even
+        when it lands straight in the held gradients. Any thread; the predictor changes
+        only in :meth:`finish`, after the step's chunks have all been pushed."""
+        return self.holds_gradients and self.speculate_next and index in self.journal
+
+    def consume_final(self, index: int, offset: int, grad: torch.Tensor, step: int, *, counted: bool = False) -> None:
         """A final gradient chunk of state ``index`` (the held buffer's view when gradients
-        are held, else the sink's chunk). Runs on the gradient worker."""
-        # vector_norm reduces without a chunk-sized temporary (host allocator churn).
-        self._sum_squares += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        are held, else the sink's chunk). Runs on the gradient worker. ``counted``: its
+        squared norm was added on the device already (a direct chunk)."""
+        if not counted:
+            self.norm.add_on_host(grad)
         state = self.states[index]
         if not self.holds_gradients:
-            if math.isfinite(self._sum_squares):  # after a non-finite chunk, stop spoiling the state
+            if self.norm.host_known_finite():  # after a non-finite chunk, stop spoiling the state
                 with self._span(index, offset, grad.numel()):
                     self.adamw.update_range(state, offset, grad, step=step)
                 self._speculated += grad.numel()
@@ -251,7 +266,8 @@ class OptimizerStepper:
     def _speculation_may_hold(self) -> bool:
         """False once the running norm proves clipping or a skip (it can only grow)."""
         assert self._speculating is not None  # decided at the step's first final chunk, before this
-        norm = math.sqrt(self._sum_squares) if math.isfinite(self._sum_squares) else math.inf
+        known = self.norm.lower_bound()
+        norm = math.sqrt(known) if math.isfinite(known) else math.inf
         if not math.isfinite(norm) or (self.clipping > 0 and self.clipping / (norm + CLIP_EPS) < 1.0):
             self._speculating = False
         return self._speculating
@@ -261,7 +277,8 @@ class OptimizerStepper:
     def finish(self, step: int) -> StepReport:
         """Validate this step's speculation and complete (or skip) the update."""
         self.adamw.flush()  # device write-backs land before host state is read or restored
-        total = self._sum_squares if self._sum_over_ranks is None else self._sum_over_ranks(self._sum_squares)
+        local = self.norm.take()  # the sink has drained: every device addition is done
+        total = local if self._sum_over_ranks is None else self._sum_over_ranks(local)
         finite = math.isfinite(total)
         norm = math.sqrt(total) if finite else total
         scale = min(self.clipping / (norm + CLIP_EPS), 1.0) if (finite and self.clipping > 0) else 1.0
@@ -292,9 +309,8 @@ class OptimizerStepper:
             outcome = StepOutcome.APPLIED
         self.adamw.flush()
         self.journal.clear()
-        for state in self.states:
-            if state.grad is not None:
-                state.grad.zero_()
+        # No zeroing pass: the next step's first write of each held element copies over it
+        # (gradients/held_writes.py).
         report = StepReport(outcome, norm, scale, self._speculated, restored)
         if restored:
             logger.debug(
