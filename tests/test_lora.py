@@ -206,3 +206,25 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
     assert {name: dtypes[name] for name in frozen} == {name: "BF16" for name in frozen}
     assert all(dtypes[name] == "F32" for name in dtypes if "lora_" in name)
     assert saved and all("lora_" in name for name in saved)
+
+
+def test_parameters_in_no_optimizer_group_are_frozen_though_they_require_grad():
+    """A client optimizer over q_proj and the final norm only: every other parameter still
+    requires grad (the embedding and lm_head's gradients reach their hooks) yet is frozen:
+    unchanged, with no optimizer state (an out-of-range gradient would fail the step)."""
+    torch.manual_seed(0)
+    model = tiny_models.llama()
+    trained = {n for n, _ in model.named_parameters() if "q_proj" in n or n == "model.norm.weight"}
+    params = [p for n, p in model.named_parameters() if n in trained]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = ds_config(accumulation=2, clipping=1.0)
+    del config["optimizer"]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    engine = MegatrainEngine(model, parse_engine_config(config), model_parameters=params, optimizer=optimizer)
+    try:
+        _train(engine, 2)
+        state = engine.module.state_dict()
+        assert {n for n in before if not torch.equal(state[n], before[n])} == trained
+        _assert_trained_only_buffers(engine)
+    finally:
+        engine.destroy()
