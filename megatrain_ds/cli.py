@@ -57,11 +57,16 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     block_ids = {id(p) for block in blocks for p in block.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    largest = blocks[block_sizes.index(max(block_sizes))]
     return ModelShape(
         num_blocks=len(blocks),
         block_params=max(block_sizes),
         total_block_params=sum(block_sizes),
         resident_params=resident,
+        frozen_params=sum(p.numel() for p in frozen),
+        frozen_block_params=sum(p.numel() for p in largest.parameters() if not p.requires_grad),
+        frozen_in_bf16=bool(frozen) and all(p.dtype == torch.bfloat16 for p in frozen),
         **{
             **sizes_from_config(getattr(model, "config", None)),
             # the blocks' own MLP width (one expert's, for stacked experts)

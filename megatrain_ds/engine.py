@@ -197,7 +197,7 @@ class MegatrainEngine(nn.Module):
         dp = self.data_parallel
         shared = dp.shared if dp is not None else None  # one host copy per node
         templates = self._build_host_state(blocks, group_of, source, shared, nvme)
-        resident, block_modules = self._build_resident(model, blocks, group_of, source, shared)
+        resident, block_modules = self._build_resident(model, blocks, group_of, source, shared, nvme)
         self._build_optimizer(shared, nvme)
         self._build_streams(templates, nvme)
         self._build_streamed_blocks(model, blocks, templates, block_modules)
@@ -313,6 +313,8 @@ class MegatrainEngine(nn.Module):
                 span_of=dp.window,
                 share=dp.broadcast_from_rank0_,
             )
+        if self._trained_only(nvme):
+            return migrate_to_host(*(named, group_of, self.runtime, master, compute), source=source, trained_only=True)
         return migrate_to_host(
             named,
             group_of,
@@ -327,6 +329,12 @@ class MegatrainEngine(nn.Module):
             share=self._share_initial_weights,
         )
 
+    def _trained_only(self, nvme: str) -> bool:
+        """Whether frozen parameters cost their weights alone (``state/host_store.py``:
+        [Note: frozen weights]): one process with all its state in host memory. With data
+        parallel or the NVMe tier every buffer still covers every parameter."""
+        return nvme == "none" and self.data_parallel is None
+
     def _build_resident(
         self,
         model: nn.Module,
@@ -334,6 +342,7 @@ class MegatrainEngine(nn.Module):
         group_of: dict[nn.Parameter, int],
         source: SafetensorsSource | None,
         shared: NodeSharedMemory | None,
+        nvme: str,
     ) -> tuple[list[tuple[str, nn.Parameter]], set[int]]:
         """The parameters outside the blocks (embeddings, final norm, head), their state last
         in ``self.states``, and the buffers outside the blocks on the device. Returns the
@@ -341,6 +350,7 @@ class MegatrainEngine(nn.Module):
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
         master, compute = self.config.master_dtype, self.config.compute_dtype
+        trained_only = self._trained_only(nvme)
         self.resident = ResidentParams(
             resident,
             group_of,
@@ -349,8 +359,9 @@ class MegatrainEngine(nn.Module):
             compute,
             source=source,
             shared=shared,
-            span_of=self._span_of,
-            share=self._share_initial_weights,
+            span_of=None if trained_only else self._span_of,
+            share=None if trained_only else self._share_initial_weights,
+            trained_only=trained_only,
         )
         if source is not None:
             source.report_unused(name for name, _ in model.named_buffers())

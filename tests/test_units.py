@@ -15,7 +15,7 @@ from megatrain_ds.streaming.weight_streamer import WeightStreamer
 CPU = DeviceRuntime.create(torch.device("cpu"))
 
 
-def test_layout_orders_by_group_aligns_and_splits():
+def test_layout_orders_by_group_frozen_last_aligns_and_splits():
     layout = build_flat_layout(
         [
             ("a", torch.Size([3, 5]), 1),
@@ -24,16 +24,17 @@ def test_layout_orders_by_group_aligns_and_splits():
             ("d", torch.Size([2]), 1),
         ]
     )
-    assert [s.name for s in layout.slots] == ["c", "b", "a", "d"]
+    assert [s.name for s in layout.slots] == ["b", "a", "d", "c"]
     assert all(s.offset % ALIGN_ELEMENTS == 0 for s in layout.slots)
     assert layout.numel % ALIGN_ELEMENTS == 0
-    assert [(r.group, r.start, r.end) for r in layout.runs] == [(-1, 0, 64), (0, 64, 128), (1, 128, 256)]
-    assert [(r.group, r.start) for r in layout.trained_runs()] == [(0, 64), (1, 128)]
+    assert [(r.group, r.start, r.end) for r in layout.runs] == [(0, 0, 64), (1, 64, 192), (-1, 192, 256)]
+    assert [(r.group, r.start) for r in layout.trained_runs()] == [(0, 0), (1, 64)]
+    assert layout.trained_numel == 192  # the frozen slot is the suffix the trained-only buffers leave out
     flat = torch.arange(layout.numel, dtype=torch.float32)
     chunks = torch.split(flat, layout.split_sizes)
     for slot in layout.slots:
         assert torch.equal(chunks[slot.split_index], flat[slot.offset : slot.offset + slot.numel])
-    assert [(r.start, r.end) for r in intersect_runs(layout.runs, 100, 150)] == [(100, 128), (128, 150)]
+    assert [(r.start, r.end) for r in intersect_runs(layout.runs, 180, 200)] == [(180, 192), (192, 200)]
 
 
 @pytest.mark.parametrize("decoupled", [True, False])

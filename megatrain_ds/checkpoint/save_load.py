@@ -158,6 +158,14 @@ class _Entry:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
 
+    def weight(self, whole: torch.Tensor) -> torch.Tensor:
+        """Its weight in ``whole`` (the state's whole weights), or in the shadow for a frozen
+        weight held there alone (``state/host_store.py``: [Note: frozen weights]): written and
+        read once, in its own dtype."""
+        if self.state.frozen_in_shadow and not self.trained:
+            return self.view(self.state.weights_of(self.slot))
+        return self.view(whole)
+
 
 class _StateTensors:
     """A state's flat buffer of a kind; what the NVMe tier holds (Adam moments, and fp32
@@ -428,7 +436,7 @@ def _write_model_and_trainer_state(
             tensors = []
             for i in members:
                 weights = _whole_weights(engine, i, flat_of)  # a gather on every rank where no node holds them
-                tensors += [(e.name, e.view(weights)) for e in groups[i] if e.trained or not request.exclude_frozen]
+                tensors += [(e.name, e.weight(weights)) for e in groups[i] if e.trained or not request.exclude_frozen]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
             if writes and failure is None:
@@ -634,7 +642,7 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: _StateTens
             wanted = reads.model_targets.get(file.path, {})
             file.read_into(
                 {
-                    name: entry.view(weights_of(entry.state))
+                    name: entry.weight(weights_of(entry.state))
                     for name, entry in wanted.items()
                     if not entry.state.gathered  # read by every rank: _read_window_masters
                 },
@@ -705,7 +713,9 @@ def _refresh_shadows(engine: CheckpointedEngine, flat_of: _StateTensors) -> None
     master's shadow came from the model files or the whole temporary)."""
     for state in engine.states:
         if state.shadow is not None and not state.master_sharded:
-            state.shadow.copy_(flat_of(state, "master"))
+            # Only the master's part: frozen weights held in the shadow alone were read there.
+            first, last = state.master_held
+            state.shadow[first:last].copy_(flat_of(state, "master"))
             flat_of.release()
 
 
@@ -768,7 +778,8 @@ def _whole_states(held_of: Mapping[int, HeldSpan]) -> Iterator[Callable[[HostFla
     def whole_of(state: HostFlatState, kind: str) -> torch.Tensor:
         part = held_of[id(state)]
         flat = part.tensor(kind)
-        if (part.start, part.end) == (0, part.numel):
+        # Trained-only state: its trained prefix is all the files have tensors of.
+        if (part.start, part.end) == (0, part.numel) or state.trained_only:
             return flat
         if (id(state), kind) not in temporaries:
             temporaries[id(state), kind] = (part, torch.zeros(part.numel, dtype=flat.dtype))
@@ -865,12 +876,13 @@ def _match_weights(
             continue
         file, record = found[hit]
         _check_shape(hit, file, record, entry, path)
-        if record.dtype != entry.state.master.dtype and not exact_masters:
+        held_dtype = entry.state.weights_of(entry.slot).dtype  # a frozen weight may be held in the shadow
+        if record.dtype != held_dtype and not exact_masters:
             logger.warning(
                 "megatrain: tensor %s is %s in the checkpoint and %s in this engine; converting",
                 hit,
                 record.dtype,
-                entry.state.master.dtype,
+                held_dtype,
             )
         targets.setdefault(file.path, {})[hit] = entry
         used.update(aliases[id(param)])

@@ -218,7 +218,8 @@ def build_host_adamw(
         calibration = calibrate(runtime, kernel)
         shadow_bytes = 2 if states[0].shadow is not None else 0
         share = device_share(calibration, torch.empty((), dtype=grad_dtype).element_size(), shadow_bytes)
-        by_order = split([states[i].layout.numel for i in order], share)
+        # Split by the elements each state steps: its trained prefix (frozen ones never are).
+        by_order = split([states[i].layout.trained_numel for i in order], share)
         targets = [""] * len(states)
         for index, target in zip(order, by_order):
             targets[index] = target

@@ -123,11 +123,12 @@ class Journal:
 
     def __init__(self, states: Sequence[HostFlatState], indices: Sequence[int]) -> None:
         self.states = states
-        # Ordinary (unpinned) host memory: only the CPU ever reads it.
+        # Ordinary (unpinned) host memory: only the CPU ever reads it. Only trained elements
+        # are ever stepped, and they are the layout's prefix (frozen slots come last).
         self._slots = {
             index: _Slot(
                 {
-                    kind: torch.empty(states[index].layout.numel, dtype=getattr(states[index], kind).dtype)
+                    kind: torch.empty(states[index].layout.trained_numel, dtype=getattr(states[index], kind).dtype)
                     for kind in _JOURNALED
                     if getattr(states[index], kind) is not None
                 }
@@ -361,7 +362,7 @@ def speculative_block_indices(
     in ``budget_bytes_per_param`` times the number of parameters."""
     costs = [
         sum(getattr(state, kind).element_size() for kind in _JOURNALED if getattr(state, kind) is not None)
-        * state.layout.numel
+        * state.layout.trained_numel  # frozen elements are never stepped, so never journaled
         for state in states[:num_blocks]
     ]
     return choose_journal_blocks(costs, sum(state.layout.numel for state in states), setting, budget_bytes_per_param)

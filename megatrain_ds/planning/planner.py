@@ -216,6 +216,14 @@ class ModelShape:
     (the stash counts ``4 * hidden``, activations the ``34 * hidden`` rule)."""
     kv_hidden: int = 0
     """Width of the keys (and of the values): ``kv_heads * head_dim``; 0: ``hidden``."""
+    frozen_params: int = 0
+    """Parameters that are not trained (``requires_grad=False``, a LoRA model's base weights):
+    without the NVMe tier their weights alone are held (``state/host_store.py``: [Note: frozen
+    weights])."""
+    frozen_block_params: int = 0
+    """Frozen parameters of the largest block (a journal slot holds the trained ones only)."""
+    frozen_in_bf16: bool = False
+    """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone."""
 
     @property
     def params(self) -> int:
@@ -341,7 +349,10 @@ class Plan:
 def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     """Host memory of the run, by kind (the engine's persistent state plus staging)."""
     params = shape.params
-    result = {"master": 4 * params, "adam_m_v": 8 * params}
+    frozen = 0 if settings.nvme else shape.frozen_params  # the tier keeps every buffer whole
+    trained = params - frozen
+    in_shadow = frozen if settings.bf16 and shape.frozen_in_bf16 else 0
+    result = {"master": 4 * (params - in_shadow), "adam_m_v": 8 * trained}
     if settings.nvme:
         result["adam_m_v"] = 8 * shape.resident_params
         if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
@@ -357,7 +368,7 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
         shadowed = shape.resident_params if settings.nvme and settings.nvme_weights else params
         result["bf16_shadow"] = 2 * shadowed
     if settings.holds_gradients:
-        result["gradients"] = settings.grad_bytes * params
+        result["gradients"] = settings.grad_bytes * trained
     journal = _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
     if journal:
         result["journal"] = journal
@@ -475,9 +486,10 @@ def _journal_numel(shape: ModelShape, settings: RunSettings) -> int:
     """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
     if not settings.holds_gradients:
         return 0
-    cost = _journal_bytes_per_element(settings) * shape.block_params
+    trained = shape.block_params - (0 if settings.nvme else shape.frozen_block_params)  # frozen: never stepped
+    cost = _journal_bytes_per_element(settings) * trained
     chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
-    return len(chosen) * shape.block_params
+    return len(chosen) * trained
 
 
 def min_tokens_to_hide_transfer(hardware: Hardware, bf16: bool = True) -> int:

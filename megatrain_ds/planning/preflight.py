@@ -8,7 +8,9 @@ exact to the byte, page rounding included):
 
 - host: per block and for the resident parameters, the master, the compute-dtype shadow,
   Adam m and v, the gradient buffer (fp32 when accumulating, else compute dtype, only
-  with clipping or accumulation), plus the gradient staging buffers; on a CPU-only
+  with clipping or accumulation), plus the gradient staging buffers; in one process with
+  no NVMe tier, frozen parameters count for their weights alone (``state/host_store.py``:
+  [Note: frozen weights]); on a CPU-only
   machine blocks compute on their host buffers in place and gradients are consumed where
   they are (no weight buffers, no staging). Migration frees the
   model's current host weights as it goes, so they count as available.
@@ -45,7 +47,7 @@ from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
-from megatrain_ds.state.flat_layout import build_flat_layout
+from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
 from megatrain_ds.state.host_store import SpanOf
 from megatrain_ds.state.nvme_tier import WITH_MASTER, swap_file_bytes, tier_kinds
 from megatrain_ds.state.nvme_weights import weight_window_buffers
@@ -101,6 +103,13 @@ class _Shapes:
     resident_numel: int
     host_freed: int
     device_freed: int
+    trained_numels: list[int] | None = None
+    """Each state's trained prefix (``FlatLayout.trained_numel``), the blocks' then the
+    resident state's; ``None``: every element is trained."""
+    frozen_in_compute_dtype: list[bool] | None = None
+    """Per state: whether it has frozen parameters, every one in the compute dtype (with a
+    bf16 shadow its master then holds only the trained prefix: ``state/host_store.py``,
+    [Note: frozen weights])."""
 
 
 def _host_buffer(numel: int, itemsize: int) -> int:
@@ -110,12 +119,14 @@ def _host_buffer(numel: int, itemsize: int) -> int:
 def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer) -> _Shapes:
     _, blocks = find_blocks(model, config.options.block_path)
     group_of = group_index_of(model, optimizer)
-    block_numels = [
-        build_flat_layout([(n, p.shape, group_of[p]) for n, p in block.named_parameters()]).numel for block in blocks
-    ]
     block_ids = {id(p) for p in blocks.parameters()}
-    resident = [(n, p.shape, group_of[p]) for n, p in model.named_parameters() if id(p) not in block_ids]
-    resident_numel = build_flat_layout(resident).numel if resident else 0
+    states = [list(block.named_parameters()) for block in blocks]
+    states.append([(n, p) for n, p in model.named_parameters() if id(p) not in block_ids])
+    layouts = [build_flat_layout([(n, p.shape, group_of[p]) for n, p in named]) for named in states]
+    frozen_dtypes = [{p.dtype for _, p in named if group_of[p] == FROZEN_GROUP} for named in states]
+    in_compute = [bool(dtypes) and dtypes == {config.compute_dtype} for dtypes in frozen_dtypes]
+    block_numels = [layout.numel for layout in layouts[:-1]]
+    resident_numel = layouts[-1].numel
     freed = {"cpu": 0, "cuda": 0}
     seen: set[int] = set()
     for param in model.parameters():
@@ -126,7 +137,8 @@ def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optim
             continue
         seen.add(storage.data_ptr())
         freed["cuda" if param.device.type == "cuda" else "cpu"] += storage.nbytes()
-    return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"])
+    trained = [layout.trained_numel for layout in layouts]
+    return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"], trained, in_compute)
 
 
 def _held(numel: int, span_of: SpanOf | None) -> int:
@@ -156,13 +168,9 @@ def estimate_from_shapes(
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
     streamed = compute if config.compute_dtype != config.master_dtype else master
     numels = [*shapes.block_numels, shapes.resident_numel]
-    held = [_held(n, span_of) for n in numels]
-    # With a bf16 shadow the nodes shard the master too (host_store.migrate_to_host; a rank's
-    # NVMe tier holds only m and v). One process holds all of it (held is whole), with the
-    # tier only the resident state's (below).
-    master_sharded = config.compute_dtype != config.master_dtype
+    held, masters = _held_and_masters(shapes, config, span_of, tier_ranks)
     host = {
-        "master": sum(_host_buffer(n, master) for n in (held if master_sharded else numels)),
+        "master": sum(_host_buffer(n, master) for n in masters),
         "adam_m_v": sum(2 * _host_buffer(n, 4) for n in held),
     }
     disk = 0
@@ -178,7 +186,7 @@ def estimate_from_shapes(
     if config.holds_gradients:
         # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.
         per_element = master + 8 + (compute if config.compute_dtype != config.master_dtype else 0)
-        costs = [per_element * n for n in shapes.block_numels]
+        costs = [per_element * n for n in _journaled(shapes)]
         chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM)
         if chosen:
             host["journal"] = sum(costs[i] for i in chosen)
@@ -195,6 +203,40 @@ def estimate_from_shapes(
         host["weight_buffers"] = 0
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
+
+
+def _trained_only(shapes: _Shapes, config: EngineConfig, span_of: SpanOf | None, tier_ranks: int | None) -> bool:
+    """Whether frozen parameters cost their weights alone (``MegatrainEngine._trained_only``:
+    one process, no NVMe tier; the engine's ``span_of`` answers ``None`` without data parallel)."""
+    one_process = tier_ranks is None and (span_of is None or span_of(max(shapes.block_numels)) is None)
+    return config.options.nvme_offload == "none" and one_process and shapes.trained_numels is not None
+
+
+def _held_and_masters(
+    shapes: _Shapes, config: EngineConfig, span_of: SpanOf | None, tier_ranks: int | None
+) -> tuple[list[int], list[int]]:
+    """Per state (the blocks', then the resident state's): the elements its moments and
+    gradients hold, and those its master holds."""
+    numels = [*shapes.block_numels, shapes.resident_numel]
+    with_shadow = config.compute_dtype != config.master_dtype
+    if _trained_only(shapes, config, span_of, tier_ranks):
+        assert shapes.trained_numels is not None and shapes.frozen_in_compute_dtype is not None
+        trained = shapes.trained_numels
+        in_shadow = [with_shadow and flag for flag in shapes.frozen_in_compute_dtype]
+        return list(trained), [t if flag else n for n, t, flag in zip(numels, trained, in_shadow)]
+    held = [_held(n, span_of) for n in numels]
+    # With a bf16 shadow the nodes shard the master too (host_store.migrate_to_host; a rank's
+    # NVMe tier holds only m and v). One process holds all of it (held is whole), with the
+    # tier only the resident state's (_nvme_tier_need).
+    return held, held if with_shadow else numels
+
+
+def _journaled(shapes: _Shapes) -> list[int]:
+    """Each block's elements a journal slot holds: its trained prefix (frozen elements are
+    never stepped, so never journaled; ``optimizer/speculative_step.py``)."""
+    if shapes.trained_numels is None:
+        return shapes.block_numels
+    return shapes.trained_numels[:-1]
 
 
 def _nvme_tier_need(

@@ -19,7 +19,10 @@ import torch
 ALIGN_ELEMENTS = 64
 
 FROZEN_GROUP = -1
-"""Group index of parameters with ``requires_grad=False``: streamed, never updated."""
+"""Group index of parameters with ``requires_grad=False`` (or in no optimizer group): streamed,
+never updated. They are laid out after every trained parameter (:func:`build_flat_layout`), so
+the trained elements are the prefix ``[0, FlatLayout.trained_numel)`` and the buffers only
+training needs (moments, gradients, an fp32 master beside a bf16 shadow) can stop there."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ class FlatLayout:
     def trained_runs(self) -> tuple[GroupRun, ...]:
         return tuple(run for run in self.runs if run.group != FROZEN_GROUP)
 
+    @property
+    def trained_numel(self) -> int:
+        """End of the trained prefix: every trained element lies in ``[0, trained_numel)``,
+        every frozen one after it (frozen slots come last)."""
+        trained = self.trained_runs()
+        assert all(run.group == FROZEN_GROUP for run in self.runs[len(trained) :]), "frozen slots come last"
+        return trained[-1].end if trained else 0
+
     def window(self, start: int, end: int) -> FlatLayout:
         """Elements ``[start, end)`` as a layout of their own, for the optimizer: group runs
         only, shifted to start at 0 (a data-parallel rank's share, ``distributed/data_parallel.py``)."""
@@ -76,12 +87,14 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def build_flat_layout(params: Sequence[tuple[str, torch.Size, int]]) -> FlatLayout:
-    """Lay out ``(name, shape, group)`` triples: ordered by group (stable), aligned.
+    """Lay out ``(name, shape, group)`` triples: ordered by group (stable), frozen ones
+    (:data:`FROZEN_GROUP`) last, aligned.
 
     ``split_sizes`` alternates parameter and padding chunks so that one
     ``torch.split`` yields a view of every parameter, and its backward is one ``cat``.
     """
-    ordered = sorted(params, key=lambda item: item[2])
+    # Frozen last: the trained elements are then a prefix (FlatLayout.trained_numel).
+    ordered = sorted(params, key=lambda item: (item[2] == FROZEN_GROUP, item[2]))
     slots: list[ParamSlot] = []
     split_sizes: list[int] = []
     offset = 0

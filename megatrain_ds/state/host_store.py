@@ -19,7 +19,7 @@ from torch import nn
 
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
-from megatrain_ds.state.flat_layout import FlatLayout, build_flat_layout
+from megatrain_ds.state.flat_layout import FROZEN_GROUP, FlatLayout, ParamSlot, build_flat_layout
 
 
 @dataclass
@@ -39,6 +39,23 @@ class HostFlatState:
             node's share (``distributed/data_parallel.py``: [Note: sharded host state]).
         master_sharded: whether ``master`` too holds only the ``span`` (several nodes with a
             shadow: the whole weights a node streams are the shadow, :attr:`weights_kind`).
+        trained_only: whether the moments and gradients hold only the trained prefix
+            ``[0, layout.trained_numel)``: frozen parameters have none ([Note: frozen weights]).
+        frozen_in_shadow: whether ``master`` too holds only the trained prefix, the frozen
+            weights living in the streamed ``shadow`` alone, in their own (the compute) dtype.
+
+    [Note: frozen weights]
+    A frozen parameter (``requires_grad=False``, or in no optimizer group) is streamed and
+    never updated, so it needs its weights once and nothing else. Layouts put frozen slots
+    last (``FlatLayout.trained_numel``), so the buffers only training needs stop at the
+    trained prefix: Adam's moments and the gradients always (``trained_only``), and with a
+    bf16 shadow the fp32 master too, when every frozen parameter arrives in the compute dtype
+    (``frozen_in_shadow``): its weights are then held once, bit for bit, in the shadow that is
+    streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
+    master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
+    frozen weights to the compute dtype before ``initialize`` to hold them at 2 B/param.
+    One process with its state in host memory only: with data parallel or the NVMe tier every
+    buffer still covers the whole layout (``migrate_to_host(trained_only=...)``).
     """
 
     layout: FlatLayout
@@ -52,11 +69,15 @@ class HostFlatState:
     span: tuple[int, int] | None = None
     """``None``: the optimizer state covers every element (``[0, layout.numel)``)."""
     master_sharded: bool = False
+    trained_only: bool = False
+    frozen_in_shadow: bool = False
 
     @property
     def held(self) -> tuple[int, int]:
         """``[start, end)`` of the elements the optimizer state (moments, gradients) holds."""
-        return self.span if self.span is not None else (0, self.layout.numel)
+        if self.span is not None:
+            return self.span
+        return (0, self.layout.trained_numel if self.trained_only else self.layout.numel)
 
     @property
     def sharded(self) -> bool:
@@ -65,7 +86,10 @@ class HostFlatState:
 
     @property
     def master_held(self) -> tuple[int, int]:
-        """``[start, end)`` of the elements ``master`` holds (:attr:`held` where it is sharded)."""
+        """``[start, end)`` of the elements ``master`` holds (:attr:`held` where it is sharded,
+        the trained prefix where the frozen weights are in the shadow alone)."""
+        if self.frozen_in_shadow:
+            return (0, self.layout.trained_numel)
         return self.held if self.master_sharded else (0, self.layout.numel)
 
     @property
@@ -82,8 +106,17 @@ class HostFlatState:
 
     @property
     def weights(self) -> torch.Tensor:
-        """Every weight of the state (:attr:`weights_kind`): what the user's parameters view."""
+        """Every weight of the state (:attr:`weights_kind`): what the user's parameters view
+        (the trained ones only where :attr:`frozen_in_shadow`: :meth:`weights_of`)."""
         return self.shadow if self.master_sharded and self.shadow is not None else self.master
+
+    def weights_of(self, slot: ParamSlot) -> torch.Tensor:
+        """The buffer that holds ``slot``'s weight: :attr:`weights`, or the shadow for a frozen
+        slot whose weight is held there alone ([Note: frozen weights])."""
+        if self.frozen_in_shadow and slot.group == FROZEN_GROUP:
+            assert self.shadow is not None
+            return self.shadow
+        return self.weights
 
     @property
     def streamed(self) -> torch.Tensor:
@@ -93,7 +126,7 @@ class HostFlatState:
     def weight_view(self, slot_index: int) -> torch.Tensor:
         """Slot ``slot_index`` of :attr:`weights` (the fp32 master unless it is sharded)."""
         slot = self.layout.slots[slot_index]
-        return self.weights[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return self.weights_of(slot)[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def nbytes_by_kind(self) -> dict[str, int]:
         """Host bytes held, by kind (for memory accounting and tests)."""
@@ -114,6 +147,7 @@ class HostFlatState:
         inside the part this node holds (:attr:`held`)."""
         first, last = self.held
         assert first <= start <= end <= last, (start, end, self.held)
+        assert not self.trained_only, "data parallel windows are of states that hold every element"
 
         def part(tensor: torch.Tensor | None, base: int = 0) -> torch.Tensor | None:
             return None if tensor is None else tensor[start - base : end - base]
@@ -199,40 +233,34 @@ def migrate_to_host(
     shadow_on_host: bool = True,
     span_of: SpanOf | None = None,
     share: Callable[[torch.Tensor], None] | None = None,
+    trained_only: bool = False,
 ) -> HostFlatState:
-    """Move ``named_params`` into a new flat host state, re-pointing each at its slot of the
-    whole weights (the master; the shadow where the master is sharded, below).
-
-    The master buffer is allocated untouched (no resident pages); each parameter is copied
-    into its slot and re-pointed at once, which frees its old storage before the next is
-    copied. So the model never exists twice in memory: the peak is the final state plus
-    one parameter.
-
-    With ``source`` each slot is filled from ``source.copy_into(name, slot)`` instead of
-    the parameter's own value; parameters on the ``meta`` device (no storage) then become
-    real parameters viewing their slot, keeping their identity (optimizer groups hold them).
+    """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
+    whole weights (the master; the shadow where the master is sharded, below). The master
+    is allocated untouched (no resident pages); each parameter is copied into its slot and
+    re-pointed at once, freeing its old storage before the next is copied: the peak is the
+    final state plus one parameter. With ``source`` each slot is filled from
+    ``source.copy_into(name, slot)``; parameters on the ``meta`` device then become real
+    parameters viewing their slot, keeping their identity (optimizer groups hold them).
 
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
-    own values are dropped, as DDP drops them for rank 0's) and must not read the state
-    before :meth:`NodeSharedMemory.written`. ``share(values)``, on the writer, may replace
-    the state's whole values before anything is derived from them (data parallel: the
-    first node's initial weights).
+    values dropped, as DDP drops them for rank 0's) and read nothing before
+    :meth:`NodeSharedMemory.written`. ``share(values)``, on the writer, may replace the
+    whole values first (data parallel: the first node's initial weights).
 
-    With ``moments_on_host=False`` Adam's m and v get placeholders (:func:`absent_on_host`):
-    the NVMe tier holds them. With ``shadow_on_host=False`` no shadow is made: the weights
-    are streamed from the tier, rounded as they are read (``state/nvme_weights.py``).
+    ``moments_on_host=False``: Adam's m and v are placeholders (:func:`absent_on_host`), the
+    NVMe tier holds them; ``shadow_on_host=False``: no shadow, the weights are streamed from
+    the tier, rounded as they are read (``state/nvme_weights.py``).
 
-    With ``span_of`` the moments hold only the elements ``span_of(numel)`` of the state
-    (this node's share, :attr:`HostFlatState.span`). Where a shadow is made the master holds
-    only the span too (:attr:`HostFlatState.master_sharded`; with several nodes an NVMe tier
-    is each rank's, of m and v only): the parameters view the whole shadow, and the values
-    pass through a whole temporary of the state (one state more at the peak). So does a
-    state that keeps only its span and no shadow (``shadow_on_host=False`` with ``span_of``:
-    a rank's window of a block whose weights are gathered when used,
-    ``distributed/gathered_weights.py``); its parameters are then parked (meta tensors).
-    """
+    ``span_of``: the moments hold only this node's share, ``span_of(numel)``
+    (:attr:`HostFlatState.span`), and so may the master (:func:`_fill_sharded`).
+    ``trained_only`` (one process, none of the above): frozen parameters get no moments,
+    gradients or, where they can, master (:func:`_migrate_trained_only`)."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
+    if trained_only:
+        assert shared is None and span_of is None and share is None and moments_on_host and shadow_on_host
+        return _migrate_trained_only(named_params, layout, runtime, master_dtype, compute_dtype, source)
     span = span_of(layout.numel) if span_of is not None else None
     first, last = span if span is not None else (0, layout.numel)
     writes = shared is None or shared.is_writer
@@ -241,16 +269,7 @@ def migrate_to_host(
     sharded = span is not None and (shadow is not None or not shadow_on_host)
     if sharded:
         master = runtime.host_empty(last - first, master_dtype, shared)
-        whole = torch.empty(layout.numel, dtype=master_dtype) if writes else None  # freed on return
-        viewed = shadow if shadow is not None else whole
-        assert viewed is not None, "a rank that keeps no whole weights fills its own span (no shared memory)"
-        params = _fill_slots(named_params, layout, whole, viewed, source)
-        if whole is not None:
-            if share is not None:
-                share(whole)
-            if shadow is not None:
-                shadow.copy_(whole)  # every weight, rounded: what the node streams
-            master.copy_(whole[first:last])  # this span, exact
+        params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
         master = runtime.host_empty(layout.numel, master_dtype, shared)
         params = _fill_slots(named_params, layout, master if writes else None, master, source)
@@ -274,19 +293,98 @@ def migrate_to_host(
     return state
 
 
+def _migrate_trained_only(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
+    runtime: DeviceRuntime,
+    master_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    source: TensorSource | None,
+) -> HostFlatState:
+    """The state of ``named_params`` in one process's host memory, frozen parameters at the
+    cost of their weights alone ([Note: frozen weights]): moments (and gradients, allocated
+    later over :attr:`HostFlatState.held`) of the trained prefix only; with a bf16 shadow and
+    every frozen parameter in the compute dtype, a master of the trained prefix only, each
+    frozen weight copied straight into its slot of the shadow (exact: same dtype)."""
+    trained = layout.trained_numel
+    dtype_of = {name: param.dtype for name, param in named_params}
+    frozen = [index for index, slot in enumerate(layout.slots) if slot.group == FROZEN_GROUP]
+    shadow = runtime.host_empty(layout.numel, compute_dtype) if compute_dtype != master_dtype else None
+    in_shadow = (
+        shadow is not None and bool(frozen) and all(dtype_of[layout.slots[i].name] == compute_dtype for i in frozen)
+    )
+    if in_shadow:
+        assert shadow is not None
+        master = runtime.host_empty(trained, master_dtype)
+        params = _fill_slots(named_params, layout, master, master, source, range(frozen[0]))
+        params += _fill_slots(named_params, layout, shadow, shadow, source, frozen)
+        shadow[:trained].copy_(master)  # the trained weights' streamed copy, rounded
+    else:
+        master = runtime.host_empty(layout.numel, master_dtype)
+        params = _fill_slots(named_params, layout, master, master, source)
+        if shadow is not None:
+            shadow.copy_(master)
+    return HostFlatState(
+        layout=layout,
+        master=master,
+        shadow=shadow,
+        exp_avg=runtime.host_zeros(trained, torch.float32),
+        exp_avg_sq=runtime.host_zeros(trained, torch.float32),
+        params=params,
+        trained_only=True,
+        frozen_in_shadow=in_shadow,
+    )
+
+
+def _fill_sharded(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
+    master: torch.Tensor,
+    shadow: torch.Tensor | None,
+    span: tuple[int, int],
+    source: TensorSource | None,
+    writes: bool,
+    share: Callable[[torch.Tensor], None] | None,
+) -> list[nn.Parameter]:
+    """Fill a master that holds only ``span``, this node's share (:attr:`HostFlatState.master_sharded`).
+
+    Where a shadow is made the master holds only the span (with several nodes an NVMe tier
+    is each rank's, of m and v only): the parameters view the whole shadow, and the values
+    pass through a whole temporary of the state, freed on return (one state more at the
+    peak). So does a state that keeps only its span and no shadow (``shadow_on_host=False``
+    with ``span_of``: a rank's window of a block whose weights are gathered when used,
+    ``distributed/gathered_weights.py``); its parameters view the temporary, and
+    :func:`migrate_to_host` parks them (meta tensors)."""
+    first, last = span
+    whole = torch.empty(layout.numel, dtype=master.dtype) if writes else None
+    viewed = shadow if shadow is not None else whole
+    assert viewed is not None, "a rank that keeps no whole weights fills its own span (no shared memory)"
+    params = _fill_slots(named_params, layout, whole, viewed, source)
+    if whole is not None:
+        if share is not None:
+            share(whole)
+        if shadow is not None:
+            shadow.copy_(whole)  # every weight, rounded: what the node streams
+        master.copy_(whole[first:last])  # this span, exact
+    return params
+
+
 def _fill_slots(
     named_params: Sequence[tuple[str, nn.Parameter]],
     layout: FlatLayout,
     values: torch.Tensor | None,
     viewed: torch.Tensor,
     source: TensorSource | None,
+    indices: Sequence[int] | None = None,
 ) -> list[nn.Parameter]:
     """Copy each parameter's value (or ``source``'s) into its slot of ``values`` (``None``:
     not this rank's to write), then re-point the parameter at its slot of ``viewed``: its old
-    storage is freed before the next one is copied. Returns the parameters in slot order."""
+    storage is freed before the next one is copied. Returns the parameters in slot order.
+    ``indices``: only these slots (default all; frozen ones may go to another buffer)."""
     by_name = dict(named_params)
     params = []
-    for index, slot in enumerate(layout.slots):
+    for index in range(len(layout.slots)) if indices is None else indices:
+        slot = layout.slots[index]
         param = by_name[slot.name]
         if values is not None:
             view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)

@@ -26,6 +26,7 @@ from torch import nn
 from megatrain_ds.gradients.row_chunked import PushFn, RowChunkedModule, redirect_row_chunked
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.state.flat_layout import FROZEN_GROUP
 from megatrain_ds.state.host_store import HostFlatState, SpanOf, TensorSource, migrate_to_host
 
 
@@ -42,6 +43,7 @@ class ResidentParams:
             the node's writer has filled the state and :meth:`refresh_device` ran.
         span_of: this node's share of the optimizer state (see ``migrate_to_host``).
         share: data parallel: gives the node writer's values the first node's (``migrate_to_host``).
+        trained_only: frozen parameters get no optimizer state (``migrate_to_host``).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class ResidentParams:
         shared: NodeSharedMemory | None = None,
         span_of: SpanOf | None = None,
         share: Callable[[torch.Tensor], None] | None = None,
+        trained_only: bool = False,
     ) -> None:
         self.state: HostFlatState = migrate_to_host(
             named_params,
@@ -66,6 +69,7 @@ class ResidentParams:
             shared=shared,
             span_of=span_of,
             share=share,
+            trained_only=trained_only,
         )
         streamed = self.state.streamed
         if runtime.shares_host_memory:
@@ -99,14 +103,19 @@ class ResidentParams:
         chunked: dict[int, RowChunkedModule] = {}
         for param_id, users in owners.items():
             is_weight = len(users) == 1 and id(getattr(users[0], "weight", None)) == param_id
-            if param_id in slot_of and is_weight:
+            if param_id in slot_of and is_weight and slot_of[param_id].group != FROZEN_GROUP:
                 redirected = redirect_row_chunked(users[0], slot_of[param_id].offset, push, chunk_elements)
                 if redirected is not None:
                     chunked[param_id] = redirected
         self._redirected = list(chunked.values())
 
         for slot, param in zip(self.state.layout.slots, self.state.params):
-            if param.requires_grad:
+            if param.requires_grad and slot.group == FROZEN_GROUP:
+                # In no optimizer group: frozen, though it requires grad. The state holds no
+                # gradient for it (the blocks compute none: streaming/streamed_blocks.py);
+                # dropped, so none piles up on the device.
+                self._hooks.append(param.register_post_accumulate_grad_hook(_drop_gradient))
+            elif param.requires_grad:
                 hook = _make_gradient_hook(push, slot.offset, slot.name, chunked.get(id(param)))
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
@@ -153,3 +162,8 @@ def _make_gradient_hook(
         push(offset, grad.reshape(-1))
 
     return hook
+
+
+def _drop_gradient(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a parameter that is trained by no optimizer group."""
+    param.grad = None

@@ -1,0 +1,230 @@
+"""LoRA (peft) and other frozen weights: trained like plain PyTorch, held at their own size.
+
+A frozen parameter (``requires_grad=False``) costs its weights alone, in its own dtype, in
+one process with its state in host memory (``state/host_store.py``: [Note: frozen weights]):
+no master beside a bf16 shadow (when it arrives in bf16), no Adam moments, no gradient
+buffer, no journal slot, and backward computes no gradient for it.
+"""
+
+import copy
+import math
+
+import pytest
+import tiny_models
+import torch
+from safetensors import safe_open
+from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error, train_side_by_side
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.cli import shape_of
+from megatrain_ds.optimizer.facade import build_optimizer
+from megatrain_ds.planning import preflight
+from megatrain_ds.planning.planner import RunSettings, host_bytes
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
+
+
+def lora_llama(frozen_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny Llama with peft's LoRA (r=4) on q_proj and v_proj: every base weight frozen.
+    lora_B starts at zero in peft (the adapted model equals the base); random here, so that
+    lora_A gets gradients from the first step. Frozen weights cast to ``frozen_dtype``."""
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(tiny_models.llama(), config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+        if not param.requires_grad:
+            param.data = param.data.to(frozen_dtype)
+    return model
+
+
+def _frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters() if not param.requires_grad}
+
+
+def _assert_frozen_unchanged(engine: MegatrainEngine, frozen: dict[str, torch.Tensor]) -> None:
+    state = engine.module.state_dict()
+    for name, value in frozen.items():
+        assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
+
+
+def _assert_trained_only_buffers(engine: MegatrainEngine) -> None:
+    """Moments and gradients of every state cover its trained prefix alone."""
+    for state in engine.states:
+        trained = state.layout.trained_numel
+        assert trained < state.layout.numel  # every state has frozen parameters (the resident ones all)
+        assert state.exp_avg.numel() == state.exp_avg_sq.numel() == trained
+        assert state.grad is not None and state.grad.numel() == trained
+
+
+def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
+    """Tolerances as tests/test_parity.py (fp32, the same matmuls, norm summed per block):
+    1e-5 relative per-step loss and norm, 2e-6 global relative weight error after 5 steps."""
+    frozen = _frozen(lora_llama())
+    engine, reference, trace = train_side_by_side(lora_llama, ds_config(accumulation=2, clipping=1.0))
+    try:
+        for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        assert relative_weight_error(engine, reference) < 2e-6
+        _assert_frozen_unchanged(engine, frozen)
+        _assert_trained_only_buffers(engine)
+        for state in engine.states:  # fp32 compute: the master is what is streamed, whole
+            assert state.shadow is None and state.master.numel() == state.layout.numel
+    finally:
+        engine.destroy()
+
+
+def _train(engine: MegatrainEngine, steps: int, first: int = 0, accumulation: int = 2) -> list[float]:
+    losses = []
+    for micro in range(first * accumulation, (first + steps) * accumulation):
+        loss = engine(**tiny_models.make_batch(micro)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
+    """bf16 compute, frozen weights in bf16, adapters fp32. The reference is the same model
+    in fp32 (the frozen bf16 values exactly), trained by torch.optim.AdamW with
+    clip_grad_norm_. Tolerances as tests/test_bf16.py: bf16 compute rounds relatively
+    2^-9 per value, so per-step losses agree to ~1e-4 and the weights after a few steps to
+    ~1e-3: we allow 1e-3 and 5e-3. The frozen weights are held in the streamed bf16 shadow
+    alone, bit for bit, and the fp32 master covers only the adapters."""
+    model = lora_llama(torch.bfloat16)
+    frozen = _frozen(model)
+    reference = copy.deepcopy(model).float()
+    planned = host_bytes(shape_of(model), RunSettings(seq_len=12, micro_batch=2, accumulation=2))
+    config = parse_engine_config(ds_config(accumulation=2, clipping=1.0, bf16=True))
+    estimated = preflight.preflight(model, config, _optimizer(model, config), torch.device("cpu"), 1 << 20)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY)
+    engine = MegatrainEngine(model, config)
+    try:
+        losses = _train(engine, 3)
+        for step in range(3):
+            for micro in range(2):
+                reference_loss = reference(**tiny_models.make_batch(step * 2 + micro)).loss
+                (reference_loss / 2).backward()
+                assert math.isclose(losses[step * 2 + micro], reference_loss.item(), rel_tol=1e-3)
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        ours = engine.module.state_dict()
+        trained = [name for name, p in reference.named_parameters() if p.requires_grad]
+        diff = sum(((ours[n].double() - reference.state_dict()[n].double()) ** 2).sum() for n in trained)
+        norm = sum((reference.state_dict()[n].double() ** 2).sum() for n in trained)
+        assert float((diff / norm).sqrt()) < 5e-3
+        _assert_frozen_unchanged(engine, frozen)
+        _assert_trained_only_buffers(engine)
+        for state in engine.states:
+            assert state.frozen_in_shadow and state.master.numel() == state.layout.trained_numel
+            assert state.shadow is not None and state.shadow.numel() == state.layout.numel
+        _assert_host_bytes_per_param(engine, model)
+        _assert_accounting_agrees(engine, planned, estimated)
+    finally:
+        engine.destroy()
+
+
+def _assert_host_bytes_per_param(engine: MegatrainEngine, model: torch.nn.Module) -> None:
+    """Kind by kind from the layouts (trained prefix: fp32 master, m, v and fp32 gradient,
+    as accumulation holds them; every element: the bf16 shadow), and per parameter against
+    the theoretical 16 B per trained and 2 B per frozen parameter (within the alignment
+    padding: 64-element slots, the tiny model's norms are 32 wide)."""
+    host = engine.host_bytes()
+    trained = sum(state.layout.trained_numel for state in engine.states)
+    numel = sum(state.layout.numel for state in engine.states)
+    assert host["master"] == host["exp_avg"] == host["exp_avg_sq"] == host["grad"] == 4 * trained
+    assert host["shadow"] == 2 * numel
+    params = list(model.parameters())
+    theory = sum(16 * p.numel() if p.requires_grad else 2 * p.numel() for p in params)
+    state_bytes = sum(nbytes for kind, nbytes in host.items() if kind != "journal")
+    assert theory <= state_bytes <= 1.05 * theory
+    # The journal (speculative steps) holds trained elements only: 14 B each at most.
+    assert host.get("journal", 0) <= 14 * trained
+
+
+def _optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
+    return build_optimizer(model, None, config.optimizer, None)
+
+
+def _assert_accounting_agrees(engine: MegatrainEngine, planned: dict[str, int], estimated) -> None:
+    """The planner (``megatrain plan``) and the preflight check count what the engine holds:
+    the planner exactly for the trained-only kinds (the adapters' slots need no padding
+    here), the preflight exactly up to the page each host buffer is over-allocated by."""
+    host = engine.host_bytes()
+    assert planned["master"] == host["master"] and planned["gradients"] == host["grad"]
+    assert planned["adam_m_v"] == host["exp_avg"] + host["exp_avg_sq"]
+    assert planned.get("journal", 0) == host.get("journal", 0)
+    pages = len(engine.states) * preflight.PAGE_BYTES
+    for kind, measured in (("master", host["master"]), ("shadow", host["shadow"]), ("gradients", host["grad"])):
+        assert measured <= estimated.host[kind] <= measured + pages, kind
+    assert host["exp_avg"] * 2 <= estimated.host["adam_m_v"] <= host["exp_avg"] * 2 + 2 * pages
+    assert estimated.host.get("journal", 0) == host.get("journal", 0)
+
+
+def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_path):
+    """Train 2 steps, save, train 2 more; a second engine (other adapter initialisation)
+    loads the checkpoint and trains the same 2 steps: identical losses and host state, bit
+    for bit (same ops on the same values). The model file holds each frozen weight once, in
+    bf16; the optimizer file holds nothing of them."""
+    config = ds_config(accumulation=2, clipping=1.0, bf16=True)
+    model = lora_llama(torch.bfloat16)
+    frozen = _frozen(model)
+    engine = MegatrainEngine(model, parse_engine_config(config))
+    try:
+        _train(engine, 2)
+        engine.save_checkpoint(tmp_path, tag="step2")
+        losses = _train(engine, 2, first=2)
+        _assert_frozen_unchanged(engine, frozen)
+        torch.manual_seed(1)
+        other_model = lora_llama(torch.bfloat16)
+        for param in other_model.parameters():
+            if param.requires_grad:
+                torch.nn.init.normal_(param, std=0.05)
+        other = MegatrainEngine(other_model, parse_engine_config(config))
+        try:
+            other.load_checkpoint(tmp_path, tag="step2")
+            assert _train(other, 2, first=2) == losses
+            for ours, theirs in zip(engine.states, other.states):
+                for kind in ("master", "shadow", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(getattr(ours, kind), getattr(theirs, kind)), kind
+            _assert_frozen_unchanged(other, frozen)
+        finally:
+            other.destroy()
+    finally:
+        engine.destroy()
+    with safe_open(str(tmp_path / "step2" / "model-00001-of-00001.safetensors"), "pt") as weights:
+        dtypes = {name: weights.get_slice(name).get_dtype() for name in weights.keys()}  # noqa: SIM118 (not a dict)
+    with safe_open(str(tmp_path / "step2" / "optimizer-00001-of-00001.safetensors"), "pt") as moments:
+        saved = {name.rsplit(".", 1)[0] for name in moments.keys()}  # noqa: SIM118 (not a dict)
+    assert {name: dtypes[name] for name in frozen} == {name: "BF16" for name in frozen}
+    assert all(dtypes[name] == "F32" for name in dtypes if "lora_" in name)
+    assert saved and all("lora_" in name for name in saved)
+
+
+def test_parameters_in_no_optimizer_group_are_frozen_though_they_require_grad():
+    """A client optimizer over q_proj and the final norm only: every other parameter still
+    requires grad (the embedding and lm_head's gradients reach their hooks) yet is frozen:
+    unchanged, with no optimizer state (an out-of-range gradient would fail the step)."""
+    torch.manual_seed(0)
+    model = tiny_models.llama()
+    trained = {n for n, _ in model.named_parameters() if "q_proj" in n or n == "model.norm.weight"}
+    params = [p for n, p in model.named_parameters() if n in trained]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = ds_config(accumulation=2, clipping=1.0)
+    del config["optimizer"]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    engine = MegatrainEngine(model, parse_engine_config(config), model_parameters=params, optimizer=optimizer)
+    try:
+        _train(engine, 2)
+        state = engine.module.state_dict()
+        assert {n for n in before if not torch.equal(state[n], before[n])} == trained
+        _assert_trained_only_buffers(engine)
+    finally:
+        engine.destroy()
