@@ -82,7 +82,10 @@ def masters_by_param(engine: MasterHolder) -> dict[int, torch.Tensor]:
     masters: dict[int, torch.Tensor] = {}
     for state, whole in _whole_masters(engine):
         for slot, param in zip(state.layout.slots, state.params):
-            masters[id(param)] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            # A frozen weight past a trained prefix has no master: it is held once, in the
+            # streamed buffer in its own dtype (``host_store.py``), and that is its value.
+            source = whole if slot.offset + slot.numel <= whole.numel() else state.streamed
+            masters[id(param)] = source[slot.offset : slot.offset + slot.numel].view(slot.shape)
     return masters
 
 
