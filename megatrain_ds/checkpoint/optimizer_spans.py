@@ -26,7 +26,7 @@ files' CRCs are checked as they are read.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,10 @@ from megatrain_ds.checkpoint.tensor_files import CheckpointError, FileDigest, Sa
 from megatrain_ds.state.host_store import HostFlatState
 
 SPANS_FORMAT = "megatrain-optimizer-spans"
+FROZEN_LAST_LAYOUT = "frozen-last"
+"""A span file's ``layout``: its states' frozen parameters lie after the trained ones
+(``state/flat_layout.py``). Files without it were written when frozen parameters came
+first; their spans of a state with frozen parameters hold other elements at each offset."""
 SPANS_PREFIX = "optimizer-spans-"
 RESIDENT = "resident"
 """The state name of the parameters outside the blocks."""
@@ -107,7 +111,8 @@ def write_span_file(path: Path, held: Mapping[str, HeldSpan], kinds: Sequence[st
             flat = part.tensor(kind)
             assert flat.numel() == part.end - part.start, (name, kind)
             tensors.append((f"{name}.{kind}", flat))
-    return write_safetensors(path, tensors, {"format": SPANS_FORMAT, "spans": json.dumps(spans)})
+    metadata = {"format": SPANS_FORMAT, "spans": json.dumps(spans), "layout": FROZEN_LAST_LAYOUT}
+    return write_safetensors(path, tensors, metadata)
 
 
 class SpanFiles:
@@ -116,6 +121,8 @@ class SpanFiles:
     Args:
         files: ``name -> (opened file, its manifest digest)``.
         numels: every flat state's size, by state name.
+        frozen_states: the names of the states with frozen parameters, whose layout changed
+            (:data:`FROZEN_LAST_LAYOUT`): an older file's span of one is refused.
         kinds: what each file must hold for every state (the moments, ``grad``, :data:`MASTER`).
     """
 
@@ -124,11 +131,21 @@ class SpanFiles:
         files: Mapping[str, tuple[SafetensorsFile, FileDigest]],
         numels: Mapping[str, int],
         kinds: Sequence[str],
+        frozen_states: Collection[str] = (),
     ) -> None:
         self._files = files
         self.kinds: tuple[str, ...] = tuple(kinds)
         """What the files are checked to hold (and can be read)."""
         self._spans = {name: _spans_of(name, file) for name, (file, _) in files.items()}
+        for name, (file, _) in files.items():
+            older = file.metadata.get("layout") != FROZEN_LAST_LAYOUT
+            if older and (stale := sorted(set(self._spans[name]) & set(frozen_states))):
+                raise CheckpointError(
+                    f"{name}: written by a version of megatrain_ds that laid frozen parameters out first; "
+                    f"state(s) {', '.join(stale)} have frozen parameters, whose elements now lie elsewhere. "
+                    "Load it with that version and save it again from one process (a one-process "
+                    "checkpoint has no span files, and this version reads it by parameter name)"
+                )
         for state_name, numel in numels.items():
             self._check_tiling(state_name, numel)
 

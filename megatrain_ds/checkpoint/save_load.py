@@ -811,8 +811,10 @@ def _open_span_files(
             if engine.states[0].grad is None:
                 raise CheckpointError(_NO_HELD_GRADIENTS.format(path=path))
             kinds.append("grad")
-    numels = {name: state.layout.numel for name, state in _states_by_name(engine).items()}
-    return SpanFiles(files, numels, kinds) if kinds else None
+    states = _states_by_name(engine)
+    numels = {name: state.layout.numel for name, state in states.items()}
+    frozen = [name for name, state in states.items() if state.layout.trained_numel < state.layout.numel]
+    return SpanFiles(files, numels, kinds, frozen) if kinds else None
 
 
 def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:
