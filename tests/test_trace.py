@@ -126,13 +126,19 @@ def test_every_block_appears_on_every_track_in_each_traced_step(traced_run):
         for event in of("h2d"):
             copies[event["args"]["block"]] += 1
         assert dict(copies) == per_step_copies  # what the streamer counted
-        # Gradient copies and the worker cover every trained element of every block once.
-        for track in ("d2h", "optimizer worker"):
-            numel = defaultdict(int)
+        # Gradient copies cover every trained element of every block once. Held gradients
+        # without accumulation land by the copy alone (gradients/sink.py): the worker sees
+        # a block's chunks only when it steps them during backward (speculation), all of them.
+        numel: dict[str, dict[int, int]] = {"d2h": defaultdict(int), "optimizer worker": defaultdict(int)}
+        for track, name in (("d2h", "grads"), ("optimizer worker", "consume")):
             for event in of(track):
-                if event["name"].split()[0] in ("grads", "consume"):
-                    numel[event["args"]["state"]] += event["args"]["numel"]
-            assert [numel[block] for block in range(NUM_BLOCKS)] == traced_run["trained"]
+                if event["name"].split()[0] == name:
+                    numel[track][event["args"]["state"]] += event["args"]["numel"]
+        assert [numel["d2h"][block] for block in range(NUM_BLOCKS)] == traced_run["trained"]
+        speculated = {e["args"]["state"] for e in of("optimizer worker") if e["args"].get("speculative")}
+        consumed = {block for block in blocks if numel["optimizer worker"][block]}
+        assert consumed == speculated & blocks
+        assert all(numel["optimizer worker"][block] == traced_run["trained"][block] for block in consumed)
         updated = defaultdict(list)
         for event in of("optimizer worker"):
             if event["name"].startswith("adamw"):
