@@ -391,7 +391,8 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     print("recommended: " + json.dumps(result.recommended))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``megatrain``'s arguments: the ``plan`` command and its run settings."""
     parser = argparse.ArgumentParser(prog="megatrain", description="megatrain_ds tools")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("plan", help="memory and speed of a run, before running it")
@@ -432,6 +433,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with a GPU target: measure this machine's host (CPU AdamW, memory copies) instead of a typical one's",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     host_memory = args.host_memory or physical_memory()
