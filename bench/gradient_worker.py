@@ -67,14 +67,20 @@ def through_sink(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Tensor
     """Elements per second from the first push to the drain, through a fresh sink."""
     sink = GradientSink(runtime, CHUNK, grads.dtype, NUM_STAGING, consume_into(held, SquaredNorm(runtime.device)))
     try:
-        runtime.synchronize()
-        started = time.perf_counter()
-        for offset in range(0, grads.numel(), CHUNK):
-            sink.push(0, offset, grads[offset : offset + CHUNK], True)
-        sink.drain()
-        return grads.numel() / (time.perf_counter() - started)
+        return _push_all(runtime, sink, grads)
     finally:
         sink.close()
+
+
+def _push_all(runtime: DeviceRuntime, sink: GradientSink, grads: torch.Tensor, after=lambda: None) -> float:
+    """Elements per second of pushing ``grads`` chunk by chunk, up to the drain (and ``after``)."""
+    runtime.synchronize()
+    started = time.perf_counter()
+    for offset in range(0, grads.numel(), CHUNK):
+        sink.push(0, offset, grads[offset : offset + CHUNK], True)
+    sink.drain()
+    after()
+    return grads.numel() / (time.perf_counter() - started)
 
 
 def ops_on_main(grads: torch.Tensor, held: torch.Tensor) -> float:
@@ -100,13 +106,7 @@ def direct_into_held(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Te
 
     sink = GradientSink(runtime, CHUNK, grads.dtype, NUM_STAGING, consume, land=land, norm=norm)
     try:
-        runtime.synchronize()
-        started = time.perf_counter()
-        for offset in range(0, grads.numel(), CHUNK):
-            sink.push(0, offset, grads[offset : offset + CHUNK], True)
-        sink.drain()
-        norm.take()
-        return grads.numel() / (time.perf_counter() - started)
+        return _push_all(runtime, sink, grads, norm.take)
     finally:
         sink.close()
 
