@@ -314,7 +314,7 @@ class MegatrainEngine(nn.Module):
                 share=dp.broadcast_from_rank0_,
             )
         if self._trained_only(nvme):
-            return migrate_to_host(*(named, group_of, self.runtime, master, compute), source=source, trained_only=True)
+            return migrate_to_host(named, group_of, self.runtime, master, compute, source=source, trained_only=True)
         return migrate_to_host(
             named,
             group_of,
