@@ -95,7 +95,7 @@ window's reuse of the last forward blocks in backward is not counted).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 from megatrain_ds.planning.long_context import (
@@ -230,7 +230,16 @@ class ModelShape:
         return self.total_block_params + self.resident_params
 
 
-def sizes_from_config(config: Any) -> dict[str, int]:
+class ConfigSizes(TypedDict):
+    """What a model config says of :class:`ModelShape` (its field names: ``**`` them in)."""
+
+    hidden: int
+    vocab: int
+    intermediate: int
+    kv_hidden: int
+
+
+def sizes_from_config(config: Any) -> ConfigSizes:
     """``hidden``, ``vocab``, ``intermediate`` and ``kv_hidden`` of a Hugging Face model
     config (:class:`ModelShape`'s names; 0 where the config does not say)."""
 
@@ -245,12 +254,12 @@ def sizes_from_config(config: Any) -> dict[str, int]:
     heads = first("num_attention_heads", "n_head")
     head_dim = first("head_dim") or (hidden // heads if heads else 0)
     kv_heads = first("num_key_value_heads")
-    return {
-        "hidden": hidden,
-        "vocab": first("vocab_size"),
-        "intermediate": first("intermediate_size", "n_inner"),
-        "kv_hidden": kv_heads * head_dim if kv_heads and head_dim else 0,
-    }
+    return ConfigSizes(
+        hidden=hidden,
+        vocab=first("vocab_size"),
+        intermediate=first("intermediate_size", "n_inner"),
+        kv_hidden=kv_heads * head_dim if kv_heads and head_dim else 0,
+    )
 
 
 @dataclass(frozen=True)
