@@ -75,7 +75,9 @@ TIMING_DEPENDENT: dict[str, str] = {
     ),
 }
 """``"file.py:function:call"`` -> why removing that call is caught only in some runs: neither
-listed as a survivor nor required to be caught (it still counts towards :data:`MIN_CAUGHT`)."""
+listed as a survivor nor required to be caught (it still counts towards :data:`MIN_CAUGHT`),
+and a run of it that fails without a race is accepted too (the unordered work then really
+ran unordered)."""
 
 MIN_CAUGHT = 0.8
 
@@ -255,7 +257,10 @@ def test_removing_any_one_synchronisation_is_caught(tmp_path):
                 f"mutant {site} hung: removing the call must leave a race, not a deadlock "
                 "(keep other work out of a synchronisation statement)"
             )
-        if not _caught(result) and result.returncode != 0:
+        # A timing-dependent mutant the checker missed really ran the unordered transfers
+        # concurrently: what follows is undefined, and a failure of the run (seen: DeepSpeed's
+        # async I/O op aborting at exit after a read overtook its file's write) is its outcome.
+        if not _caught(result) and result.returncode != 0 and site.key not in TIMING_DEPENDENT:
             pytest.fail(f"mutant {site} failed without a race:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
         return site, _caught(result), result.stdout[-400:]
 
