@@ -8,6 +8,10 @@
 # Steps, in order (each one's log and result files go to DIR, default bench/results/gpu_<device>/):
 #   install       deepspeed and pydantic from .whl/ where missing (the GPU machines have no
 #                 index; fill .whl/ beforehand with ../shared/gpu/prepare_wheels.sh)
+#   ops           JIT-build DeepSpeed's CPU Adam op and the engine's build of its kernel, both
+#                 at once, so that no timed step pays for a compile
+#   host-contention bench/host_contention.py: the CPU AdamW kernel at 8/14/all threads, alone
+#                 and beside pinned copies both ways; the device-side norm against the d2h copy
 #   gpu-tests     tests/test_gpu.py, tests/test_optimizer_gpu.py, tests/test_triton_adamw.py
 #                 (the Triton AdamW compiled for the device, checkpoint save/resume on CUDA)
 #   sanitizer     the CUDA parity and checkpoint cases again under PyTorch's CUDA sanitizer
@@ -15,6 +19,9 @@
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
 #   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 and ZeRO-2 offload and megatrain side by side
 #                 (--compare-args, default the 940M Llama of configs/models/llama_940m.json)
+#   compare-optimizer-cpu the engine alone on the same model with "optimizer_device": "cpu"
+#                 (against compare's "auto": does streaming state through the GPU pay?)
+#   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine, ZeRO-3 and ZeRO-2 offload
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
 #                 Python-busy thread (what set the H200's step: bench/results/gpu_H200)
 #   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
@@ -26,12 +33,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS=(install gpu-tests sanitizer data-parallel compare gradient-worker triton-adamw timeline)
+STEPS=(install ops host-contention gpu-tests sanitizer data-parallel compare compare-optimizer-cpu gradient-worker
+       triton-adamw timeline compare-3b)
 # Seconds each step may take before it is stopped and recorded as FAIL(124).
-declare -A LIMITS=([install]=120 [gpu-tests]=600 [sanitizer]=300 [data-parallel]=300 [compare]=900
-                   [gradient-worker]=120 [triton-adamw]=120 [timeline]=120)
+declare -A LIMITS=([install]=120 [ops]=300 [host-contention]=120 [gpu-tests]=600 [sanitizer]=300
+                   [data-parallel]=300 [compare]=900 [compare-optimizer-cpu]=300 [gradient-worker]=120
+                   [triton-adamw]=120 [timeline]=120 [compare-3b]=900)
 # configs/models/llama_940m.json's shape, 3 warm-up and 5 measured steps (compare.py's defaults) per system.
 DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4"
+# The issue's ~3B target: hidden 3072, 28 blocks, 8 x 2048 tokens.
+COMPARE_3B_ARGS="--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 2 --steps 3 --systems megatrain zero3_offload zero2_offload"
 
 usage() {
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -60,7 +71,7 @@ while [ $# -gt 0 ]; do
             [[ " ${STEPS[*]} " == *" $2 "* ]] || fail_usage "unknown step '$2'; steps: ${STEPS[*]}"
             SKIPPED[$2]=1; shift ;;
         --limit)
-            [[ $# -ge 2 && "$2" =~ ^([a-z-]+)=([0-9]+)$ ]] || fail_usage "--limit needs STEP=SECONDS"
+            [[ $# -ge 2 && "$2" =~ ^([a-z0-9-]+)=([0-9]+)$ ]] || fail_usage "--limit needs STEP=SECONDS"
             [[ " ${STEPS[*]} " == *" ${BASH_REMATCH[1]} "* ]] || fail_usage "unknown step '${BASH_REMATCH[1]}'; steps: ${STEPS[*]}"
             LIMITS[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
         --compare-args) [ $# -ge 2 ] || fail_usage "--compare-args needs a value"; COMPARE_ARGS="$2"; shift ;;
@@ -129,6 +140,16 @@ export PYTHON OUT_DIR NUM_GPUS
 
 step install "wheels from .whl/" -- install_wheels
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+build_ops() {
+    "$PYTHON" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" &
+    local deepspeed_op=$!
+    "$PYTHON" -c "from megatrain_ds.optimizer.cpu_adam import DeepSpeedKernel; DeepSpeedKernel()" || return
+    wait $deepspeed_op
+}
+export -f build_ops
+step ops "JIT builds: DeepSpeed's CPU Adam op, the engine's kernel" -- build_ops
+step host-contention "CPU AdamW at 8/14/all threads, alone and beside pinned copies; the device norm" -- \
+    "$PYTHON" bench/host_contention.py --out "$OUT_DIR/host_contention.json"
 step gpu-tests "parity, overlap, memory flat in depth, device optimizer, Triton, checkpoints" -- \
     "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_optimizer_gpu.py tests/test_triton_adamw.py \
     tests/test_checkpoint.py::test_save_and_load_on_cuda \
@@ -164,6 +185,9 @@ fi
 # shellcheck disable=SC2086  # COMPARE_ARGS is a list of arguments
 step compare "torch / ZeRO-3 offload / megatrain: $COMPARE_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_ARGS --out "$OUT_DIR/compare.json"
+step compare-optimizer-cpu "the engine with optimizer_device cpu: $COMPARE_ARGS" -- \
+    "$PYTHON" bench/compare.py $COMPARE_ARGS --systems megatrain --megatrain '{"optimizer_device": "cpu"}' \
+    --out "$OUT_DIR/compare_optimizer_cpu.json"
 step gradient-worker "the gradient worker's rate: alone, beside Python, one thread, the kernels alone" -- \
     "$PYTHON" bench/gradient_worker.py --out "$OUT_DIR/gradient_worker.json"
 step triton-adamw "bandwidth vs device copy and torch fused AdamW" -- \
@@ -171,6 +195,9 @@ step triton-adamw "bandwidth vs device copy and torch fused AdamW" -- \
 step timeline "a traced step of configs/models/llama_940m.json (compare's default model)" -- \
     "$PYTHON" bench/timeline.py "$OUT_DIR/timeline.json" --record --device cuda --model configs/models/llama_940m.json \
     --seq-len 1024 --micro-batch 4 --threads "$(nproc)"
+# shellcheck disable=SC2086
+step compare-3b "~3B Llama, 8 x 2048 tokens: $COMPARE_3B_ARGS" -- \
+    "$PYTHON" bench/compare.py $COMPARE_3B_ARGS --out "$OUT_DIR/compare_3b.json"
 
 echo
 printf '%-16s %-10s %8s  %s\n' step result seconds note

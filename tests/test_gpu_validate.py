@@ -10,7 +10,20 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_validate.sh"
-STEPS = ["install", "gpu-tests", "sanitizer", "data-parallel", "compare", "gradient-worker", "triton-adamw", "timeline"]
+STEPS = [
+    "install",
+    "ops",
+    "host-contention",
+    "gpu-tests",
+    "sanitizer",
+    "data-parallel",
+    "compare",
+    "compare-optimizer-cpu",
+    "gradient-worker",
+    "triton-adamw",
+    "timeline",
+    "compare-3b",
+]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
