@@ -34,5 +34,5 @@ def test_two_processes_stop_at_the_batch_rule_like_deepspeed(tmp_path: Path) -> 
         logs[run.name] = run.log_path.read_text(encoding="utf-8", errors="replace")
     assert BATCH_RULE in logs["deepspeed"] and "megatrain_ds" not in logs["deepspeed"]
     assert BATCH_RULE in logs["megatrain"] and "launch the ranks with torchrun" in logs["megatrain"]
-    assert "megatrain_ds/config.py" in logs["megatrain"]  # the engine's check, not DeepSpeed's
+    assert "megatrain_ds/config/engine_config.py" in logs["megatrain"]  # the engine's check, not DeepSpeed's
     assert not (tmp_path / "megatrain" / "result.json").exists()

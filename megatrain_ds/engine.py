@@ -25,7 +25,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from megatrain_ds.checkpoint import save_load
+from megatrain_ds.checkpoint import load as checkpoint_load
+from megatrain_ds.checkpoint import save as checkpoint_save
 from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
 from megatrain_ds.checkpoint.whole_masters import masters_by_param, state_dict_is_collective
 from megatrain_ds.config import EngineConfig
@@ -914,16 +915,18 @@ class MegatrainEngine(nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> Literal[True]:
         """DeepSpeed's ``save_checkpoint``: ``<save_dir>/<tag>`` is also a Hugging Face model
-        directory; crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save_load`.
+        directory; crash-safe and checksummed. See :mod:`megatrain_ds.checkpoint.save`.
 
         Collective with data parallel: every rank must call it (barriers, the span files,
         the blocks gathered for the model files); every rank returns once it is published."""
-        # Checkpoint I/O is host code on host buffers, once save_load has synchronised the streams.
+        # Checkpoint I/O is host code on host buffers, once save_checkpoint has synchronised the streams.
         with self.runtime.observe(), self.runtime.host_work():
             if self._inside_accumulation_window():  # the held gradients are saved: all of them valid
                 self.sink.drain()
                 self.held_writes.settle(self.optimizer_states)
-            return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            return checkpoint_save.save_checkpoint(
+                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+            )
 
     def load_checkpoint(
         self,
@@ -936,13 +939,12 @@ class MegatrainEngine(nn.Module):
         custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
-        ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.save_load`.
+        ``(None, None)`` without a ``latest`` file. See :mod:`megatrain_ds.checkpoint.load`.
 
         Collective with data parallel: every rank must call it (barriers; each node reads
         its copy, each rank its windows)."""
         with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
-            loaded = save_load.load_checkpoint(
-                self,
+            request = checkpoint_load.LoadRequest(
                 load_dir,
                 tag,
                 load_module_strict,
@@ -951,6 +953,7 @@ class MegatrainEngine(nn.Module):
                 load_module_only,
                 custom_load_fn,
             )
+            loaded = checkpoint_load.load_checkpoint(self, request)
         # Inside an accumulation window the held gradients were loaded: later writes add to
         # them; at a boundary the next write of each element is its first.
         self.held_writes.clear()

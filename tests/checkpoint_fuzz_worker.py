@@ -35,7 +35,7 @@ import checkpoint_worker
 import torch
 
 from megatrain_ds import ConfigError
-from megatrain_ds.checkpoint import save_load
+from megatrain_ds.checkpoint import save as checkpoint_save
 from megatrain_ds.checkpoint.directories import LATEST_FILE, MANIFEST_FILE
 from megatrain_ds.checkpoint.tensor_files import CheckpointError
 
@@ -265,7 +265,7 @@ def main(directory: str, cases: int) -> int:
     engine.backward(engine(**batch).loss)  # half an accumulation window: the accumulators are saved too
     engine.step()
     # Small shards: several files of each kind.
-    save_load.save_checkpoint(engine, str(root / "saved"), TAG, CLIENT_STATE, max_shard_bytes=120_000)
+    checkpoint_save.save_checkpoint(engine, str(root / "saved"), TAG, CLIENT_STATE, max_shard_bytes=120_000)
     expected = snapshot(engine) | {"moments": parameter_state(engine, ("master", "exp_avg", "exp_avg_sq"))}
     engine.destroy()
     engine = checkpoint_worker.build(seed=1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatrain_ds.engine
-from megatrain_ds.checkpoint import save_load
+from megatrain_ds.checkpoint import save as checkpoint_save
 
 CHECKED_SUITES: dict[str, tuple[str, ...] | None] = {
     "test_parity.py": None,
@@ -143,7 +143,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     engine = checkpoint_worker.build(seed=0)
     checkpoint_worker.train(engine, 1)
     torch.set_num_threads(threads)
-    save_load.save_checkpoint(
+    checkpoint_save.save_checkpoint(
         engine, str(root), tag="good", client_state=checkpoint_worker.CLIENT_STATE, max_shard_bytes=120_000
     )
     assert len(list((root / "good").glob("model-*.safetensors"))) == 3

@@ -23,7 +23,7 @@ import transformers
 from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.checkpoint import save_load as checkpointing
+from megatrain_ds.checkpoint import save as checkpointing
 from megatrain_ds.checkpoint.directories import LATEST_FILE, MANIFEST_FILE
 
 TESTS = Path(__file__).parent

@@ -2,9 +2,10 @@
 
 The list of DeepSpeed's keys is DeepSpeed's own: the top-level keys its config parser
 (``DeepSpeedConfig``) reads, recorded while it parses, and the fields of its ZeRO config
-model. docs/configuration.md's tables must name each, and ``megatrain_ds/config.py`` must
-do what they say. The honoured keys are compared with DeepSpeed's engine on the same model,
-config and batches (stage 0, fp32, CPU; ``MEGATRAIN_DISABLE_HOOK=1``).
+model. docs/configuration.md's tables must name each, and
+``megatrain_ds/config/deepspeed_keys.py`` must do what they say. The honoured keys are
+compared with DeepSpeed's engine on the same model, config and batches (stage 0, fp32,
+CPU; ``MEGATRAIN_DISABLE_HOOK=1``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from side_by_side import ds_config
 
 from megatrain_ds import ConfigError, parse_engine_config
-from megatrain_ds import config as config_module
+from megatrain_ds.config import deepspeed_keys as config_module
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 BASE = {"train_micro_batch_size_per_gpu": 1}

@@ -31,7 +31,7 @@ rank is the same state's. :func:`state_dict_is_collective` says whether a run is
 them; :func:`join_state_dict_collectives` runs a rank's part without keeping anything (a
 rank that writes nothing, in ``save_16bit_model``).
 Before anything is read from the tier or sent, the gradient worker is drained, the device
-synchronised and, with data parallel, every rank waits at a barrier (``save_load.quiesce``,
+synchronised and, with data parallel, every rank waits at a barrier (``checkpointed_engine.quiesce``,
 as for a checkpoint): no update is in flight on any rank while the masters are read.
 """
 
@@ -43,7 +43,7 @@ from typing import Protocol
 
 import torch
 
-from megatrain_ds.checkpoint.save_load import quiesce
+from megatrain_ds.checkpoint.checkpointed_engine import quiesce
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.gradients.sink import GradientPort

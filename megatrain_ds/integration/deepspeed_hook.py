@@ -116,7 +116,7 @@ def read_zero3_as_stage0(config: dict[str, Any]) -> None:
     (``state/host_store.py``), so loading needs no more than the engine's steady state plus
     about one parameter (``bench/stage3_load.py``); saving gets the full state dict. Accelerate then says that
     ``zero3_init_flag`` "is only applicable for ZeRO Stage 3" and sets it to false, which
-    is what happens. The engine itself accepts any stage (``config.py``), and the user's
+    is what happens. The engine itself accepts any stage (``config/deepspeed_keys.py``), and the user's
     file or dict is untouched (Accelerate deep-copies a dict and parses a file).
     ``deepspeed.zero.Init`` given a megatrain config (a script of the user's that builds
     its model under it, as DeepSpeed's docs show) does nothing, for the same reason

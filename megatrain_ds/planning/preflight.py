@@ -389,7 +389,8 @@ def format_bytes(nbytes: float) -> str:
 def check(
     need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig, available: AvailableMemory
 ) -> MemoryNeed:
-    """Raise :class:`InsufficientMemoryError` when ``need_of(config)`` does not fit."""
+    """Raise :class:`InsufficientMemoryError` when ``need_of(config)`` does not fit, naming what
+    is short and the settings that would fit (:func:`_advice`)."""
     need = need_of(config)
     if need.pinned and available.memlock is not None and need.pinned > available.memlock:
         # The NVIDIA driver pins cudaHostRegister'ed pages without charging RLIMIT_MEMLOCK,
@@ -401,12 +402,8 @@ def check(
             format_bytes(need.pinned),
             format_bytes(available.memlock),
         )
-    problems = []
-    if need.host_total > available.host:
-        problems.append(("host", need.host_total, available.host, available.host_source))
-    if available.device is not None and need.device_total > available.device:
-        problems.append(("device", need.device_total, available.device, "free device memory"))
-    if not problems:
+    shortfalls = _shortfalls(need, available)
+    if not shortfalls:
         if need.host_total > 0.9 * available.host:
             logger.warning(
                 "megatrain preflight: the run needs %s of the %s of host memory available; activations come on top",
@@ -414,6 +411,24 @@ def check(
                 format_bytes(available.host),
             )
         return need
+    raise InsufficientMemoryError(
+        "megatrain preflight: the run does not fit\n  "
+        + "\n  ".join(shortfalls)
+        + "\n"
+        + _advice(need_of, config, available)
+        + "\n(activations come on top; "
+        '"megatrain": {"preflight": false} skips this check)'
+    )
+
+
+def _shortfalls(need: MemoryNeed, available: AvailableMemory) -> list[str]:
+    """A line for each memory ``need`` does not fit in (host, device): what it needs, by
+    buffer, what is available and how much is missing; none when it fits."""
+    problems = []
+    if need.host_total > available.host:
+        problems.append(("host", need.host_total, available.host, available.host_source))
+    if available.device is not None and need.device_total > available.device:
+        problems.append(("device", need.device_total, available.device, "free device memory"))
     lines = []
     for kind, needed, have, source in problems:
         items = need.host if kind == "host" else need.device
@@ -427,6 +442,12 @@ def check(
             f"{kind} memory: needs {format_bytes(needed)} ({parts}{freed}), {format_bytes(have)} available "
             f"({source}); short by {format_bytes(needed - have)}"
         )
+    return lines
+
+
+def _advice(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig, available: AvailableMemory) -> str:
+    """The settings of :data:`_ALTERNATIVES` that would make a run that does not fit fit: each
+    one that does on its own, else the fewest that do together, else that none does."""
 
     def fits(candidate: EngineConfig) -> MemoryNeed | None:
         other = need_of(candidate)
@@ -445,35 +466,20 @@ def check(
         if changed is not None and (other := fits(changed)) is not None:
             fixes.append(f"  {description}: {needs(other)}")
     if fixes:
-        advice = "settings that would fit, each on its own:\n" + "\n".join(fixes)
-    else:
-        result, applied = None, []
-        for size in range(2, len(_ALTERNATIVES) + 1):  # the fewest changes first
-            for combination in itertools.combinations(_ALTERNATIVES, size):
-                combined: EngineConfig | None = config
-                for _, change in combination:
-                    combined = change(combined) if combined is not None else None
-                if combined is not None and (result := fits(combined)) is not None:
-                    applied = [description for description, _ in combination]
-                    break
-            if result is not None:
-                break
-        if result is not None:
-            advice = (
-                "no single setting fits; these together would:\n"
-                + "\n".join(f"  {d}" for d in applied)
-                + f"\n  ({needs(result)})"
-            )
-        else:
-            advice = "no combination of settings makes it fit: use a machine with more memory or a smaller model"
-    raise InsufficientMemoryError(
-        "megatrain preflight: the run does not fit\n  "
-        + "\n  ".join(lines)
-        + "\n"
-        + advice
-        + "\n(activations come on top; "
-        '"megatrain": {"preflight": false} skips this check)'
-    )
+        return "settings that would fit, each on its own:\n" + "\n".join(fixes)
+    for size in range(2, len(_ALTERNATIVES) + 1):  # the fewest changes first
+        for combination in itertools.combinations(_ALTERNATIVES, size):
+            combined: EngineConfig | None = config
+            for _, change in combination:
+                combined = change(combined) if combined is not None else None
+            if combined is not None and (result := fits(combined)) is not None:
+                applied = [description for description, _ in combination]
+                return (
+                    "no single setting fits; these together would:\n"
+                    + "\n".join(f"  {d}" for d in applied)
+                    + f"\n  ({needs(result)})"
+                )
+    return "no combination of settings makes it fit: use a machine with more memory or a smaller model"
 
 
 def preflight(

@@ -94,7 +94,7 @@ from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import NullTracer, Tracer
 from megatrain_ds.state.host_store import HostFlatState, absent_on_host
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
-from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, open_swap_io
+from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, explained_failure, open_swap_io
 
 logger = logging.getLogger(__name__)
 
@@ -664,7 +664,7 @@ class NvmeTier:
             # No lock here: the training thread may hold it while waiting for this task.
             if writing and slot is not None:
                 slot.dirty = True  # the data is still only here
-            self._failure = self._failure or _explained(error, self._paths[index], nbytes, writing, what)
+            self._failure = self._failure or explained_failure(error, self._paths[index], nbytes, writing, what)
             raise
         with self._count_lock:
             if writing:
@@ -675,25 +675,6 @@ class NvmeTier:
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise self._failure
-
-
-def _explained(error: BaseException, path: str, nbytes: int, writing: bool, what: str) -> BaseException:
-    """The error the training thread raises for a failed swap transfer."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskSpaceError(
-            error.errno,
-            f"the disk is full: writing {nbytes} bytes of {what} "
-            "failed. The step is incomplete; the last checkpoint is intact: "
-            "free space there and resume from it",
-            path,
-        )
-    if isinstance(error, OSError):
-        return SwapIOError(
-            error.errno or errno.EIO,
-            f"{'writing' if writing else 'reading'} {nbytes} bytes of {what} failed: {error.strerror or error}",
-            path,
-        )
-    return error
 
 
 def open_nvme_tier(

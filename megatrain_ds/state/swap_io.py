@@ -41,6 +41,7 @@ import torch
 from megatrain_ds.config import AioSettings
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES, DeviceRuntime
 from megatrain_ds.runtime.measurement_cache import cached_measurement
+from megatrain_ds.state.swap_directory import DiskSpaceError
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,27 @@ every common NVMe drive and filesystem; 512-byte devices accept it too)."""
 
 class SwapIOError(OSError):
     """A swap file read or write failed; the message names the file and the bytes."""
+
+
+def explained_failure(error: BaseException, path: str, nbytes: int, writing: bool, what: str) -> BaseException:
+    """The error the training thread raises for a failed swap transfer of ``nbytes`` of ``what``
+    to or from ``path``: a full disk as :class:`DiskSpaceError`, another ``OSError`` as
+    :class:`SwapIOError`, each naming the file and the bytes; anything else as it is."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskSpaceError(
+            error.errno,
+            f"the disk is full: writing {nbytes} bytes of {what} "
+            "failed. The step is incomplete; the last checkpoint is intact: "
+            "free space there and resume from it",
+            path,
+        )
+    if isinstance(error, OSError):
+        return SwapIOError(
+            error.errno or errno.EIO,
+            f"{'writing' if writing else 'reading'} {nbytes} bytes of {what} failed: {error.strerror or error}",
+            path,
+        )
+    return error
 
 
 class SwapIO(Protocol):
