@@ -295,10 +295,16 @@ def _placement_of(engine) -> dict:
     """Where the engine's optimizer ran each state: the ``"auto"`` placement's decision."""
     adamw = engine.adamw
     where = [type(adamw.placement_of(state)).__name__ for state in engine.optimizer_states]
+    # Elements per kernel too: the planner's ``device_optimizer_share`` is the device's
+    # share of them (planning/step_time.py), which state counts alone do not give.
+    numels = [state.layout.numel for state in engine.optimizer_states]
     return {
         "setting": engine.config.options.optimizer_device,
         "states": len(where),
         "by_kernel": {name: where.count(name) for name in sorted(set(where))},
+        "elements_by_kernel": {
+            name: sum(n for n, kernel in zip(numels, where) if kernel == name) for name in sorted(set(where))
+        },
     }
 
 
@@ -494,11 +500,15 @@ def _add_prediction(result: dict, prediction: dict) -> None:
         "peak_host_bytes": prediction["predicted_peak_host_bytes"] / result["peak_host_bytes"],
     }
     result["predicted_by_part"] = prediction["step_seconds_by_bound"]
+    result["predicted_by_phase"] = prediction.get("step_seconds_by_phase")
     # The floor: the largest single bound of the planner's calibrated model (compute, the
     # weight and gradient copies, the optimizer pass), i.e. the step if everything else hid.
     result["floor_seconds"] = max(prediction["step_seconds_by_bound"].values())
     result["step_over_floor"] = result["step_seconds"] / result["floor_seconds"]
+    # The planner's inputs, so a later check can run the planner again on the same figures
+    # (tests/test_planner_gpu_runs.py): the hardware measured by --probe and the run's settings.
     result["planner_hardware"] = prediction.get("hardware")
+    result["planner_settings"] = prediction.get("settings")
 
 
 def _versions() -> dict:
