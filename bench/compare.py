@@ -433,9 +433,19 @@ def run_guarded(command: list[str], min_free: int) -> tuple[subprocess.Completed
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr), lowest[0]
 
 
-def run_planner(args: argparse.Namespace) -> dict | None:
+def _device_optimizer_share(result: dict) -> float:
+    """The share of the optimizer state's elements the round's engine stepped on the
+    device (its ``"auto"`` or ``"gpu"`` placement), for the planner's
+    ``--optimizer-device-share``."""
+    elements = result.get("optimizer_placement", {}).get("elements_by_kernel", {})
+    total = sum(elements.values())
+    return elements.get("DeviceAdamW", 0) / total if total else 0.0
+
+
+def run_planner(args: argparse.Namespace, device_share: float = 0.0) -> dict | None:
     """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
-    ``None`` where the planner has no figures for this device."""
+    ``None`` where the planner has no figures for this device. ``device_share``: of the
+    optimizer state, the share the engine steps on the device."""
     import torch
 
     if torch.cuda.is_available():
@@ -475,6 +485,8 @@ def run_planner(args: argparse.Namespace) -> dict | None:
             str(args.micro_batch),
             "--json",
             "--recalibrate",
+            "--optimizer-device-share",
+            str(device_share),
         ]
         if not args.clip:
             command.append("--no-clipping")
@@ -615,7 +627,8 @@ def main() -> None:
             result = json.loads(lines[-1][len("RESULT ") :])
             rounds[system].append(result)
             if system == "megatrain" and not args.no_planner:
-                prediction = run_planner(args)  # calibrated now, as the machine is for this round
+                # Calibrated now, as the machine is for this round, with the round's placement.
+                prediction = run_planner(args, _device_optimizer_share(result))
                 if prediction is not None:
                     _add_prediction(result, prediction)
             # The median round (the upper one of two): no system is credited with its luckiest round.

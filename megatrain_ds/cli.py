@@ -524,6 +524,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with a GPU target: measure this machine (CPU AdamW past the caches, memory copies; with a CUDA "
         "device its pinned copies and a real block of the model) instead of the table's typical one",
     )
+    p.add_argument(
+        "--optimizer-device-share",
+        type=float,
+        default=0.0,
+        help='share of the optimizer state stepped on the device ("optimizer_device": "gpu": 1; "auto": the '
+        "share its logged split puts there); default 0, all on the host's CPU kernel",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -544,7 +551,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvme=args.nvme is not None,
         nvme_window_blocks=args.nvme_window_blocks,
         nvme_weights=args.nvme_weights,
+        device_optimizer_share=args.optimizer_device_share,
     )
+    if not 0 <= args.optimizer_device_share <= 1:
+        parser.error("--optimizer-device-share is a fraction of the optimizer state: between 0 and 1")
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
     model = load_meta_model(args.model)

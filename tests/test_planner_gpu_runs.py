@@ -37,8 +37,8 @@ import json
 from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
-import transformers
 
 from megatrain_ds import cli
 from megatrain_ds.planning.planner import Hardware, ModelShape, RunSettings, plan
@@ -58,17 +58,22 @@ def _load(name: str) -> dict:
 
 
 def _shape(model: dict) -> ModelShape:
-    """The recorded model as ``bench/compare.py`` builds it (a Llama, heads of 128), on meta."""
-    config = transformers.LlamaConfig(
-        vocab_size=model["vocab"],
-        hidden_size=model["hidden"],
-        intermediate_size=model["intermediate"],
-        num_hidden_layers=model["layers"],
-        num_attention_heads=max(1, model["hidden"] // 128),
-        num_key_value_heads=max(1, model["hidden"] // 128),
+    """The recorded model as ``bench/compare.py`` builds it: a Llama whose blocks hold q, k,
+    v, o (``4 h^2``; as many key/value heads as heads), gate, up and down (``3 h i``) and two
+    norms (``2 h``), with an untied embedding and lm_head (``2 V h``) and the final norm
+    (``h``). The count must match the run's recorded parameters exactly."""
+    hidden, intermediate, vocab = model["hidden"], model["intermediate"], model["vocab"]
+    block = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
+    shape = ModelShape(
+        num_blocks=model["layers"],
+        block_params=block,
+        total_block_params=model["layers"] * block,
+        resident_params=2 * vocab * hidden + hidden,
+        hidden=hidden,
+        vocab=vocab,
+        intermediate=intermediate,
+        kv_hidden=hidden,
     )
-    with torch.device("meta"):
-        shape = cli.shape_of(transformers.LlamaForCausalLM(config))
     assert shape.params == model["params"]  # the same model as the run's
     return shape
 
@@ -88,7 +93,9 @@ def _timeline_block_seconds() -> float:
     return sum(spans) / 1e6  # the trace's microseconds
 
 
-def _hardware(run: dict, shape: ModelShape, tokens: int, block_seconds: float) -> Hardware:
+def _hardware(run: dict, shape: ModelShape, tokens: int, block_seconds: float | None) -> Hardware:
+    """The figures listed in the module's docstring; ``block_seconds`` ``None``: the block
+    efficiency the run's ``--probe`` measured on the device (runs from now on record it)."""
     contention = _load("host_contention.json")
     alone = next(entry for entry in contention["threads"] if entry["threads"] == contention["cores"])
     link = contention["copies_gb_per_s_each_way_alone"] * 1e9
@@ -102,13 +109,25 @@ def _hardware(run: dict, shape: ModelShape, tokens: int, block_seconds: float) -
         recorded["host_memory_bytes_per_s"],
         recorded["device_memory_bytes"],
         # The cli's profile definition: 8 P_b T FLOPs over the blocks' compute time.
-        block_efficiency=8 * shape.total_block_params * tokens / flops / block_seconds,
+        block_efficiency=8 * shape.total_block_params * tokens / flops / block_seconds
+        if block_seconds is not None
+        else recorded["block_efficiency"],
         adam_bytes_per_s=alone["adam_gb_per_s"] * 1e9,
         adam_beside_copies_bytes_per_s=alone["adam_g_elements_per_s_beside_copies"] * 1e9 * BYTES_PER_ADAM_ELEMENT,
     )
 
 
-RUNS = {
+def _device_share(placement: dict, shape: ModelShape) -> float:
+    """The parameters' share whose state the run stepped on the device: its elements per
+    kernel where recorded (``bench/compare.py`` records them from now on), else its
+    ``DeviceAdamW`` states counted as block states."""
+    elements = placement.get("elements_by_kernel")
+    if elements:
+        return elements.get("DeviceAdamW", 0) / sum(elements.values())
+    return placement.get("by_kernel", {}).get("DeviceAdamW", 0) * shape.block_params / shape.params
+
+
+RUNS = {  # file: where the block rate comes from ("probe": the run's recorded --probe figure)
     "940m_auto": ("compare.json", "timeline"),
     "940m_cpu_optimizer": ("compare_optimizer_cpu.json", "timeline"),
     "3b_auto": ("compare_3b_megatrain.json", "own trace"),
@@ -123,14 +142,17 @@ def test_the_predicted_step_is_within_a_quarter_of_the_measured_gpu_step(run_nam
     shape = _shape(record["model"])
     batch = record["batch"]
     tokens = batch["micro_batch"] * batch["seq_len"]
-    block_seconds = _timeline_block_seconds() if compute_from == "timeline" else run["trace_split"]["compute"]
+    block_seconds = {
+        "timeline": _timeline_block_seconds,
+        "own trace": lambda: run["trace_split"]["compute"],
+        "probe": lambda: None,
+    }[compute_from]()
     hardware = _hardware(run, shape, tokens, block_seconds)
-    on_device = run["optimizer_placement"].get("by_kernel", {}).get("DeviceAdamW", 0)
     settings = RunSettings(
         seq_len=batch["seq_len"],
         micro_batch=batch["micro_batch"],
         clipping=bool(batch["gradient_clipping"]),
-        device_optimizer_share=on_device * shape.block_params / shape.params,
+        device_optimizer_share=_device_share(run["optimizer_placement"], shape),
     )
     result = plan(shape, settings, hardware, host_memory_bytes=128 << 30)
     ratio = result.predicted_step_seconds / run["step_seconds"]
@@ -175,3 +197,39 @@ def test_the_adam_probe_steps_states_past_the_last_level_cache(monkeypatch):
     monkeypatch.setattr(cli, "adam_probe_elements", lambda cache: 1 << 10)  # small here: only the wiring
     cli._adam_bytes_per_s(0.0)
     assert stepped and set(stepped) == {1 << 10}
+
+
+def test_the_device_block_probe_times_a_real_block_forward_then_forward_and_backward(monkeypatch):
+    """``device_block_efficiency`` (run here on the CPU: the code a CUDA device runs, but
+    for the device) times two pieces of work, a forward without grad and then a forward
+    and backward of one real block, and divides ``8 P_b T`` by the flops figure and their
+    sum. The timings are replaced by fixed ones (a 2-core CI machine times millisecond
+    work with several-fold noise); the work still runs, and whether it ran a backward is
+    seen by the block's gradient hooks."""
+    model = tiny_models.llama(2)  # the suite's tiny Llama: its classes are imported already
+    block_path, _ = cli.find_blocks(model, None)
+    backward_passes, block_params, ran_backward = [], [], []
+    real = cli._one_block_model
+
+    def spied(config, path, dtype):
+        block, one_block = real(config, path, dtype)
+        block_params.append(sum(p.numel() for p in block.parameters()))
+        for parameter in one_block.parameters():
+            parameter.register_post_accumulate_grad_hook(lambda _: backward_passes.append(1))
+        return block, one_block
+
+    timings = iter([0.002, 0.006])
+
+    def fixed_best_seconds(work, budget, min_runs=3):
+        before = len(backward_passes)
+        work()
+        ran_backward.append(len(backward_passes) > before)
+        return next(timings)
+
+    monkeypatch.setattr(cli, "_one_block_model", spied)
+    monkeypatch.setattr(cli, "_best_seconds", fixed_best_seconds)
+    hardware = Hardware("any", 1e12, 1e9, 1e9, 1e9, 1 << 30)
+    settings = RunSettings(seq_len=64, micro_batch=2, bf16=False)
+    efficiency = cli.device_block_efficiency(model.config, block_path, settings, hardware, torch.device("cpu"))
+    assert ran_backward == [False, True]
+    assert efficiency == pytest.approx(8 * block_params[0] * 128 / 1e12 / (0.002 + 0.006))

@@ -31,9 +31,10 @@ H200, 4 x 1024 tokens, clipping: 0.45 s measured, 0.14 s predicted by it):
   ([Note: the weight pipeline]) and one block's weight copy before each further block's
   recompute (``backward_block_waits``): the engine's trace on the H200 shows the device
   idle 2.2-2.5 ms between one block's backward and the next block's recompute, one
-  block's copy (1.85 ms) and a checkpoint's (0.3 ms), on every block; a block backward
-  measured there at 4.4x its forward time, not 3x, which a block rate measured forward
-  only would miss;
+  block's copy (1.85 ms) and a checkpoint's (0.3 ms), on every block. The block rate is
+  one real block's forward and backward (``Hardware.block_efficiency``): there a block's
+  backward took 4.4x its forward for 2x the FLOPs, which a rate from forward alone, or the
+  table's matmul rate, misses;
 - the optimizer's finish (clipping's serialisation, below) at the CPU kernel's rate
   *alone*: nothing else runs on the host then (the trace: 12 block states at 4.18 G
   elements/s, ``bench/host_contention.py``'s 4.19 alone at 16 threads). The states are
