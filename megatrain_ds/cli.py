@@ -8,9 +8,10 @@ a ``config.json`` (with ``model_type``), so its blocks are found exactly as the 
 finds them. ``--gpu cpu`` plans a run whose device is this machine's CPU: it measures
 the model's own matmul shapes, one real block, memory copies and the engine's AdamW here
 first, and caches the figures (:func:`cpu_profile`; ``--recalibrate`` measures again).
-``--probe`` with a GPU target measures
-this machine's host instead (the engine's CPU AdamW and memory copies: run it on the
-machine that will train). ``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
+``--probe`` with a GPU target measures this machine instead of the table's typical one
+(the engine's CPU AdamW past the caches, memory copies and, with a CUDA device, its pinned
+copies and a real block of the model: run it on the machine that will train).
+``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
 sequential O_DIRECT bandwidth there is measured once and cached the same way.
 """
 
