@@ -295,10 +295,16 @@ def _placement_of(engine) -> dict:
     """Where the engine's optimizer ran each state: the ``"auto"`` placement's decision."""
     adamw = engine.adamw
     where = [type(adamw.placement_of(state)).__name__ for state in engine.optimizer_states]
+    # Elements per kernel too: the planner's ``device_optimizer_share`` is the device's
+    # share of them (planning/step_time.py), which state counts alone do not give.
+    numels = [state.layout.numel for state in engine.optimizer_states]
     return {
         "setting": engine.config.options.optimizer_device,
         "states": len(where),
         "by_kernel": {name: where.count(name) for name in sorted(set(where))},
+        "elements_by_kernel": {
+            name: sum(n for n, kernel in zip(numels, where) if kernel == name) for name in sorted(set(where))
+        },
     }
 
 
@@ -427,9 +433,19 @@ def run_guarded(command: list[str], min_free: int) -> tuple[subprocess.Completed
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr), lowest[0]
 
 
-def run_planner(args: argparse.Namespace) -> dict | None:
+def _device_optimizer_share(result: dict) -> float:
+    """The share of the optimizer state's elements the round's engine stepped on the
+    device (its ``"auto"`` or ``"gpu"`` placement), for the planner's
+    ``--optimizer-device-share``."""
+    elements = result.get("optimizer_placement", {}).get("elements_by_kernel", {})
+    total = sum(elements.values())
+    return elements.get("DeviceAdamW", 0) / total if total else 0.0
+
+
+def run_planner(args: argparse.Namespace, device_share: float = 0.0) -> dict | None:
     """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
-    ``None`` where the planner has no figures for this device."""
+    ``None`` where the planner has no figures for this device. ``device_share``: of the
+    optimizer state, the share the engine steps on the device."""
     import torch
 
     if torch.cuda.is_available():
@@ -469,6 +485,8 @@ def run_planner(args: argparse.Namespace) -> dict | None:
             str(args.micro_batch),
             "--json",
             "--recalibrate",
+            "--optimizer-device-share",
+            str(device_share),
         ]
         if not args.clip:
             command.append("--no-clipping")
@@ -494,11 +512,15 @@ def _add_prediction(result: dict, prediction: dict) -> None:
         "peak_host_bytes": prediction["predicted_peak_host_bytes"] / result["peak_host_bytes"],
     }
     result["predicted_by_part"] = prediction["step_seconds_by_bound"]
+    result["predicted_by_phase"] = prediction.get("step_seconds_by_phase")
     # The floor: the largest single bound of the planner's calibrated model (compute, the
     # weight and gradient copies, the optimizer pass), i.e. the step if everything else hid.
     result["floor_seconds"] = max(prediction["step_seconds_by_bound"].values())
     result["step_over_floor"] = result["step_seconds"] / result["floor_seconds"]
+    # The planner's inputs, so a later check can run the planner again on the same figures
+    # (tests/test_planner_gpu_runs.py): the hardware measured by --probe and the run's settings.
     result["planner_hardware"] = prediction.get("hardware")
+    result["planner_settings"] = prediction.get("settings")
 
 
 def _versions() -> dict:
@@ -605,7 +627,8 @@ def main() -> None:
             result = json.loads(lines[-1][len("RESULT ") :])
             rounds[system].append(result)
             if system == "megatrain" and not args.no_planner:
-                prediction = run_planner(args)  # calibrated now, as the machine is for this round
+                # Calibrated now, as the machine is for this round, with the round's placement.
+                prediction = run_planner(args, _device_optimizer_share(result))
                 if prediction is not None:
                     _add_prediction(result, prediction)
             # The median round (the upper one of two): no system is credited with its luckiest round.

@@ -8,9 +8,10 @@ a ``config.json`` (with ``model_type``), so its blocks are found exactly as the 
 finds them. ``--gpu cpu`` plans a run whose device is this machine's CPU: it measures
 the model's own matmul shapes, one real block, memory copies and the engine's AdamW here
 first, and caches the figures (:func:`cpu_profile`; ``--recalibrate`` measures again).
-``--probe`` with a GPU target measures
-this machine's host instead (the engine's CPU AdamW and memory copies: run it on the
-machine that will train). ``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
+``--probe`` with a GPU target measures this machine instead of the table's typical one
+(the engine's CPU AdamW past the caches, memory copies and, with a CUDA device, its pinned
+copies and a real block of the model: run it on the machine that will train).
+``--nvme PATH`` plans the NVMe tier with its swap files under ``PATH``: the disk's
 sequential O_DIRECT bandwidth there is measured once and cached the same way.
 """
 
@@ -154,8 +155,9 @@ def cpu_profile(
       backward, as the engine runs it, against ``8 * P_b * T / flops``;
     - ``host_memory_bytes_per_s``: a 256 MB copy (past the caches), read + write;
     - ``adam_bytes_per_s``: the engine's CPU AdamW kernel (``cpu_adam.make_cpu_kernel``) on
-      16M-element fp32 states, 28 bytes touched per element (states well past the caches, as
-      a model's are: on 4M elements a 32 MB L3 made it look 3x faster here).
+      fp32 states :data:`ADAM_PROBE_CACHE_MULTIPLE` times the last-level cache, 28 bytes
+      touched per element (past the caches, as a model's are: 4M elements under a 32 MB L3
+      looked 3x faster here, 16M under the H200 host's 3.3x).
     Each figure is the fastest of repeated runs: load from other processes only slows a run.
     """
     from megatrain_ds.optimizer.placement import cache_path
@@ -172,6 +174,7 @@ def cpu_profile(
             str(torch.get_num_threads()),
             torch.__version__,
             str(dtype),
+            "adam past the last-level cache",  # profiles measured in it are stale
             f"{seq_len}x{tokens // seq_len}",
             json.dumps(_shape_signature(config), sort_keys=True),
         ]
@@ -217,26 +220,104 @@ def _copy_bytes_per_s(seconds: float) -> float:
     return source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
 
 
+def last_level_cache_bytes() -> int:
+    """The host's last-level cache, summed over its instances (one per socket or die):
+    what the kernel reports in sysfs, else ``sysconf``, else 64 MiB (0 never: the Adam
+    probe must stay past the caches on hosts that hide them)."""
+    instances: dict[tuple[int, str], int] = {}
+    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level = int((index / "level").read_text())
+            size = parse_size((index / "size").read_text())
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError, argparse.ArgumentTypeError):
+            continue
+        instances[(level, shared)] = size
+    if instances:
+        top = max(level for level, _ in instances)
+        return sum(size for (level, _), size in instances.items() if level == top)
+    names = ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE")
+    sizes = [os.sysconf(name) for name in names if name in os.sysconf_names]
+    return max([size for size in sizes if size > 0], default=64 << 20)
+
+
+ADAM_PROBE_CACHE_MULTIPLE = 4
+"""The Adam probe's four fp32 states together are at least this many times the last-level
+cache: a cyclic pass over them then finds next to nothing cached, as a model's states do
+(the first H200 probe's 256 MB fitted that host's cache and read 3.3x fast)."""
+
+
+def adam_probe_elements(cache_bytes: int) -> int:
+    """Elements of each fp32 state (p, g, m, v: 16 bytes per element together) the Adam
+    probe steps, for a last-level cache of ``cache_bytes``."""
+    return max(_ADAM_ELEMENTS, ADAM_PROBE_CACHE_MULTIPLE * cache_bytes // 16)
+
+
 def _adam_bytes_per_s(seconds: float) -> float:
-    """The engine's CPU AdamW kernel on fp32 states past the caches, bytes of state touched
-    per second (28 per element: p, m, v read and written, g read)."""
+    """The engine's CPU AdamW kernel on fp32 states past the caches
+    (:func:`adam_probe_elements`), bytes of state touched per second (28 per element: p, m,
+    v read and written, g read)."""
     from megatrain_ds.optimizer.adamw_math import AdamHyper
     from megatrain_ds.optimizer.cpu_adam import make_cpu_kernel
 
     kernel, hyper = make_cpu_kernel("auto"), AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True)
-    p, g, m, v = (torch.rand(_ADAM_ELEMENTS) for _ in range(4))
-    return 28 * _ADAM_ELEMENTS / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
+    n = adam_probe_elements(last_level_cache_bytes())
+    # Filled, not random: the values do not change the kernel's speed, and filling is fast.
+    p, g, m, v = (torch.full((n,), value) for value in (1.0, 1e-3, 0.0, 1e-6))
+    return 28 * n / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
 
 
-def probe_host(hardware: Hardware, seconds: float = 0.3) -> Hardware:
+def probe_host(hardware: Hardware, block: Callable[[Hardware], float] | None = None, seconds: float = 0.3) -> Hardware:
     """``--probe``: a GPU machine's figures with its host measured here, on the machine that
-    will train: the engine's CPU AdamW kernel (the optimizer pass that clipping serialises,
-    planning/planner.py: [Note: clipping's serialisation]) and the memory copy rate, instead
-    of the table's typical host."""
+    will train (planning/step_time.py: [Note: a step's phases]): the engine's CPU AdamW
+    kernel on states past the last-level cache, and the memory copy rate, instead of the
+    table's typical host. With a CUDA device here also the pinned copy rates each way and
+    ``block`` (a real block of the model on the device, :func:`device_block_efficiency`)
+    for the block efficiency. The AdamW rate beside copies (the optimizer behind backward,
+    no gradient held) is not probed: ``bench/host_contention.py`` measures it."""
     copy_rate = _copy_bytes_per_s(seconds)
     # Copies move bytes once each way: read+write traffic is twice the copy rate.
-    adam = _adam_bytes_per_s(seconds)
-    return dataclasses.replace(hardware, host_memory_bytes_per_s=2 * copy_rate, adam_bytes_per_s=adam)
+    measured = dataclasses.replace(
+        hardware, host_memory_bytes_per_s=2 * copy_rate, adam_bytes_per_s=_adam_bytes_per_s(seconds)
+    )
+    if not torch.cuda.is_available():  # planning a GPU from a machine without one
+        return measured
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+
+    rates = DeviceRuntime.create(torch.device("cuda")).measure_copy_rates(256 << 20)
+    assert rates is not None  # a CUDA runtime copies
+    measured = dataclasses.replace(measured, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1])
+    return dataclasses.replace(measured, block_efficiency=block(measured)) if block else measured
+
+
+def device_block_efficiency(
+    config: Any, block_path: str, settings: RunSettings, hardware: Hardware, device: torch.device, seconds: float = 0.3
+) -> float:
+    """The fraction of ``hardware.flops`` one real block of ``config``'s model reaches on
+    ``device`` at ``settings``' tokens: forward without grad, then forward and backward,
+    against their ``8 * P_b * T`` FLOPs (the CPU profile's ``block_efficiency``, measured
+    on the GPU: planning/step_time.py, [Note: a step's phases])."""
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+
+    runtime = DeviceRuntime.create(device)
+    dtype = torch.bfloat16 if settings.bf16 else torch.float32
+    block, model = _one_block_model(config, block_path, dtype)
+    model.to(device)
+    ids = torch.randint(0, _PROFILE_VOCAB, (settings.micro_batch, settings.seq_len), device=device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+        runtime.synchronize()  # time the device's work, not the launches
+
+    def forward_backward() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        runtime.synchronize()
+
+    seconds_per_block = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
+    block_params = sum(p.numel() for p in block.parameters())
+    return 8 * block_params * settings.tokens_per_pass / hardware.flops / seconds_per_block
 
 
 def _measure_profile(
@@ -317,42 +398,8 @@ def _format_bytes(value: float) -> str:
     return f"{value / GIB:,.2f} GiB"
 
 
-def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
-    print(
-        f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
-        f"tokens per weight pass: {settings.tokens_per_pass}"
-    )
-    print("host memory:")
-    for kind, value in result.host_bytes.items():
-        print(f"  {kind:18s} {_format_bytes(value)}")
-    print(f"  {'total':18s} {_format_bytes(result.host_bytes_total)}")
-    print("GPU memory:" if not hardware.shares_host_memory else "compute-side memory (host):")
-    for kind, value in result.gpu_bytes.items():
-        print(f"  {kind:18s} {_format_bytes(value)}")
-    print(f"  {'total':18s} {_format_bytes(result.gpu_bytes_total)}")
-    if hardware.shares_host_memory:
-        print(
-            f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
-            f"({result.predicted_peak_host_bytes / result.params:.2f} bytes/param)"
-        )
-        print(
-            f"measured: matmul {hardware.flops / 1e9:.0f} GFLOP/s at the blocks' shapes "
-            f"({hardware.head_flops / 1e9:.0f} at the head's), a block at "
-            f"{hardware.block_efficiency:.0%} of it, memory copy {hardware.host_memory_bytes_per_s / 2e9:.1f} GB/s, "
-            f"AdamW {hardware.adam_bytes_per_s / 1e9:.1f} GB/s"
-        )
-        print("step (one set of cores does each part in turn):")
-    else:
-        print(f"tokens per weight pass to hide transfers: {result.min_tokens_to_hide_transfer}")
-    for bound, seconds in result.step_seconds_by_bound.items():
-        print(f"  {bound:18s} {seconds:8.3f} s/step")
-    print(f"predicted step: {result.predicted_step_seconds:.3f} s, {result.predicted_tokens_per_second:,.0f} tokens/s")
-    print("recompute (host memory for stashed activations vs. recomputing blocks in backward):")
-    for name, policy in result.recompute.items():
-        print(
-            f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
-            f"stash  predicted step {policy['predicted_step_seconds']:.4g} s"
-        )
+def _print_fragments_and_disk(result, hardware: Hardware, settings: RunSettings) -> None:
+    """``_print_plan``'s lines on fragmented weight streaming and the NVMe tier."""
     fragments = result.fragments
     chosen = int(fragments["chosen"]["fragment_bytes"])
     best = int(fragments["fragments"]["fragment_bytes"])
@@ -385,6 +432,51 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
                 f"the disk is the bottleneck: {result.recommended['gradient_accumulation_steps']} micro-batches "
                 "per optimizer step would spread its traffic enough to hide it"
             )
+
+
+def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
+    """The plan as a table (``megatrain plan`` without ``--json``)."""
+    print(
+        f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
+        f"tokens per weight pass: {settings.tokens_per_pass}"
+    )
+    print("host memory:")
+    for kind, value in result.host_bytes.items():
+        print(f"  {kind:18s} {_format_bytes(value)}")
+    print(f"  {'total':18s} {_format_bytes(result.host_bytes_total)}")
+    print("GPU memory:" if not hardware.shares_host_memory else "compute-side memory (host):")
+    for kind, value in result.gpu_bytes.items():
+        print(f"  {kind:18s} {_format_bytes(value)}")
+    print(f"  {'total':18s} {_format_bytes(result.gpu_bytes_total)}")
+    if hardware.shares_host_memory:
+        print(
+            f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
+            f"({result.predicted_peak_host_bytes / result.params:.2f} bytes/param)"
+        )
+        print(
+            f"measured: matmul {hardware.flops / 1e9:.0f} GFLOP/s at the blocks' shapes "
+            f"({hardware.head_flops / 1e9:.0f} at the head's), a block at "
+            f"{hardware.block_efficiency:.0%} of it, memory copy {hardware.host_memory_bytes_per_s / 2e9:.1f} GB/s, "
+            f"AdamW {hardware.adam_bytes_per_s / 1e9:.1f} GB/s"
+        )
+        print("step (one set of cores does each part in turn):")
+    else:
+        print(f"tokens per weight pass to hide transfers: {result.min_tokens_to_hide_transfer}")
+        print("each resource alone (the largest is the floor):")
+    for bound, seconds in result.step_seconds_by_bound.items():
+        print(f"  {bound:18s} {seconds:8.3f} s/step")
+    if not hardware.shares_host_memory:
+        print("the step's phases, one after another (the optimizer's behind backward without held gradients):")
+        for phase, seconds in result.step_seconds_by_phase.items():
+            print(f"  {phase:20s} {seconds:8.3f} s/step")
+    print(f"predicted step: {result.predicted_step_seconds:.3f} s, {result.predicted_tokens_per_second:,.0f} tokens/s")
+    print("recompute (host memory for stashed activations vs. recomputing blocks in backward):")
+    for name, policy in result.recompute.items():
+        print(
+            f"  {name:5s} {policy['stashed_blocks']:4.0f} blocks stashed  {_format_bytes(policy['stash_bytes'])} "
+            f"stash  predicted step {policy['predicted_step_seconds']:.4g} s"
+        )
+    _print_fragments_and_disk(result, hardware, settings)
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
     print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
     print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
@@ -430,7 +522,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--probe",
         action="store_true",
-        help="with a GPU target: measure this machine's host (CPU AdamW, memory copies) instead of a typical one's",
+        help="with a GPU target: measure this machine (CPU AdamW past the caches, memory copies; with a CUDA "
+        "device its pinned copies and a real block of the model) instead of the table's typical one",
+    )
+    p.add_argument(
+        "--optimizer-device-share",
+        type=float,
+        default=0.0,
+        help='share of the optimizer state stepped on the device ("optimizer_device": "gpu": 1; "auto": the '
+        "share its logged split puts there); default 0, all on the host's CPU kernel",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -452,7 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvme=args.nvme is not None,
         nvme_window_blocks=args.nvme_window_blocks,
         nvme_weights=args.nvme_weights,
+        device_optimizer_share=args.optimizer_device_share,
     )
+    if not 0 <= args.optimizer_device_share <= 1:
+        parser.error("--optimizer-device-share is a fraction of the optimizer state: between 0 and 1")
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
     model = load_meta_model(args.model)
@@ -463,7 +566,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         hardware = GPU_HARDWARE[args.gpu]
         if args.probe:
-            hardware = probe_host(hardware)
+            block_path, _ = find_blocks(model, args.block_path)
+            hardware = probe_host(
+                hardware,
+                lambda measured: device_block_efficiency(
+                    model.config, block_path, settings, measured, torch.device("cuda")
+                ),
+            )
     if args.nvme is not None:
         from megatrain_ds.optimizer.placement import cache_path
 
@@ -473,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         data = result.to_json()
         data["hardware"] = asdict(hardware)
+        data["settings"] = asdict(settings)
         json.dump(data, sys.stdout, indent=2)
         print()
     else:

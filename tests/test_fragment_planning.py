@@ -1,7 +1,7 @@
 """The planner's model of fragmented weight streaming and ``"fragment_bytes": "auto"``.
 
 The weight pipeline's exposed ends are checked against sums done by hand for made-up
-hardware ([Note: the weight pipeline] in ``planning/planner.py``); the choice against
+hardware ([Note: the weight pipeline] in ``planning/step_time.py``); the choice against
 GPU-like hardware where a block's copy is exposed (a shallow model of large blocks), where
 compute hides it (a deep model at long sequences) and the CPU, where nothing is copied.
 The engine test injects a GPU-like hardware the way ``test_recompute.py`` injects host

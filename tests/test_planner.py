@@ -1,5 +1,6 @@
 """The planner's cost model against the engine's own accounting and hand-computed values."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,11 +25,11 @@ from megatrain_ds.planning.planner import (
     gpu_bytes,
     host_bytes,
     min_tokens_to_hide_transfer,
+    phase_seconds,
     plan,
     predicted_step_seconds,
     stash_bytes_per_block,
     step_seconds,
-    weight_fill_seconds,
 )
 
 
@@ -401,20 +402,46 @@ def test_auto_on_the_cpu_is_bound_by_host_memory(host_left, expected):
 
 
 def test_held_gradients_serialise_the_optimizer_after_backward_on_a_gpu():
-    """[Note: clipping's serialisation]: with clipping the update waits for the global norm,
-    so the predicted step is the longest overlapped bound plus the whole optimizer pass; with
-    no gradient held the optimizer hides behind backward but for the last block's update."""
+    """[Note: a step's phases], [Note: clipping's serialisation]: forward and backward are
+    each bounded on their own and run one after the other; with clipping the whole
+    optimizer pass follows them; with no gradient held it runs behind backward (at the rate
+    beside copies) but for the last block's update."""
     shape = shape_of(tiny_models.llama(8))
-    hardware = GPU_HARDWARE["h200"]
+    hardware = dataclasses.replace(
+        GPU_HARDWARE["h200"], adam_bytes_per_s=100e9, adam_beside_copies_bytes_per_s=50e9, block_efficiency=0.3
+    )
     clipped = RunSettings(seq_len=1024, micro_batch=4, clipping=True)
+    phases = phase_seconds(shape, clipped, hardware)
+    bounds = step_seconds(shape, clipped, hardware)
+    # Two passes each bounded on its own: never shorter than a resource's whole need (the
+    # floor), never longer than every resource's one after another.
+    resources = [bounds[resource] for resource in ("compute", "host_to_device", "device_to_host")]
+    assert max(resources) <= phases["forward"] + phases["backward"] <= sum(resources)
+    passes = phases["forward"] + phases["backward"] + phases["weight_fill"] + phases["backward_block_waits"]
+    assert predicted_step_seconds(shape, clipped, hardware) == pytest.approx(passes + phases["optimizer"])
+    assert phases["optimizer"] == pytest.approx(28 * shape.params / 100e9)  # bf16: 24 + 2 + 2 bytes
     unclipped = _with(clipped, clipping=False)
-    fill = weight_fill_seconds(shape, clipped, hardware)
-    parts = step_seconds(shape, clipped, hardware)
-    overlapped = max(t for bound, t in parts.items() if bound != "optimizer")
-    assert predicted_step_seconds(shape, clipped, hardware) == pytest.approx(overlapped + parts["optimizer"] + fill)
-    parts = step_seconds(shape, unclipped, hardware)
-    expected = max(parts.values()) + parts["optimizer"] / shape.num_blocks + fill
+    phases = phase_seconds(shape, unclipped, hardware)
+    behind = 28 * shape.params / 50e9
+    expected = (
+        phases["forward"]
+        + max(phases["backward"], behind)
+        + phases["weight_fill"]
+        + phases["backward_block_waits"]
+        + behind / shape.num_blocks
+    )
     assert predicted_step_seconds(shape, unclipped, hardware) == pytest.approx(expected)
+
+
+def test_the_optimizer_share_on_the_device_crosses_the_link_after_the_hosts():
+    """``device_optimizer_share``: those states cross the link (12 + g in, 12 + s out, at
+    once) and the host's share steps at the kernel's rate, one after the other."""
+    shape = shape_of(tiny_models.llama(4))
+    hardware = dataclasses.replace(GPU_HARDWARE["h100"], adam_bytes_per_s=112e9, h2d_bytes_per_s=40e9)
+    settings = RunSettings(seq_len=256, device_optimizer_share=0.25)
+    on_device, on_host = 0.25 * shape.params, 0.75 * shape.params
+    expected = 28 * on_host / 112e9 + on_device * max(14 / 40e9, 14 / hardware.d2h_bytes_per_s)
+    assert phase_seconds(shape, settings, hardware)["optimizer"] == pytest.approx(expected)
 
 
 def test_probe_measures_the_host_of_a_gpu_machine(capsys):

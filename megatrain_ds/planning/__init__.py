@@ -1,6 +1,7 @@
 """The cost model: what a run needs in memory and time, checked before it starts.
 
-- ``planner``: host and device memory, the transfer-hiding batch, step time (``megatrain plan``).
+- ``step_time``: the machine, model and run records; step time by resource and by phase.
+- ``planner``: host and device memory, the transfer-hiding batch, the choices, the plan (``megatrain plan``).
 - ``preflight``: the memory a run needs, checked before the engine allocates anything.
 - ``long_context``: loss-chunk and MLP-tile sizes ("auto"), memory per token.
 - ``transfer_hiding``: warns once when a micro-batch is too small to hide weight transfers.

@@ -2,7 +2,7 @@
 
 ``"auto"`` (the default) is decided at the first training forward, when the tokens per
 weight pass are known, by the planner (:func:`~megatrain_ds.planning.planner.choose_fragment_bytes`,
-[Note: the weight pipeline] in ``planning/planner.py``) from the same figures as
+[Note: the weight pipeline] in ``planning/step_time.py``) from the same figures as
 ``"recompute": "auto"`` (``planning/recompute_policy.py``: the device's compute rate, the
 host<->device copy rates measured here, the blocks stashed). Fragments only shorten the
 ends of each weight pass -- forward waits for the first block's weights, backward for the

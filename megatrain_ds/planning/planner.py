@@ -1,112 +1,78 @@
-"""The engine's cost model: host and device memory, transfer-hiding batch, step time.
+"""The planner: what a run needs in memory, and the choices made from its predicted step.
 
-Pure arithmetic over a :class:`ModelShape`, :class:`RunSettings` and :class:`Hardware`;
-``megatrain plan`` (:mod:`megatrain_ds.cli`) prints it. Per optimizer step with ``P_b``
-streamed block parameters, ``T`` tokens per weight pass and ``w`` bytes per streamed
-weight (2 in bf16, 4 in fp32):
+Host and device memory by kind (:func:`host_bytes`, :func:`gpu_bytes`), the longest
+sequence and the largest micro-batch that fit, ``"recompute": "auto"``
+(:func:`choose_stashed_blocks`: the number of stashed blocks with the shortest predicted
+step whose stash fits the host memory left), ``"fragment_bytes": "auto"``
+(:func:`choose_fragment_bytes`), and :func:`plan`, everything ``megatrain plan`` prints.
+The step's time is ``planning/step_time.py``'s model ([Note: a step's phases] there);
+its records and functions are imported here too, so ``planner`` stays the one entry point.
 
-- compute: ``8 * P_b * T`` FLOPs for blocks (forward, recompute, backward) plus
-  ``6 * V * h * T`` for the lm_head; the throughput metric counts ``6 * P * T``;
-- host->device: ``2 * w * P_b`` bytes (forward and backward) + checkpoints coming back;
-- device->host: ``w * P`` bytes of gradients + checkpoints going out;
-- host optimizer: ~30 bytes of host memory traffic per parameter (read p, g, m, v;
-  write p, m, v, shadow), at the host AdamW kernel's measured rate where ``megatrain plan
-  --probe`` measured it; overlapped with backward on a GPU machine only where no gradient
-  is held (see [Note: clipping's serialisation]).
-
-[Note: clipping's serialisation]
-With clipping (or accumulation, fp16, skipped non-finite steps) the engine holds the
-gradients and updates nothing before the global norm is known, i.e. before backward's
-last gradient has reached the host (``optimizer/speculative_step.py``). So on a GPU
-machine the step is the longest of the overlapped bounds (compute, the copies, the host's
-gradient path, the disk) *plus* the whole optimizer pass, not the longest of all of them:
-the first GPU run measured 0.83 s at 940M where the all-overlapped model said 0.15 s. Only
-without held gradients does the optimizer run behind backward, chunk by chunk, and then
-only the last block's update is exposed.
-
-With ``n`` blocks stashing their activations instead of recomputing
-(``"megatrain": {"recompute": ...}``, ``streaming/activation_stash.py``) the blocks'
-compute falls by ``2 * n * P_b * T`` FLOPs, and each stashed block's saved activations
-(:func:`stash_bytes_per_block`) cross device->host in forward and host->device in
-backward, and are held in host memory between the two (on the CPU: held, nothing moves).
-:func:`choose_stashed_blocks` is ``"auto"``: the ``n`` with the shortest predicted step
-whose stash fits the host memory left.
-
-[Note: the weight pipeline]
-The bounds above assume the copies and the compute overlap perfectly. They cannot at the
-ends of a weight pass: a two-stage pipeline of ``n`` pieces, each crossing in ``a`` and
-computing in ``b`` seconds, takes ``a + (n - 1) * max(a, b) + b``, which is
-``n * max(a, b) + min(a, b)``: one piece's copy is exposed before the first computes (the
-fill; compute-bound), or one piece's compute after the last has crossed (the drain;
-link-bound). With whole blocks a piece is a block: forward waits for block 0's whole
-weights, and backward for the last block's, less the head's forward and backward that
-run while it crosses (``streaming/streamed_blocks.py`` plans backward after the last
-block's forward). With ``"fragment_bytes"`` (``streaming/weight_fragments.py``) a piece is
-a fragment, so the exposed part of each pass shrinks to about one fragment's copy or
-compute, while every further copy adds :data:`FRAGMENT_COPY_OVERHEAD_S` to the link.
-:func:`weight_fill_seconds` is ``min(a, b)`` per pass, added to the predicted step;
-:func:`choose_fragment_bytes` is ``"auto"``. The device's weight buffers stay sized by
-whole blocks either way (a block computes on views of its whole flat buffer).
-
-Transfers hide behind compute once ``8 * P_b * T / F >= 2 * w * P_b / B``, i.e.
-``T >= w * F / (4 * B)``, independent of model size.
-
-[Note: the CPU as the device]
-When the device is the host (``Hardware.shares_host_memory``) one set of cores does
-everything in turn, so a step is the *sum* of its parts, and blocks and resident
-parameters are computed on in place (``streaming/weight_streamer.py``: [Note: the host as the
-device]): no weight copies, no weight buffers. The parts, per optimizer step
-(``g``: gradient width, 4 when accumulating over micro-batches, else ``w``; ``s``: 2 for
-the bf16 shadow of an fp32 master, else 0):
-
-- blocks: ``8 * P_b * T`` FLOPs at ``flops * block_efficiency``. ``flops`` is the matmul
-  rate at the model's own linear shapes and ``T``; ``block_efficiency`` the fraction of it
-  one real block of the model achieves forward, then forward and backward (attention,
-  norms, activations, dispatch). ``megatrain plan --gpu cpu`` measures both;
-- head: ``6 * V * h * T`` FLOPs at ``head_flops`` (the matmul rate at the lm_head's shape)
-  and :data:`LOSS_PASSES` passes over the fp32 logits at host memory bandwidth;
-- the gradient path, at host memory bandwidth: the sink's staging copy (``2w`` bytes per
-  parameter, read + write, each micro-batch), the global norm's read (``g``) and, with
-  gradients held (clipping or accumulation), zeroing (``g``) and accumulating
-  (``2g + w`` per micro-batch), plus the speculative-step journal's copy;
-- the optimizer: ``24 + g + s`` bytes per parameter at ``adam_bytes_per_s``, the engine's
-  own CPU AdamW kernel on states past the caches (measured by ``megatrain plan``);
-- checkpoints: each copied to a host tensor and back (``4 * T * h * w`` per segment).
-
-Peak host memory there is the persistent state plus the compute-side buffers
-(:func:`gpu_bytes`), which live in host RAM too.
-
-With the NVMe tier (``RunSettings.nvme``, ``state/nvme_tier.py``) the blocks' Adam m and v
-(8 bytes per block parameter; 12 with the fp32 master, which joins them with bf16 compute)
-live on disk and a window of ``nvme_window_blocks`` blocks of them in host memory; every
-optimizer step reads and writes them once (``disk``: ``t * P_b / read + t * P_b / write``,
-``t`` those bytes per parameter, at the disk's measured sequential bandwidth), however
-many micro-batches it accumulates. The disk works beside the cores and the copy engines
-and the optimizer overlaps it block by block, so on a GPU machine it is one more bound
-of the max; on the CPU the optimizer's part of the sum becomes ``max(optimizer, disk)``.
-With the weights on the tier too (``RunSettings.nvme_weights``, ``state/nvme_weights.py``)
-the tier holds every block's fp32 master (12 bytes per block parameter), no block keeps a
-shadow in host memory, the weight window holds a few blocks in the compute dtype (and an
-fp32 staging copy with bf16), and each weight pass reads every block's fp32 master from
-disk twice, forward and backward (``passes * 8 * P_b / read`` more in ``disk``; the
-window's reuse of the last forward blocks in backward is not counted).
+Peak host memory where the device is the host is the persistent state plus the
+compute-side buffers (:func:`gpu_bytes`), which live in host RAM too. With the NVMe tier
+(``RunSettings.nvme``, ``state/nvme_tier.py``) the blocks' Adam m and v (and the fp32
+masters with bf16 compute) live on disk and a window of ``nvme_window_blocks`` blocks of
+them in host memory; with the weights on the tier too (``RunSettings.nvme_weights``,
+``state/nvme_weights.py``) no block keeps a shadow in host memory and the weight window
+holds a few blocks in the compute dtype (and an fp32 staging copy with bf16).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
-from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 from megatrain_ds.planning.long_context import (
     choose_loss_chunk_tokens,
     choose_mlp_tile_tokens,
     loss_chunk_bytes_per_token,
     mlp_tile_bytes_per_token,
 )
+from megatrain_ds.planning.step_time import (
+    ADAM_HOST_BYTES_PER_PARAM,
+    FRAGMENT_COPY_OVERHEAD_S,
+    GIB,
+    GPU_HARDWARE,
+    LOSS_PASSES,
+    ConfigSizes,
+    Hardware,
+    ModelShape,
+    RunSettings,
+    checkpoint_bytes,
+    disk_bytes,
+    journal_bytes_per_element,
+    journal_numel,
+    min_tokens_to_hide_transfer,
+    num_checkpoints,
+    phase_seconds,
+    predicted_from_phases,
+    predicted_step_seconds,
+    sizes_from_config,
+    stash_bytes_per_block,
+    step_seconds,
+    tier_bytes_per_param,
+    weight_fill_seconds,
+)
 from megatrain_ds.state.nvme_weights import weight_window_buffers
 
-GIB = 1 << 30
+__all__ = [  # the step-time model's names, for callers of the planner
+    "ADAM_HOST_BYTES_PER_PARAM",
+    "FRAGMENT_COPY_OVERHEAD_S",
+    "GIB",
+    "GPU_HARDWARE",
+    "LOSS_PASSES",
+    "ConfigSizes",
+    "Hardware",
+    "ModelShape",
+    "RunSettings",
+    "disk_bytes",
+    "min_tokens_to_hide_transfer",
+    "predicted_step_seconds",
+    "sizes_from_config",
+    "stash_bytes_per_block",
+    "step_seconds",
+    "weight_fill_seconds",
+]
 
 # Per token per block, bytes of activations a block's recompute holds for backward in
 # 16-bit (Korthikanti et al., "Reducing Activation Recomputation", with flash/SDPA
@@ -117,18 +83,6 @@ GIB = 1 << 30
 ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 34
 NON_MLP_ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 15
 
-# Host-memory traffic of one AdamW update, bytes per parameter (fp32 p, g, m, v read;
-# p, m, v written; bf16 shadow written).
-ADAM_HOST_BYTES_PER_PARAM = 30
-
-# Values per token that autograd saves inside one pre-norm block with a gated MLP and fused
-# attention (Llama, Mistral, Qwen with SDPA; counted by activation_stash on Hugging Face's
-# Llama): the block input, both norms' inputs and outputs and the attention output with its
-# o_proj input (8 * hidden), k and v (2 * kv_hidden), gate, up, act(gate) and their product
-# (4 * intermediate). Norm statistics, softmax log-sum-exp and rotary tables add under 1%;
-# eager attention adds its probabilities (heads * seq_len per token).
-STASH_HIDDEN_VALUES, STASH_KV_VALUES, STASH_INTERMEDIATE_VALUES = 8, 2, 4
-
 # Fraction of the host memory left that "auto" may fill with stashed activations: the rest
 # stays for the step's transients and the rest of the machine.
 STASH_HOST_FRACTION = 0.8
@@ -137,17 +91,8 @@ STASH_HOST_FRACTION = 0.8
 # fraction of the shortest.
 STASH_GAIN_TOLERANCE = 1e-3
 
-# Passes over the fp32 logits outside the lm_head matmul: the loss's log-softmax written
-# and read, its gradient written, read and handed to the head (Hugging Face's loss).
-LOSS_PASSES = 6
-
 # The disk is named the bottleneck when its time is more than this share of the step.
 DISK_BOUND_SHARE = 0.5
-
-# Time one more host-to-device copy costs the link: the gap between back-to-back
-# cudaMemcpyAsync calls on one stream and the event recorded after each (a few
-# microseconds; an assumption, not measured here).
-FRAGMENT_COPY_OVERHEAD_S = 10e-6
 
 # "fragment_bytes": "auto" turns fragments on only when the planner predicts a step this
 # much shorter: below it, the model's error (the overhead above, the fill's overlap with
@@ -162,152 +107,6 @@ MIN_FRAGMENT_BYTES = 4096
 DEVICE_MEMORY_HEADROOM = 0.9
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """What bounds a step on one machine."""
-
-    name: str
-    flops: float
-    """Achievable dense matmul throughput in the compute dtype, FLOP/s."""
-    h2d_bytes_per_s: float
-    d2h_bytes_per_s: float
-    host_memory_bytes_per_s: float
-    """Host memory bandwidth available to the optimizer (read + write)."""
-    device_memory_bytes: int
-    shares_host_memory: bool = False
-    """The CPU target: compute, copies and the optimizer share the same cores and memory,
-    so nothing overlaps and device memory is host memory ([Note: the CPU as the device])."""
-    block_efficiency: float = 1.0
-    """Fraction of ``flops`` a whole block achieves forward and backward (measured on the
-    CPU; the GPU figures assume the matmuls dominate)."""
-    adam_bytes_per_s: float = 0.0
-    """The host AdamW kernel, bytes of state touched per second; 0: bound by
-    ``host_memory_bytes_per_s`` at :data:`ADAM_HOST_BYTES_PER_PARAM`."""
-    head_flops: float = 0.0
-    """Matmul throughput at the lm_head's shape, FLOP/s (measured on the CPU, where a small
-    hidden size makes block matmuls much slower than the head's); 0: ``flops``."""
-    disk_read_bytes_per_s: float = 0.0
-    """Sequential O_DIRECT read bandwidth of the NVMe tier's disk (``megatrain plan --nvme``)."""
-    disk_write_bytes_per_s: float = 0.0
-
-
-# Achievable (not peak) figures: ~80% of dense bf16 peak, measured PCIe Gen5 x16 copy
-# rates, typical dual-socket DDR5 host bandwidth; GH200 uses NVLink-C2C and LPDDR5X.
-GPU_HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", 790e12, 50e9, 50e9, 200e9, 80 * GIB),
-    "h200": Hardware("h200", 790e12, 50e9, 50e9, 200e9, 141 * GIB),
-    "gh200": Hardware("gh200", 790e12, 400e9, 400e9, 450e9, 96 * GIB),
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the cost model needs, read from a model (see :func:`shape_of`)."""
-
-    num_blocks: int
-    block_params: int
-    """Parameters of the largest block."""
-    total_block_params: int
-    resident_params: int
-    hidden: int
-    vocab: int
-    intermediate: int = 0
-    """Width of a block's MLP intermediate (one expert's, for stacked experts); 0: unknown
-    (the stash counts ``4 * hidden``, activations the ``34 * hidden`` rule)."""
-    kv_hidden: int = 0
-    """Width of the keys (and of the values): ``kv_heads * head_dim``; 0: ``hidden``."""
-    frozen_params: int = 0
-    """Parameters that are not trained (``requires_grad=False``, a LoRA model's base weights):
-    without the NVMe tier their weights alone are held (``state/host_store.py``: [Note: frozen
-    weights])."""
-    frozen_block_params: int = 0
-    """Frozen parameters of the largest block (a journal slot holds the trained ones only)."""
-    frozen_in_bf16: bool = False
-    """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone."""
-
-    @property
-    def params(self) -> int:
-        return self.total_block_params + self.resident_params
-
-
-class ConfigSizes(TypedDict):
-    """What a model config says of :class:`ModelShape` (its field names: ``**`` them in)."""
-
-    hidden: int
-    vocab: int
-    intermediate: int
-    kv_hidden: int
-
-
-def sizes_from_config(config: Any) -> ConfigSizes:
-    """``hidden``, ``vocab``, ``intermediate`` and ``kv_hidden`` of a Hugging Face model
-    config (:class:`ModelShape`'s names; 0 where the config does not say)."""
-
-    def first(*names: str) -> int:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return 0
-
-    hidden = first("hidden_size", "n_embd")
-    heads = first("num_attention_heads", "n_head")
-    head_dim = first("head_dim") or (hidden // heads if heads else 0)
-    kv_heads = first("num_key_value_heads")
-    return ConfigSizes(
-        hidden=hidden,
-        vocab=first("vocab_size"),
-        intermediate=first("intermediate_size", "n_inner"),
-        kv_hidden=kv_heads * head_dim if kv_heads and head_dim else 0,
-    )
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """The run being planned (the DeepSpeed JSON's relevant values)."""
-
-    seq_len: int
-    micro_batch: int = 1
-    accumulation: int = 1
-    bf16: bool = True
-    clipping: bool = True
-    checkpoint_interval: int = 1
-    num_buffers: int = 2
-    offload_checkpoints: bool = True
-    num_staging_buffers: int = 4
-    stashed_blocks: int = 0
-    """Blocks that stash their activations in host memory instead of recomputing."""
-    chunked_loss: bool = True
-    """The loss in chunks (``loss_chunk_tokens``, "auto"), no ``tokens x vocab`` logits."""
-    tiled_mlp: bool = True
-    """The MLP in sequence tiles (``mlp_tile_tokens``, "auto")."""
-    nvme: bool = False
-    """The blocks' Adam m and v (and with ``bf16`` their fp32 masters) on the NVMe tier."""
-    nvme_window_blocks: int = 4
-    """Blocks of the tier's state in host memory at once (the read-ahead window)."""
-    nvme_weights: bool = False
-    """The blocks' weights on the tier too (``"nvme_offload": "all"``; needs ``nvme``)."""
-    fragment_bytes: int = 0
-    """Blocks' weights cross host-to-device in pieces of this many bytes; 0: whole blocks."""
-
-    @property
-    def tokens_per_pass(self) -> int:
-        return self.seq_len * self.micro_batch
-
-    @property
-    def weight_bytes(self) -> int:
-        return 2 if self.bf16 else 4
-
-    @property
-    def grad_bytes(self) -> int:
-        """Width of a held or consumed gradient: fp32 when accumulating, else compute."""
-        return 4 if self.accumulation > 1 else self.weight_bytes
-
-    @property
-    def holds_gradients(self) -> bool:
-        return self.clipping or self.accumulation > 1
-
-
 @dataclass
 class Plan:
     """Everything ``megatrain plan`` reports."""
@@ -317,6 +116,7 @@ class Plan:
     gpu_bytes: dict[str, int]
     min_tokens_to_hide_transfer: int
     step_seconds_by_bound: dict[str, float]
+    """Each resource alone (:func:`step_seconds`): the largest is the floor."""
     predicted_step_seconds: float
     predicted_tokens_per_second: float
     max_micro_batch: int
@@ -336,6 +136,8 @@ class Plan:
     """The NVMe tier's swap files."""
     weight_fill_seconds: float = 0.0
     """Of the predicted step, the weight pipeline's exposed ends ([Note: the weight pipeline])."""
+    step_seconds_by_phase: dict[str, float] = field(default_factory=dict)
+    """The step as the engine runs it (:func:`phase_seconds`: [Note: a step's phases])."""
     fragments: dict[str, dict[str, float]] = field(default_factory=dict)
     """``"whole"`` and ``"fragments"`` (the best fragment size): bytes per piece and the
     predicted step; ``"chosen"``: what ``"fragment_bytes": "auto"`` picks (:func:`fragment_policies`)."""
@@ -367,7 +169,7 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
         if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
             result["master"] = 4 * shape.resident_params
         result["nvme_window"] = (
-            min(settings.nvme_window_blocks, shape.num_blocks) * _tier_bytes_per_param(settings) * shape.block_params
+            min(settings.nvme_window_blocks, shape.num_blocks) * tier_bytes_per_param(settings) * shape.block_params
         )
     if settings.nvme and settings.nvme_weights:
         buffers = weight_window_buffers(settings.num_buffers, settings.checkpoint_interval, settings.nvme_window_blocks)
@@ -378,55 +180,15 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
         result["bf16_shadow"] = 2 * shadowed
     if settings.holds_gradients:
         result["gradients"] = settings.grad_bytes * trained
-    journal = _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
+    journal = journal_numel(shape, settings) * journal_bytes_per_element(settings)
     if journal:
         result["journal"] = journal
     result["staging"] = settings.num_staging_buffers * min(shape.block_params, 1 << 22) * settings.weight_bytes
     if settings.offload_checkpoints:
-        result["checkpoints"] = _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
+        result["checkpoints"] = checkpoint_bytes(shape, settings) * num_checkpoints(shape, settings)
     if settings.stashed_blocks:
         result["stash"] = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
     return result
-
-
-def stash_bytes_per_block(shape: ModelShape, settings: RunSettings) -> int:
-    """Host bytes one stashed block holds between its forward and backward (an estimate for
-    Llama-like blocks, see :data:`STASH_HIDDEN_VALUES`; the engine measures its own)."""
-    values = (
-        STASH_HIDDEN_VALUES * shape.hidden
-        + STASH_KV_VALUES * (shape.kv_hidden or shape.hidden)
-        + STASH_INTERMEDIATE_VALUES * (shape.intermediate or 4 * shape.hidden)
-    )
-    return values * settings.tokens_per_pass * settings.weight_bytes
-
-
-def _block_flops(shape: ModelShape, settings: RunSettings) -> int:
-    """FLOPs of the blocks per weight pass: forward, backward, and the recompute of the
-    blocks that do not stash."""
-    return (8 * shape.total_block_params - 2 * settings.stashed_blocks * shape.block_params) * settings.tokens_per_pass
-
-
-def _tier_bytes_per_param(settings: RunSettings) -> int:
-    """What the NVMe tier holds per block parameter: m and v, and the fp32 master with bf16
-    compute or the weights on the tier (``state/nvme_tier.py``: ``tier_kinds``)."""
-    return 12 if settings.bf16 or settings.nvme_weights else 8
-
-
-def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """Bytes of the NVMe tier's swap files (every block's :func:`_tier_bytes_per_param`); 0 without the tier."""
-    return _tier_bytes_per_param(settings) * shape.total_block_params if settings.nvme else 0
-
-
-def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """Seconds per optimizer step the disk needs to read and write every block's state on the
-    tier, and with the weights there to read every block's master in each forward and backward."""
-    swap = disk_bytes(shape, settings)
-    if not swap:
-        return 0.0
-    if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
-        raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
-    weights = settings.accumulation * 2 * 4 * shape.total_block_params if settings.nvme_weights else 0
-    return (swap + weights) / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
@@ -435,7 +197,7 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
     w = settings.weight_bytes
     in_place = hardware is not None and hardware.shares_host_memory
     slots = settings.num_buffers + settings.checkpoint_interval - 1
-    checkpoints_on_device = slots if settings.offload_checkpoints else _num_checkpoints(shape, settings)
+    checkpoints_on_device = slots if settings.offload_checkpoints else num_checkpoints(shape, settings)
     result = {
         "weight_buffers": 0 if in_place else slots * shape.block_params * w,
         "resident_params": 0 if in_place else shape.resident_params * w,
@@ -444,7 +206,7 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
         # gradients leave in buckets as backward finishes them (gradients/outbox.py).
         "resident_grads": min(shape.resident_params, shape.vocab * shape.hidden) * w,
         "block_grads": shape.block_params * w,
-        "checkpoints": checkpoints_on_device * _checkpoint_bytes(shape, settings),
+        "checkpoints": checkpoints_on_device * checkpoint_bytes(shape, settings),
     }
     return {**result, **_activation_bytes(shape, settings, hardware)}
 
@@ -475,151 +237,6 @@ def _activation_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardwa
         # fp32 copy and its gradient.
         result["logits"] = tokens * shape.vocab * (w + 4 + 4)
     return result
-
-
-def _checkpoint_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    return settings.tokens_per_pass * shape.hidden * settings.weight_bytes
-
-
-def _num_checkpoints(shape: ModelShape, settings: RunSettings) -> int:
-    """Segments of recomputed blocks (a stashed block keeps no checkpoint)."""
-    return -(-max(shape.num_blocks - settings.stashed_blocks, 0) // settings.checkpoint_interval)
-
-
-def _journal_bytes_per_element(settings: RunSettings) -> int:
-    """Master, m and v (fp32) and the bf16 shadow, as ``optimizer/speculative_step.py`` journals them."""
-    return 12 + (2 if settings.bf16 else 0)
-
-
-def _journal_numel(shape: ModelShape, settings: RunSettings) -> int:
-    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
-    if not settings.holds_gradients:
-        return 0
-    trained = shape.block_params - (0 if settings.nvme else shape.frozen_block_params)  # frozen: never stepped
-    cost = _journal_bytes_per_element(settings) * trained
-    chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
-    return len(chosen) * trained
-
-
-def min_tokens_to_hide_transfer(hardware: Hardware, bf16: bool = True) -> int:
-    """Tokens per weight pass at which block compute covers the host->device weight copies
-    (0 where the device is the host: blocks are computed on in place, nothing is copied)."""
-    if hardware.shares_host_memory:
-        return 0
-    weight_bytes = 2 if bf16 else 4
-    return int(weight_bytes * hardware.flops / (4 * hardware.h2d_bytes_per_s)) + 1
-
-
-def step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
-    """Seconds per optimizer step that each resource alone needs (on the CPU: each part of
-    the step, [Note: the CPU as the device])."""
-    if hardware.shares_host_memory:
-        return _host_device_step_seconds(shape, settings, hardware)
-    tokens = settings.tokens_per_pass
-    passes = settings.accumulation
-    w = settings.weight_bytes
-    checkpoint_traffic = (
-        _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings) if settings.offload_checkpoints else 0
-    )
-    compute_flops = _block_flops(shape, settings) + 6 * shape.vocab * shape.hidden * tokens
-    stash_traffic = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
-    bounds = {
-        "compute": passes * compute_flops / hardware.flops,
-        "host_to_device": passes
-        * (2 * w * shape.total_block_params + checkpoint_traffic + stash_traffic)
-        / hardware.h2d_bytes_per_s,
-        "device_to_host": passes * (w * shape.params + checkpoint_traffic + stash_traffic) / hardware.d2h_bytes_per_s,
-        "optimizer": _gpu_machine_optimizer_seconds(shape, settings, hardware),
-    }
-    if settings.fragment_bytes:
-        # Every copy past a block's first costs the link its overhead, twice per weight pass.
-        extra = shape.num_blocks * (_pieces_per_block(shape, settings) - 1)
-        bounds["host_to_device"] += passes * 2 * extra * FRAGMENT_COPY_OVERHEAD_S
-    if settings.nvme:
-        bounds["disk"] = _disk_seconds(shape, settings, hardware)
-    return bounds
-
-
-def _gpu_machine_optimizer_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """One host AdamW pass over every parameter: at the kernel's measured rate where it was
-    measured (``megatrain plan --probe``: ``24 + g + s`` bytes per parameter, as on the CPU
-    target), else at the host's memory bandwidth at :data:`ADAM_HOST_BYTES_PER_PARAM`."""
-    if hardware.adam_bytes_per_s:
-        shadow = 2 if settings.bf16 else 0
-        return (24 + settings.grad_bytes + shadow) * shape.params / hardware.adam_bytes_per_s
-    return ADAM_HOST_BYTES_PER_PARAM * shape.params / hardware.host_memory_bytes_per_s
-
-
-def _pieces_per_block(shape: ModelShape, settings: RunSettings) -> int:
-    block = settings.weight_bytes * shape.block_params
-    return -(-block // settings.fragment_bytes) if settings.fragment_bytes else 1
-
-
-def weight_fill_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """Seconds per optimizer step the weight pipeline's ends leave exposed beyond the bounds
-    of :func:`step_seconds` ([Note: the weight pipeline]); 0 where the device is the host."""
-    if hardware.shares_host_memory or not shape.num_blocks:
-        return 0.0
-    tokens, block = settings.tokens_per_pass, settings.weight_bytes * shape.block_params
-    share = 1 / _pieces_per_block(shape, settings)  # of a block's bytes and compute, per piece
-    copy = block * share / hardware.h2d_bytes_per_s + FRAGMENT_COPY_OVERHEAD_S
-    forward = 2 * shape.block_params * tokens / hardware.flops
-    # Backward starts at the last block: its backward (4 P T) and its recompute, unless
-    # every block stashes (the last blocks are the recomputed ones, recompute_policy.py).
-    recomputed = settings.stashed_blocks < shape.num_blocks
-    backward = (6 if recomputed else 4) * shape.block_params * tokens / hardware.flops
-    head = 6 * shape.vocab * shape.hidden * tokens / (hardware.head_flops or hardware.flops)
-    per_pass = min(copy, forward * share) + min(max(copy - head, 0.0), backward * share)
-    return settings.accumulation * per_pass
-
-
-def _host_device_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
-    tokens, passes, params = settings.tokens_per_pass, settings.accumulation, shape.params
-    w, g = settings.weight_bytes, settings.grad_bytes
-    shadow = 2 if settings.bf16 else 0
-    bandwidth = hardware.host_memory_bytes_per_s
-    gradient_bytes = passes * 2 * w * params + g * params  # staging copies; the norm's read
-    if settings.holds_gradients:
-        gradient_bytes += g * params + passes * (2 * g + w) * params  # zeroing; accumulating
-    journal_bytes = 2 * _journal_numel(shape, settings) * _journal_bytes_per_element(settings)
-    adam_rate = hardware.adam_bytes_per_s or hardware.host_memory_bytes_per_s
-    checkpoints = (
-        4 * _checkpoint_bytes(shape, settings) * _num_checkpoints(shape, settings)
-        if settings.offload_checkpoints
-        else 0
-    )
-    head_flops = 6 * shape.vocab * shape.hidden * tokens
-    return {
-        "blocks": passes * _block_flops(shape, settings) / (hardware.flops * hardware.block_efficiency),
-        "head": passes
-        * (head_flops / (hardware.head_flops or hardware.flops) + LOSS_PASSES * tokens * shape.vocab * 4 / bandwidth),
-        "gradient_path": (gradient_bytes + journal_bytes) / bandwidth,
-        "checkpoints": passes * checkpoints / bandwidth,
-        "optimizer": (24 + g + shadow) * params / adam_rate,
-        **({"disk": _disk_seconds(shape, settings, hardware)} if settings.nvme else {}),
-    }
-
-
-def _predicted_step(by_bound: dict[str, float], shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    if hardware.shares_host_memory:
-        # One set of cores does everything in turn; the disk works beside the optimizer.
-        cores = {bound: t for bound, t in by_bound.items() if bound not in ("optimizer", "disk")}
-        return sum(cores.values()) + max(by_bound["optimizer"], by_bound.get("disk", 0.0))
-    if settings.holds_gradients:
-        # [Note: clipping's serialisation] The update needs the global norm, known when
-        # backward's last gradient has reached the host: the optimizer pass follows the
-        # copies and the compute instead of hiding behind them.
-        overlapped = [t for bound, t in by_bound.items() if bound != "optimizer"]
-        return max(overlapped) + by_bound["optimizer"]
-    # Streams and the optimizer worker overlap; the last block's update cannot hide.
-    tail = by_bound["optimizer"] / shape.num_blocks
-    return max(by_bound.values()) + tail
-
-
-def predicted_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    return _predicted_step(step_seconds(shape, settings, hardware), shape, settings, hardware) + weight_fill_seconds(
-        shape, settings, hardware
-    )
 
 
 def choose_fragment_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> int:
@@ -705,8 +322,8 @@ def recompute_policies(
 def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> Plan:
     """Memory, speed and recommendations for ``settings`` on ``hardware``."""
     by_bound = step_seconds(shape, settings, hardware)
-    fill = weight_fill_seconds(shape, settings, hardware)
-    step = _predicted_step(by_bound, shape, settings, hardware) + fill
+    phases = phase_seconds(shape, settings, hardware)
+    step = predicted_from_phases(phases, shape, settings, hardware)
     fragments = fragment_policies(shape, settings, hardware)
     state_bytes = sum(host_bytes(shape, _with(settings, stashed_blocks=0)).values())
     policies = recompute_policies(shape, settings, hardware, host_memory_bytes - state_bytes)
@@ -718,7 +335,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
     disk = by_bound.get("disk", 0.0)
     recommended: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": min(max(wanted_micro, 1), max(max_micro, 1)),
-        "offload_checkpoints": _num_checkpoints(shape, settings) * _checkpoint_bytes(shape, settings)
+        "offload_checkpoints": num_checkpoints(shape, settings) * checkpoint_bytes(shape, settings)
         > 0.25 * hardware.device_memory_bytes,
         "checkpoint_interval": 1,
         "num_buffers": 2,
@@ -742,6 +359,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
         gpu_bytes=device,
         min_tokens_to_hide_transfer=hide,
         step_seconds_by_bound=by_bound,
+        step_seconds_by_phase=phases,
         predicted_step_seconds=step,
         predicted_tokens_per_second=settings.tokens_per_pass * settings.accumulation / step,
         max_micro_batch=max_micro,
@@ -749,7 +367,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
         predicted_peak_host_bytes=sum(host.values()) + (sum(device.values()) if hardware.shares_host_memory else 0),
         recompute=policies,
         disk_bytes=disk_bytes(shape, settings),
-        weight_fill_seconds=fill,
+        weight_fill_seconds=phases.get("weight_fill", 0.0),
         fragments=fragments,
     )
 
@@ -778,8 +396,9 @@ def _accumulation_hiding_disk(shape: ModelShape, settings: RunSettings, hardware
     so accumulating spreads it over more weight passes."""
     accumulation = settings.accumulation
     while accumulation < limit:
-        by_bound = step_seconds(shape, _with(settings, accumulation=accumulation), hardware)
-        if by_bound["disk"] <= DISK_BOUND_SHARE * _predicted_step(by_bound, shape, settings, hardware):
+        accumulating = _with(settings, accumulation=accumulation)
+        disk = step_seconds(shape, accumulating, hardware)["disk"]
+        if disk <= DISK_BOUND_SHARE * predicted_step_seconds(shape, accumulating, hardware):
             break
         accumulation *= 2
     return accumulation
