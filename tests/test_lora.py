@@ -62,10 +62,14 @@ def _assert_trained_only_buffers(engine: MegatrainEngine) -> None:
 
 def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
     """Tolerances as tests/test_parity.py (fp32, the same matmuls, norm summed per block):
-    1e-5 relative per-step loss and norm, 2e-6 global relative weight error after 5 steps."""
+    1e-5 relative per-step loss and norm, 2e-6 global relative weight error after 5 steps.
+    The loss is the chunked one, in chunks of 5 tokens, through peft's wrapper
+    (``causal_lm_inside``), against the reference's own Hugging Face loss."""
     frozen = _frozen(lora_llama())
-    engine, reference, trace = train_side_by_side(lora_llama, ds_config(accumulation=2, clipping=1.0))
+    config = ds_config(accumulation=2, clipping=1.0, megatrain={"loss_chunk_tokens": 5})
+    engine, reference, trace = train_side_by_side(lora_llama, config)
     try:
+        assert engine.causal_loss is not None
         for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
             assert math.isclose(ours, theirs, rel_tol=1e-5)
         for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
@@ -77,6 +81,19 @@ def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
             assert state.shadow is None and state.master.numel() == state.layout.numel
     finally:
         engine.destroy()
+
+
+def test_the_chunked_loss_looks_through_peft_wrappers_that_keep_the_inputs():
+    """LoRA hands a labelled call to the causal LM inside unchanged: its loss can be chunked.
+    Prompt tuning prepends virtual tokens and pads the labels to match, so it is not looked
+    through, and a chunked loss is refused (``"auto"`` leaves the loss to the model)."""
+    from megatrain_ds.model.causal_lm_loss import causal_lm_inside, unsupported_reason
+
+    lora = lora_llama()
+    assert causal_lm_inside(lora) is lora.get_base_model() and unsupported_reason(lora) is None
+    prompt = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    tuned = peft.get_peft_model(tiny_models.llama(), prompt)
+    assert causal_lm_inside(tuned) is tuned and unsupported_reason(tuned) is not None
 
 
 def _train(engine: MegatrainEngine, steps: int, first: int = 0, accumulation: int = 2) -> list[float]:
