@@ -245,3 +245,45 @@ def test_parameters_in_no_optimizer_group_are_frozen_though_they_require_grad():
         _assert_trained_only_buffers(engine)
     finally:
         engine.destroy()
+
+
+def llama_with_frozen_embedding() -> torch.nn.Module:
+    """Full fine-tuning of a tiny Llama whose input embedding and first block's MLP are
+    frozen (``requires_grad=False``): one frozen resident parameter, frozen slots in a block."""
+    model = tiny_models.llama()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.model.layers[0].mlp.requires_grad_(False)
+    return model
+
+
+def test_frozen_parameters_in_full_fine_tuning_cost_their_weights_alone():
+    """Frozen parameters of a fully fine-tuned fp32 model: trained as plain PyTorch trains
+    them (torch.optim.AdamW skips a parameter without a gradient; tolerances as the fp32 LoRA
+    test above: the same matmuls, 1e-5 relative per-step loss and norm, 2e-6 weights), left
+    bit for bit as they were, and given no optimizer state: the moments and gradients of the
+    resident state and of block 0 stop at their trained prefix, past which the frozen slots lie."""
+    torch.manual_seed(0)
+    frozen = _frozen(llama_with_frozen_embedding())
+    config = ds_config(accumulation=2, clipping=1.0)
+    engine, reference, trace = train_side_by_side(llama_with_frozen_embedding, config)
+    try:
+        for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        assert relative_weight_error(engine, reference) < 2e-6
+        _assert_frozen_unchanged(engine, frozen)
+        for index, state in enumerate(engine.states):  # the blocks', then the resident parameters'
+            trained = state.layout.trained_numel
+            assert state.exp_avg.numel() == state.exp_avg_sq.numel() == trained
+            assert state.grad is not None and state.grad.numel() == trained
+            frozen_slots = [slot for slot, param in zip(state.layout.slots, state.params) if not param.requires_grad]
+            assert all(slot.offset >= trained for slot in frozen_slots)
+            has_frozen = index in (0, len(engine.states) - 1)  # block 0's MLP, the embedding
+            assert (trained < state.layout.numel) == has_frozen == bool(frozen_slots)
+        trained_elements = sum(state.layout.trained_numel for state in engine.states)
+        host = engine.host_bytes()
+        assert host["exp_avg"] == host["exp_avg_sq"] == host["grad"] == 4 * trained_elements
+        assert trained_elements < sum(p.numel() for p in reference.parameters() if p.requires_grad) * 1.05
+    finally:
+        engine.destroy()
