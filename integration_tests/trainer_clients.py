@@ -212,7 +212,9 @@ def train_with_lora(args: argparse.Namespace, model: torch.nn.Module) -> tuple[t
     return trainer, extra | frozen_and_trained(args, trainer.model)
 
 
-def train_lora_with_accelerate(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
+def train_lora_with_accelerate(
+    args: argparse.Namespace, model: torch.nn.Module, eval_batches: list[torch.Tensor]
+) -> dict[str, Any]:
     """A PEFT model in a plain Accelerate loop, as ``accelerate_clm.py`` runs a whole model
     (fixed order, no shuffling: the same batches on both engines); ``result.json``'s fields."""
     import accelerate
@@ -220,13 +222,13 @@ def train_lora_with_accelerate(args: argparse.Namespace, model: torch.nn.Module)
 
     model = peft.get_peft_model(model, lora_config())
     config = json.loads(args.deepspeed_config.read_text(encoding="utf-8"))
-    config.pop("optimizer", None), config.pop("scheduler", None)  # the script's own
+    for key in ("optimizer", "scheduler"):  # the script brings its own
+        config.pop(key, None)
     # What `accelerate launch` would tell the process; a forked child of its own, so it stays there.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     plugin = accelerate.utils.DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=2, gradient_clipping=1.0)
     accelerator = accelerate.Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2)
-    text = corpus()
-    loader = torch.utils.data.DataLoader(byte_blocks(text, 48), batch_size=4)
+    loader = torch.utils.data.DataLoader(byte_blocks(corpus(), 48), batch_size=4)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = transformers.get_linear_schedule_with_warmup(optimizer, 2, len(loader) // 2)
@@ -243,8 +245,7 @@ def train_lora_with_accelerate(args: argparse.Namespace, model: torch.nn.Module)
         micro_losses.append(loss.item())
     model.eval()
     with torch.no_grad():
-        batches = [torch.stack([e["input_ids"] for e in byte_blocks(text, 8, start=48 + 8 * i)]) for i in (0, 1)]
-        eval_loss = sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
+        eval_loss = sum(float(model(input_ids=b, labels=b).loss) for b in eval_batches) / len(eval_batches)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(args.output_dir / "model", state_dict=accelerator.get_state_dict(model))
     result = {
@@ -387,7 +388,7 @@ def run_client(args: argparse.Namespace) -> None:
     eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
     torch.save(eval_batches, args.output_dir / "eval_batches.pt")
     if args.client == "accelerate_lora":
-        result = train_lora_with_accelerate(args, model)
+        result = train_lora_with_accelerate(args, model, eval_batches)
         (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         return
 
