@@ -10,6 +10,7 @@ across nodes), so the model has the trained weights without a second copy; its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -436,11 +437,19 @@ def _alone_in_its_storage(param: nn.Parameter) -> bool:
     use_count = getattr(torch._C, "_storage_Use_Count", None)  # torch's own check in swap_tensors
     return (
         use_count is not None
+        and use_count(storage._cdata) == _use_count_of_a_lone_tensor()
         and param.device.type == "cpu"
         and param.is_contiguous()
         and param.storage_offset() == 0
         and storage.nbytes() == param.numel() * param.element_size()
         and not storage.is_shared()
         and not param.is_pinned()
-        and use_count(storage._cdata) == 2  # the parameter's and ``storage``'s here
     )
+
+
+@functools.cache
+def _use_count_of_a_lone_tensor() -> int:
+    """The use count a storage shows, seen through its Python object, when one tensor alone
+    uses it (2 in torch 2.13: the tensor's and the object's), measured rather than assumed."""
+    lone = torch.empty(1)
+    return torch._C._storage_Use_Count(lone.untyped_storage()._cdata)
