@@ -33,6 +33,18 @@ from compare import _git_rev, _rss_bytes, _versions, run_guarded  # bench/ is no
 SYSTEMS = ("megatrain", "zero3_offload")
 
 
+def _resident_by_kind() -> dict[str, int]:
+    """The process's resident bytes, anonymous (heap, mappings: tensors, allocator caches) and
+    file-backed (libraries' code and data pages faulted in on first use)."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Anonymous"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return {"anonymous": fields["Anonymous"], "file": fields["Rss"] - fields["Anonymous"]}
+
+
 def _ds_config(system: str, args: argparse.Namespace) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -80,6 +92,8 @@ def _build(system: str, args: argparse.Namespace):
     with init:
         model = transformers.LlamaForCausalLM(config)
     torch.set_default_dtype(torch.float32)
+    _same_initial_weights(model, gathered=system == "zero3_offload")
+    torch.manual_seed(0)  # the adapters' initialisation, the same for both
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     model = peft.get_peft_model(model, lora)  # adapters in fp32 (peft's autocast_adapter_dtype)
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
@@ -87,6 +101,29 @@ def _build(system: str, args: argparse.Namespace):
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=trained)
     return engine, params, trainable
+
+
+def _same_initial_weights(model, gathered: bool) -> None:
+    """Give every base weight values that depend on its name alone: each system then trains
+    the same model. (Built under ``zero.Init``, a model's parameters are partitioned before
+    Hugging Face's ``_init_weights`` runs, which then initialises nothing: ZeRO-3's weights
+    would keep ``nn.Linear``'s own initialisation, the engine's Hugging Face's.) With
+    ``gathered`` each ZeRO-3 parameter is gathered whole while it is written, one at a time,
+    as its construction under ``zero.Init`` held it."""
+    import contextlib
+    import zlib
+
+    import deepspeed
+    import torch
+
+    for name, param in model.named_parameters():
+        scope = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if gathered else contextlib.nullcontext()
+        with scope, torch.no_grad():
+            if param.dim() == 1:  # the RMSNorms' scales
+                param.fill_(1.0)
+            else:
+                generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                param.normal_(0.0, 0.02, generator=generator)
 
 
 def run_child(system: str, args: argparse.Namespace) -> dict:
@@ -103,7 +140,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
 
     import megatrain_ds  # noqa: F401  (routes "engine": "megatrain")
 
-    baseline = _rss_bytes()
+    baseline, baseline_kinds = _rss_bytes(), _resident_by_kind()
     started = time.perf_counter()
     engine, params, trainable = _build(system, args)
     init_seconds = time.perf_counter() - started
@@ -119,12 +156,15 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         seconds.append(time.perf_counter() - begun)
         losses.append(float(loss))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    # Where the bytes are once the steps are done: the state, and what the step left behind.
+    after = {kind: value - baseline_kinds[kind] for kind, value in _resident_by_kind().items()}
     result = {
         "params": params,
         "trainable_params": trainable,
         "peak_host_bytes": peak,
         "bytes_per_param": peak / params,
         "baseline_rss_bytes": baseline,
+        "resident_after_steps_above_baseline": after,
         "init_seconds": init_seconds,
         "step_seconds": seconds,
         "losses": losses,

@@ -1,14 +1,16 @@
 """The clients a user swaps in first, on this engine and on DeepSpeed's own, side by side.
 
 Each client of ``trainer_clients.py`` (gradient checkpointing, TRL's ``SFTTrainer`` with its
-defaults and with packing, PEFT LoRA, a minimal hand-written JSON, save and resume) runs
+defaults and with packing, PEFT LoRA, a minimal hand-written JSON, save and resume, and the
+clients a LoRA user arrives with under a ZeRO-3 offload JSON: the Trainer with
+``get_peft_model``, ``SFTTrainer`` with ``peft_config``, Accelerate with a PEFT model) runs
 twice, each time in a process of its own: routed to this engine, and with
-``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's ``DeepSpeedEngine`` (stage 0, fp32), the
-reference. Per engine one launched script imports the libraries and forks a child per
-client (the imports are most of a run's time; a child starts with no Trainer, Accelerate
-or DeepSpeed state in it). The scripts never import ``megatrain_ds``. Losses and
-evaluation losses must agree to 1e-5 relative, as in ``test_accelerate.py`` (fp32 on both
-sides: room for summation order only).
+``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's ``DeepSpeedEngine`` (stage 0, fp32; ZeRO-3
+with CPU offload and CPU Adam for the ZeRO-3 JSON), the reference. Per engine one launched
+script imports the libraries and forks a child per client (the imports are most of a run's
+time; a child starts with no Trainer, Accelerate or DeepSpeed state in it). The scripts
+never import ``megatrain_ds``. Losses and evaluation losses must agree to 1e-5 relative, as
+in ``test_accelerate.py`` (fp32 on both sides: room for summation order only).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ MINIMAL_SPELLED_OUT = {
 
 
 CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume")
+# The LoRA user's clients, each given the shipped ZeRO-3 offload JSON (with "engine": "megatrain",
+# which DeepSpeed's own engine, the hook disabled, ignores).
+ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
+ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora")
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +70,11 @@ def clients(tmp_path_factory: pytest.TempPathFactory):
     ):
         path = root / f"{engine}_minimal.json"
         path.write_text(json.dumps(minimal), encoding="utf-8")
+        configs = {"minimal": path} | dict.fromkeys(ZERO3_CLIENT_NAMES, ZERO3_CONFIG)
         args = [
             arg
-            for client in CLIENT_NAMES
-            for arg in ("--client", f"{client}={path}" if client == "minimal" else client)
+            for client in CLIENT_NAMES + ZERO3_CLIENT_NAMES
+            for arg in ("--client", f"{client}={configs[client]}" if client in configs else client)
         ]
         sides[engine] = Run(engine, SCRIPT, root / engine, accelerate=False, args=args, env=env)
     run_side_by_side(list(sides.values()))
@@ -123,31 +130,70 @@ def test_sft_trainer_with_packing(clients) -> None:
     assert result["losses"][-1] < result["losses"][0] - 0.5
 
 
-def test_peft_lora_trains_and_reloads_only_the_adapter(clients) -> None:
+def reloaded_eval_loss(out: Path) -> float:
+    """The evaluation loss of the base model (``initial.safetensors``) plus the adapter saved
+    under ``out/model``, in plain PEFT, on the client's evaluation batches."""
     import peft
     import transformers
 
-    runs = clients("lora")
-    result = assert_same_training(runs, steps=6)
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    base.load_state_dict(load_weights(out / "initial.safetensors"))
+    model = peft.PeftModel.from_pretrained(base, out / "model").eval()
+    batches = torch.load(out / "eval_batches.pt")
+    with torch.no_grad():
+        return sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
+
+
+def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict) -> None:
+    """Only LoRA's matrices trained; the frozen base weights are bit for bit the initial ones;
+    the model directory holds the adapter alone (lora_B starts at zero: it moved), the same
+    adapter as DeepSpeed saved (to the losses' 1e-5, relative Frobenius over all tensors)."""
     assert result["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
     out = runs["megatrain"].output_dir
     initial = load_weights(out / "initial.safetensors")
     base_after = load_weights(out / "base_after.safetensors")
     assert base_after.keys() == initial.keys()
-    for name in initial:  # frozen base weights: bit for bit
+    for name in initial:
         assert torch.equal(base_after[name], initial[name]), name
-    # save_model wrote the adapter (lora_B starts at zero: it moved), not a full model.
-    assert sorted(p.name for p in (out / "model").glob("*.safetensors")) == ["adapter_model.safetensors"]
+    for run in runs.values():
+        assert sorted(p.name for p in (run.output_dir / "model").glob("*.safetensors")) == ["adapter_model.safetensors"]
     adapter = load_weights(out / "model" / "adapter_model.safetensors")
+    reference = load_weights(runs["deepspeed"].output_dir / "model" / "adapter_model.safetensors")
+    assert adapter.keys() == reference.keys()
     assert any("lora_B" in name and bool(value.abs().max() > 0) for name, value in adapter.items())
+    diff = sum(float(((adapter[k].double() - reference[k].double()) ** 2).sum()) for k in adapter)
+    assert math.sqrt(diff / sum(float((reference[k].double() ** 2).sum()) for k in adapter)) < 1e-5
+
+
+def test_peft_lora_trains_and_reloads_only_the_adapter(clients) -> None:
+    runs = clients("lora")
+    result = assert_same_training(runs, steps=6)
+    assert_trained_only_the_adapter(runs, result)
     # The base model plus the saved adapter, in plain PEFT, gives the Trainer's eval loss.
-    base = transformers.LlamaForCausalLM(tiny_llama_config())
-    base.load_state_dict(initial)
-    model = peft.PeftModel.from_pretrained(base, out / "model").eval()
-    batches = torch.load(out / "eval_batches.pt")
-    with torch.no_grad():
-        reloaded = sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
-    assert reloaded == pytest.approx(result["eval_loss"], rel=1e-5)
+    assert reloaded_eval_loss(runs["megatrain"].output_dir) == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("client", ["lora_zero3", "accelerate_lora"])
+def test_peft_lora_with_a_zero3_offload_json(clients, client: str) -> None:
+    """The Trainer with ``get_peft_model``, and a plain Accelerate loop over a PEFT model, each
+    given the ZeRO-3 offload JSON: as DeepSpeed's ZeRO-3 offload engine trains it, and the
+    saved adapter on the base model gives the evaluation loss the run reported."""
+    runs = clients(client)
+    result = assert_same_training(runs, steps=6)
+    assert_trained_only_the_adapter(runs, result)
+    assert reloaded_eval_loss(runs["megatrain"].output_dir) == pytest.approx(result["eval_loss"], rel=1e-5)
+
+
+def test_sft_trainer_with_peft_config(clients) -> None:
+    """TRL wraps the model itself (``peft_config``), under the ZeRO-3 offload JSON. Its
+    evaluation set is SFT's own, so the saved adapters are compared through the client's
+    byte-block evaluation batches: the same loss from either engine's adapter."""
+    runs = clients("sft_lora")
+    result = assert_same_training(runs, steps=6)
+    assert result["gradient_checkpointing"]  # SFTConfig's default, with PEFT's input-gradient hook
+    assert_trained_only_the_adapter(runs, result)
+    ours, reference = (reloaded_eval_loss(run.output_dir) for run in (runs["megatrain"], runs["deepspeed"]))
+    assert ours == pytest.approx(reference, rel=1e-5)
 
 
 def test_minimal_json_under_the_trainer(clients) -> None:

@@ -21,7 +21,12 @@ Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
 - ``sft_packing``: the same with ``packing=True`` (best-fit packing into rows longer than
   the model's 32 positions, TRL's padding-free collator: ``position_ids`` restart per
   sequence);
-- ``lora``: a PEFT LoRA model; ``trainer.save_model`` writes the adapter;
+- ``lora``: a PEFT LoRA model (``get_peft_model``); ``trainer.save_model`` writes the adapter;
+  ``lora_zero3`` the same, meant for a ZeRO-3 offload ``JSON`` (the LoRA user's usual config);
+- ``sft_lora``: TRL's ``SFTTrainer`` given ``peft_config`` (it wraps the model itself);
+- ``accelerate_lora``: a PEFT LoRA model in a plain Accelerate loop (``Accelerator`` with a
+  ``DeepSpeedPlugin`` of ``JSON`` less its optimizer and scheduler: the script brings its own),
+  the adapter saved as the Accelerate docs show (``save_pretrained`` of ``get_state_dict``);
 - ``minimal``: the Trainer with ``--deepspeed-config`` (a hand-written JSON), scheduler from
   ``TrainingArguments``;
 - ``resume``: six steps saving a checkpoint every three, then a fresh model and Trainer
@@ -56,7 +61,18 @@ from tiny_clm import REPO_ROOT, SEQ_LEN, byte_blocks, corpus, tiny_llama
 
 LR = 3e-3
 HF_CONFIG = REPO_ROOT / "configs" / "ds_megatrain_hf.json"
-CLIENTS = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume", "pretrained")
+CLIENTS = (
+    "checkpointing",
+    "sft",
+    "sft_packing",
+    "lora",
+    "lora_zero3",
+    "sft_lora",
+    "accelerate_lora",
+    "minimal",
+    "resume",
+    "pretrained",
+)
 
 
 def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -120,8 +136,29 @@ def train_with_trainer(
     return trainer, {"eval_loss": trainer.evaluate()["eval_loss"]}
 
 
+def lora_config() -> Any:
+    """The adapter every LoRA client trains: r=4 on the attention's q and v projections."""
+    import peft
+
+    return peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
+
+
+def frozen_and_trained(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
+    """Write the frozen base weights after training (``base_after.safetensors``, named as in
+    the plain model) and list the trained parameters' names."""
+    base = {
+        name.removeprefix("base_model.model.").replace(".base_layer", ""): value.detach().clone().contiguous()
+        for name, value in model.named_parameters()
+        if not value.requires_grad
+    }
+    safetensors.torch.save_file(base, args.output_dir / "base_after.safetensors")
+    return {"trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+
+
 def train_with_sft(
-    args: argparse.Namespace, model: torch.nn.Module, packing: bool
+    args: argparse.Namespace, model: torch.nn.Module, packing: bool, peft_config: Any = None
 ) -> tuple[transformers.Trainer, dict[str, Any]]:
     import datasets
     import trl
@@ -151,6 +188,7 @@ def train_with_sft(
         processing_class=byte_tokenizer(),
         train_dataset=datasets.Dataset.from_list(examples[:48]),
         eval_dataset=datasets.Dataset.from_list(examples[48:]),
+        peft_config=peft_config,
     )
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.train()
@@ -169,18 +207,56 @@ def train_with_sft(
 def train_with_lora(args: argparse.Namespace, model: torch.nn.Module) -> tuple[transformers.Trainer, dict[str, Any]]:
     import peft
 
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-    )
-    model = peft.get_peft_model(model, lora)
+    model = peft.get_peft_model(model, lora_config())
     trainer, extra = train_with_trainer(args, model)
-    base = {
-        name.removeprefix("base_model.model.").replace(".base_layer", ""): value.detach().clone().contiguous()
-        for name, value in trainer.model.named_parameters()
-        if not value.requires_grad
+    return trainer, extra | frozen_and_trained(args, trainer.model)
+
+
+def train_lora_with_accelerate(
+    args: argparse.Namespace, model: torch.nn.Module, eval_batches: list[torch.Tensor]
+) -> dict[str, Any]:
+    """A PEFT model in a plain Accelerate loop, as ``accelerate_clm.py`` runs a whole model
+    (fixed order, no shuffling: the same batches on both engines); ``result.json``'s fields."""
+    import accelerate
+    import peft
+
+    model = peft.get_peft_model(model, lora_config())
+    config = json.loads(args.deepspeed_config.read_text(encoding="utf-8"))
+    for key in ("optimizer", "scheduler"):  # the script brings its own
+        config.pop(key, None)
+    # What `accelerate launch` would tell the process; a forked child of its own, so it stays there.
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    plugin = accelerate.utils.DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=2, gradient_clipping=1.0)
+    accelerator = accelerate.Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2)
+    loader = torch.utils.data.DataLoader(byte_blocks(corpus(), 48), batch_size=4)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    schedule = transformers.get_linear_schedule_with_warmup(optimizer, 2, len(loader) // 2)
+    model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+    micro_losses = []
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        micro_losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        eval_loss = sum(float(model(input_ids=b, labels=b).loss) for b in eval_batches) / len(eval_batches)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(args.output_dir / "model", state_dict=accelerator.get_state_dict(model))
+    result = {
+        "engine_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__],
+        "losses": [sum(micro_losses[i : i + 2]) / 2 for i in range(0, len(micro_losses), 2)],  # per step
+        "global_steps": model.global_steps,
+        "eval_loss": eval_loss,
+        **frozen_and_trained(args, unwrapped),
     }
-    safetensors.torch.save_file(base, args.output_dir / "base_after.safetensors")
-    return trainer, extra | {"trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
+    accelerator.end_training()
+    return result
 
 
 class StepRecorder(transformers.TrainerCallback):
@@ -311,13 +387,20 @@ def run_client(args: argparse.Namespace) -> None:
     model = tiny_llama(args.output_dir)
     eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
     torch.save(eval_batches, args.output_dir / "eval_batches.pt")
+    if args.client == "accelerate_lora":
+        result = train_lora_with_accelerate(args, model, eval_batches)
+        (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        return
 
     if args.client in ("checkpointing", "minimal"):
         trainer, extra = train_with_trainer(args, model, gradient_checkpointing=args.client == "checkpointing")
         extra["is_gradient_checkpointing"] = model.is_gradient_checkpointing
     elif args.client in ("sft", "sft_packing"):
         trainer, extra = train_with_sft(args, model, packing=args.client == "sft_packing")
-    elif args.client == "lora":
+    elif args.client == "sft_lora":
+        trainer, extra = train_with_sft(args, model, packing=False, peft_config=lora_config())
+        extra |= frozen_and_trained(args, trainer.model)
+    elif args.client in ("lora", "lora_zero3"):
         trainer, extra = train_with_lora(args, model)
     elif args.client == "pretrained":
         trainer, extra = train_from_pretrained(args)
@@ -389,6 +472,7 @@ def main() -> None:
     # What the clients import when they first need it, imported once before the forks (the
     # names touched load the modules transformers, TRL and PEFT import lazily; DeepSpeed is
     # what the Trainer imports for its config, routed by the start-up hook as it would be there).
+    import accelerate
     import datasets  # noqa: F401
     import deepspeed  # noqa: F401
     import peft
@@ -397,7 +481,9 @@ def main() -> None:
     for module, names in (
         (transformers, ("Trainer", "TrainingArguments", "LlamaForCausalLM", "AutoModelForCausalLM")),
         (trl, ("SFTConfig", "SFTTrainer")),
-        (peft, ("LoraConfig", "get_peft_model")),
+        (peft, ("LoraConfig", "get_peft_model", "PeftModel")),
+        (accelerate, ("Accelerator",)),
+        (accelerate.utils, ("DeepSpeedPlugin",)),
     ):
         for name in names:
             getattr(module, name)

@@ -16,6 +16,7 @@ from megatrain_ds.runtime.host_heap import (
     MMAP_THRESHOLD_BYTES,
     keep_large_transients_mapped,
     release_large_transients_mapping,
+    release_pages,
     return_free_memory,
 )
 
@@ -155,3 +156,18 @@ def _the_last_holder_restores_the_threshold() -> None:
     mapped = torch.ones(size, dtype=torch.uint8)
     assert _mapped_bytes(libc) - before >= size
     del from_the_heap, mapped
+
+
+def test_release_pages_hands_back_the_whole_pages_inside_the_range_only():
+    """The pages wholly inside the byte range read as zeros afterwards (their memory went back
+    to the system); the bytes around them, in the partial pages at either end, are untouched."""
+    tensor = torch.ones(1 << 20)  # 4 MiB
+    before = tensor.view(torch.uint8).clone()
+    assert release_pages(tensor, 1000, 3 * MIB + 5)
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-(tensor.data_ptr() + 1000) // page) * page - tensor.data_ptr()
+    last = (tensor.data_ptr() + 3 * MIB + 5) // page * page - tensor.data_ptr()
+    after = tensor.view(torch.uint8)
+    assert 1000 <= first < last <= 3 * MIB + 5
+    assert bool(after[first:last].eq(0).all())
+    assert torch.equal(after[:first], before[:first]) and torch.equal(after[last:], before[last:])

@@ -209,3 +209,36 @@ def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_para
     for param, shape in zip(params, shapes):
         assert param.is_meta and param.shape == shape and param.dtype == torch.float32
     assert state.nbytes_by_kind() == {"master": 4 * (end - start)}  # m and v: on the tier
+
+
+def test_migration_copies_a_large_parameter_in_chunks_handing_its_pages_back(monkeypatch):
+    """A parameter of ``RELEASE_CHUNK_BYTES`` or more that alone uses its storage is copied
+    into its slot a chunk at a time, each chunk's source pages handed back as soon as it is
+    copied (``release_pages``): migration never holds a second whole copy of it. Its slot
+    is exact. One whose storage the user's ``state_dict()`` tensor also uses is copied whole,
+    and that tensor keeps its values."""
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+    from megatrain_ds.state import host_store
+
+    released: list[tuple[int, int]] = []
+    real_release = host_store.release_pages
+
+    def recording(tensor: torch.Tensor, start: int, end: int) -> bool:
+        released.append((start, end))
+        return real_release(tensor, start, end)
+
+    monkeypatch.setattr(host_store, "release_pages", recording)
+    chunk = host_store.RELEASE_CHUNK_BYTES
+    numel = 2 * chunk // 4 + 1000  # two whole chunks and part of a third
+    torch.manual_seed(0)
+    alone, shared = torch.nn.Parameter(torch.randn(numel)), torch.nn.Parameter(torch.randn(numel))
+    users_copy = shared.detach()  # as model.state_dict() hands it out: the same storage
+    expected = {"alone": alone.detach().clone(), "shared": shared.detach().clone()}
+    runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
+    named = [("alone", alone), ("shared", shared)]
+    state = host_store.migrate_to_host(named, dict.fromkeys([alone, shared], 0), runtime, torch.float32, torch.float32)
+    for slot, param in zip(state.layout.slots, state.params):
+        assert torch.equal(state.master[slot.offset : slot.offset + slot.numel], expected[slot.name])
+        assert param.data_ptr() == state.master[slot.offset :].data_ptr()  # re-pointed at its slot
+    assert released == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, 4 * numel)]  # "alone"'s only
+    assert torch.equal(users_copy, expected["shared"])

@@ -62,10 +62,14 @@ def _assert_trained_only_buffers(engine: MegatrainEngine) -> None:
 
 def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
     """Tolerances as tests/test_parity.py (fp32, the same matmuls, norm summed per block):
-    1e-5 relative per-step loss and norm, 2e-6 global relative weight error after 5 steps."""
+    1e-5 relative per-step loss and norm, 2e-6 global relative weight error after 5 steps.
+    The loss is the chunked one, in chunks of 5 tokens, through peft's wrapper
+    (``causal_lm_inside``), against the reference's own Hugging Face loss."""
     frozen = _frozen(lora_llama())
-    engine, reference, trace = train_side_by_side(lora_llama, ds_config(accumulation=2, clipping=1.0))
+    config = ds_config(accumulation=2, clipping=1.0, megatrain={"loss_chunk_tokens": 5})
+    engine, reference, trace = train_side_by_side(lora_llama, config)
     try:
+        assert engine.causal_loss is not None
         for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
             assert math.isclose(ours, theirs, rel_tol=1e-5)
         for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
@@ -77,6 +81,19 @@ def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
             assert state.shadow is None and state.master.numel() == state.layout.numel
     finally:
         engine.destroy()
+
+
+def test_the_chunked_loss_looks_through_peft_wrappers_that_keep_the_inputs():
+    """LoRA hands a labelled call to the causal LM inside unchanged: its loss can be chunked.
+    Prompt tuning prepends virtual tokens and pads the labels to match, so it is not looked
+    through, and a chunked loss is refused (``"auto"`` leaves the loss to the model)."""
+    from megatrain_ds.model.causal_lm_loss import causal_lm_inside, unsupported_reason
+
+    lora = lora_llama()
+    assert causal_lm_inside(lora) is lora.get_base_model() and unsupported_reason(lora) is None
+    prompt = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    tuned = peft.get_peft_model(tiny_models.llama(), prompt)
+    assert causal_lm_inside(tuned) is tuned and unsupported_reason(tuned) is not None
 
 
 def _train(engine: MegatrainEngine, steps: int, first: int = 0, accumulation: int = 2) -> list[float]:
@@ -226,5 +243,47 @@ def test_parameters_in_no_optimizer_group_are_frozen_though_they_require_grad():
         state = engine.module.state_dict()
         assert {n for n in before if not torch.equal(state[n], before[n])} == trained
         _assert_trained_only_buffers(engine)
+    finally:
+        engine.destroy()
+
+
+def llama_with_frozen_embedding() -> torch.nn.Module:
+    """Full fine-tuning of a tiny Llama whose input embedding and first block's MLP are
+    frozen (``requires_grad=False``): one frozen resident parameter, frozen slots in a block."""
+    model = tiny_models.llama()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.model.layers[0].mlp.requires_grad_(False)
+    return model
+
+
+def test_frozen_parameters_in_full_fine_tuning_cost_their_weights_alone():
+    """Frozen parameters of a fully fine-tuned fp32 model: trained as plain PyTorch trains
+    them (torch.optim.AdamW skips a parameter without a gradient; tolerances as the fp32 LoRA
+    test above: the same matmuls, 1e-5 relative per-step loss and norm, 2e-6 weights), left
+    bit for bit as they were, and given no optimizer state: the moments and gradients of the
+    resident state and of block 0 stop at their trained prefix, past which the frozen slots lie."""
+    torch.manual_seed(0)
+    frozen = _frozen(llama_with_frozen_embedding())
+    config = ds_config(accumulation=2, clipping=1.0)
+    engine, reference, trace = train_side_by_side(llama_with_frozen_embedding, config)
+    try:
+        for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        assert relative_weight_error(engine, reference) < 2e-6
+        _assert_frozen_unchanged(engine, frozen)
+        for index, state in enumerate(engine.states):  # the blocks', then the resident parameters'
+            trained = state.layout.trained_numel
+            assert state.exp_avg.numel() == state.exp_avg_sq.numel() == trained
+            assert state.grad is not None and state.grad.numel() == trained
+            frozen_slots = [slot for slot, param in zip(state.layout.slots, state.params) if not param.requires_grad]
+            assert all(slot.offset >= trained for slot in frozen_slots)
+            has_frozen = index in (0, len(engine.states) - 1)  # block 0's MLP, the embedding
+            assert (trained < state.layout.numel) == has_frozen == bool(frozen_slots)
+        trained_elements = sum(state.layout.trained_numel for state in engine.states)
+        host = engine.host_bytes()
+        assert host["exp_avg"] == host["exp_avg_sq"] == host["grad"] == 4 * trained_elements
+        assert trained_elements < sum(p.numel() for p in reference.parameters() if p.requires_grad) * 1.05
     finally:
         engine.destroy()

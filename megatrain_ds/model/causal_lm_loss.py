@@ -46,13 +46,33 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 def linear_head(model: nn.Module) -> nn.Linear | None:
     """``model.get_output_embeddings()`` (Hugging Face's ``lm_head``) when it is a plain
     ``nn.Linear``, the projection the chunked loss computes; ``None`` otherwise."""
+    model = causal_lm_inside(model)
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     head = get_output_embeddings() if get_output_embeddings is not None else None
     return head if type(head) is nn.Linear else None
 
 
+def causal_lm_inside(model: nn.Module) -> nn.Module:
+    """The model whose loss a labelled call of ``model`` computes: ``model``, or the Hugging
+    Face model inside a PEFT wrapper (``get_peft_model``) whose adapter leaves the inputs
+    alone (LoRA and the other non-prompt-learning adapters): its ``forward`` hands the call,
+    labels included, to that model and returns its output unchanged. A prompt-learning
+    adapter (prefix or prompt tuning) prepends virtual tokens and pads the labels to match,
+    so it is kept as it is (and refused: no ``loss_function``). Duck-typed: PEFT's names,
+    no import of it."""
+    get_base_model = getattr(model, "get_base_model", None)
+    adapter = getattr(model, "active_peft_config", None)
+    if callable(get_base_model) and adapter is not None and getattr(adapter, "is_prompt_learning", True) is False:
+        inner = get_base_model()
+        if isinstance(inner, nn.Module):
+            return inner
+    return model
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why ``model``'s labelled loss cannot be chunked, or ``None`` when it can."""
+    """Why ``model``'s labelled loss cannot be chunked, or ``None`` when it can (a PEFT
+    wrapper's: its model's, :func:`causal_lm_inside`)."""
+    model = causal_lm_inside(model)
     if getattr(type(model), "loss_function", None) is None:
         return "the model has no Hugging Face loss_function (not a causal LM)"
     # Hugging Face's default (loss_type None or "ForCausalLM") unless the user set another;
@@ -105,13 +125,14 @@ class ChunkedCausalLMLoss:
         head, which computes its loss in tiles itself) gets its labels and runs unchanged."""
         if kwargs.get("labels") is None or not torch.is_grad_enabled() or not self.model.training:
             return False
-        if "forward" in vars(self.model):
+        patched = next((m for m in (self.model, causal_lm_inside(self.model)) if "forward" in vars(m)), None)
+        if patched is not None:
             if not self._logged_patched_forward:
                 self._logged_patched_forward = True
                 logger.info(
                     "megatrain: the model's forward was replaced by another library (%s); its labelled "
                     "calls run it unchanged, without the chunked loss",
-                    getattr(vars(self.model)["forward"], "__qualname__", "unknown"),
+                    getattr(vars(patched)["forward"], "__qualname__", "unknown"),
                 )
             return False
         return True

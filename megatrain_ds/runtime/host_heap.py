@@ -29,6 +29,12 @@ than the 0.05 B/param it saves.
 Both are process-wide and change only how memory is held, never a tensor's contents;
 without glibc, or with a PyTorch built without MKL, they do nothing.
 
+:func:`release_pages` is for the host state on any device: migrating a parameter into its
+flat buffer (``state/host_store.py``) copies it a chunk at a time and hands each chunk's
+source pages back at once (``madvise(MADV_DONTNEED)``), so the process never holds a second
+whole copy of its largest parameter. Unlike the two above it changes contents: the
+released pages read as zeros, which is why it is only used on storage nothing else uses.
+
 The threshold is the process's, and several engines may live in one process: each
 engine that fixed it (``DeviceRuntime.create``) hands it back once
 (:func:`release_large_transients_mapping`, from ``engine.destroy()``), and the last one
@@ -55,6 +61,7 @@ MMAP_THRESHOLD_BYTES = 4 << 20
 logits) are mapped, not taken from the heap."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+_MADV_DONTNEED = 4  # Linux's madvise advice (sys/mman.h): drop the pages, zeros on next touch
 _GLIBC_INITIAL_MMAP_THRESHOLD = 128 << 10  # DEFAULT_MMAP_THRESHOLD_MIN in glibc's malloc.c
 
 
@@ -132,6 +139,24 @@ def threshold_before() -> int:
         if value is not None and value.strip().isdigit():
             return int(value)
     return _GLIBC_INITIAL_MMAP_THRESHOLD
+
+
+def release_pages(tensor: torch.Tensor, start: int, end: int) -> bool:
+    """Hand the system back the whole pages inside bytes ``[start, end)`` of ``tensor``'s data,
+    whose values are no longer needed: they read as zeros afterwards. For a host tensor that
+    alone uses its storage and is about to be freed (the migration's source,
+    ``state/host_store.py``): the pages are the storage's own, whether glibc mapped it or took
+    it from its heap, so no other allocation loses anything. Returns whether the pages were
+    released (not without glibc)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-(tensor.data_ptr() + start) // page) * page  # whole pages only: round inwards
+    last = (tensor.data_ptr() + end) // page * page
+    if last <= first:
+        return True  # nothing whole to release
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
 
 
 def return_free_memory() -> None:

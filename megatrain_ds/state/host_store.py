@@ -10,6 +10,7 @@ across nodes), so the model has the trained weights without a second copy; its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.host_heap import release_pages
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, FlatLayout, ParamSlot, build_flat_layout
 
@@ -238,8 +240,8 @@ def migrate_to_host(
     """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
     whole weights (the master; the shadow where the master is sharded, below). The master
     is allocated untouched (no resident pages); each parameter is copied into its slot and
-    re-pointed at once, freeing its old storage before the next is copied: the peak is the
-    final state plus one parameter. With ``source`` each slot is filled from
+    re-pointed at once, its old storage freed (a large one's pages chunk by chunk as copied,
+    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each slot is filled from
     ``source.copy_into(name, slot)``; parameters on the ``meta`` device then become real
     parameters viewing their slot, keeping their identity (optimizer groups hold them).
 
@@ -391,10 +393,62 @@ def _fill_slots(
             if source is not None:
                 source.copy_into(slot.name, view)
             else:
-                view.copy_(param.detach())
+                copy_releasing_source(view, param)
             # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
             pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
             values[slot.offset + slot.numel : pad_end].zero_()
         _repoint(param, viewed[slot.offset : slot.offset + slot.numel].view(slot.shape))
         params.append(param)
     return params
+
+
+RELEASE_CHUNK_BYTES = 16 << 20
+"""A parameter from this size up is copied into its slot in chunks of this size, each chunk's
+source pages handed back once copied (:func:`copy_releasing_source`)."""
+
+
+def copy_releasing_source(out: torch.Tensor, param: nn.Parameter) -> None:
+    """``out.copy_(param)``, without a second whole copy of ``param`` at any time where it can:
+    a parameter of at least :data:`RELEASE_CHUNK_BYTES` that alone uses its host storage is
+    copied a chunk at a time, and each chunk's source pages go back to the system as soon as
+    it is copied (``runtime/host_heap.py``: :func:`release_pages`). The migration re-points the
+    parameter at its slot right after, freeing the rest: its peak is the state plus one
+    chunk, not plus the largest parameter (an embedding or lm_head: 0.3 B/param of a 220M
+    model). Storage that anything else uses too (a tensor of the user's ``state_dict()``, a
+    view, shared or pinned memory) is copied whole and left as it was."""
+    alone = _alone_in_its_storage(param)  # asked first: ``values`` below is a second user
+    values = param.detach()
+    if values.nbytes < RELEASE_CHUNK_BYTES or not alone:
+        out.copy_(values)
+        return
+    source, target = values.reshape(-1), out.reshape(-1)
+    step = RELEASE_CHUNK_BYTES // values.element_size()
+    for start in range(0, source.numel(), step):
+        end = min(start + step, source.numel())
+        target[start:end].copy_(source[start:end])
+        release_pages(source, start * values.element_size(), end * values.element_size())
+
+
+def _alone_in_its_storage(param: nn.Parameter) -> bool:
+    """Whether ``param`` is a contiguous host tensor that is all of its storage, and no other
+    tensor uses that storage (so dropping its pages can change no one else's values)."""
+    storage = param.untyped_storage()
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # torch's own check in swap_tensors
+    return (
+        use_count is not None
+        and use_count(storage._cdata) == _use_count_of_a_lone_tensor()
+        and param.device.type == "cpu"
+        and param.is_contiguous()
+        and param.storage_offset() == 0
+        and storage.nbytes() == param.numel() * param.element_size()
+        and not storage.is_shared()
+        and not param.is_pinned()
+    )
+
+
+@functools.cache
+def _use_count_of_a_lone_tensor() -> int:
+    """The use count a storage shows, seen through its Python object, when one tensor alone
+    uses it (2 in torch 2.13: the tensor's and the object's), measured rather than assumed."""
+    lone = torch.empty(1)
+    return torch._C._storage_Use_Count(lone.untyped_storage()._cdata)
