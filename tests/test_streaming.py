@@ -119,3 +119,32 @@ def test_frozen_parameters_are_streamed_but_never_updated():
         assert not torch.equal(state["model.layers.1.mlp.up_proj.weight"], trained)
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("checkpoint_interval", [1, 2])
+def test_each_checkpoint_travels_back_with_its_segments_weights(checkpoint_interval):
+    """Every offloaded checkpoint is copied back when its segment's first weights are issued,
+    not when backward takes it: a copy issued at ``take`` queues on the host-to-device
+    stream behind the next block's weights, and the recompute waits for both (on one H200,
+    2.2 ms of idle device before each block's recompute: ``bench/results/gpu_H200/2026-11-27``).
+    ``engine.backward`` calls ``begin_backward`` a second time, after the last block's forward
+    already did; that call must keep the checkpoints still to be sent along."""
+    from megatrain_ds.streaming.activation_offload import ActivationOffloader
+
+    taken_late = []
+    take = ActivationOffloader.take
+
+    def checking_take(self, checkpoint):
+        if checkpoint.device is None:  # not prefetched: the copy would be issued now
+            taken_late.append(checkpoint)
+        return take(self, checkpoint)
+
+    engine = _engine(tiny_models.llama(num_layers=6), checkpoint_interval=checkpoint_interval)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ActivationOffloader, "take", checking_take)
+            _train_steps(engine, 2)
+        assert engine.blocks.offloader is not None
+        assert taken_late == []
+    finally:
+        engine.destroy()

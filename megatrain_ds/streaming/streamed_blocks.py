@@ -256,10 +256,17 @@ class StreamedBlocks:
         # largest transients (logits); what the previous phase left goes back first.
         self.runtime.return_transient_memory()
         self._head_backward_pending = True
-        self._prefetch_with = {
-            segment.calls[0].index: [leaf for leaf in segment.calls[0].leaves if isinstance(leaf, HostCheckpoint)]
-            for segment in self._segments
-        }
+        # Added to, not replaced: engine.backward calls this again after the last block's
+        # forward did, with no segments left, and the checkpoints not yet sent along must
+        # still travel with their weights. Taken at backward instead, a checkpoint's copy
+        # would queue on the h2d stream behind the next block's weights, and the recompute
+        # wait for both (one weight copy of idle device per block on the H200).
+        self._prefetch_with.update(
+            {
+                segment.calls[0].index: [leaf for leaf in segment.calls[0].leaves if isinstance(leaf, HostCheckpoint)]
+                for segment in self._segments
+            }
+        )
         self._segments, self._last = [], None
         self._in_backward = True
         if plan:
