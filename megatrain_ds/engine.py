@@ -365,10 +365,11 @@ class MegatrainEngine(nn.Module):
         options, compute, dp = self.config.options, self.config.compute_dtype, self.data_parallel
         if self.config.holds_gradients:
             grad_dtype = self.config.held_gradient_dtype
-            for state in self.states:
+            for state, placement in zip(self.states, self.placement.states):
                 first, last = state.held
-                # A gathered state's window is this rank's alone: its gradients too.
-                state.grad = self.runtime.host_zeros(last - first, grad_dtype, None if state.gathered else shared)
+                # A rank's own window (gathered weights): its gradients are its alone, not the node's.
+                own = placement.grad.where is Where.RANK_WINDOW
+                state.grad = self.runtime.host_zeros(last - first, grad_dtype, None if own else shared)
         if dp is not None:
             # Sync: the node writers have filled the shared state (and taken the first node's
             # weights, _share_initial_weights); no rank reads it before this.
@@ -461,7 +462,7 @@ class MegatrainEngine(nn.Module):
                 compute,
                 weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks),
             )
-            if self.placement.blocks[0].gathered:  # each rank's tier holds its windows: gathered whole when used
+            if self.placement.weights_gathered:  # each rank's tier holds its windows: gathered whole when used
                 assert dp is not None
                 self.gathered_weights = self._gather_from_windows(self.nvme_weights, dp, num_slots + 1)
         self.streamer = WeightStreamer(

@@ -4,7 +4,9 @@ A run that does not fit should fail in the first second with the numbers, not in
 OOM killer halfway through migrating a 70B model. :func:`estimate` computes, from the
 model's parameter shapes and the config alone, every persistent allocation
 ``MegatrainEngine._build`` makes (flat layouts are pure bookkeeping, so the figures are
-exact to the byte, page rounding included):
+exact to the byte, page rounding included). Where each flat state's buffers live, and how
+big they are, is the engine's own :class:`~megatrain_ds.state.placement.Placement`, built
+here from the same shapes (``tests/test_placement.py`` checks the two agree):
 
 - host: per block and for the resident parameters, the master, the compute-dtype shadow,
   Adam m and v, the gradient buffer (fp32 when accumulating, else compute dtype, only

@@ -288,6 +288,11 @@ class Placement:
         return self.nvme == "all"
 
     @property
+    def weights_gathered(self) -> bool:
+        """Whether every rank keeps only its windows of the blocks' weights, gathered whole when used."""
+        return any(state.gathered for state in self.blocks)
+
+    @property
     def tier_per_rank(self) -> bool:
         """Whether each rank opens its own tier over its windows (data parallel), after the
         state is built, rather than one tier taking each block as it is migrated."""
