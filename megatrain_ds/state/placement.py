@@ -10,7 +10,8 @@ in no optimizer group). :class:`Placement` says, per state and buffer, where it 
 instead of branching on the NVMe level, data parallel, nodes and the master's dtype
 themselves, so the figures they report agree by construction (``tests/test_placement.py``
 checks them against the buffers the engine allocates). Pure arithmetic: nothing is
-allocated here.
+allocated here. (Not to be confused with ``optimizer/placement.py``, which places the
+optimizer's arithmetic on the CPU or the device.)
 
 [Note: the placement model]
 The combinations, for a block's state (``W``: a shadow exists, compute dtype != master dtype;
@@ -31,7 +32,8 @@ part of the state, ``distributed/ownership.py``)::
                                                                                    (own memory)    windows
 
 The resident state is always in host memory, as a block's with ``"none"`` (with data
-parallel the span, else the trained prefix). (*) Frozen parameters: layouts put them last
+parallel its span; in one process its trained prefix without a tier, every element beside
+one). (*) Frozen parameters: layouts put them last
 (``FlatLayout.trained_numel``), and in one process with everything in host memory the
 moments and gradients stop at the trained prefix, and so does the master where there is a
 shadow and every frozen weight arrives in the compute dtype: the frozen weights then live in
@@ -52,12 +54,10 @@ from torch import nn
 
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
+from megatrain_ds.state.host_store import SpanOf
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, swap_file_bytes
 from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
-
-Span = Callable[[int], "tuple[int, int] | None"]
-"""``[start, end)`` of a state's elements, from the state's size; ``None``: all of them."""
 
 BUFFERS = ("master", "shadow", "exp_avg", "exp_avg_sq", "grad")
 """The buffers of a flat state, by the names ``HostFlatState.nbytes_by_kind`` gives them."""
@@ -151,7 +151,7 @@ class Topology:
     """
 
     node_ranks: int | None = None
-    span_of: Span | None = None
+    span_of: SpanOf | None = None
     window_of: Callable[[int], tuple[int, int]] | None = None
     node_windows_of: Callable[[int], list[tuple[int, int]]] | None = None
 
@@ -213,14 +213,17 @@ class StatePlacement:
 
 @dataclass(frozen=True)
 class TierPlacement:
-    """This process's NVMe tier: what it holds of each block, and its files."""
+    """One process's NVMe tier: what it holds of each block, and its files."""
 
     kinds: tuple[str, ...]
     """Buffers per block in the swap files (``state/nvme_tier.py``: ``MOMENTS`` or ``WITH_MASTER``)."""
     numels: tuple[int, ...]
     """Each swap file's elements per kind: a block's, or this rank's non-empty window of it."""
     alignment: int
+    """Bytes each kind's part of a file is padded to: the configured I/O engine's
+    (``state/swap_io.py``; DeepSpeed's op aligns to a block per thread)."""
     window_blocks: int
+    """Blocks the tier's window holds in host memory (``nvme_window_blocks``)."""
 
     @property
     def file_bytes(self) -> list[int]:
