@@ -61,9 +61,10 @@ from megatrain_ds.runtime.host_ledger import LedgerCounts
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import TraceSchedule
-from megatrain_ds.state.host_store import HostFlatState, TensorSource, flat_numel, migrate_to_host
-from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, NvmeTier, open_nvme_tier, tier_kinds
+from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
+from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
+from megatrain_ds.state.placement import Placement, StatePlacement, Topology, Where, flat_state_params, state_shapes
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
 from megatrain_ds.streaming.activation_stash import ActivationStash
 from megatrain_ds.streaming.resident_params import ResidentParams
@@ -188,19 +189,23 @@ class MegatrainEngine(nn.Module):
         fits, find the blocks, move their state to the host, then the resident parameters,
         the optimizer over that state, the streams that carry weights and gradients, and the
         streamed blocks that run forward and backward from them."""
-        nvme = self._check_before_allocating(model)
+        topology = self.data_parallel.topology if self.data_parallel is not None else Topology()
+        nvme = self._check_before_allocating(model, topology)
         blocks = self._discover_blocks(model)
         # load_from: values come from safetensors shards, one tensor at a time, so a model
         # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
         source = open_source(model, self.config.options.load_from)
         materialize_meta_buffers(model, source)
         group_of = group_index_of(model, self.optimizer)
+        # Where every buffer lives (state/placement.py): what the builders below branch on.
+        shapes = state_shapes(flat_state_params(model, blocks), group_of, self.config.compute_dtype)
+        self.placement = Placement.of(self.config, nvme, topology, shapes)
         dp = self.data_parallel
         shared = dp.shared if dp is not None else None  # one host copy per node
-        templates = self._build_host_state(blocks, group_of, source, shared, nvme)
-        resident, block_modules = self._build_resident(model, blocks, group_of, source, shared, nvme)
-        self._build_optimizer(shared, nvme)
-        self._build_streams(templates, nvme)
+        templates = self._build_host_state(blocks, group_of, source, shared)
+        resident, block_modules = self._build_resident(model, blocks, group_of, source, shared)
+        self._build_optimizer(shared)
+        self._build_streams(templates)
         self._build_streamed_blocks(model, blocks, templates, block_modules)
         self._build_long_context(model, list(dict.fromkeys(templates)))
         # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
@@ -214,7 +219,7 @@ class MegatrainEngine(nn.Module):
             self.runtime.device,
         )
 
-    def _check_before_allocating(self, model: nn.Module) -> str:
+    def _check_before_allocating(self, model: nn.Module, topology: Topology) -> str:
         """Where the NVMe tier comes in (``"none"``, ``"auto"``'s choice or ``"all"``), after
         checking that the run is supported and fits: nothing is allocated before this."""
         # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
@@ -222,22 +227,10 @@ class MegatrainEngine(nn.Module):
         # With several nodes, each holds only its share of the optimizer state (_span_of); with
         # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier),
         # and with "all" of its windows' masters, the weights gathered whole when used.
-        dp, device, span_of = self.data_parallel, self.runtime.device, self._span_of
-        tier_ranks = dp.node_size if dp is not None else None
-        nvme = wants_nvme_tier(
-            model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, span_of=span_of, tier_ranks=tier_ranks
-        )
+        device = self.runtime.device
+        nvme = wants_nvme_tier(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, topology=topology)
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
-            preflight(
-                model,
-                self.config,
-                self.optimizer,
-                device,
-                STAGING_CHUNK_ELEMENTS,
-                nvme=nvme,
-                span_of=span_of,
-                tier_ranks=tier_ranks,
-            )
+            preflight(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, topology=topology)
         _reject_unsupported_outputs(model)
         return nvme
 
@@ -254,20 +247,14 @@ class MegatrainEngine(nn.Module):
         group_of: dict[nn.Parameter, int],
         source: SafetensorsSource | None,
         shared: NodeSharedMemory | None,
-        nvme: str,
     ) -> list[BlockTemplate]:
         """Each block's flat host state (``self.states``, migrated one block at a time, into
         the NVMe tier where it has one) and its weightless template, one per structure."""
-        master, compute = self.config.master_dtype, self.config.compute_dtype
-        if nvme != "none" and self.data_parallel is None:
+        tier = self.placement.tier
+        if tier is not None and not self.placement.tier_per_rank:
             # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
             # data parallel each rank's tier opens over its windows (_open_rank_tier).
-            self.nvme_tier = open_nvme_tier(
-                [flat_numel(list(block.named_parameters()), group_of) for block in blocks],
-                WITH_MASTER if nvme == "all" else tier_kinds(master_is_streamed=compute == master),
-                self.runtime,
-                self.config.options,
-            )
+            self.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, self.runtime, self.config.options)
 
         templates_by_key: dict[tuple, BlockTemplate] = {}
         templates: list[BlockTemplate] = []
@@ -282,7 +269,7 @@ class MegatrainEngine(nn.Module):
             # Migrating block by block frees each block's original storage before the
             # next is copied: the model never exists twice in host memory.
             scoped = source.scoped(f"{self.block_path}.{index}.") if source is not None else None
-            self.states.append(self._migrate_block(block, group_of, scoped, shared, nvme))
+            self.states.append(self._migrate_block(block, group_of, scoped, shared, self.placement.states[index]))
             if self.nvme_tier is not None:
                 self.nvme_tier.adopt(self.states[-1])
         self.num_templates = len(templates_by_key)
@@ -294,14 +281,16 @@ class MegatrainEngine(nn.Module):
         group_of: dict[nn.Parameter, int],
         source: TensorSource | None,
         shared: NodeSharedMemory | None,
-        nvme: str,
+        placement: StatePlacement,
     ) -> HostFlatState:
-        """One block's flat host state. With the weights on the NVMe tier and data parallel,
-        only this rank's window of it, in its own memory: the whole weights are gathered when
-        used (``distributed/gathered_weights.py``), and every rank takes its window of rank 0's."""
+        """One block's flat host state, as ``placement`` says. Gathered weights (the weights
+        on the NVMe tier and data parallel): only this rank's window of it, in its own memory,
+        the whole weights gathered when used (``distributed/gathered_weights.py``), every
+        rank taking its window of rank 0's."""
         master, compute, dp = self.config.master_dtype, self.config.compute_dtype, self.data_parallel
         named = list(block.named_parameters())
-        if nvme == "all" and dp is not None:
+        if placement.gathered:
+            assert dp is not None
             return migrate_to_host(
                 named,
                 group_of,
@@ -314,7 +303,7 @@ class MegatrainEngine(nn.Module):
                 span_of=dp.window,
                 share=dp.broadcast_from_rank0_,
             )
-        if self._trained_only(nvme):
+        if placement.trained_only:
             return migrate_to_host(named, group_of, self.runtime, master, compute, source=source, trained_only=True)
         return migrate_to_host(
             named,
@@ -324,17 +313,11 @@ class MegatrainEngine(nn.Module):
             compute,
             source=source,
             shared=shared,
-            moments_on_host=nvme == "none",
-            shadow_on_host=nvme != "all",
+            moments_on_host=placement.exp_avg.where.on_host,
+            shadow_on_host=placement.streamed is Where.HOST,
             span_of=self._span_of,
             share=self._share_initial_weights,
         )
-
-    def _trained_only(self, nvme: str) -> bool:
-        """Whether frozen parameters cost their weights alone (``state/host_store.py``:
-        [Note: frozen weights]): one process with all its state in host memory. With data
-        parallel or the NVMe tier every buffer still covers every parameter."""
-        return nvme == "none" and self.data_parallel is None
 
     def _build_resident(
         self,
@@ -343,7 +326,6 @@ class MegatrainEngine(nn.Module):
         group_of: dict[nn.Parameter, int],
         source: SafetensorsSource | None,
         shared: NodeSharedMemory | None,
-        nvme: str,
     ) -> tuple[list[tuple[str, nn.Parameter]], set[int]]:
         """The parameters outside the blocks (embeddings, final norm, head), their state last
         in ``self.states``, and the buffers outside the blocks on the device. Returns the
@@ -351,7 +333,7 @@ class MegatrainEngine(nn.Module):
         block_params = {id(p) for block in blocks for p in block.parameters()}
         resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
         master, compute = self.config.master_dtype, self.config.compute_dtype
-        trained_only = self._trained_only(nvme)
+        trained_only = self.placement.resident.trained_only  # frozen ones: their weights alone
         self.resident = ResidentParams(
             resident,
             group_of,
@@ -376,17 +358,18 @@ class MegatrainEngine(nn.Module):
                         module._buffers[name] = buffer.to(self.runtime.device)
         return resident, block_modules
 
-    def _build_optimizer(self, shared: NodeSharedMemory | None, nvme: str) -> None:
+    def _build_optimizer(self, shared: NodeSharedMemory | None) -> None:
         """Gradient buffers, each rank's window of the state (on its own NVMe tier with data
         parallel), the host AdamW over it and the stepper (norm, clipping, speculative
         steps), attached to the client optimizer."""
         options, compute, dp = self.config.options, self.config.compute_dtype, self.data_parallel
         if self.config.holds_gradients:
             grad_dtype = self.config.held_gradient_dtype
-            for state in self.states:
+            for state, placement in zip(self.states, self.placement.states):
                 first, last = state.held
-                # A gathered state's window is this rank's alone: its gradients too.
-                state.grad = self.runtime.host_zeros(last - first, grad_dtype, None if state.gathered else shared)
+                # A rank's own window (gathered weights): its gradients are its alone, not the node's.
+                own = placement.grad.where is Where.RANK_WINDOW
+                state.grad = self.runtime.host_zeros(last - first, grad_dtype, None if own else shared)
         if dp is not None:
             # Sync: the node writers have filled the shared state (and taken the first node's
             # weights, _share_initial_weights); no rank reads it before this.
@@ -401,7 +384,7 @@ class MegatrainEngine(nn.Module):
         self.optimizer_states = (
             self.states if dp is None else [state.window(*window) for state, window in zip(self.states, self.windows)]
         )
-        if nvme != "none" and dp is not None:
+        if self.placement.tier_per_rank:
             self._open_rank_tier()
         self.adamw: HostAdamW = build_host_adamw(
             self.optimizer.param_groups,
@@ -440,10 +423,10 @@ class MegatrainEngine(nn.Module):
         windows' masters too, and no rank holds any block whole. An empty window (a state
         smaller than the ranks' windows) has nothing on the tier."""
         blocks = self.optimizer_states[: self._resident_index]
-        gathered = self.states[0].gathered
-        on_tier = [window for window in blocks if window.layout.numel > 0]
-        numels = [window.layout.numel for window in on_tier]
-        self.nvme_tier = open_nvme_tier(numels, WITH_MASTER if gathered else MOMENTS, self.runtime, self.config.options)
+        tier = self.placement.tier
+        assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if w.layout.numel > 0)
+        gathered = "master" in tier.kinds  # the windows' masters are on the tier alone
+        self.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, self.runtime, self.config.options)
         for state, window in zip(self.states, blocks):
             if window.layout.numel > 0:
                 self.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
@@ -452,7 +435,7 @@ class MegatrainEngine(nn.Module):
             if gathered:
                 state.master = window.master  # the state's own reference goes too: on disk only
 
-    def _build_streams(self, templates: list[BlockTemplate], nvme: str) -> None:
+    def _build_streams(self, templates: list[BlockTemplate]) -> None:
         """What crosses between host and device: gradients out (the sink, behind the
         reducer with data parallel) and weights in (the streamer, from the NVMe tier's
         weight window where the weights live there)."""
@@ -472,14 +455,15 @@ class MegatrainEngine(nn.Module):
             sink if dp is None else GradientReducer(self.runtime, dp, sink, [s.layout.numel for s in self.states])
         )
         num_slots = options.num_buffers + options.checkpoint_interval - 1
-        if nvme == "all":  # forward and backward read the blocks' weights from the tier
-            assert self.nvme_tier is not None  # opened above for any nvme setting but "none"
+        if self.placement.weights_on_tier:  # forward and backward read the blocks' weights from the tier
+            assert self.nvme_tier is not None  # opened above with any placement on the tier
             self.nvme_weights = NvmeWeights(
                 self.nvme_tier,
                 compute,
                 weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks),
             )
-            if dp is not None:  # each rank's tier holds its windows: gathered whole when used
+            if self.placement.weights_gathered:  # each rank's tier holds its windows: gathered whole when used
+                assert dp is not None
                 self.gathered_weights = self._gather_from_windows(self.nvme_weights, dp, num_slots + 1)
         self.streamer = WeightStreamer(
             self.runtime,
@@ -774,15 +758,11 @@ class MegatrainEngine(nn.Module):
         }
 
     def host_bytes(self) -> dict[str, int]:
-        """Host memory of the persistent training state, by kind."""
-        totals: dict[str, int] = {}
-        tier = self.nvme_tier
-        for state in self.states:
-            # A block bound to a slot of the NVMe window views the slot: counted in nvme_window.
-            on_tier = tier.kinds if tier is not None and tier.holds(state) else ()
-            for kind, nbytes in state.nbytes_by_kind().items():
-                if kind not in on_tier:
-                    totals[kind] = totals.get(kind, 0) + nbytes
+        """Host memory of the persistent training state, by kind: the flat states' buffers
+        where the placement puts them in host memory (``state/placement.py``; a block bound to
+        a slot of the NVMe window views the slot, counted in ``nvme_window``), the journal,
+        and the NVMe tier's windows."""
+        totals = self.placement.host_bytes()
         if self.stepper.journal.nbytes:
             totals["journal"] = self.stepper.journal.nbytes
         if self.nvme_tier is not None:

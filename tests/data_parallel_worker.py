@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
+from placement_check import placement_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
@@ -152,8 +153,7 @@ def _tier_report(engine: MegatrainEngine) -> dict:
         STAGING_CHUNK_ELEMENTS,
         available=AvailableMemory(host=1 << 50),
         nvme=engine.config.options.nvme_offload,
-        span_of=dp.span if dp is not None and dp.num_nodes > 1 else None,
-        tier_ranks=dp.node_size if dp is not None else None,
+        topology=dp.topology if dp is not None else None,
     )
     return {
         "numels": tier.numels,
@@ -226,6 +226,8 @@ def _held_report(engine: MegatrainEngine) -> dict:
     if dp is not None:
         held = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
     held.update(host_bytes=engine.host_bytes(), numels=[flat.layout.numel for flat in engine.states])
+    # This rank's buffers against its placement (tests/test_placement.py: one process's combinations).
+    held["placement_disagreements"] = placement_disagreements(engine)
     held["tier"] = None
     if engine.nvme_tier is not None:
         held["tier"] = _tier_report(engine)

@@ -269,11 +269,19 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     _assert_parity(ranks, steps, accumulation)
 
 
+def _assert_placement_agrees(ranks: list[dict]) -> None:
+    """Every rank's buffers are where and what its placement says (``tests/placement_check.py``;
+    the one-process combinations are ``tests/test_placement.py``'s)."""
+    for rank, report in enumerate(ranks):
+        assert report["placement_disagreements"] == [], (rank, report["placement_disagreements"])
+
+
 def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool = False) -> None:
     """Each node holds the whole weights and its span of Adam's moments and of the held
     gradients, 1/N of them (W + S/N, ``engine.host_bytes()``), each element on one node.
     With the NVMe tier (one rank per node) the blocks' moments of the span are in the
     rank's swap files instead, the resident parameters' in host memory."""
+    _assert_placement_agrees(ranks)
     world = nodes * per_node
     numels = ranks[0]["numels"]
     numel = sum(numels)
@@ -298,6 +306,7 @@ def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool
 
 def _assert_parity(ranks: list[dict], steps: int, accumulation: int) -> None:
     """Both ranks' weights and norms are plain PyTorch's with both batches in one process."""
+    _assert_placement_agrees(ranks)
     expected, expected_norms = reference_training(steps, accumulation, world_size=2)
     assert min(expected_norms) > CLIPPING  # clipping is active in every step
     for rank in ranks:
@@ -569,6 +578,7 @@ def _joined(ranks: list[dict], report: str, kind: str) -> list[torch.Tensor]:
 def _assert_bf16_node_shares(ranks: list[dict], held_gradient_bytes: int) -> None:
     """Per node (one rank each): the shadow whole, 2 B/param, and its span of the master and
     the moments (4 B/param each) and of the held gradients: 2 + (12 + g)/N B/param."""
+    _assert_placement_agrees(ranks)
     nodes, numels = len(ranks), ranks[0]["numels"]
     numel = sum(numels)
     ownership = Ownership.of([[node] for node in range(nodes)], 0)

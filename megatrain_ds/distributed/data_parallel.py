@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.state.placement import Topology
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -314,6 +315,22 @@ class DataParallel:
     def span(self, numel: int) -> tuple[int, int]:
         """``[start, end)``: the elements of a sharded ``numel``-element state this node holds."""
         return self.ownership.span(numel)
+
+    @property
+    def topology(self) -> Topology:
+        """What the placement of the state needs of the ranks (``state/placement.py``): this
+        node's ranks, its span with several nodes, this rank's window and its node's ranks'."""
+        members = set(self.ownership.nodes[self.ownership.node])
+
+        def node_windows(numel: int) -> list[tuple[int, int]]:
+            return [(start, end) for owner, start, end in self.ownership.windows(numel) if owner in members]
+
+        return Topology(
+            node_ranks=self.node_size,
+            span_of=self.span if self.num_nodes > 1 else None,
+            window_of=self.window,
+            node_windows_of=node_windows,
+        )
 
     # -- collectives (each wrapped so a peer's failure reads as one) ---------------------
 

@@ -4,7 +4,9 @@ A run that does not fit should fail in the first second with the numbers, not in
 OOM killer halfway through migrating a 70B model. :func:`estimate` computes, from the
 model's parameter shapes and the config alone, every persistent allocation
 ``MegatrainEngine._build`` makes (flat layouts are pure bookkeeping, so the figures are
-exact to the byte, page rounding included):
+exact to the byte, page rounding included). Where each flat state's buffers live, and how
+big they are, is the engine's own :class:`~megatrain_ds.state.placement.Placement`, built
+here from the same shapes (``tests/test_placement.py`` checks the two agree):
 
 - host: per block and for the resident parameters, the master, the compute-dtype shadow,
   Adam m and v, the gradient buffer (fp32 when accumulating, else compute dtype, only
@@ -47,12 +49,9 @@ from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
-from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
 from megatrain_ds.state.host_store import SpanOf
-from megatrain_ds.state.nvme_tier import WITH_MASTER, swap_file_bytes, tier_kinds
-from megatrain_ds.state.nvme_weights import weight_window_buffers
+from megatrain_ds.state.placement import Placement, StateShape, Topology, flat_state_params, state_shapes
 from megatrain_ds.state.swap_directory import check_free_space
-from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +96,20 @@ class AvailableMemory:
 
 @dataclass(frozen=True)
 class _Shapes:
-    """What the estimate needs of a model: flat sizes of its blocks and resident state."""
+    """What the estimate needs of a model: its flat states' shapes and what migration frees."""
 
-    block_numels: list[int]
-    resident_numel: int
+    states: list[StateShape]
+    """The blocks' flat states, then the resident state's (``state/placement.py``)."""
     host_freed: int
     device_freed: int
-    trained_numels: list[int] | None = None
-    """Each state's trained prefix (``FlatLayout.trained_numel``), the blocks' then the
-    resident state's; ``None``: every element is trained."""
-    frozen_in_compute_dtype: list[bool] | None = None
-    """Per state: whether it has frozen parameters, every one in the compute dtype (with a
-    bf16 shadow its master then holds only the trained prefix: ``state/host_store.py``,
-    [Note: frozen weights])."""
+
+    @property
+    def block_numels(self) -> list[int]:
+        return [state.numel for state in self.states[:-1]]
+
+    @property
+    def resident_numel(self) -> int:
+        return self.states[-1].numel
 
 
 def _host_buffer(numel: int, itemsize: int) -> int:
@@ -119,14 +119,7 @@ def _host_buffer(numel: int, itemsize: int) -> int:
 def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer) -> _Shapes:
     _, blocks = find_blocks(model, config.options.block_path)
     group_of = group_index_of(model, optimizer)
-    block_ids = {id(p) for p in blocks.parameters()}
-    states = [list(block.named_parameters()) for block in blocks]
-    states.append([(n, p) for n, p in model.named_parameters() if id(p) not in block_ids])
-    layouts = [build_flat_layout([(n, p.shape, group_of[p]) for n, p in named]) for named in states]
-    frozen_dtypes = [{p.dtype for _, p in named if group_of[p] == FROZEN_GROUP} for named in states]
-    in_compute = [bool(dtypes) and dtypes == {config.compute_dtype} for dtypes in frozen_dtypes]
-    block_numels = [layout.numel for layout in layouts[:-1]]
-    resident_numel = layouts[-1].numel
+    states = flat_state_params(model, blocks)
     freed = {"cpu": 0, "cuda": 0}
     seen: set[int] = set()
     for param in model.parameters():
@@ -137,13 +130,15 @@ def _shapes(model: nn.Module, config: EngineConfig, optimizer: torch.optim.Optim
             continue
         seen.add(storage.data_ptr())
         freed["cuda" if param.device.type == "cuda" else "cpu"] += storage.nbytes()
-    trained = [layout.trained_numel for layout in layouts]
-    return _Shapes(block_numels, resident_numel, freed["cpu"], freed["cuda"], trained, in_compute)
+    return _Shapes(state_shapes(states, group_of, config.compute_dtype), freed["cpu"], freed["cuda"])
 
 
-def _held(numel: int, span_of: SpanOf | None) -> int:
-    span = span_of(numel) if span_of is not None else None
-    return numel if span is None else span[1] - span[0]
+def topology_of(span_of: SpanOf | None, tier_ranks: int | None) -> Topology:
+    """The topology a plan given only ``span_of`` and ``tier_ranks`` assumes: data parallel
+    where either is given (a node of one rank where only ``span_of`` is), this node's ranks'
+    windows equal parts of its span (the engine passes them exactly: ``DataParallel.topology``)."""
+    node_ranks = tier_ranks if tier_ranks is not None else (1 if span_of is not None else None)
+    return Topology(node_ranks=node_ranks, span_of=span_of)
 
 
 def estimate_from_shapes(
@@ -153,39 +148,39 @@ def estimate_from_shapes(
     staging_chunk: int,
     span_of: SpanOf | None = None,
     tier_ranks: int | None = None,
+    topology: Topology | None = None,
 ) -> MemoryNeed:
-    """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc).
+    """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc),
+    this node's: where each buffer lives is the :class:`Placement`'s (``state/placement.py``),
+    the engine's own.
 
-    ``span_of``: with data parallel over several nodes, the part of a state's optimizer
-    state (moments, held gradients, and with a bf16 shadow the fp32 master) this node holds
-    (``distributed/data_parallel.py``: [Note: sharded host state]); ``None``: all of it.
-    ``tier_ranks``: with data parallel, the ranks of this node; each keeps its own NVMe
-    tier of its windows' m and v, the masters stay in host memory -- or with ``"all"`` its
-    windows' masters too, and each rank gathers whole blocks into buffers of its own
-    (``distributed/gathered_weights.py``)."""
+    ``topology``: the processes sharing the state (``None``: from ``span_of``, with several
+    nodes this node's share of a state's optimizer state, and ``tier_ranks``, with data
+    parallel the ranks of this node, each with its own NVMe tier: :func:`topology_of`)."""
     options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
-    streamed = compute if config.compute_dtype != config.master_dtype else master
+    with_shadow = config.compute_dtype != config.master_dtype
+    streamed = compute if with_shadow else master
     numels = [*shapes.block_numels, shapes.resident_numel]
-    held, masters = _held_and_masters(shapes, config, span_of, tier_ranks)
+    nvme = options.nvme_offload if options.nvme_offload != "auto" else "none"
+    placement = Placement.of(config, nvme, topology or topology_of(span_of, tier_ranks), shapes.states)
     host = {
-        "master": sum(_host_buffer(n, master) for n in masters),
-        "adam_m_v": sum(2 * _host_buffer(n, 4) for n in held),
+        "master": sum(_host_buffer(n, master) for n in placement.node_host_buffers("master")),
+        "adam_m_v": sum(2 * _host_buffer(n, 4) for n in placement.node_host_buffers("exp_avg")),
     }
-    disk = 0
-    weights_on_disk = options.nvme_offload == "all"
-    if options.nvme_offload in ("optimizer", "all"):
-        on_tier, disk = _nvme_tier_need(shapes, config, held, tier_ranks)
-        host.update(on_tier)
-    if config.compute_dtype != config.master_dtype:
-        host["shadow"] = sum(_host_buffer(n, compute) for n in (numels[-1:] if weights_on_disk else numels))
+    disk = sum(tier.disk_bytes for tier in placement.node_tiers)
+    if placement.tier is not None:
+        host["nvme_window"] = sum(tier.window_bytes for tier in placement.node_tiers)
+    if placement.weights_on_tier:
+        host["nvme_weights"] = _weight_window_need(placement, config, shapes)
+    if with_shadow:
+        host["shadow"] = sum(_host_buffer(n, compute) for n in placement.node_host_buffers("shadow"))
     if config.holds_gradients:
         grad = torch.empty((), dtype=config.held_gradient_dtype).element_size()
-        host["gradients"] = sum(_host_buffer(n, grad) for n in held)
-    if config.holds_gradients:
+        host["gradients"] = sum(_host_buffer(n, grad) for n in placement.node_host_buffers("grad"))
         # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.
-        per_element = master + 8 + (compute if config.compute_dtype != config.master_dtype else 0)
+        per_element = master + 8 + (compute if with_shadow else 0)
         costs = [per_element * n for n in _journaled(shapes)]
         chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM)
         if chosen:
@@ -205,74 +200,23 @@ def estimate_from_shapes(
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
 
 
-def _trained_only(shapes: _Shapes, config: EngineConfig, span_of: SpanOf | None, tier_ranks: int | None) -> bool:
-    """Whether frozen parameters cost their weights alone (``MegatrainEngine._trained_only``:
-    one process, no NVMe tier; the engine's ``span_of`` answers ``None`` without data parallel)."""
-    one_process = tier_ranks is None and (span_of is None or span_of(max(shapes.block_numels)) is None)
-    return config.options.nvme_offload == "none" and one_process and shapes.trained_numels is not None
-
-
-def _held_and_masters(
-    shapes: _Shapes, config: EngineConfig, span_of: SpanOf | None, tier_ranks: int | None
-) -> tuple[list[int], list[int]]:
-    """Per state (the blocks', then the resident state's): the elements its moments and
-    gradients hold, and those its master holds."""
-    numels = [*shapes.block_numels, shapes.resident_numel]
-    with_shadow = config.compute_dtype != config.master_dtype
-    if _trained_only(shapes, config, span_of, tier_ranks):
-        assert shapes.trained_numels is not None and shapes.frozen_in_compute_dtype is not None
-        trained = shapes.trained_numels
-        in_shadow = [with_shadow and flag for flag in shapes.frozen_in_compute_dtype]
-        return list(trained), [t if flag else n for n, t, flag in zip(numels, trained, in_shadow)]
-    held = [_held(n, span_of) for n in numels]
-    # With a bf16 shadow the nodes shard the master too (host_store.migrate_to_host; a rank's
-    # NVMe tier holds only m and v). One process holds all of it (held is whole), with the
-    # tier only the resident state's (_nvme_tier_need).
-    return held, held if with_shadow else numels
-
-
 def _journaled(shapes: _Shapes) -> list[int]:
     """Each block's elements a journal slot holds: its trained prefix (frozen elements are
     never stepped, so never journaled; ``optimizer/speculative_step.py``)."""
-    if shapes.trained_numels is None:
-        return shapes.block_numels
-    return shapes.trained_numels[:-1]
+    return [state.trained_numel for state in shapes.states[:-1]]
 
 
-def _nvme_tier_need(
-    shapes: _Shapes, config: EngineConfig, held: list[int], tier_ranks: int | None
-) -> tuple[dict[str, int], int]:
-    """With the NVMe tier: the host memory that replaces the blocks' state it takes (their m
-    and v, and fp32 master unless it is what is streamed from host memory, state/nvme_tier.py),
-    by kind, and the bytes of its swap files. ``held``: each state's share on this node, the
-    resident state's last; ``tier_ranks``: see :func:`estimate_from_shapes`."""
+def _weight_window_need(placement: Placement, config: EngineConfig, shapes: _Shapes) -> int:
+    """With the weights on the tier: the node's weight windows (``state/nvme_weights.py``),
+    and with data parallel each rank's whole blocks gathered from the windows, one more than
+    its streamer's slots (``distributed/gathered_weights.py``)."""
     options = config.options
-    master = torch.empty((), dtype=config.master_dtype).element_size()
-    compute = torch.empty((), dtype=config.compute_dtype).element_size()
-    weights_on_disk = options.nvme_offload == "all"
-    alignment = DIRECT_ALIGNMENT * (options.nvme_aio.thread_count if options.nvme_aio.engine != "threads" else 1)
-    kinds = (
-        WITH_MASTER
-        if weights_on_disk
-        else tier_kinds(master_is_streamed=config.compute_dtype == config.master_dtype or tier_ranks is not None)
-    )
-    ranks = tier_ranks or 1  # with data parallel each rank's window of the node's share: a file per rank and block
-    files = [swap_file_bytes(-(-h // ranks), alignment, len(kinds)) for h in held[:-1]]
-    host = {"adam_m_v": 2 * _host_buffer(held[-1], 4)}  # the resident state's stay
-    if "master" in kinds:
-        host["master"] = _host_buffer(shapes.resident_numel, master)
-    host["nvme_window"] = ranks * min(options.nvme_window_blocks, len(files)) * max(files)
-    if weights_on_disk:
-        # The weight window (state/nvme_weights.py): each buffer the largest block (a rank's
-        # window of it with data parallel) in the compute dtype, plus an fp32 staging buffer
-        # to round from when that is not fp32.
-        per_buffer = max(files) // len(kinds) * (compute + (4 if compute != 4 else 0)) // 4
-        buffers = weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks)
-        host["nvme_weights"] = ranks * buffers * per_buffer
-        if tier_ranks is not None:  # every rank's whole blocks gathered from the windows: one more than its slots
-            slots = options.num_buffers + options.checkpoint_interval - 1
-            host["nvme_weights"] += ranks * (slots + 1) * max(shapes.block_numels) * compute
-    return host, ranks * sum(files)
+    need = placement.weight_window_bytes(options.num_buffers, options.checkpoint_interval)
+    if placement.topology.data_parallel:
+        slots = options.num_buffers + options.checkpoint_interval - 1
+        ranks = placement.topology.node_ranks or 1
+        need += ranks * (slots + 1) * max(shapes.block_numels) * placement.compute_itemsize
+    return need
 
 
 def available_memory(device: torch.device) -> AvailableMemory:
@@ -492,6 +436,7 @@ def preflight(
     nvme: str | None = None,
     span_of: SpanOf | None = None,
     tier_ranks: int | None = None,
+    topology: Topology | None = None,
 ) -> MemoryNeed:
     """Check that the run fits before anything is allocated; returns the estimate.
 
@@ -499,17 +444,20 @@ def preflight(
     ``nvme_offload`` resolved by :func:`wants_nvme_tier`); its swap files must fit in the
     free space under ``nvme_path`` (``DiskSpaceError`` naming the path and the bytes).
     ``span_of``: this node's share of the optimizer state, with several nodes;
-    ``tier_ranks``: this node's ranks, with data parallel (:func:`estimate_from_shapes`).
+    ``tier_ranks``: this node's ranks, with data parallel; ``topology``: both, and every
+    rank's window, exactly (:func:`estimate_from_shapes`).
     """
     shapes = _shapes(model, config, optimizer)
     have = available if available is not None else available_memory(device)
     if have.device is not None and shapes.device_freed:
         have = dataclasses.replace(have, device=have.device + shapes.device_freed)
     if nvme is None:
-        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, span_of, tier_ranks)
+        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, topology or topology_of(span_of, tier_ranks))
     config = _options(config, nvme_offload=nvme)
     need = check(
-        lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, span_of, tier_ranks), config, have
+        lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, span_of, tier_ranks, topology),
+        config,
+        have,
     )
     if need.disk:
         check_free_space(config.options.nvme_path or "", need.disk)
@@ -525,6 +473,7 @@ def wants_nvme_tier(
     available: AvailableMemory | None = None,
     span_of: SpanOf | None = None,
     tier_ranks: int | None = None,
+    topology: Topology | None = None,
 ) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
     with which the run's host state (this node's share of it, with ``span_of``) fits in the
@@ -537,8 +486,7 @@ def wants_nvme_tier(
         device,
         staging_chunk,
         available if available is not None else available_memory(device),
-        span_of,
-        tier_ranks,
+        topology or topology_of(span_of, tier_ranks),
     )
 
 
@@ -548,15 +496,14 @@ def _wants_nvme(
     device: torch.device,
     staging_chunk: int,
     have: AvailableMemory,
-    span_of: SpanOf | None = None,
-    tier_ranks: int | None = None,
+    topology: Topology,
 ) -> str:
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     levels = NVME_OFFLOAD_LEVELS
     needs = {
         level: estimate_from_shapes(
-            shapes, _options(config, nvme_offload=level), device.type, staging_chunk, span_of, tier_ranks
+            shapes, _options(config, nvme_offload=level), device.type, staging_chunk, topology=topology
         ).host_total
         for level in levels
     }

@@ -1,0 +1,440 @@
+"""Where each buffer of the training state lives, computed once from (config, topology, model).
+
+Every flat state (one per block, then the resident parameters') has the buffers of
+``state/host_store.py``: the master (the weights the optimizer updates), the compute shadow
+(the streamed copy, when the compute dtype differs from the master's), Adam's moments m and v,
+the held gradients, and among the weights the frozen ones (LoRA: ``requires_grad=False`` or
+in no optimizer group). :class:`Placement` says, per state and buffer, where it lives
+(:class:`Where`) and how many elements of which size it holds there; the engine's builders,
+``MegatrainEngine.host_bytes()`` and preflight's estimate (``planning/preflight.py``) read it
+instead of branching on the NVMe level, data parallel, nodes and the master's dtype
+themselves, so the figures they report agree by construction (``tests/test_placement.py``
+checks them against the buffers the engine allocates). Pure arithmetic: nothing is
+allocated here. (Not to be confused with ``optimizer/placement.py``, which places the
+optimizer's arithmetic on the CPU or the device.)
+
+[Note: the placement model]
+The combinations, for a block's state (``W``: a shadow exists, compute dtype != master dtype;
+"span": this node's share with several nodes, else every element; "window": this rank's
+part of the state, ``distributed/ownership.py``)::
+
+  topology / nvme_offload   master               shadow (W)      m, v              grad (held)     streamed from
+  one process / "none"      host: whole, or the  host: whole     host: trained     host: trained   host
+                            trained prefix (*)                   prefix            prefix
+  one process / "optimizer" W: tier, whole;      host: whole     tier: whole       host: whole     host
+                            else host: whole
+  one process / "all"       tier: whole          none            tier: whole       host: whole     tier (weight window)
+  data parallel / "none"    host: span if W,     host: whole     host: span        host: span      host
+                            else whole
+  data parallel / "optim."  host: span if W,     host: whole     tier: window      host: span      host
+                            else whole
+  data parallel / "all"     tier: window         none            tier: window      host: window    gathered from the
+                                                                                   (own memory)    windows
+
+The resident state is always in host memory, as a block's with ``"none"`` (with data
+parallel its span; in one process its trained prefix without a tier, every element beside
+one). (*) Frozen parameters: layouts put them last
+(``FlatLayout.trained_numel``), and in one process with everything in host memory the
+moments and gradients stop at the trained prefix, and so does the master where there is a
+shadow and every frozen weight arrives in the compute dtype: the frozen weights then live in
+the shadow alone (``state/host_store.py``: [Note: frozen weights]). Elsewhere every buffer
+covers the frozen parameters too. With data parallel the host buffers of the node (master,
+shadow, m, v and gradients but those of a rank's own window) are node-shared: one copy per
+node; the NVMe tier is each rank's own, of its windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+from megatrain_ds.config import EngineConfig
+from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
+from megatrain_ds.state.host_store import SpanOf
+from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, swap_file_bytes
+from megatrain_ds.state.nvme_weights import weight_window_buffers
+from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
+
+BUFFERS = ("master", "shadow", "exp_avg", "exp_avg_sq", "grad")
+"""The buffers of a flat state, by the names ``HostFlatState.nbytes_by_kind`` gives them."""
+
+
+class Where(Enum):
+    """Where a buffer of a flat state lives, and which of its elements it holds."""
+
+    HOST = "whole on this host"
+    TRAINED_PREFIX = "the trained prefix on this host (frozen parameters have none)"
+    NODE_SPAN = "this node's span, on this host"
+    RANK_WINDOW = "this rank's window, in its own host memory"
+    TIER = "whole on this process's NVMe tier"
+    TIER_WINDOW = "this rank's window on its NVMe tier"
+    GATHERED = "gathered from the ranks' windows when used"
+    NOWHERE = "not kept"
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the buffer is allocated in host memory for the whole run."""
+        return self in (Where.HOST, Where.TRAINED_PREFIX, Where.NODE_SPAN, Where.RANK_WINDOW)
+
+    @property
+    def on_tier(self) -> bool:
+        return self in (Where.TIER, Where.TIER_WINDOW)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer of one state: where it lives, and the elements and element size it holds there."""
+
+    where: Where
+    numel: int = 0
+    itemsize: int = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host tensor (``numel * element_size``); 0 where it is not in host memory."""
+        return self.numel * self.itemsize if self.where.on_host else 0
+
+
+NOWHERE = Buffer(Where.NOWHERE)
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """What the placement needs of one flat state, from its parameters' shapes alone."""
+
+    numel: int
+    """Elements of the flat buffers (``FlatLayout.numel``, padding included)."""
+    trained_numel: int
+    """The trained prefix (``FlatLayout.trained_numel``): frozen slots are laid out after it."""
+    frozen_in_compute_dtype: bool
+    """Whether the state has frozen parameters, every one in the compute dtype."""
+
+
+def flat_state_params(model: nn.Module, blocks: nn.ModuleList) -> list[list[tuple[str, nn.Parameter]]]:
+    """The parameters of each flat state: every block's, then the resident ones (the
+    model's parameters in no block), as the engine migrates them."""
+    in_blocks = {id(param) for param in blocks.parameters()}
+    states = [list(block.named_parameters()) for block in blocks]
+    states.append([(name, param) for name, param in model.named_parameters() if id(param) not in in_blocks])
+    return states
+
+
+def state_shapes(
+    states: Sequence[Sequence[tuple[str, nn.Parameter]]], group_of: dict[nn.Parameter, int], compute: torch.dtype
+) -> list[StateShape]:
+    """The :class:`StateShape` of each list of named parameters (the blocks', then the
+    resident parameters'), from their shapes, groups and dtypes: nothing is allocated."""
+    shapes = []
+    for named in states:
+        layout = build_flat_layout([(name, param.shape, group_of[param]) for name, param in named])
+        frozen = {param.dtype for _, param in named if group_of[param] == FROZEN_GROUP}
+        shapes.append(StateShape(layout.numel, layout.trained_numel, bool(frozen) and frozen == {compute}))
+    return shapes
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The processes that share the training state.
+
+    Attributes:
+        node_ranks: ranks of this node with data parallel (they share its host memory);
+            ``None``: one process.
+        span_of: this node's span of a state, with several nodes; ``None``: every element.
+        window_of: this rank's window of a state, with data parallel.
+        node_windows_of: every window of this node's ranks (for the node's NVMe tiers); by
+            default the node's span cut in ``node_ranks`` equal parts, as a plan for a node
+            that does not know the other nodes' sizes does.
+    """
+
+    node_ranks: int | None = None
+    span_of: SpanOf | None = None
+    window_of: Callable[[int], tuple[int, int]] | None = None
+    node_windows_of: Callable[[int], list[tuple[int, int]]] | None = None
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.node_ranks is not None
+
+    def span(self, numel: int) -> int:
+        """Elements of this node's span of a ``numel``-element state."""
+        span = self.span_of(numel) if self.span_of is not None else None
+        return numel if span is None else span[1] - span[0]
+
+    def window(self, numel: int) -> int:
+        """Elements of this rank's window (the span split evenly when not given)."""
+        if self.window_of is not None:
+            start, end = self.window_of(numel)
+            return end - start
+        return -(-self.span(numel) // (self.node_ranks or 1))
+
+    def node_windows(self, numel: int) -> list[int]:
+        """Elements of every window of this node's ranks."""
+        if self.node_windows_of is not None:
+            return [end - start for start, end in self.node_windows_of(numel)]
+        return [self.window(numel)] * (self.node_ranks or 1)
+
+
+@dataclass(frozen=True)
+class StatePlacement:
+    """Where one flat state's buffers live ([Note: the placement model])."""
+
+    numel: int
+    """Elements of the state's flat layout."""
+    master: Buffer
+    shadow: Buffer
+    exp_avg: Buffer
+    exp_avg_sq: Buffer
+    grad: Buffer
+    streamed: Where
+    """Where forward and backward read the weights from: host memory (the shadow, or the
+    master where there is none), the NVMe tier (the weight window), or gathered."""
+    frozen_numel: int
+    """Elements of frozen parameters (after the trained prefix)."""
+    trained_only: bool
+    """Whether the optimizer state covers the trained prefix alone, frozen parameters having
+    none (one process, every state in host memory), frozen parameters or not."""
+    frozen_in: str
+    """The buffer that holds the frozen weights: ``"master"``, or ``"shadow"`` where they are
+    held there alone ([Note: frozen weights] in ``state/host_store.py``); ``""`` without any."""
+
+    def buffers(self) -> dict[str, Buffer]:
+        """Every buffer by its name (:data:`BUFFERS`)."""
+        return {name: getattr(self, name) for name in BUFFERS}
+
+    @property
+    def gathered(self) -> bool:
+        """Whether no whole copy of the weights is kept here: this rank holds its window."""
+        return self.streamed is Where.GATHERED
+
+
+@dataclass(frozen=True)
+class TierPlacement:
+    """One process's NVMe tier: what it holds of each block, and its files."""
+
+    kinds: tuple[str, ...]
+    """Buffers per block in the swap files (``state/nvme_tier.py``: ``MOMENTS`` or ``WITH_MASTER``)."""
+    numels: tuple[int, ...]
+    """Each swap file's elements per kind: a block's, or this rank's non-empty window of it."""
+    alignment: int
+    """Bytes each kind's part of a file is padded to: the configured I/O engine's
+    (``state/swap_io.py``; DeepSpeed's op aligns to a block per thread)."""
+    window_blocks: int
+    """Blocks the tier's window holds in host memory (``nvme_window_blocks``)."""
+
+    @property
+    def file_bytes(self) -> list[int]:
+        return [swap_file_bytes(numel, self.alignment, len(self.kinds)) for numel in self.numels]
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.file_bytes)
+
+    @property
+    def window_bytes(self) -> int:
+        """Host memory of the window's slots (``NvmeTier.window_bytes``)."""
+        return min(self.window_blocks, max(len(self.numels), 1)) * max(self.file_bytes, default=0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every buffer of the training state lives, and what it takes (see the module docstring).
+
+    Attributes:
+        nvme: what the NVMe tier holds: ``"none"``, ``"optimizer"`` or ``"all"`` (``"auto"``
+            resolved by preflight).
+        topology: the processes sharing the state.
+        states: per flat state, the blocks' then the resident parameters'.
+        tier: this process's NVMe tier; ``None`` without one.
+        node_tiers: the tiers of every rank of this node (this process's alone in one process).
+        compute_itemsize: bytes per streamed element (the weight window's buffers).
+    """
+
+    nvme: str
+    topology: Topology
+    states: tuple[StatePlacement, ...]
+    tier: TierPlacement | None
+    node_tiers: tuple[TierPlacement, ...]
+    compute_itemsize: int
+
+    @classmethod
+    def of(cls, config: EngineConfig, nvme: str, topology: Topology, shapes: Sequence[StateShape]) -> Placement:
+        """The placement of states of these shapes (the resident state's last) under ``config``,
+        with the NVMe tier holding ``nvme``."""
+        assert nvme in ("none", "optimizer", "all"), nvme
+        sizes = _Sizes.of(config)
+        trained_only = nvme == "none" and not topology.data_parallel
+        states = [_state(shape, sizes, nvme, topology, trained_only) for shape in shapes[:-1]]
+        states.append(_state(shapes[-1], sizes, "none", topology, trained_only))  # the resident state: host memory
+        mine, node = _tiers(config, nvme, topology, shapes[:-1], sizes)
+        return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
+
+    @property
+    def blocks(self) -> tuple[StatePlacement, ...]:
+        return self.states[:-1]
+
+    @property
+    def resident(self) -> StatePlacement:
+        return self.states[-1]
+
+    @property
+    def trained_only(self) -> bool:
+        """Whether frozen parameters cost their weights alone: one process, no NVMe tier."""
+        return self.resident.trained_only
+
+    @property
+    def weights_on_tier(self) -> bool:
+        """Whether forward and backward read the blocks' weights from the NVMe tier."""
+        return self.nvme == "all"
+
+    @property
+    def weights_gathered(self) -> bool:
+        """Whether every rank keeps only its windows of the blocks' weights, gathered whole when used."""
+        return any(state.gathered for state in self.blocks)
+
+    @property
+    def tier_per_rank(self) -> bool:
+        """Whether each rank opens its own tier over its windows (data parallel), after the
+        state is built, rather than one tier taking each block as it is migrated."""
+        return self.tier is not None and self.topology.data_parallel
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes of the flat states' buffers by kind, as ``HostFlatState.nbytes_by_kind``
+        names them, in this process's view (node-shared buffers counted as this rank sees them)."""
+        totals: dict[str, int] = {}
+        for state in self.states:
+            for name, buffer in state.buffers().items():
+                if buffer.where.on_host:
+                    totals[name] = totals.get(name, 0) + buffer.host_bytes
+        return totals
+
+    def node_host_buffers(self, name: str) -> list[int]:
+        """Elements of every host tensor called ``name`` on this node, state by state: a
+        node-shared or one process's buffer once, a rank's own window once per rank of the
+        node (the allocations preflight rounds to pages)."""
+        numels: list[int] = []
+        for state in self.states:
+            buffer = state.buffers()[name]
+            if buffer.where is Where.RANK_WINDOW:
+                numels += self.topology.node_windows(state.numel)
+            elif buffer.where.on_host:
+                numels.append(buffer.numel)
+        return numels
+
+    def weight_window_bytes(self, num_buffers: int, checkpoint_interval: int) -> int:
+        """Host memory of the node's weight windows with the weights on the tier: per rank,
+        buffers of its largest file's elements in the compute dtype, with an fp32 buffer to
+        read into when that is not fp32 (``NvmeWeights.nbytes``); with data parallel, one
+        more whole block than the streamer's slots to gather into, and the window being sent
+        (``GatheredWeights.nbytes``)."""
+        if not self.weights_on_tier:
+            return 0
+        compute = self.compute_itemsize
+        per_element = compute + (4 if compute != 4 else 0)
+        buffers = weight_window_buffers(num_buffers, checkpoint_interval, self.node_tiers[0].window_blocks)
+        total = 0
+        for tier in self.node_tiers:
+            largest = max(tier.file_bytes, default=0) // len(tier.kinds) // 4  # padded elements
+            total += buffers * largest * per_element
+        return total
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    master: int
+    compute: int
+    grad: int | None
+    """Bytes per held gradient element; ``None``: gradients are applied as they arrive."""
+    with_shadow: bool
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> _Sizes:
+        def size(dtype: torch.dtype) -> int:
+            return torch.empty((), dtype=dtype).element_size()
+
+        grad = size(config.held_gradient_dtype) if config.holds_gradients else None
+        return cls(
+            size(config.master_dtype), size(config.compute_dtype), grad, config.compute_dtype != config.master_dtype
+        )
+
+
+def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology, trained_only: bool) -> StatePlacement:
+    """One state's placement ([Note: the placement model]); ``trained_only``: the run is one
+    process with every state in host memory (the resident state's ``nvme`` is ``"none"``
+    whatever the blocks' is)."""
+    numel, trained = shape.numel, shape.trained_numel
+    frozen_numel = numel - trained
+    shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow and nvme != "all" else NOWHERE
+    grad_where, streamed = Where.HOST, Where.HOST
+    if trained_only:  # one process, host memory: frozen parameters cost their weights alone
+        held, where = trained, (Where.TRAINED_PREFIX if trained < numel else Where.HOST)
+        in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
+        master = (
+            Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
+            if in_shadow
+            else Buffer(Where.HOST, numel, sizes.master)
+        )
+        moments = Buffer(where, trained, 4)
+        grad_where = where
+        frozen_in = "shadow" if in_shadow else "master"
+    elif not topology.data_parallel and nvme == "none":  # one process's resident state beside a tier
+        held, frozen_in = numel, "master"
+        master, moments = Buffer(Where.HOST, numel, sizes.master), Buffer(Where.HOST, numel, 4)
+    elif not topology.data_parallel:  # one process with the NVMe tier
+        held, frozen_in = numel, "master"
+        master_on_tier = nvme == "all" or sizes.with_shadow  # unless it is what host memory streams
+        master = Buffer(Where.TIER, numel, sizes.master) if master_on_tier else Buffer(Where.HOST, numel, sizes.master)
+        moments = Buffer(Where.TIER, numel, 4)
+        streamed = Where.TIER if nvme == "all" else Where.HOST
+    elif nvme == "all":  # every rank its windows on its own tier, gathered when used
+        held, frozen_in = topology.window(numel), "master"
+        master = Buffer(Where.TIER_WINDOW, held, sizes.master)
+        moments = Buffer(Where.TIER_WINDOW, held, 4)
+        grad_where, streamed = Where.RANK_WINDOW, Where.GATHERED
+    else:  # data parallel: the node's copy, its span of what is sharded
+        held, frozen_in = topology.span(numel), "master"
+        span_where = Where.NODE_SPAN if held < numel else Where.HOST
+        sharded = sizes.with_shadow and held < numel  # several nodes: the master too, the shadow whole
+        master = Buffer(span_where, held, sizes.master) if sharded else Buffer(Where.HOST, numel, sizes.master)
+        rank_window = topology.window(numel)
+        moments = Buffer(Where.TIER_WINDOW, rank_window, 4) if nvme == "optimizer" else Buffer(span_where, held, 4)
+        grad_where = span_where
+    grad = Buffer(grad_where, held, sizes.grad) if sizes.grad is not None else NOWHERE
+    return StatePlacement(
+        numel,
+        master,
+        shadow,
+        moments,
+        moments,
+        grad,
+        streamed,
+        frozen_numel,
+        trained_only,
+        frozen_in if frozen_numel else "",
+    )
+
+
+def _tiers(
+    config: EngineConfig, nvme: str, topology: Topology, blocks: Sequence[StateShape], sizes: _Sizes
+) -> tuple[TierPlacement | None, list[TierPlacement]]:
+    """This process's NVMe tier and those of every rank of its node (none without a tier)."""
+    if nvme == "none":
+        return None, []
+    options = config.options
+    aio = options.nvme_aio
+    alignment = DIRECT_ALIGNMENT * (aio.thread_count if aio.engine != "threads" else 1)
+
+    def tier(kinds: tuple[str, ...], numels: Sequence[int]) -> TierPlacement:
+        return TierPlacement(kinds, tuple(n for n in numels if n > 0), alignment, options.nvme_window_blocks)
+
+    if not topology.data_parallel:
+        one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, [s.numel for s in blocks])
+        return one, [one]
+    # Each rank's tier: its non-empty windows (with "all" their masters too: nothing else holds them).
+    kinds = WITH_MASTER if nvme == "all" else MOMENTS
+    mine = tier(kinds, [topology.window(s.numel) for s in blocks])
+    per_block = [topology.node_windows(s.numel) for s in blocks]
+    return mine, [tier(kinds, numels) for numels in zip(*per_block)] if per_block else [mine]

@@ -1,0 +1,87 @@
+"""What an engine actually allocated, against what its ``Placement`` (``state/placement.py``) says.
+
+Shared by ``tests/test_placement.py`` (one process, every combination in-process) and
+``tests/data_parallel_worker.py`` (each rank of the multi-rank launches checks its own).
+The actual side is read from the engine's tensors, not from the placement or
+``engine.host_bytes()`` (which now derives from the placement): each flat state's buffers as
+they are after construction, a buffer the NVMe tier holds being a meta placeholder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain_ds import MegatrainEngine
+from megatrain_ds.state.placement import BUFFERS, Where
+
+
+def allocated_host_tensors(engine: MegatrainEngine) -> dict[str, list[int]]:
+    """Bytes of every host tensor of the flat states, by buffer name, state by state (a
+    meta placeholder, or a buffer of a block bound to the tier's window, is not host memory)."""
+    tier = engine.nvme_tier
+    found: dict[str, list[int]] = {name: [] for name in BUFFERS}
+    for state in engine.states:
+        on_tier = tier.kinds if tier is not None and tier.holds(state) else ()
+        for name in BUFFERS:
+            tensor = getattr(state, name)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta and name not in on_tier:
+                found[name].append(tensor.numel() * tensor.element_size())
+    return found
+
+
+def placement_disagreements(engine: MegatrainEngine) -> list[str]:
+    """Every way the engine's buffers differ from its placement: per state and buffer, in
+    host memory or not and its elements; the NVMe tier's files, kinds and window; the
+    weight window; the totals ``host_bytes()`` reports. Empty when they agree."""
+    placement, problems = engine.placement, []
+    tier = engine.nvme_tier
+    for index, (state, planned) in enumerate(zip(engine.states, placement.states)):
+        on_tier = tier.kinds if tier is not None and tier.holds(state) else ()
+        if state.layout.numel != planned.numel:
+            problems.append(f"state {index}: {state.layout.numel} elements, planned {planned.numel}")
+        for name, buffer in planned.buffers().items():
+            tensor = getattr(state, name)
+            held = isinstance(tensor, torch.Tensor) and not tensor.is_meta and name not in on_tier
+            if held != buffer.where.on_host:
+                problems.append(f"state {index} {name}: in host memory {held}, planned {buffer.where}")
+            elif held and (tensor.numel(), tensor.element_size()) != (buffer.numel, buffer.itemsize):
+                actual = (tensor.numel(), tensor.element_size())
+                problems.append(f"state {index} {name}: {actual}, planned {(buffer.numel, buffer.itemsize)}")
+        if planned.trained_only != state.trained_only or (planned.frozen_in == "shadow") != state.frozen_in_shadow:
+            problems.append(f"state {index}: trained_only/frozen_in_shadow differ from {planned}")
+        if planned.gathered != state.gathered:
+            problems.append(f"state {index}: gathered {state.gathered}, planned {planned.gathered}")
+    actual = {name: sum(sizes) for name, sizes in allocated_host_tensors(engine).items() if sizes}
+    if actual != placement.host_bytes():
+        problems.append(f"host bytes {actual}, planned {placement.host_bytes()}")
+    host = engine.host_bytes()
+    if {name: host[name] for name in BUFFERS if name in host} != actual:
+        problems.append(f"engine.host_bytes() {host}, allocated {actual}")
+    problems += _tier_disagreements(engine)
+    return problems
+
+
+def _tier_disagreements(engine: MegatrainEngine) -> list[str]:
+    placement, tier = engine.placement, engine.nvme_tier
+    planned = placement.tier
+    if (tier is None) != (planned is None):
+        return [f"NVMe tier {tier}, planned {planned}"]
+    if tier is None or planned is None:
+        return []
+    problems = []
+    if (tuple(tier.numels), tier.kinds) != (planned.numels, planned.kinds):
+        problems.append(f"tier files {tier.numels} of {tier.kinds}, planned {planned.numels} of {planned.kinds}")
+    if tier.io.alignment == planned.alignment:  # the I/O engine configured is the one that opened
+        if (tier.directory.nbytes, tier.window_bytes) != (planned.disk_bytes, planned.window_bytes):
+            problems.append(
+                f"tier disk/window {tier.directory.nbytes}/{tier.window_bytes}, "
+                f"planned {planned.disk_bytes}/{planned.window_bytes}"
+            )
+        if engine.nvme_weights is not None and engine.gathered_weights is None:
+            options = engine.config.options
+            window = placement.weight_window_bytes(options.num_buffers, options.checkpoint_interval)
+            if window != engine.nvme_weights.nbytes:
+                problems.append(f"weight window {engine.nvme_weights.nbytes}, planned {window}")
+    if placement.blocks[0].streamed is Where.TIER and engine.nvme_weights is None:
+        problems.append("weights planned on the tier, no weight window")
+    return problems

@@ -1,0 +1,136 @@
+"""The placement (``state/placement.py``), the engine's allocations and preflight's estimate agree.
+
+For every combination one process can build -- the NVMe tier holding nothing, the
+optimizer state or the weights too; fp32, bf16 compute with an fp32 master, and a bf16
+master; with and without frozen (LoRA) weights -- the engine is built (no step: every
+persistent buffer exists once ``__init__`` returns) and its buffers, read from its tensors,
+are compared with the placement buffer by buffer, and with preflight's estimate kind by
+kind: preflight counts each host buffer with the page ``host_empty`` over-allocates
+(``planning/preflight.py``), so its figure is the bytes allocated plus a page per tensor,
+exactly. Data parallel, nodes and the sharded bf16 master are checked the same way by every
+rank of the multi-rank launches of ``tests/test_data_parallel.py``
+(``data_parallel_worker._held_report``), at no extra launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models
+import torch
+from placement_check import allocated_host_tensors, placement_disagreements
+from side_by_side import ds_config
+
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+from megatrain_ds.optimizer.facade import build_optimizer
+from megatrain_ds.planning import preflight
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES
+from megatrain_ds.state.placement import Where
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
+
+PRECISIONS = {
+    "fp32": {},
+    "bf16": {"bf16": True},
+    "bf16-master": {"bf16": True, "megatrain": {"master_dtype": "bf16"}},
+}
+
+
+def _model(frozen: torch.dtype | None) -> torch.nn.Module:
+    """A 2-block tiny Llama; with ``frozen``, peft's LoRA on q and v, the base weights frozen in that dtype."""
+    torch.manual_seed(0)
+    model = tiny_models.llama(num_layers=2)
+    if frozen is None:
+        return model
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for param in lora.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(frozen)
+    return lora
+
+
+def _config(nvme: str, precision: str, swap) -> dict:
+    settings = ds_config(
+        accumulation=2, clipping=1.0, **{k: v for k, v in PRECISIONS[precision].items() if k == "bf16"}
+    )
+    megatrain = dict(PRECISIONS[precision].get("megatrain", {}))
+    if nvme != "none":
+        # The thread pool: its alignment is the one preflight assumes, on any machine.
+        megatrain.update(nvme_offload=nvme, nvme_path=str(swap), nvme_window_blocks=2, nvme_aio={"engine": "threads"})
+    settings["megatrain"] = megatrain
+    return settings
+
+
+def _preflight_agrees(need: preflight.MemoryNeed, engine: MegatrainEngine) -> None:
+    """Preflight's host figures are the allocated bytes plus a page per host tensor; its disk
+    and window figures the tier's files and slots."""
+    tensors = allocated_host_tensors(engine)
+
+    def paged(*names: str) -> int:
+        return sum(nbytes + PAGE_BYTES for name in names for nbytes in tensors[name])
+
+    assert need.host["master"] == paged("master")
+    assert need.host["adam_m_v"] == paged("exp_avg", "exp_avg_sq")
+    assert need.host["gradients"] == paged("grad")
+    assert need.host.get("shadow", 0) == paged("shadow")
+    tier = engine.nvme_tier
+    assert need.disk == (tier.directory.nbytes if tier is not None else 0)
+    assert need.host.get("nvme_window", 0) == (tier.window_bytes if tier is not None else 0)
+    weights = engine.nvme_weights
+    assert need.host.get("nvme_weights", 0) == (weights.nbytes if weights is not None else 0)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "lora"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
+def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, precision, frozen, tmp_path):
+    compute = torch.bfloat16 if PRECISIONS[precision].get("bf16") else torch.float32
+    model = _model(compute if frozen else None)
+    config = parse_engine_config(_config(nvme, precision, tmp_path / "swap"))
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    need = preflight.preflight(
+        model,
+        config,
+        optimizer,
+        torch.device("cpu"),
+        STAGING_CHUNK_ELEMENTS,
+        available=preflight.AvailableMemory(host=1 << 50),
+        nvme=nvme,
+    )
+    engine = MegatrainEngine(model, config)
+    try:
+        assert placement_disagreements(engine) == []
+        _preflight_agrees(need, engine)
+        placement = engine.placement
+        # The frozen weights: at their own cost in one process's host memory alone.
+        assert placement.trained_only == (nvme == "none")
+        if frozen and nvme == "none":
+            assert all(state.exp_avg.where is Where.TRAINED_PREFIX for state in placement.states)
+            in_shadow = compute != config.master_dtype
+            assert all(state.frozen_in == ("shadow" if in_shadow else "master") for state in placement.states)
+        assert all(state.streamed is (Where.TIER if nvme == "all" else Where.HOST) for state in placement.blocks)
+    finally:
+        engine.destroy()
+
+
+def test_fp32_frozen_weights_with_bf16_compute_keep_a_whole_master(tmp_path):
+    """The one frozen case not in the matrix: frozen fp32 weights with bf16 compute keep their
+    fp32 master (exact) beside the shadow, and the moments stop at the trained prefix."""
+    model = _model(torch.float32)
+    config = parse_engine_config(_config("none", "bf16", tmp_path))
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    cpu = torch.device("cpu")
+    need = preflight.preflight(
+        model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, available=preflight.AvailableMemory(host=1 << 50)
+    )
+    engine = MegatrainEngine(model, config)
+    try:
+        assert placement_disagreements(engine) == []
+        _preflight_agrees(need, engine)
+        for state in engine.placement.states:
+            assert state.master.where is Where.HOST and state.frozen_in == "master"
+            assert state.exp_avg.where is Where.TRAINED_PREFIX
+    finally:
+        engine.destroy()
