@@ -31,7 +31,11 @@ H200, 4 x 1024 tokens, clipping: 0.45 s measured, 0.14 s predicted by it):
   ([Note: the weight pipeline]) and one block's weight copy before each further block's
   recompute (``backward_block_waits``): the engine's trace on the H200 shows the device
   idle 2.2-2.5 ms between one block's backward and the next block's recompute, one
-  block's copy (1.85 ms) and a checkpoint's (0.3 ms), on every block. The block rate is
+  block's copy (1.85 ms) and a checkpoint's (0.3 ms), on every block. Its cause was found
+  since: the second ``begin_backward`` dropped the checkpoints' prefetch, so each was copied
+  back at its recompute, queued behind the next block's weights (fixed in
+  ``streaming/streamed_blocks.py``, not yet run on a GPU). Drop this term once a GPU run
+  shows the gap gone; until then it predicts the engine the recorded runs measured. The block rate is
   one real block's forward and backward (``Hardware.block_efficiency``): there a block's
   backward took 4.4x its forward for 2x the FLOPs, which a rate from forward alone, or the
   table's matmul rate, misses;
