@@ -67,7 +67,7 @@ def test_the_update_overlaps_the_next_forward_in_block_order(tmp_path):
     forward of block 0 began, and each block's forward begins only after its own update."""
     path = tmp_path / "trace.json"
     engine = _engine(ds_config(clipping=1.0, megatrain={"trace": str(path), "trace_steps": 2}), num_layers=4)
-    slow_finish_worker(engine, 0.05)
+    slow_finish_worker(engine, 0.1)
     try:
         assert engine.pipelined_finish is not None
         for step in range(3):
