@@ -8,8 +8,11 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
                            norm and steps the journal blocks speculatively
     engine.step()          at the boundary: wait for the worker, validate the speculation
                            against the exact global norm (clip, or skip a non-finite step),
-                           update what is left, refresh the resident device copies
-                           (optimizer/speculative_step.py: [Note: speculative steps])
+                           and hand what is left to the finish worker, which updates it
+                           behind the next forward in block order (each block streamed once
+                           its update has landed; optimizer/speculative_step.py: [Note:
+                           speculative steps], optimizer/pipelined_finish.py: [Note:
+                           pipelined finish])
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -35,7 +37,7 @@ from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
 from megatrain_ds.gradients.held_writes import HeldWrites
 from megatrain_ds.gradients.sink import STAGED, GradientPort, GradientSink, Landing
-from megatrain_ds.model.batch_checks import check_batch
+from megatrain_ds.model.batch_checks import check_batch, reject_unsupported_outputs
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
@@ -43,6 +45,7 @@ from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.loss_scaling import LossScaling
+from megatrain_ds.optimizer.pipelined_finish import pipelined_finish_for
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.optimizer.speculative_step import (
     AUTO_JOURNAL_BYTES_PER_PARAM,
@@ -59,7 +62,6 @@ from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_trans
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.host_ledger import LedgerCounts
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
-from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import TraceSchedule
 from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
 from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
@@ -165,7 +167,10 @@ class MegatrainEngine(nn.Module):
                 self.nvme_tier.close()  # its swap files are this engine's working state
             self.runtime.release_host_memory()  # pinned buffers, the process's mmap threshold
             raise
-        self._tracing = _trace_schedule(self.runtime, config, model, self.data_parallel)
+        self._tracing = TraceSchedule.for_run(
+            self.runtime, config, type(model).__name__, self.data_parallel.rank if self.data_parallel else None
+        )
+        self._tracing.before_write = self.settle_optimizer  # the traced update's spans are in
         self.num_params = sum(slot.numel for state in self.states for slot in state.layout.slots)
         """Parameters in the flat states (what the host ledger's per-parameter figures divide by)."""
         self.last_host_ledger: LedgerCounts | None = None
@@ -210,6 +215,7 @@ class MegatrainEngine(nn.Module):
         self._build_long_context(model, list(dict.fromkeys(templates)))
         # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
         model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
+        model.register_forward_pre_hook(lambda *hook_args: self._before_model_forward())
         logger.info(
             "megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
             len(blocks),
@@ -231,7 +237,7 @@ class MegatrainEngine(nn.Module):
         nvme = wants_nvme_tier(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, topology=topology)
         if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
             preflight(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, topology=topology)
-        _reject_unsupported_outputs(model)
+        reject_unsupported_outputs(model)
         return nvme
 
     def _discover_blocks(self, model: nn.Module) -> nn.ModuleList:
@@ -412,6 +418,15 @@ class MegatrainEngine(nn.Module):
             self.stepper.plan_access()
         self.held_writes = HeldWrites(len(self.optimizer_states))
         self.optimizer.attach(self._finish_optimizer_step)
+        self.pipelined_finish = pipelined_finish_for(  # optimizer/pipelined_finish.py: [Note: pipelined finish]
+            self.runtime,
+            self._resident_index,
+            self._landed,
+            holds_gradients=self.config.holds_gradients,
+            data_parallel=dp is not None,
+            nvme_tier=self.nvme_tier is not None,
+            on_host_only=self.adamw.on_host_only,
+        )
 
     def _open_rank_tier(self) -> None:
         """With data parallel: this rank's NVMe tier, of its window of each block's Adam m and
@@ -474,6 +489,7 @@ class MegatrainEngine(nn.Module):
             fragment_elements=(options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
             // compute.itemsize,
             parts_of=lambda block: templates[block].parts_in_use(),
+            pending_updates=self.pipelined_finish,
         )
 
     def _gather_from_windows(self, windows: NvmeWeights, dp: DataParallel, capacity: int) -> GatheredWeights:
@@ -567,32 +583,6 @@ class MegatrainEngine(nn.Module):
         dp = self.data_parallel
         return dp.span(numel) if dp is not None and dp.num_nodes > 1 else None
 
-    def _gather_updated_weights(self, dp: DataParallel, report: StepReport) -> None:
-        """After every rank has stepped its window: every node's copy of the weights gets the
-        other nodes' updated spans ([Note: sharded host state])."""
-        step = self.optimizer_steps + 1
-        # Sync: every rank of the node has written its window before the leader sends them.
-        dp.node_barrier(f"the end of optimizer step {step}")
-        if dp.num_nodes == 1:
-            return  # one node: its copy is whole already
-        if report.outcome is not StepOutcome.SKIPPED:  # a skipped step changed nothing
-            # Gathered states are never sent after a step: the next use gathers them.
-            for state in (state for state in self.states if not state.gathered):
-                # A sharded master: the shadow is what the nodes hold whole, and each rank
-                # rounded its window into it as it stepped (HostAdamW.update_range), so the
-                # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
-                received = dp.gather_spans_(state.weights)
-                if state.master_sharded:
-                    # gloo writes the received spans unseen by aten; the race checker sees
-                    # them as it saw the refresh of the shadow they replace.
-                    spans = [state.weights[start:end] for start, end in received]
-                    declare_access(writes=spans, what="the shadow gather")
-                    continue
-                for start, end in received:
-                    state.refresh_shadow(start, end)  # the received spans' compute copy
-        # Sync: the next forward streams the weights the leader has just received.
-        dp.node_barrier(f"the weight gather of optimizer step {step}")
-
     def _share_initial_weights(self, values: torch.Tensor) -> None:
         """Every node starts from the first node's weights (as DDP starts from rank 0's):
         ``migrate_to_host`` hands each state's whole values, on node writers, to this before
@@ -609,6 +599,7 @@ class MegatrainEngine(nn.Module):
         views of the host masters where they are whole there, copies read from the NVMe
         tier or gathered from the other ranks or nodes where not."""
         del module, local_metadata
+        self.settle_optimizer()
         masters = masters_by_param(self)  # collective where state_dict_is_collective(self)
         for name, param in self.module.named_parameters(remove_duplicate=False):
             key = prefix + name
@@ -654,6 +645,25 @@ class MegatrainEngine(nn.Module):
                 return self.causal_loss(self.module, args, kwargs)  # model/causal_lm_loss.py
             return self.module(*args, **kwargs)
 
+    def settle_optimizer(self) -> None:
+        """Wait until the last optimizer step's update, when it runs behind :meth:`step`, has
+        landed in the host state (optimizer/pipelined_finish.py: [Note: pipelined finish]).
+        The engine does it wherever it reads or writes that state; call it before reading
+        ``module``'s parameters directly between ``step()`` and the next forward."""
+        if self.pipelined_finish is not None and self.pipelined_finish.in_flight:
+            with self.runtime.observe():
+                self.pipelined_finish.settle()
+
+    def _before_model_forward(self) -> None:
+        """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish])."""
+        if self.pipelined_finish is not None:
+            with self.runtime.observe():
+                self.pipelined_finish.before_forward(training=torch.is_grad_enabled() and self.module.training)
+
+    def _landed(self, index: int) -> None:  # a state's pipelined update, seen by a waiting thread
+        if index == self._resident_index:
+            self.resident.refresh_device()  # queued on the compute stream: before the forward
+
     def _plan_first_forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Decide ``"recompute": "auto"`` (or check that the stash asked for fits) and
         ``"fragment_bytes": "auto"``, now that the tokens per weight pass are known
@@ -687,6 +697,7 @@ class MegatrainEngine(nn.Module):
         """Backpropagate ``loss`` divided by the accumulation steps, and with fp16 times the
         loss scale (DeepSpeed semantics: the scale multiplies the divided loss)."""
         with self.runtime.observe():
+            self.settle_optimizer()  # the gradients land in the held ones the update reads
             self.blocks.begin_backward()
             scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
             self.loss_scaling.scale_loss(scaled).backward(retain_graph=retain_graph)
@@ -695,13 +706,16 @@ class MegatrainEngine(nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
         if self.is_gradient_accumulation_boundary():
+            # Closed before the finish: its update may run behind step() (pipelined), and a
+            # step's ledger then counts the previous step's finish whatever the timing.
+            ledger = self._close_ledger_step()
             with self.runtime.observe():
                 self.optimizer.step()  # -> _finish_optimizer_step (DeepSpeed's order)
             if self.lr_scheduler is not None and self._step_applied:  # DeepSpeed: not after a skip
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             # Writes the trace after its last step; the step's span carries its host ledger.
-            self._tracing.after_step(self.global_steps - 1, **self._close_ledger_step())
+            self._tracing.after_step(self.global_steps - 1, **ledger)
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -787,6 +801,9 @@ class MegatrainEngine(nn.Module):
         self._destroyed = True
         if self._exit_handler is not None:
             atexit.unregister(self._exit_handler)
+        if self.pipelined_finish is not None:
+            with self.runtime.observe():
+                self.pipelined_finish.close()  # the last step's update lands first
         self._tracing.close()  # a trace cut short is still written
         self.sink.close()
         self.blocks.uninstall()
@@ -800,6 +817,7 @@ class MegatrainEngine(nn.Module):
     def _land_gradient(self, index: int, offset: int, numel: int, final: bool) -> Landing:
         """Where a chunk of this rank's windows lands (GradientSink, on the pushing thread);
         see ``HeldWrites.land``."""
+        self.settle_optimizer()  # a write into held gradients the last update still reads
         grad = self.optimizer_states[index].grad
         if grad is None:  # nothing held: the worker steps each chunk as it arrives
             return STAGED
@@ -830,14 +848,16 @@ class MegatrainEngine(nn.Module):
             self.stepper.consume_final(index, offset, accumulated, step)
 
     def _finish_optimizer_step(self) -> None:
+        self.settle_optimizer()  # the last step's update, if its forward did not need it all
         self.sink.drain()  # the worker is idle and every direct copy has landed
-        # After the drain the rest of the update is host code here.
+        # After the drain the rest of the update is host code here, or on the finish worker.
         with self.runtime.tracer.span("step finish", "optimizer worker"), self.runtime.host_work():
             self.held_writes.settle(self.optimizer_states)  # zeros where nothing was written
-            report = self.stepper.finish(self.optimizer_steps + 1)
+            report = self.stepper.finish(self.optimizer_steps + 1, self.pipelined_finish)
             self.held_writes.clear()
         if self.data_parallel is not None:
-            self._gather_updated_weights(self.data_parallel, report)
+            changed = report.outcome is not StepOutcome.SKIPPED  # a skipped step changed nothing
+            self.data_parallel.gather_updated_weights(self.states, self.optimizer_steps + 1, changed)
         self.last_step_report = report
         self._global_grad_norm = report.norm
         self._step_applied = report.outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED)
@@ -848,7 +868,8 @@ class MegatrainEngine(nn.Module):
         if self._step_applied:
             self._consecutive_skips = 0
             self.optimizer_steps += 1
-            self.resident.refresh_device()
+            if self.pipelined_finish is None or not self.pipelined_finish.in_flight:
+                self.resident.refresh_device()  # else as its update lands (_landed)
             return
         if report.outcome is StepOutcome.PARTIAL:
             raise NonFiniteGradientError(
@@ -901,6 +922,7 @@ class MegatrainEngine(nn.Module):
         the blocks gathered for the model files); every rank returns once it is published."""
         # Checkpoint I/O is host code on host buffers, once save_checkpoint has synchronised the streams.
         with self.runtime.observe(), self.runtime.host_work():
+            self.settle_optimizer()
             if self._inside_accumulation_window():  # the held gradients are saved: all of them valid
                 self.sink.drain()
                 self.held_writes.settle(self.optimizer_states)
@@ -924,6 +946,7 @@ class MegatrainEngine(nn.Module):
         Collective with data parallel: every rank must call it (barriers; each node reads
         its copy, each rank its windows)."""
         with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
+            self.settle_optimizer()
             request = checkpoint_load.LoadRequest(
                 load_dir,
                 tag,
@@ -944,30 +967,3 @@ class MegatrainEngine(nn.Module):
     def _inside_accumulation_window(self) -> bool:
         """Between micro-batches of one optimizer step (held gradients hold a partial sum)."""
         return self.micro_steps % self.gradient_accumulation_steps() != 0
-
-
-def _trace_schedule(
-    runtime: DeviceRuntime, config: EngineConfig, model: nn.Module, data_parallel: DataParallel | None
-) -> TraceSchedule:
-    """``"megatrain": {"trace": ...}`` (one file per rank with data parallel: ``NAME.rankR.json``)."""
-    path = config.options.trace
-    if path is not None and data_parallel is not None:
-        path = Path(path).with_name(f"{Path(path).stem}.rank{data_parallel.rank}{Path(path).suffix}")
-    metadata = {
-        "model": type(model).__name__,
-        "bf16": config.bf16,
-        "micro_batch": config.train_micro_batch_size_per_gpu,
-        "gradient_accumulation_steps": config.gradient_accumulation_steps,
-        "rank": data_parallel.rank if data_parallel is not None else 0,
-    }
-    return TraceSchedule(runtime, path, config.options.trace_steps, metadata)
-
-
-def _reject_unsupported_outputs(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            "config.output_router_logits=True is not supported yet: router logits are "
-            "captured by hooks on the model's own submodules, which the engine replaces "
-            "with streamed templates; set output_router_logits=False"
-        )

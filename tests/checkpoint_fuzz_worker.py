@@ -53,6 +53,7 @@ class CaseTimeout(BaseException):
 
 def parameter_state(engine: Any, kinds: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq", "grad")) -> dict:
     """Each parameter's slice of the flat buffers (the padding between them is never saved)."""
+    engine.settle_optimizer()  # the host state is read directly
     found = {}
     for index, state in enumerate(engine.states):
         for kind in kinds:
@@ -74,6 +75,7 @@ def snapshot(engine: Any) -> dict[str, Any]:
 
 def scramble(engine: Any) -> None:
     """So a load that claims success but leaves something unread is caught."""
+    engine.settle_optimizer()  # no update in flight may write over the scrambled state
     for state in engine.states:
         for kind in ("master", "exp_avg", "exp_avg_sq", "grad"):
             if getattr(state, kind) is not None:

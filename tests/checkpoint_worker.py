@@ -51,6 +51,7 @@ def train(engine: MegatrainEngine, steps: int) -> list[float]:
 
 
 def host_state(engine: MegatrainEngine) -> dict[str, torch.Tensor]:
+    engine.settle_optimizer()  # the host state is read directly
     state = {}
     for index, flat in enumerate(engine.states):
         state[f"{index}.master"] = flat.master.clone()

@@ -143,6 +143,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     engine = checkpoint_worker.build(seed=0)
     checkpoint_worker.train(engine, 1)
     torch.set_num_threads(threads)
+    engine.settle_optimizer()  # checkpoint/save.py's save_checkpoint, called directly, does not
     checkpoint_save.save_checkpoint(
         engine, str(root), tag="good", client_state=checkpoint_worker.CLIENT_STATE, max_shard_bytes=120_000
     )

@@ -41,6 +41,7 @@ def _masters_held(engine) -> list[dict[str, object]]:
     state dict): the elements it holds (``master_held``), their values (``None`` where the
     tier holds them) and where each parameter lies in the state (``slots``: its state-dict
     name, offset, shape)."""
+    engine.settle_optimizer()  # the host state is read directly
     num_blocks = len(engine.states) - 1  # the resident state comes last
     held = []
     for index, flat in enumerate(engine.states):

@@ -55,6 +55,7 @@ def train(engine: MegatrainEngine, steps: int) -> list[float]:
 def snapshot(engine: MegatrainEngine) -> dict[str, torch.Tensor]:
     """Every state's master and Adam moments, from whichever tier holds them."""
     kinds = ("master", "exp_avg", "exp_avg_sq")
+    engine.settle_optimizer()  # the host state is read directly (RAM only: the update may be in flight)
     tier = engine.nvme_tier
     if tier is None:
         return {

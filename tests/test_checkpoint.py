@@ -38,6 +38,7 @@ pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
 def assert_same_host_state(a, b):
+    a.settle_optimizer(), b.settle_optimizer()  # the host state is read directly
     assert len(a.states) == len(b.states)
     for index, (x, y) in enumerate(zip(a.states, b.states)):
         for kind in ("master", "exp_avg", "exp_avg_sq"):
@@ -117,6 +118,7 @@ def test_tag_directory_loads_with_from_pretrained(tmp_path, family, bf16):
         for seed in range(2):
             engine.backward(engine(**tiny_models.make_batch(seed)).loss)
             engine.step()
+        engine.settle_optimizer()  # the module's save_checkpoint, called directly, does not
         checkpointing.save_checkpoint(engine, tmp_path, tag="hf", max_shard_bytes=20_000)
         index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
@@ -162,7 +164,7 @@ def test_partial_loads_leave_the_rest_alone(tmp_path):
     step count (the Adam bias correction belongs with them), but counters and scheduler."""
     engine = checkpoint_worker.build(seed=0)
     checkpoint_worker.train(engine, 2)
-    engine.save_checkpoint(tmp_path)
+    engine.save_checkpoint(tmp_path)  # settles the last step's update: engine.states are read below
     for kwargs in ({"load_module_only": True}, {"load_optimizer_states": False}):
         fresh = checkpoint_worker.build(seed=1)
         try:
@@ -294,6 +296,7 @@ def test_a_crash_at_any_point_of_a_save_keeps_the_previous_checkpoint(tmp_path, 
     engine.save_checkpoint(tmp_path, tag="t")
     first = [state.master.clone() for state in engine.states]
     checkpoint_worker.train(engine, 1)
+    engine.settle_optimizer()  # the host state is read directly
     second = [state.master.clone() for state in engine.states]
     fresh = checkpoint_worker.build(seed=1)
     event = 0

@@ -30,6 +30,7 @@ first write of each element (``gradients/held_writes.py``), never read before it
 
 
 def _snapshot(engine):
+    engine.settle_optimizer()  # the host state is read directly
     return (
         [{kind: getattr(s, kind).clone() for kind in KINDS if getattr(s, kind) is not None} for s in engine.states],
         {k: v.clone() for k, v in engine.module.state_dict().items()},
@@ -38,6 +39,7 @@ def _snapshot(engine):
 
 def _assert_unchanged(engine, snapshot):
     states, weights = snapshot
+    engine.settle_optimizer()  # the host state is read directly
     for index, (state, saved) in enumerate(zip(engine.states, states)):
         for kind, tensor in saved.items():
             assert torch.equal(getattr(state, kind), tensor), (index, kind)

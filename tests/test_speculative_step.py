@@ -41,6 +41,7 @@ def _train(config, steps, *, force_speculation=False, before_step=None, num_laye
                 before_step(engine, step)
             engine.step()
         reports.append(engine.last_step_report)
+    engine.settle_optimizer()  # the tests read the host state directly
     return engine, reports
 
 
@@ -163,6 +164,7 @@ def _timed_step(speculative_blocks, monkeypatch):
         start = time.perf_counter()
         engine.backward(loss)
         engine.step()
+        engine.settle_optimizer()  # until the update has landed (it may run behind step())
         elapsed = time.perf_counter() - start
         monkeypatch.undo()
         return elapsed, engine.last_step_report

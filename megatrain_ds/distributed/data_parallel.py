@@ -59,7 +59,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -68,6 +68,8 @@ import torch.distributed as dist
 
 from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.runtime.stream_check import declare_access
+from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.placement import Topology
 
 T = TypeVar("T")
@@ -398,6 +400,32 @@ class DataParallel:
     def broadcast_from_rank0_(self, tensor: torch.Tensor) -> None:
         """Give every rank rank 0's values of ``tensor`` (every rank calls this)."""
         self._guard("the initial weight broadcast", lambda: dist.broadcast(tensor, src=0, group=self.control_group))
+
+    def gather_updated_weights(self, states: Sequence[HostFlatState], step: int, changed: bool) -> None:
+        """After every rank has stepped its window of ``states`` in optimizer step ``step``:
+        every node's copy of the weights gets the other nodes' updated spans ([Note: sharded
+        host state]); ``changed``: the step updated the weights (it was not skipped)."""
+        # Sync: every rank of the node has written its window before the leader sends them.
+        self.node_barrier(f"the end of optimizer step {step}")
+        if self.num_nodes == 1:
+            return  # one node: its copy is whole already
+        if changed:
+            # Gathered states are never sent after a step: the next use gathers them.
+            for state in (state for state in states if not state.gathered):
+                # A sharded master: the shadow is what the nodes hold whole, and each rank
+                # rounded its window into it as it stepped (HostAdamW.update_range), so the
+                # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
+                received = self.gather_spans_(state.weights)
+                if state.master_sharded:
+                    # gloo writes the received spans unseen by aten; the race checker sees
+                    # them as it saw the refresh of the shadow they replace.
+                    spans = [state.weights[start:end] for start, end in received]
+                    declare_access(writes=spans, what="the shadow gather")
+                    continue
+                for start, end in received:
+                    state.refresh_shadow(start, end)  # the received spans' compute copy
+        # Sync: the next forward streams the weights the leader has just received.
+        self.node_barrier(f"the weight gather of optimizer step {step}")
 
     def node_barrier(self, what: str) -> None:
         """Wait for every rank of the node; names the ranks that do not arrive."""

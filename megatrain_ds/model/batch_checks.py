@@ -109,3 +109,14 @@ def packed_positions(named: Mapping[str, Any]) -> tuple[int, str] | None:
     if lengths:
         return max(lengths), "the longest sequence of cu_seq_lens_q/cu_seq_lens_k/max_length_q/max_length_k"
     return None
+
+
+def reject_unsupported_outputs(model: nn.Module) -> None:
+    """Raise ``ValueError`` for model outputs the engine cannot produce (router logits)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "config.output_router_logits=True is not supported yet: router logits are "
+            "captured by hooks on the model's own submodules, which the engine replaces "
+            "with streamed templates; set output_router_logits=False"
+        )

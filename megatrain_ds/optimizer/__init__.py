@@ -6,6 +6,8 @@
 - ``placement``: which state's update runs where (``"optimizer_device"``), calibrated once.
 - ``host_adamw``: walks a state's optimizer-group runs and hands each to its placement.
 - ``speculative_step``: global norm, speculative updates during backward, clipping, skips.
+- ``pipelined_finish``: the step's remaining update on a host thread behind ``engine.step()``,
+  in the order the next forward reads the states, and the waits for it.
 - ``loss_scaling``: fp16 loss scaling with DeepSpeed's loss scalers, and their checkpointed state.
 - ``facade``: the optimizer object ``deepspeed.initialize`` returns.
 

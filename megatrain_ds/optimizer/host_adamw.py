@@ -87,6 +87,16 @@ class HostAdamW:
             decoupled=self.decoupled,
         )
 
+    def snapshot(self) -> tuple[AdamHyper, ...]:
+        """Every group's hyperparameters as they are now (an update run later, behind
+        ``engine.step()``, must not see a scheduler's change made after it)."""
+        return tuple(self.hyper(group) for group in range(len(self.param_groups)))
+
+    @property
+    def on_host_only(self) -> bool:
+        """Whether every state's update runs on the CPU (no state placed on the device)."""
+        return not self._placements
+
     def update_range(
         self,
         state: HostFlatState,
@@ -96,13 +106,15 @@ class HostAdamW:
         step: int,
         grad_scale: float = 1.0,
         before_chunk: BeforeChunk | None = None,
+        hypers: Sequence[AdamHyper] | None = None,
     ) -> None:
         """Step elements ``[offset, offset + grad.numel())`` of ``state`` with ``grad``.
 
         Adam is elementwise, so any range may be stepped on its own as soon as its
         gradient is final. Frozen runs are skipped; the shadow is refreshed in the same
         pass. ``before_chunk(start, end)`` (state offsets) runs before those elements are
-        overwritten.
+        overwritten. ``hypers``: each group's hyperparameters (:meth:`snapshot`); by default
+        read now.
         """
         placement = self.placement_of(state)
         self.residency.acquire(state)  # the moments may be on the NVMe tier
@@ -116,7 +128,7 @@ class HostAdamW:
                 state.exp_avg_sq[lo:hi],
                 state.shadow[lo:hi] if state.shadow is not None else None,
                 step=step,
-                hyper=self.hyper(run.group),
+                hyper=hypers[run.group] if hypers is not None else self.hyper(run.group),
                 grad_scale=grad_scale,
                 before_chunk=journal,
             )

@@ -32,6 +32,9 @@ needs neither (the steady state of a healthy run) and validates at ``engine.step
   (b) finite, clipping (or an lr/betas/eps/weight decay changed in between): the journal
       is copied back and every range is stepped with the clipping scale.
   (c) not finite: the journal is copied back; nothing is stepped; the step is skipped.
+  In (a) and (b) the ranges left are stepped on the finish worker, behind ``engine.step()``
+  and in the order the next forward reads them, where the configuration allows it
+  (``optimizer/pipelined_finish.py``: [Note: pipelined finish]); elsewhere here, in state order.
   Copying back is a bit copy, so (b) and (c) end in exactly the state a non-speculative
   step gives, bit for bit (``tests/test_nonfinite_steps.py``,
   ``tests/test_speculative_step.py``). (a) applies the same arithmetic to the same values,
@@ -67,7 +70,8 @@ import torch
 from megatrain_ds.gradients.squared_norm import SquaredNorm
 from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.optimizer.host_adamw import HostAdamW
-from megatrain_ds.runtime.trace import NULL_TRACER
+from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
+from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
@@ -259,9 +263,14 @@ class OptimizerStepper:
             )
         self._speculated += grad.numel()
 
-    def _span(self, index: int, offset: int, numel: int, **args: object) -> AbstractContextManager[None]:
+    def _tracer(self) -> NullTracer | Tracer:
+        return self._runtime.tracer if self._runtime is not None else NULL_TRACER
+
+    def _span(
+        self, index: int, offset: int, numel: int, tracer: NullTracer | Tracer | None = None, **args: object
+    ) -> AbstractContextManager[None]:
         """Times one range update on the ``optimizer worker`` track (whichever thread runs it)."""
-        tracer = self._runtime.tracer if self._runtime is not None else NULL_TRACER
+        tracer = tracer or self._tracer()
         return tracer.span(f"adamw {index}", "optimizer worker", state=index, offset=offset, numel=numel, **args)
 
     def _speculation_may_hold(self) -> bool:
@@ -275,8 +284,12 @@ class OptimizerStepper:
 
     # -- main thread, at engine.step() (the worker has drained) ---------------------------
 
-    def finish(self, step: int) -> StepReport:
-        """Validate this step's speculation and complete (or skip) the update."""
+    def finish(self, step: int, pipeline: PipelinedFinish | None = None) -> StepReport:
+        """Validate this step's speculation and complete (or skip) the update.
+
+        With ``pipeline`` the ranges left to update from the held gradients are handed to
+        its worker, which updates them after this returns ([Note: pipelined finish]);
+        everything else (the norm, the outcome, the journal's restore) is done here."""
         self.adamw.flush()  # device write-backs land before host state is read or restored
         local = self.norm.take()  # the sink has drained: every device addition is done
         total = local if self._sum_over_ranks is None else self._sum_over_ranks(local)
@@ -284,6 +297,7 @@ class OptimizerStepper:
         norm = math.sqrt(total) if finite else total
         scale = min(self.clipping / (norm + CLIP_EPS), 1.0) if (finite and self.clipping > 0) else 1.0
         restored = 0
+        work: dict[int, list[tuple[int, int]]] = {}
         if not self.holds_gradients:
             outcome = StepOutcome.APPLIED if finite else StepOutcome.PARTIAL
         elif not finite:
@@ -291,24 +305,12 @@ class OptimizerStepper:
             outcome = StepOutcome.SKIPPED
         elif scale != 1.0 or self._hyperparameters_changed():
             restored = self.journal.restore(self.adamw.residency)
-            self.adamw.residency.expect(self.states)
-            for index, state in enumerate(self.states):
-                assert state.grad is not None
-                with self._span(index, 0, state.grad.numel(), scale=scale):
-                    self.adamw.update_range(state, 0, state.grad, step=step, grad_scale=scale)
+            work = {index: [(0, _held_numel(state))] for index, state in enumerate(self.states)}
             outcome = StepOutcome.CLIPPED if scale != 1.0 else StepOutcome.APPLIED
         else:
-            pending = [
-                (index, state, _unstepped(state, self.journal.ranges(index))) for index, state in enumerate(self.states)
-            ]
-            self.adamw.residency.expect([state for _, state, ranges in pending if ranges])
-            for index, state, ranges in pending:
-                assert state.grad is not None
-                for start, end in ranges:
-                    with self._span(index, start, end - start):
-                        self.adamw.update_range(state, start, state.grad[start:end], step=step)
+            work = {index: _unstepped(state, self.journal.ranges(index)) for index, state in enumerate(self.states)}
             outcome = StepOutcome.APPLIED
-        self.adamw.flush()
+        self._update(work, step, scale, pipeline)
         self.journal.clear()
         # No zeroing pass: the next step's first write of each held element copies over it
         # (gradients/held_writes.py).
@@ -326,6 +328,36 @@ class OptimizerStepper:
         self.plan_access()
         return report
 
+    def _update(
+        self, work: dict[int, list[tuple[int, int]]], step: int, scale: float, pipeline: PipelinedFinish | None
+    ) -> None:
+        """Step each state's ``work`` ranges from its held gradient, with the hyperparameters
+        as they are now: here in state order, or behind ``step()`` on ``pipeline``'s worker
+        in the order the next forward reads the states."""
+        if not any(work.values()):
+            return
+        hypers = self.adamw.snapshot()  # a scheduler stepped after step() must not reach it
+        # Traced as this step's work, even when it runs during the next step.
+        tracer = self._tracer()
+        traced = {"step": tracer.step} if isinstance(tracer, Tracer) and tracer.step is not None else {}
+
+        def update(index: int) -> None:
+            state = self.states[index]
+            assert state.grad is not None  # holds_gradients: every state has one
+            for start, end in work[index]:
+                with self._span(index, start, end - start, tracer, scale=scale, **traced):
+                    self.adamw.update_range(
+                        state, start, state.grad[start:end], step=step, grad_scale=scale, hypers=hypers
+                    )
+
+        if pipeline is not None:
+            pipeline.start(pipeline.order(len(self.states)), update)
+            return
+        self.adamw.residency.expect([self.states[index] for index, ranges in work.items() if ranges])
+        for index in work:
+            update(index)
+        self.adamw.flush()
+
     def plan_access(self) -> None:
         """Tell the residency (the NVMe tier) the order the next step will touch the states
         in, so it reads them ahead from now on, during the forward: without held gradients
@@ -340,6 +372,11 @@ class OptimizerStepper:
 
     def _hyperparameters_changed(self) -> bool:
         return any(self.adamw.hyper(group) != read for group, read in self._hyper_read.items())
+
+
+def _held_numel(state: HostFlatState) -> int:
+    assert state.grad is not None  # holds_gradients: every state has one
+    return state.grad.numel()
 
 
 def _unstepped(state: HostFlatState, stepped: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -36,8 +36,12 @@ buffers, work issued to virtual streams. On that model:
   kernel call: a Python-level dispatch the GIL serialises).
 
 A step is everything between the previous step's close and this one's (the engine closes
-a step after ``engine.step()`` at the accumulation boundary), so a step with gradient
-accumulation counts every micro-batch's work. Per parameter figures divide by the
+a step in ``engine.step()`` at the accumulation boundary, just before the optimizer
+finish), so a step with gradient accumulation counts every micro-batch's work, and a
+step's figures hold the finish of the step before it: its update runs behind
+``engine.step()`` where it is pipelined (``optimizer/pipelined_finish.py``), so only this
+boundary gives every step the same work whatever the timing. The first step has no
+finish before it; a steady step's figures are one whole step's. Per parameter figures divide by the
 parameters the engine trains and streams (every parameter of every flat state, padding
 excluded).
 

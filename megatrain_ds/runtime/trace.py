@@ -59,11 +59,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from megatrain_ds.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +306,25 @@ class TraceSchedule:
         self.tracer: Tracer | None = None
         self.written = False
         self._first_step: int | None = None
+        self.before_write: Callable[[], None] | None = None
+        """Called before the trace is written (the engine lets an update running behind
+        ``engine.step()`` land first, so that its spans are in the file)."""
+
+    @classmethod
+    def for_run(cls, runtime: TracedDevice, config: EngineConfig, model: str, rank: int | None) -> TraceSchedule:
+        """``"megatrain": {"trace": ...}`` of a run of ``model`` (a class name); with data
+        parallel (``rank`` given) one file per rank: ``NAME.rankR.json``."""
+        path = config.options.trace
+        if path is not None and rank is not None:
+            path = Path(path).with_name(f"{Path(path).stem}.rank{rank}{Path(path).suffix}")
+        metadata = {
+            "model": model,
+            "bf16": config.bf16,
+            "micro_batch": config.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "rank": rank or 0,
+        }
+        return cls(runtime, path, config.options.trace_steps, metadata)
 
     def _traced(self, step: int) -> bool:
         first = (self._first_step or 0) + WARMUP_STEPS
@@ -331,6 +352,8 @@ class TraceSchedule:
         """Stop tracing and write what was traced (once; nothing if no step was traced)."""
         if self.tracer is None or self.written or self.path is None:
             return
+        if self.before_write is not None:
+            self.before_write()
         self._runtime.tracer = NULL_TRACER
         self.written = True
         metadata = {

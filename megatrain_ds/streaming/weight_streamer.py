@@ -12,7 +12,11 @@ Each device buffer (a *slot*) carries two events:
 - ``free``: recorded on the compute stream when the engine is done with the slot
   (``release``). The h2d stream waits on it before overwriting the slot, so a prefetch
   never clobbers weights a queued kernel still reads.
-No host-side synchronisation happens here.
+No host-side synchronisation happens here, but one: before a block's host weights are
+taken, the host waits until the last optimizer step's update of that block has landed, when
+that update runs behind ``engine.step()`` (``pending_updates``;
+``optimizer/pipelined_finish.py``: [Note: pipelined finish]). That wait is what lets the
+update of blocks ``i+1..`` overlap the forward of block ``i``.
 
 With fragments (``"fragment_bytes"``, ``streaming/weight_fragments.py``) the copy into a
 slot is issued piece by piece, each piece recording its own event after ``free`` was
@@ -31,7 +35,7 @@ there instead of copying, and everything else -- the plan, the slots in flight a
 the events, ``transfers`` -- runs as on a GPU. Reading the host buffer in place is safe
 for the same reason a prefetch is: the optimizer writes a parameter only after its last
 use in the step (``gradients/outbox.py``: [Note: complete gradients]), and the next
-forward starts after ``engine.step()`` has drained the worker.
+forward takes each block only after the step's update of it has landed (``pending_updates``).
 
 Where the host weights come from is the streamer's :class:`WeightSource`: the blocks'
 states (:class:`HostWeights`), or the NVMe tier's weight window (``state/nvme_weights.py``),
@@ -52,6 +56,13 @@ import torch
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.streaming.weight_fragments import FragmentPlan, plan_fragments
+
+
+class PendingUpdates(Protocol):
+    """The optimizer update still running behind ``engine.step()`` (``optimizer/pipelined_finish.py``)."""
+
+    def synchronize(self, index: int) -> None:
+        """The calling thread waits until state ``index``'s update has landed."""
 
 
 class WeightSource(Protocol):
@@ -136,6 +147,9 @@ class WeightStreamer:
     for fragment plans; ``None`` until known."""
 
     source: WeightSource | None = None
+    pending_updates: PendingUpdates | None = None
+    """The last step's update, when it runs behind ``engine.step()``: a block's host weights
+    are read only once its update has landed ([Note: buffer ordering])."""
 
     def __post_init__(self) -> None:
         if self.source is None:
@@ -267,6 +281,11 @@ class WeightStreamer:
         while self._free and self._plan:
             block = self._plan.popleft()
             slot = self._free.popleft()
+            if self.pending_updates is not None:
+                # Sync: the optimizer's finish worker may still be writing this block's host
+                # weights (the last step's update, pipelined into this forward): the copy, or
+                # on the CPU the compute reading them in place, comes after it has landed.
+                self.pending_updates.synchronize(block)
             source = self._source.take(block)
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
