@@ -45,7 +45,7 @@ from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.loss_scaling import LossScaling
-from megatrain_ds.optimizer.pipelined_finish import pipelined_finish_for
+from megatrain_ds.optimizer.pipelined_finish import pipelined_finish_for, refusal
 from megatrain_ds.optimizer.placement import build_host_adamw
 from megatrain_ds.optimizer.speculative_step import (
     AUTO_JOURNAL_BYTES_PER_PARAM,
@@ -400,6 +400,7 @@ class MegatrainEngine(nn.Module):
             options.optimizer_device,
             options.cpu_adam_kernel,
             self.states[0].grad.dtype if self.states[0].grad is not None else compute,
+            finish_pipelines=self._finish_can_pipeline(),
         )
         self.stepper = OptimizerStepper(
             self.optimizer_states,
@@ -427,6 +428,17 @@ class MegatrainEngine(nn.Module):
             nvme_tier=self.nvme_tier is not None,
             on_host_only=self.adamw.on_host_only,
         )
+
+    def _finish_can_pipeline(self) -> bool:
+        """Whether this configuration's update can run behind the next forward with every
+        state on the CPU (optimizer/pipelined_finish.py: [Note: pipelined finish])."""
+        why_not = refusal(
+            holds_gradients=self.config.holds_gradients,
+            data_parallel=self.data_parallel is not None,
+            nvme_tier=self.nvme_tier is not None,
+            on_host_only=True,
+        )
+        return why_not is None
 
     def _open_rank_tier(self) -> None:
         """With data parallel: this rank's NVMe tier, of its window of each block's Adam m and

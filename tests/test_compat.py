@@ -40,6 +40,7 @@ def test_the_patches_are_applied_in_this_process():
     marker = "__megatrain_original__"
     assert hasattr(deepspeed.initialize, marker)
     assert hasattr(deepspeed.zero.Init, marker)
+    assert hasattr(deepspeed.zero.GatheredParameters, marker)
     assert hasattr(deepspeed.comm.get_rank, marker)
     assert hasattr(accelerate_deepspeed.HfDeepSpeedConfig.__init__, marker)
 
@@ -69,6 +70,12 @@ def test_zero_init_without_its_config_argument_is_refused(monkeypatch):
     monkeypatch.setattr(deepspeed.zero, "Init", lambda **kwargs: None)  # not a class
     with pytest.raises(IncompatibleVersionError, match=r"deepspeed\.zero\.Init is a class"):
         compat.build_models_whole(deepspeed)
+
+
+def test_gathered_parameters_that_is_no_context_manager_is_refused(monkeypatch):
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", lambda *params: None)  # not a class
+    with pytest.raises(IncompatibleVersionError, match=r"GatheredParameters is a class used as a context manager"):
+        compat.settle_before_gathering(deepspeed)
 
 
 def test_a_rank_query_the_scalers_do_not_call_through_deepspeed_comm_is_refused(monkeypatch):

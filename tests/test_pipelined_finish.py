@@ -169,6 +169,29 @@ def test_a_checkpoint_taken_right_after_step_equals_the_synchronous_one(tmp_path
         assert torch.equal(saved["pipelined"][key], value), key
 
 
+def test_gathered_parameters_reads_the_updated_weights():
+    """``deepspeed.zero.GatheredParameters``, which TRL and transformers enter to read a
+    ZeRO-3 model's weights between steps, waits for the update in flight (compat.py's patch
+    5): inside it the parameters are bit for bit the synchronous finish's."""
+    import deepspeed
+
+    weights = {}
+    for name, make in (("pipelined", lambda e: e), ("synchronous", synchronous)):
+        engine = make(_engine(ds_config(clipping=1.0)))
+        slow_finish_worker(engine, 0.02)
+        try:
+            engine.backward(engine(**tiny_models.make_batch(0)).loss)
+            engine.step()
+            pipelined = engine.pipelined_finish
+            assert (pipelined is not None and pipelined.in_flight) == (name == "pipelined")
+            parameters = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(parameters):
+                weights[name] = [p.detach().clone() for p in parameters]
+        finally:
+            engine.destroy()
+    assert all(torch.equal(a, b) for a, b in zip(weights["pipelined"], weights["synchronous"]))
+
+
 def test_a_direct_call_of_the_model_waits_for_the_resident_update(stream_check):
     """``engine.module(...)`` (no ``engine(...)``: nothing plans the blocks before the
     embedding computes) still trains as PyTorch does: the model's forward hook waits for

@@ -38,6 +38,13 @@ module only changes the third-party objects. The patches, each named at its code
    ``self.config``; Accelerate's ``DeepSpeedPlugin`` reads the JSON with it, and transformers'
    ``HfDeepSpeedConfig`` (``is_deepspeed_zero3_enabled``) subclasses it, which is how this
    patch reaches transformers. transformers itself is not patched.
+5. ``deepspeed.zero.GatheredParameters`` becomes a subclass whose ``__enter__`` first waits
+   for every engine's optimizer update still running behind ``engine.step()``
+   (:func:`settle_before_gathering`; ``optimizer/pipelined_finish.py``). The engine's
+   parameters view its host masters, which that update writes; code that reads a ZeRO-3
+   model's weights between steps (TRL sending them to vLLM, transformers' embedding
+   resize) enters this context first. Contract: ``GatheredParameters`` is a class, used as
+   a context manager, looked up on ``deepspeed.zero`` when called.
 
 Each patch checks its contract (``check_*`` beside it) before changing anything and raises
 :class:`IncompatibleVersionError`, naming the installed version and the supported range
@@ -77,6 +84,7 @@ from megatrain_ds.integration.deepspeed_hook import (
     initialize_config,
     zero_init_config,
 )
+from megatrain_ds.optimizer.pipelined_finish import settle_every_update
 
 _MARKER = "__megatrain_original__"
 """Set on every replacement, holding what it replaced: a patch is applied once."""
@@ -280,14 +288,50 @@ def complete_megatrain_configs(accelerate_deepspeed: ModuleType) -> None:
     cls.__init__ = __init__
 
 
+# -- 5. deepspeed.zero.GatheredParameters ------------------------------------------------------
+
+
+def check_gathered_parameters(deepspeed: ModuleType) -> None:
+    gathered = getattr(getattr(deepspeed, "zero", None), "GatheredParameters", None)
+    gathered = getattr(gathered, _MARKER, gathered)
+    _require(
+        isinstance(gathered, type) and callable(getattr(gathered, "__enter__", None)),
+        "deepspeed",
+        "deepspeed.zero.GatheredParameters is a class used as a context manager",
+    )
+
+
+def settle_before_gathering(deepspeed: ModuleType) -> None:
+    """Patch 5: entering ``deepspeed.zero.GatheredParameters`` first settles the updates in
+    flight (:func:`~megatrain_ds.optimizer.pipelined_finish.settle_every_update`; idempotent).
+    Outside a megatrain run there is none, and the context is DeepSpeed's unchanged."""
+    check_gathered_parameters(deepspeed)
+    original = deepspeed.zero.GatheredParameters
+    if getattr(original, _MARKER, None) is not None:
+        return
+
+    class GatheredParameters(original):  # type: ignore[misc, valid-type]
+        __doc__ = original.__doc__
+
+        def __enter__(self) -> Any:
+            settle_every_update()  # the parameters view masters the update may be writing
+            return super().__enter__()
+
+    GatheredParameters.__module__ = original.__module__
+    GatheredParameters.__qualname__ = original.__qualname__
+    setattr(GatheredParameters, _MARKER, original)
+    deepspeed.zero.GatheredParameters = GatheredParameters
+
+
 # -- applying them ------------------------------------------------------------------------------
 
 
 def patch_deepspeed(deepspeed: ModuleType) -> None:
-    """Everything ``deepspeed`` gets: patches 1, 2 and 3."""
+    """Everything ``deepspeed`` gets: patches 1, 2, 3 and 5."""
     route_initialize(deepspeed)
     build_models_whole(deepspeed)
     answer_rank_without_backend(deepspeed)
+    settle_before_gathering(deepspeed)
 
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {

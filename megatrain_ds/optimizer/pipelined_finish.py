@@ -37,9 +37,11 @@ reads the updated weights one state at a time, so the update runs behind it inst
   ``get_state_dict``), ``save_checkpoint``/``load_checkpoint``, ``engine.backward`` (the
   next gradients land in the held gradients the update reads; by then the forward has
   waited for every block, so this wait is normally free), a forward outside training
-  (eval, generation), the next ``step()``, writing a trace, and ``destroy()``. User code
-  that reads ``engine.module``'s parameters directly between ``step()`` and the next
-  forward (they view the host masters) must call ``engine.settle_optimizer()`` first.
+  (eval, generation), the next ``step()``, writing a trace, ``destroy()``, and entering
+  ``deepspeed.zero.GatheredParameters`` (:func:`settle_every_update`, patched in by
+  ``integration/compat.py``). User code that reads ``engine.module``'s parameters directly
+  between ``step()`` and the next forward without that context (they view the host
+  masters) must call ``engine.settle_optimizer()`` first.
 - Where it does not run (:func:`refusal`; the step is finished synchronously, as before):
   without held gradients (nothing is left for the finish: the worker stepped every chunk
   during backward); with data parallel (every rank's windows must be updated before the
@@ -47,7 +49,9 @@ reads the updated weights one state at a time, so the update runs behind it inst
   (its I/O threads read ahead and write behind in the finish's order, and the weight
   window is filled from the files the update writes); with states placed on the device
   (``DeviceAdamW`` uses the device's streams from one thread at a time, and its
-  write-backs are settled by ``flush`` within the step).
+  write-backs are settled by ``flush`` within the step): ``"optimizer_device": "gpu"``,
+  since ``"auto"`` keeps every state on the CPU where the finish can pipeline
+  (``optimizer/placement.py``: ``build_host_adamw``).
 
 An update that raises on the worker is re-raised by the next wait for it, and logged (the
 states after it were never updated: the run cannot go on from them).
@@ -58,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -75,6 +80,18 @@ class _Failed:
 
     index: int
     error: BaseException
+
+
+_LIVE: weakref.WeakSet[PipelinedFinish] = weakref.WeakSet()
+"""Every engine's :class:`PipelinedFinish` still alive (:func:`settle_every_update`)."""
+
+
+def settle_every_update() -> None:
+    """Wait until every live engine's update in flight has landed: for readers of parameters
+    from outside the engine, ``deepspeed.zero.GatheredParameters`` (``integration/compat.py``,
+    patch 5), which TRL and transformers use to read a ZeRO-3 model's weights."""
+    for finish in list(_LIVE):
+        finish.settle_observed()
 
 
 def refusal(*, holds_gradients: bool, data_parallel: bool, nvme_tier: bool, on_host_only: bool) -> str | None:
@@ -130,6 +147,7 @@ class PipelinedFinish:
         self._waiting: list[int] = []
         """States handed to the worker whose landing no waiter has seen yet, in order."""
         self._lock = threading.Lock()  # a CUDA backward pushes from autograd's thread
+        _LIVE.add(self)
 
     @property
     def in_flight(self) -> bool:
@@ -188,6 +206,13 @@ class PipelinedFinish:
         with self._lock:
             while self._waiting:
                 self._take_one()
+
+    def settle_observed(self) -> None:
+        """:meth:`settle` from code outside the engine, seen by the race checker as the
+        engine's own host code (``runtime.observe``)."""
+        if self._waiting:
+            with self._runtime.observe():
+                self.settle()
 
     def _take_one(self) -> None:
         landed = self._landed.get()

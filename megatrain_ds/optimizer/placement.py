@@ -174,6 +174,24 @@ def calibrate(runtime: DeviceRuntime, kernel: CpuAdamKernel, path: Path | None =
 # -- building the engine's optimizer ------------------------------------------------------
 
 
+def _why_cpu_only(
+    placement: str, runtime: DeviceRuntime, states: Sequence[HostFlatState], finish_pipelines: bool
+) -> str | None:
+    """Why every state stays on the CPU, or ``None`` when some may go to the device."""
+    if placement == "cpu":
+        return '"optimizer_device": "cpu"'
+    if placement != "auto":
+        return None
+    if not runtime.is_cuda:
+        return "no CUDA device"
+    # The device kernel writes bf16 shadows only: with fp16 compute "auto" keeps to the CPU.
+    if any(state.shadow is not None and state.shadow.dtype == torch.float16 for state in states):
+        return "fp16 compute: the device kernel writes bf16 copies only"
+    if finish_pipelines:
+        return "auto: the update runs behind the next forward, which a device-placed state would stop"
+    return None
+
+
 def build_host_adamw(
     param_groups: Sequence[dict],
     decoupled: bool,
@@ -182,20 +200,20 @@ def build_host_adamw(
     placement: str,
     cpu_kernel: str,
     grad_dtype: torch.dtype,
+    finish_pipelines: bool = False,
 ) -> HostAdamW:
-    """The engine's :class:`HostAdamW`, each state placed as ``placement`` says (logged)."""
+    """The engine's :class:`HostAdamW`, each state placed as ``placement`` says (logged).
+
+    ``finish_pipelines``: the configuration can run the step's update behind the next
+    forward (``optimizer/pipelined_finish.py``), which a state on the device would make
+    synchronous; ``"auto"`` then keeps every state on the CPU. On one H200 (940M Llama,
+    ``bench/results/gpu_H200/2026-11-27/``) streaming 4 of 17 states through the device left
+    the synchronous finish as long as the CPU's alone (0.26 s both): the pinned copies slow
+    the CPU kernel by sharing DRAM (``bench/host_contention.py``: 1.8x at 16 threads)."""
     kernel = make_cpu_kernel(cpu_kernel)
     adamw = HostAdamW(param_groups, decoupled, kernel)
-    # The device kernel writes bf16 shadows only: with fp16 compute "auto" keeps to the CPU.
-    half_shadow = any(state.shadow is not None and state.shadow.dtype == torch.float16 for state in states)
-    if placement == "cpu" or (placement == "auto" and (not runtime.is_cuda or half_shadow)):
-        reason = (
-            '"optimizer_device": "cpu"'
-            if placement == "cpu"
-            else "no CUDA device"
-            if not runtime.is_cuda
-            else "fp16 compute: the device kernel writes bf16 copies only"
-        )
+    reason = _why_cpu_only(placement, runtime, states, finish_pipelines)
+    if reason is not None:
         logger.info("megatrain: optimizer on the CPU (%s), kernel %r", reason, kernel.name)
         return adamw
     if not runtime.is_cuda:
