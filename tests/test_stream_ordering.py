@@ -1,9 +1,10 @@
 """The engine's stream ordering, proved on the CPU by the race checker.
 
 - The engine under ``MEGATRAIN_STREAM_CHECK=1`` runs on virtual streams and the checker
-  sees its work (and finds no race) -- the parity suite, checkpoints, data parallel and the
-  other suites of ``tests/conftest.py``'s ``CHECKED_SUITES`` run under it as their
-  ``[checked]`` variants.
+  sees its work (and finds no race) -- one test of each engine path (parity, checkpoints,
+  data parallel and the others ``tests/conftest.py``'s ``CHECKED_SUITES`` names) runs under
+  it as its ``[checked]`` variant, and every scenario of the mutation test runs under it
+  unmutated here.
 - The checker bites: every synchronisation call of the engine's modules is removed, one
   at a time, from a copy of the package, and a short run under the checker
   (``tests/stream_race_scenario.py``) must fail with a race. Survivors are listed in
