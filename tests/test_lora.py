@@ -45,6 +45,15 @@ def _frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.detach().clone() for name, param in model.named_parameters() if not param.requires_grad}
 
 
+def _assert_matches_reference(engine, reference, trace) -> None:
+    """test_parity.py's tolerances: 1e-5 relative per loss and norm, 2e-6 relative weight error."""
+    for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
+        assert math.isclose(ours, theirs, rel_tol=1e-5)
+    for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
+        assert math.isclose(ours, theirs, rel_tol=1e-5)
+    assert relative_weight_error(engine, reference) < 2e-6
+
+
 def _assert_frozen_unchanged(engine: MegatrainEngine, frozen: dict[str, torch.Tensor]) -> None:
     state = engine.module.state_dict()
     for name, value in frozen.items():
@@ -70,11 +79,7 @@ def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
     engine, reference, trace = train_side_by_side(lora_llama, config)
     try:
         assert engine.causal_loss is not None
-        for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
-            assert math.isclose(ours, theirs, rel_tol=1e-5)
-        for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
-            assert math.isclose(ours, theirs, rel_tol=1e-5)
-        assert relative_weight_error(engine, reference) < 2e-6
+        _assert_matches_reference(engine, reference, trace)
         _assert_frozen_unchanged(engine, frozen)
         _assert_trained_only_buffers(engine)
         for state in engine.states:  # fp32 compute: the master is what is streamed, whole
@@ -268,11 +273,7 @@ def test_frozen_parameters_in_full_fine_tuning_cost_their_weights_alone():
     config = ds_config(accumulation=2, clipping=1.0)
     engine, reference, trace = train_side_by_side(llama_with_frozen_embedding, config)
     try:
-        for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
-            assert math.isclose(ours, theirs, rel_tol=1e-5)
-        for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
-            assert math.isclose(ours, theirs, rel_tol=1e-5)
-        assert relative_weight_error(engine, reference) < 2e-6
+        _assert_matches_reference(engine, reference, trace)
         _assert_frozen_unchanged(engine, frozen)
         for index, state in enumerate(engine.states):  # the blocks', then the resident parameters'
             trained = state.layout.trained_numel
