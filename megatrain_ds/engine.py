@@ -29,56 +29,39 @@ from torch import nn
 
 from megatrain_ds.checkpoint import load as checkpoint_load
 from megatrain_ds.checkpoint import save as checkpoint_save
-from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
 from megatrain_ds.checkpoint.whole_masters import masters_by_param, state_dict_is_collective
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
-from megatrain_ds.distributed.gradient_reducer import GradientReducer
+from megatrain_ds.engine_build import STAGING_CHUNK_ELEMENTS, build
 from megatrain_ds.gradients.held_writes import HeldWrites
-from megatrain_ds.gradients.sink import STAGED, GradientPort, GradientSink, Landing
-from megatrain_ds.model.batch_checks import check_batch, reject_unsupported_outputs
-from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
-from megatrain_ds.model.block_template import BlockTemplate, structure_key
-from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
+from megatrain_ds.gradients.sink import STAGED, GradientPort, Landing
+from megatrain_ds.model.batch_checks import check_batch
+from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss
 from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
-from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer, group_index_of
+from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.loss_scaling import LossScaling
-from megatrain_ds.optimizer.pipelined_finish import pipelined_finish_for, refusal
-from megatrain_ds.optimizer.placement import build_host_adamw
-from megatrain_ds.optimizer.speculative_step import (
-    AUTO_JOURNAL_BYTES_PER_PARAM,
-    OptimizerStepper,
-    StepOutcome,
-    StepReport,
-    speculative_block_indices,
-)
+from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
+from megatrain_ds.optimizer.speculative_step import OptimizerStepper, StepOutcome, StepReport
 from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
-from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
-from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
-from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
+from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run
 from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.host_ledger import LedgerCounts
-from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.trace import TraceSchedule
-from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
-from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
-from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
-from megatrain_ds.state.placement import Placement, StatePlacement, Topology, Where, flat_state_params, state_shapes
-from megatrain_ds.streaming.activation_offload import ActivationOffloader
-from megatrain_ds.streaming.activation_stash import ActivationStash
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.nvme_tier import NvmeTier
+from megatrain_ds.state.nvme_weights import NvmeWeights
+from megatrain_ds.state.placement import Placement
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
-from megatrain_ds.streaming.tiled_mlp import tile_token_wise
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
-logger = logging.getLogger(__name__)
+__all__ = ["STAGING_CHUNK_ELEMENTS", "MegatrainEngine", "NonFiniteGradientError", "default_device"]
+"""``STAGING_CHUNK_ELEMENTS`` is ``engine_build.py``'s, named here too for the tests and benchmarks."""
 
-# Gradients cross to the host in pieces of at most this many elements (8 MiB in bf16):
-# large enough for full PCIe bandwidth, small enough that staging costs a fraction of a block.
-STAGING_CHUNK_ELEMENTS = 1 << 22
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -119,6 +102,35 @@ class MegatrainEngine(nn.Module):
     """Set by the first :meth:`destroy` (a class default: readable before ``__init__`` sets anything)."""
     _exit_handler: Callable[[], None] | None = None
     """Registered with ``atexit`` at the end of ``__init__``: :meth:`destroy` if the script did not."""
+
+    # The parts engine_build.build sets, in the order it builds them (engine_build.py).
+    block_path: str
+    """Where the repeated blocks were found (``"model.layers"``)."""
+    placement: Placement
+    """Where every buffer of every flat state lives (state/placement.py): what the builders branch on."""
+    states: list[HostFlatState]
+    """One flat host state per block, in block order, then the resident parameters' state."""
+    num_templates: int
+    resident: ResidentParams
+    _resident_index: int
+    windows: list[tuple[int, int]]
+    """This rank's ``[start, end)`` of each state (all of it without data parallel)."""
+    optimizer_states: list[HostFlatState]
+    """Views of each state's window: what this rank's optimizer (and NVMe tier) holds."""
+    adamw: HostAdamW
+    stepper: OptimizerStepper
+    held_writes: HeldWrites
+    pipelined_finish: PipelinedFinish | None
+    sink: GradientPort
+    streamer: WeightStreamer
+    blocks: StreamedBlocks
+    stashed_blocks: int
+    recompute_choice: RecomputeChoice | None
+    """The policy's decision at the first training forward (stash bytes, predicted steps)."""
+    fragment_choice: FragmentChoice | None
+    """``"fragment_bytes": "auto"``'s decision at the first training forward."""
+    mlp_tile_tokens: int
+    causal_loss: ChunkedCausalLMLoss | None
 
     def __init__(
         self,
@@ -161,12 +173,15 @@ class MegatrainEngine(nn.Module):
         """With the weights on the NVMe tier and data parallel: every rank keeps only its window
         of each block, gathered whole when used (``distributed/gathered_weights.py``)."""
         try:
-            self._build(model)
+            build(self, model)  # engine_build.py
         except BaseException:
             if self.nvme_tier is not None:
                 self.nvme_tier.close()  # its swap files are this engine's working state
             self.runtime.release_host_memory()  # pinned buffers, the process's mmap threshold
             raise
+        # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
+        model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
+        model.register_forward_pre_hook(lambda *hook_args: self._before_model_forward())
         self._tracing = TraceSchedule.for_run(
             self.runtime, config, type(model).__name__, self.data_parallel.rank if self.data_parallel else None
         )
@@ -187,421 +202,7 @@ class MegatrainEngine(nn.Module):
         self._exit_handler = _destroy_at_exit(weakref.ref(self))
         atexit.register(self._exit_handler)
 
-    # -- construction --------------------------------------------------------------------
-
-    def _build(self, model: nn.Module) -> None:
-        """Take ``model`` over, in the order of the pipeline it then runs: check that the run
-        fits, find the blocks, move their state to the host, then the resident parameters,
-        the optimizer over that state, the streams that carry weights and gradients, and the
-        streamed blocks that run forward and backward from them."""
-        topology = self.data_parallel.topology if self.data_parallel is not None else Topology()
-        nvme = self._check_before_allocating(model, topology)
-        blocks = self._discover_blocks(model)
-        # load_from: values come from safetensors shards, one tensor at a time, so a model
-        # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
-        source = open_source(model, self.config.options.load_from)
-        materialize_meta_buffers(model, source)
-        group_of = group_index_of(model, self.optimizer)
-        # Where every buffer lives (state/placement.py): what the builders below branch on.
-        shapes = state_shapes(flat_state_params(model, blocks), group_of, self.config.compute_dtype)
-        self.placement = Placement.of(self.config, nvme, topology, shapes)
-        dp = self.data_parallel
-        shared = dp.shared if dp is not None else None  # one host copy per node
-        templates = self._build_host_state(blocks, group_of, source, shared)
-        resident, block_modules = self._build_resident(model, blocks, group_of, source, shared)
-        self._build_optimizer(shared)
-        self._build_streams(templates)
-        self._build_streamed_blocks(model, blocks, templates, block_modules)
-        self._build_long_context(model, list(dict.fromkeys(templates)))
-        # A plain function: torch tags public hooks with an attribute, which bound methods refuse.
-        model.register_state_dict_post_hook(lambda *hook_args: self._master_state_dict_hook(*hook_args))
-        model.register_forward_pre_hook(lambda *hook_args: self._before_model_forward())
-        logger.info(
-            "megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
-            len(blocks),
-            self.block_path,
-            self.num_templates,
-            len(resident),
-            self.runtime.device,
-        )
-
-    def _check_before_allocating(self, model: nn.Module, topology: Topology) -> str:
-        """Where the NVMe tier comes in (``"none"``, ``"auto"``'s choice or ``"all"``), after
-        checking that the run is supported and fits: nothing is allocated before this."""
-        # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
-        # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
-        # With several nodes, each holds only its share of the optimizer state (_span_of); with
-        # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier),
-        # and with "all" of its windows' masters, the weights gathered whole when used.
-        device = self.runtime.device
-        nvme = wants_nvme_tier(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, topology=topology)
-        if self.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
-            preflight(model, self.config, self.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, topology=topology)
-        reject_unsupported_outputs(model)
-        return nvme
-
-    def _discover_blocks(self, model: nn.Module) -> nn.ModuleList:
-        """The model's repeated blocks (``block_path`` names where they were found)."""
-        path, blocks = find_blocks(model, self.config.options.block_path)
-        check_blocks_own_their_params(model, blocks)
-        self.block_path = path
-        return blocks
-
-    def _build_host_state(
-        self,
-        blocks: nn.ModuleList,
-        group_of: dict[nn.Parameter, int],
-        source: SafetensorsSource | None,
-        shared: NodeSharedMemory | None,
-    ) -> list[BlockTemplate]:
-        """Each block's flat host state (``self.states``, migrated one block at a time, into
-        the NVMe tier where it has one) and its weightless template, one per structure."""
-        tier = self.placement.tier
-        if tier is not None and not self.placement.tier_per_rank:
-            # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
-            # data parallel each rank's tier opens over its windows (_open_rank_tier).
-            self.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, self.runtime, self.config.options)
-
-        templates_by_key: dict[tuple, BlockTemplate] = {}
-        templates: list[BlockTemplate] = []
-        self.states: list[HostFlatState] = []
-        for index, block in enumerate(blocks):
-            key = structure_key(block)
-            if key not in templates_by_key:
-                templates_by_key[key] = BlockTemplate(block, self.runtime.device)
-            template = templates_by_key[key]
-            template.admit(block, index)
-            templates.append(template)
-            # Migrating block by block frees each block's original storage before the
-            # next is copied: the model never exists twice in host memory.
-            scoped = source.scoped(f"{self.block_path}.{index}.") if source is not None else None
-            self.states.append(self._migrate_block(block, group_of, scoped, shared, self.placement.states[index]))
-            if self.nvme_tier is not None:
-                self.nvme_tier.adopt(self.states[-1])
-        self.num_templates = len(templates_by_key)
-        return templates
-
-    def _migrate_block(
-        self,
-        block: nn.Module,
-        group_of: dict[nn.Parameter, int],
-        source: TensorSource | None,
-        shared: NodeSharedMemory | None,
-        placement: StatePlacement,
-    ) -> HostFlatState:
-        """One block's flat host state, as ``placement`` says. Gathered weights (the weights
-        on the NVMe tier and data parallel): only this rank's window of it, in its own memory,
-        the whole weights gathered when used (``distributed/gathered_weights.py``), every
-        rank taking its window of rank 0's."""
-        master, compute, dp = self.config.master_dtype, self.config.compute_dtype, self.data_parallel
-        named = list(block.named_parameters())
-        if placement.gathered:
-            assert dp is not None
-            return migrate_to_host(
-                named,
-                group_of,
-                self.runtime,
-                master,
-                compute,
-                source=source,
-                moments_on_host=False,
-                shadow_on_host=False,
-                span_of=dp.window,
-                share=dp.broadcast_from_rank0_,
-            )
-        if placement.trained_only:
-            return migrate_to_host(named, group_of, self.runtime, master, compute, source=source, trained_only=True)
-        return migrate_to_host(
-            named,
-            group_of,
-            self.runtime,
-            master,
-            compute,
-            source=source,
-            shared=shared,
-            moments_on_host=placement.exp_avg.where.on_host,
-            shadow_on_host=placement.streamed is Where.HOST,
-            span_of=self._span_of,
-            share=self._share_initial_weights,
-        )
-
-    def _build_resident(
-        self,
-        model: nn.Module,
-        blocks: nn.ModuleList,
-        group_of: dict[nn.Parameter, int],
-        source: SafetensorsSource | None,
-        shared: NodeSharedMemory | None,
-    ) -> tuple[list[tuple[str, nn.Parameter]], set[int]]:
-        """The parameters outside the blocks (embeddings, final norm, head), their state last
-        in ``self.states``, and the buffers outside the blocks on the device. Returns the
-        resident parameters and the ids of the blocks' modules."""
-        block_params = {id(p) for block in blocks for p in block.parameters()}
-        resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
-        master, compute = self.config.master_dtype, self.config.compute_dtype
-        trained_only = self.placement.resident.trained_only  # frozen ones: their weights alone
-        self.resident = ResidentParams(
-            resident,
-            group_of,
-            self.runtime,
-            master,
-            compute,
-            source=source,
-            shared=shared,
-            span_of=None if trained_only else self._span_of,
-            share=None if trained_only else self._share_initial_weights,
-            trained_only=trained_only,
-        )
-        if source is not None:
-            source.report_unused(name for name, _ in model.named_buffers())
-        self.states.append(self.resident.state)
-        self._resident_index = len(self.states) - 1
-        block_modules = {id(m) for m in blocks.modules()}
-        for module in model.modules():
-            if id(module) not in block_modules:
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        module._buffers[name] = buffer.to(self.runtime.device)
-        return resident, block_modules
-
-    def _build_optimizer(self, shared: NodeSharedMemory | None) -> None:
-        """Gradient buffers, each rank's window of the state (on its own NVMe tier with data
-        parallel), the host AdamW over it and the stepper (norm, clipping, speculative
-        steps), attached to the client optimizer."""
-        options, compute, dp = self.config.options, self.config.compute_dtype, self.data_parallel
-        if self.config.holds_gradients:
-            grad_dtype = self.config.held_gradient_dtype
-            for state, placement in zip(self.states, self.placement.states):
-                first, last = state.held
-                # A rank's own window (gathered weights): its gradients are its alone, not the node's.
-                own = placement.grad.where is Where.RANK_WINDOW
-                state.grad = self.runtime.host_zeros(last - first, grad_dtype, None if own else shared)
-        if dp is not None:
-            # Sync: the node writers have filled the shared state (and taken the first node's
-            # weights, _share_initial_weights); no rank reads it before this.
-            dp.shared.written()
-            self.resident.refresh_device()
-
-        # What this rank updates: every state whole, or with data parallel its window of
-        # each (distributed/data_parallel.py: [Note: data-parallel step]).
-        self.windows = [
-            dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel) for state in self.states
-        ]
-        self.optimizer_states = (
-            self.states if dp is None else [state.window(*window) for state, window in zip(self.states, self.windows)]
-        )
-        if self.placement.tier_per_rank:
-            self._open_rank_tier()
-        self.adamw: HostAdamW = build_host_adamw(
-            self.optimizer.param_groups,
-            self.optimizer.decoupled,
-            self.optimizer_states,
-            self.runtime,
-            options.optimizer_device,
-            options.cpu_adam_kernel,
-            self.states[0].grad.dtype if self.states[0].grad is not None else compute,
-            finish_pipelines=self._finish_can_pipeline(),
-        )
-        self.stepper = OptimizerStepper(
-            self.optimizer_states,
-            self.adamw,
-            clipping=self.config.gradient_clipping,
-            journal_indices=speculative_block_indices(
-                self.optimizer_states, self._resident_index, options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM
-            ),
-            holds_gradients=self.config.holds_gradients,
-            sum_over_ranks=dp.world_sum if dp is not None else None,
-            runtime=self.runtime,
-        )
-        if self.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
-            self.nvme_tier.settle = self.adamw.flush
-            self.adamw.residency = self.nvme_tier
-            self.stepper.plan_access()
-        self.held_writes = HeldWrites(len(self.optimizer_states))
-        self.optimizer.attach(self._finish_optimizer_step)
-        self.pipelined_finish = pipelined_finish_for(  # optimizer/pipelined_finish.py: [Note: pipelined finish]
-            self.runtime,
-            self._resident_index,
-            self._landed,
-            holds_gradients=self.config.holds_gradients,
-            data_parallel=dp is not None,
-            nvme_tier=self.nvme_tier is not None,
-            on_host_only=self.adamw.on_host_only,
-        )
-
-    def _finish_can_pipeline(self) -> bool:
-        """Whether this configuration's update can run behind the next forward with every
-        state on the CPU (optimizer/pipelined_finish.py: [Note: pipelined finish])."""
-        why_not = refusal(
-            holds_gradients=self.config.holds_gradients,
-            data_parallel=self.data_parallel is not None,
-            nvme_tier=self.nvme_tier is not None,
-            on_host_only=True,
-        )
-        return why_not is None
-
-    def _open_rank_tier(self) -> None:
-        """With data parallel: this rank's NVMe tier, of its window of each block's Adam m and
-        v (state/nvme_tier.py). The rank alone steps its windows, so their moments never
-        need to be seen by the node's other ranks: each rank's swap files are its own, on
-        its node's disk, and only its windows' share of host memory is a window slot. The
-        masters stay in the node's shared host memory, which the gather after each step
-        updates -- or with the weights on the tier (gathered states) the tier holds the
-        windows' masters too, and no rank holds any block whole. An empty window (a state
-        smaller than the ranks' windows) has nothing on the tier."""
-        blocks = self.optimizer_states[: self._resident_index]
-        tier = self.placement.tier
-        assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if w.layout.numel > 0)
-        gathered = "master" in tier.kinds  # the windows' masters are on the tier alone
-        self.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, self.runtime, self.config.options)
-        for state, window in zip(self.states, blocks):
-            if window.layout.numel > 0:
-                self.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
-            else:  # no placeholder left to trip over: nothing to step, nothing to save
-                window.exp_avg, window.exp_avg_sq = torch.zeros(0), torch.zeros(0)
-            if gathered:
-                state.master = window.master  # the state's own reference goes too: on disk only
-
-    def _build_streams(self, templates: list[BlockTemplate]) -> None:
-        """What crosses between host and device: gradients out (the sink, behind the
-        reducer with data parallel) and weights in (the streamer, from the NVMe tier's
-        weight window where the weights live there)."""
-        options, compute = self.config.options, self.config.compute_dtype
-        largest = max(state.layout.numel for state in self.states[: self._resident_index])
-        sink = GradientSink(
-            self.runtime,
-            min(largest, STAGING_CHUNK_ELEMENTS),
-            compute,
-            options.num_staging_buffers,
-            self._consume_gradient,
-            land=self._land_gradient,
-            norm=self.stepper.norm,
-        )
-        dp = self.data_parallel
-        self.sink: GradientPort = (
-            sink if dp is None else GradientReducer(self.runtime, dp, sink, [s.layout.numel for s in self.states])
-        )
-        num_slots = options.num_buffers + options.checkpoint_interval - 1
-        if self.placement.weights_on_tier:  # forward and backward read the blocks' weights from the tier
-            assert self.nvme_tier is not None  # opened above with any placement on the tier
-            self.nvme_weights = NvmeWeights(
-                self.nvme_tier,
-                compute,
-                weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks),
-            )
-            if self.placement.weights_gathered:  # each rank's tier holds its windows: gathered whole when used
-                assert dp is not None
-                self.gathered_weights = self._gather_from_windows(self.nvme_weights, dp, num_slots + 1)
-        self.streamer = WeightStreamer(
-            self.runtime,
-            self.states[: self._resident_index],
-            num_slots=num_slots,
-            source=self.gathered_weights or self.nvme_weights,
-            # "auto" crosses whole blocks until the first training forward decides.
-            fragment_elements=(options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
-            // compute.itemsize,
-            parts_of=lambda block: templates[block].parts_in_use(),
-            pending_updates=self.pipelined_finish,
-        )
-
-    def _gather_from_windows(self, windows: NvmeWeights, dp: DataParallel, capacity: int) -> GatheredWeights:
-        """The streamer's source when every rank keeps only its windows of the weights on its
-        NVMe tier ([Note: gathered weights]); a rank's empty window is on no tier."""
-        tier_index: list[int | None] = []
-        on_tier = 0
-        for window in self.optimizer_states[: self._resident_index]:
-            tier_index.append(on_tier if window.layout.numel > 0 else None)
-            on_tier += window.layout.numel > 0
-        numels = [state.layout.numel for state in self.states[: self._resident_index]]
-        return GatheredWeights(windows, tier_index, numels, dp, self.runtime, capacity)
-
-    def _build_streamed_blocks(
-        self, model: nn.Module, blocks: nn.ModuleList, templates: list[BlockTemplate], block_modules: set[int]
-    ) -> None:
-        """The blocks run from streamed weights (checkpointed, recomputed or stashed), and the
-        resident parameters' gradients hooked into the sink."""
-        options = self.config.options
-        # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
-        # last ones are recomputed (planning/recompute_policy.py); "auto" decides at the
-        # first training forward and recomputes every block until then.
-        recompute = options.recompute
-        self.stashed_blocks = stashed_blocks_of(recompute, len(blocks)) or 0
-        self.recompute_choice: RecomputeChoice | None = None
-        """The policy's decision at the first training forward (stash bytes, predicted steps)."""
-        self.fragment_choice: FragmentChoice | None = None
-        """``"fragment_bytes": "auto"``'s decision at the first training forward."""
-        self.blocks = StreamedBlocks(
-            blocks,
-            templates,
-            self.states[: self._resident_index],
-            self.streamer,
-            self.sink,
-            self.runtime,
-            options.checkpoint_interval,
-            ActivationOffloader(self.runtime) if options.offload_checkpoints else None,
-            self.is_gradient_accumulation_boundary,
-            STAGING_CHUNK_ELEMENTS,
-            stash=ActivationStash(self.runtime) if recompute != "full" else None,
-            stashes=lambda index: index < self.stashed_blocks,
-        )
-        self.blocks.install()
-        self.resident.hook_gradients(
-            lambda offset, grad: self.sink.push(
-                self._resident_index, offset, grad, self.is_gradient_accumulation_boundary()
-            ),
-            (m for m in model.modules() if id(m) not in block_modules),
-            STAGING_CHUNK_ELEMENTS,
-        )
-
-    def _build_long_context(self, model: nn.Module, templates: list[BlockTemplate]) -> None:
-        """The chunked loss and the blocks' tiled MLPs (planning/long_context.py)."""
-        options = self.config.options
-        available = available_memory(self.runtime.device)
-        free = available.device if available.device is not None else available.host
-        width = self.config.compute_dtype.itemsize
-        self.mlp_tile_tokens = 0
-        if options.mlp_tile_tokens != 0:
-            for template in templates:
-                ffn = ffn_width(template.module)
-                tokens = (
-                    options.mlp_tile_tokens
-                    if options.mlp_tile_tokens != "auto"
-                    else choose_mlp_tile_tokens(ffn, width, free)
-                    if ffn
-                    else 0
-                )
-                if tokens and tile_token_wise(template.module, tokens):
-                    self.mlp_tile_tokens = tokens
-        self.causal_loss: ChunkedCausalLMLoss | None = None
-        if options.loss_chunk_tokens == 0:
-            return
-        if options.loss_chunk_tokens == "auto":
-            reason = unsupported_reason(model)
-            if reason is not None:
-                logger.info("megatrain: the loss is computed by the model, not in chunks: %s", reason)
-                return
-        head = linear_head(model)  # None: ChunkedCausalLMLoss raises, saying why
-        tokens = options.loss_chunk_tokens
-        if tokens == "auto":
-            assert head is not None  # unsupported_reason(model) was None
-            tokens = choose_loss_chunk_tokens(head.weight.shape[0], width, free)
-        redirected = self.resident.row_chunked(head) if head is not None else None
-        self.causal_loss = ChunkedCausalLMLoss(
-            model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None
-        )
-
-    def _span_of(self, numel: int) -> tuple[int, int] | None:
-        """This node's share of a ``numel``-element optimizer state; ``None``: all of it."""
-        dp = self.data_parallel
-        return dp.span(numel) if dp is not None and dp.num_nodes > 1 else None
-
-    def _share_initial_weights(self, values: torch.Tensor) -> None:
-        """Every node starts from the first node's weights (as DDP starts from rank 0's):
-        ``migrate_to_host`` hands each state's whole values, on node writers, to this before
-        keeping anything of them (a sharded master keeps only its span: its other nodes'
-        values, in fp32, exist only then)."""
-        if self.data_parallel is not None:
-            self.data_parallel.broadcast_from_first_node_(values)
+    # -- the state_dict ----------------------------------------------------------------------
 
     def _master_state_dict_hook(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any

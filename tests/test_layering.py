@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("streaming",),
     ("checkpoint",),
     ("planning",),
-    ("engine",),
+    ("engine", "engine_build"),
     ("integration",),
     ("cli", "__init__"),
 )

@@ -190,17 +190,17 @@ def test_bf16_compute_is_bit_identical_to_ram_only(tmp_path):
 def test_with_the_master_on_the_tier_the_fp32_model_is_never_whole_in_host_memory(tmp_path, monkeypatch):
     """Each block's master goes to its swap file as soon as the block is migrated: when the
     next block is copied in, no earlier block's fp32 master is still in host memory."""
-    from megatrain_ds import engine as engine_module
+    from megatrain_ds import engine_build
 
     made, in_memory_at_each_migration = [], []
-    migrate = engine_module.migrate_to_host
+    migrate = engine_build.migrate_to_host
 
     def observed(*args, **kwargs):
         in_memory_at_each_migration.append(sum(not state.master.is_meta for state in made))
         made.append(migrate(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(engine_module, "migrate_to_host", observed)
+    monkeypatch.setattr(engine_build, "migrate_to_host", observed)
     engine = MegatrainEngine(
         tiny_models.llama(), parse_engine_config(ds_config(bf16=True, megatrain=nvme_options(tmp_path)))
     )

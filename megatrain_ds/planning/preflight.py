@@ -2,8 +2,8 @@
 
 A run that does not fit should fail in the first second with the numbers, not in the
 OOM killer halfway through migrating a 70B model. :func:`estimate` computes, from the
-model's parameter shapes and the config alone, every persistent allocation
-``MegatrainEngine._build`` makes (flat layouts are pure bookkeeping, so the figures are
+model's parameter shapes and the config alone, every persistent allocation the engine
+makes as it is built (``engine_build.py``; flat layouts are pure bookkeeping, so the figures are
 exact to the byte, page rounding included). Where each flat state's buffers live, and how
 big they are, is the engine's own :class:`~megatrain_ds.state.placement.Placement`, built
 here from the same shapes (``tests/test_placement.py`` checks the two agree):
@@ -150,7 +150,7 @@ def estimate_from_shapes(
     tier_ranks: int | None = None,
     topology: Topology | None = None,
 ) -> MemoryNeed:
-    """The allocations of ``MegatrainEngine._build`` for these flat sizes (see module doc),
+    """The allocations of the engine's build (``engine_build.py``) for these flat sizes (see module doc),
     this node's: where each buffer lives is the :class:`Placement`'s (``state/placement.py``),
     the engine's own.
 

@@ -1,0 +1,540 @@
+"""Building the engine: the model taken over, in the order of the pipeline it then runs.
+
+:func:`build` is what ``MegatrainEngine.__init__`` runs (``engine.py``): check that the run
+fits (planning/preflight.py) before anything is allocated, find the blocks, decide where
+every buffer lives (state/placement.py), move the blocks' state to the host block by block
+(into the NVMe tier where it has one), then the resident parameters, the optimizer over
+that state, the streams that carry weights and gradients, the streamed blocks, and the
+long-context pieces (chunked loss, tiled MLPs). Every builder here branches on the
+placement, and on nothing else.
+
+The builders are functions over the engine (:class:`EngineUnderConstruction`, the parts
+they set and the engine's callbacks they wire in); this module sits beside ``engine.py``
+in the layers and imports nothing of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
+from megatrain_ds.config import EngineConfig
+from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.gathered_weights import GatheredWeights
+from megatrain_ds.distributed.gradient_reducer import GradientReducer
+from megatrain_ds.gradients.held_writes import HeldWrites
+from megatrain_ds.gradients.sink import GradientPort, GradientSink, Landing
+from megatrain_ds.model.batch_checks import reject_unsupported_outputs
+from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
+from megatrain_ds.model.block_template import BlockTemplate, structure_key
+from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
+from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
+from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish, pipelined_finish_for, refusal
+from megatrain_ds.optimizer.placement import build_host_adamw
+from megatrain_ds.optimizer.speculative_step import (
+    AUTO_JOURNAL_BYTES_PER_PARAM,
+    OptimizerStepper,
+    speculative_block_indices,
+)
+from megatrain_ds.planning.fragment_policy import FragmentChoice
+from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
+from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
+from megatrain_ds.planning.recompute_policy import RecomputeChoice, stashed_blocks_of
+from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
+from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
+from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
+from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
+from megatrain_ds.state.placement import Placement, StatePlacement, Topology, Where, flat_state_params, state_shapes
+from megatrain_ds.streaming.activation_offload import ActivationOffloader
+from megatrain_ds.streaming.activation_stash import ActivationStash
+from megatrain_ds.streaming.resident_params import ResidentParams
+from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
+from megatrain_ds.streaming.tiled_mlp import tile_token_wise
+from megatrain_ds.streaming.weight_streamer import WeightStreamer
+
+logger = logging.getLogger(__name__)
+
+# Gradients cross to the host in pieces of at most this many elements (8 MiB in bf16):
+# large enough for full PCIe bandwidth, small enough that staging costs a fraction of a block.
+STAGING_CHUNK_ELEMENTS = 1 << 22
+
+
+class EngineUnderConstruction(Protocol):
+    """``MegatrainEngine`` as its builders see it: what they read (set by ``__init__``
+    before :func:`build`), the parts they set (declared, with what each is, on the engine),
+    and the engine's methods they wire into the streams and the optimizer."""
+
+    config: EngineConfig
+    runtime: DeviceRuntime
+    data_parallel: DataParallel | None
+    optimizer: MegatrainOptimizer
+    block_path: str
+    placement: Placement
+    states: list[HostFlatState]
+    num_templates: int
+    nvme_tier: NvmeTier | None
+    nvme_weights: NvmeWeights | None
+    gathered_weights: GatheredWeights | None
+    resident: ResidentParams
+    _resident_index: int
+    windows: list[tuple[int, int]]
+    optimizer_states: list[HostFlatState]
+    adamw: HostAdamW
+    stepper: OptimizerStepper
+    held_writes: HeldWrites
+    pipelined_finish: PipelinedFinish | None
+    sink: GradientPort
+    streamer: WeightStreamer
+    blocks: StreamedBlocks
+    stashed_blocks: int
+    recompute_choice: RecomputeChoice | None
+    fragment_choice: FragmentChoice | None
+    mlp_tile_tokens: int
+    causal_loss: ChunkedCausalLMLoss | None
+
+    def is_gradient_accumulation_boundary(self) -> bool: ...
+
+    def _finish_optimizer_step(self) -> None: ...
+
+    def _landed(self, index: int) -> None: ...
+
+    def _land_gradient(self, index: int, offset: int, numel: int, final: bool) -> Landing: ...
+
+    def _consume_gradient(self, index: int, offset: int, grad: torch.Tensor, final: bool, landing: Landing) -> None: ...
+
+
+def build(engine: EngineUnderConstruction, model: nn.Module) -> None:
+    """Take ``model`` over, in the order of the pipeline it then runs: check that the run
+    fits, find the blocks, move their state to the host, then the resident parameters,
+    the optimizer over that state, the streams that carry weights and gradients, and the
+    streamed blocks that run forward and backward from them."""
+    topology = engine.data_parallel.topology if engine.data_parallel is not None else Topology()
+    nvme = _check_before_allocating(engine, model, topology)
+    blocks = _discover_blocks(engine, model)
+    # load_from: values come from safetensors shards, one tensor at a time, so a model
+    # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
+    source = open_source(model, engine.config.options.load_from)
+    materialize_meta_buffers(model, source)
+    group_of = group_index_of(model, engine.optimizer)
+    # Where every buffer lives (state/placement.py): what the builders below branch on.
+    shapes = state_shapes(flat_state_params(model, blocks), group_of, engine.config.compute_dtype)
+    engine.placement = Placement.of(engine.config, nvme, topology, shapes)
+    dp = engine.data_parallel
+    shared = dp.shared if dp is not None else None  # one host copy per node
+    templates = _build_host_state(engine, blocks, group_of, source, shared)
+    resident, block_modules = _build_resident(engine, model, blocks, group_of, source, shared)
+    _build_optimizer(engine, shared)
+    _build_streams(engine, templates)
+    _build_streamed_blocks(engine, model, blocks, templates, block_modules)
+    _build_long_context(engine, model, list(dict.fromkeys(templates)))
+    logger.info(
+        "megatrain: %d blocks at %s (%d template(s)), %d resident parameters, device %s",
+        len(blocks),
+        engine.block_path,
+        engine.num_templates,
+        len(resident),
+        engine.runtime.device,
+    )
+
+
+def _check_before_allocating(engine: EngineUnderConstruction, model: nn.Module, topology: Topology) -> str:
+    """Where the NVMe tier comes in (``"none"``, ``"auto"``'s choice or ``"all"``), after
+    checking that the run is supported and fits: nothing is allocated before this."""
+    # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
+    # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
+    # With several nodes, each holds only its share of the optimizer state (_span_of); with
+    # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier),
+    # and with "all" of its windows' masters, the weights gathered whole when used.
+    device = engine.runtime.device
+    nvme = wants_nvme_tier(model, engine.config, engine.optimizer, device, STAGING_CHUNK_ELEMENTS, topology=topology)
+    if engine.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
+        preflight(model, engine.config, engine.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, topology=topology)
+    reject_unsupported_outputs(model)
+    return nvme
+
+
+def _discover_blocks(engine: EngineUnderConstruction, model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks (``block_path`` names where they were found)."""
+    path, blocks = find_blocks(model, engine.config.options.block_path)
+    check_blocks_own_their_params(model, blocks)
+    engine.block_path = path
+    return blocks
+
+
+def _build_host_state(
+    engine: EngineUnderConstruction,
+    blocks: nn.ModuleList,
+    group_of: dict[nn.Parameter, int],
+    source: SafetensorsSource | None,
+    shared: NodeSharedMemory | None,
+) -> list[BlockTemplate]:
+    """Each block's flat host state (``engine.states``, migrated one block at a time, into
+    the NVMe tier where it has one) and its weightless template, one per structure."""
+    tier = engine.placement.tier
+    if tier is not None and not engine.placement.tier_per_rank:
+        # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
+        # data parallel each rank's tier opens over its windows (_open_rank_tier).
+        engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, engine.config.options)
+
+    templates_by_key: dict[tuple, BlockTemplate] = {}
+    templates: list[BlockTemplate] = []
+    engine.states = []
+    for index, block in enumerate(blocks):
+        key = structure_key(block)
+        if key not in templates_by_key:
+            templates_by_key[key] = BlockTemplate(block, engine.runtime.device)
+        template = templates_by_key[key]
+        template.admit(block, index)
+        templates.append(template)
+        # Migrating block by block frees each block's original storage before the
+        # next is copied: the model never exists twice in host memory.
+        scoped = source.scoped(f"{engine.block_path}.{index}.") if source is not None else None
+        engine.states.append(_migrate_block(engine, block, group_of, scoped, shared, engine.placement.states[index]))
+        if engine.nvme_tier is not None:
+            engine.nvme_tier.adopt(engine.states[-1])
+    engine.num_templates = len(templates_by_key)
+    return templates
+
+
+def _migrate_block(
+    engine: EngineUnderConstruction,
+    block: nn.Module,
+    group_of: dict[nn.Parameter, int],
+    source: TensorSource | None,
+    shared: NodeSharedMemory | None,
+    placement: StatePlacement,
+) -> HostFlatState:
+    """One block's flat host state, as ``placement`` says. Gathered weights (the weights
+    on the NVMe tier and data parallel): only this rank's window of it, in its own memory,
+    the whole weights gathered when used (``distributed/gathered_weights.py``), every
+    rank taking its window of rank 0's."""
+    master, compute, dp = engine.config.master_dtype, engine.config.compute_dtype, engine.data_parallel
+    named = list(block.named_parameters())
+    if placement.gathered:
+        assert dp is not None
+        return migrate_to_host(
+            named,
+            group_of,
+            engine.runtime,
+            master,
+            compute,
+            source=source,
+            moments_on_host=False,
+            shadow_on_host=False,
+            span_of=dp.window,
+            share=dp.broadcast_from_rank0_,
+        )
+    if placement.trained_only:
+        return migrate_to_host(named, group_of, engine.runtime, master, compute, source=source, trained_only=True)
+    return migrate_to_host(
+        named,
+        group_of,
+        engine.runtime,
+        master,
+        compute,
+        source=source,
+        shared=shared,
+        moments_on_host=placement.exp_avg.where.on_host,
+        shadow_on_host=placement.streamed is Where.HOST,
+        span_of=functools.partial(_span_of, engine),
+        share=functools.partial(_share_initial_weights, engine),
+    )
+
+
+def _build_resident(
+    engine: EngineUnderConstruction,
+    model: nn.Module,
+    blocks: nn.ModuleList,
+    group_of: dict[nn.Parameter, int],
+    source: SafetensorsSource | None,
+    shared: NodeSharedMemory | None,
+) -> tuple[list[tuple[str, nn.Parameter]], set[int]]:
+    """The parameters outside the blocks (embeddings, final norm, head), their state last
+    in ``engine.states``, and the buffers outside the blocks on the device. Returns the
+    resident parameters and the ids of the blocks' modules."""
+    block_params = {id(p) for block in blocks for p in block.parameters()}
+    resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
+    master, compute = engine.config.master_dtype, engine.config.compute_dtype
+    trained_only = engine.placement.resident.trained_only  # frozen ones: their weights alone
+    engine.resident = ResidentParams(
+        resident,
+        group_of,
+        engine.runtime,
+        master,
+        compute,
+        source=source,
+        shared=shared,
+        span_of=None if trained_only else functools.partial(_span_of, engine),
+        share=None if trained_only else functools.partial(_share_initial_weights, engine),
+        trained_only=trained_only,
+    )
+    if source is not None:
+        source.report_unused(name for name, _ in model.named_buffers())
+    engine.states.append(engine.resident.state)
+    engine._resident_index = len(engine.states) - 1
+    block_modules = {id(m) for m in blocks.modules()}
+    for module in model.modules():
+        if id(module) not in block_modules:
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(engine.runtime.device)
+    return resident, block_modules
+
+
+def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory | None) -> None:
+    """Gradient buffers, each rank's window of the state (on its own NVMe tier with data
+    parallel), the host AdamW over it and the stepper (norm, clipping, speculative
+    steps), attached to the client optimizer."""
+    options, compute, dp = engine.config.options, engine.config.compute_dtype, engine.data_parallel
+    if engine.config.holds_gradients:
+        grad_dtype = engine.config.held_gradient_dtype
+        for state, placement in zip(engine.states, engine.placement.states):
+            first, last = state.held
+            # A rank's own window (gathered weights): its gradients are its alone, not the node's.
+            own = placement.grad.where is Where.RANK_WINDOW
+            state.grad = engine.runtime.host_zeros(last - first, grad_dtype, None if own else shared)
+    if dp is not None:
+        # Sync: the node writers have filled the shared state (and taken the first node's
+        # weights, _share_initial_weights); no rank reads it before this.
+        dp.shared.written()
+        engine.resident.refresh_device()
+
+    # What this rank updates: every state whole, or with data parallel its window of
+    # each (distributed/data_parallel.py: [Note: data-parallel step]).
+    engine.windows = [
+        dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel) for state in engine.states
+    ]
+    engine.optimizer_states = (
+        engine.states if dp is None else [state.window(*window) for state, window in zip(engine.states, engine.windows)]
+    )
+    if engine.placement.tier_per_rank:
+        _open_rank_tier(engine)
+    engine.adamw = build_host_adamw(
+        engine.optimizer.param_groups,
+        engine.optimizer.decoupled,
+        engine.optimizer_states,
+        engine.runtime,
+        options.optimizer_device,
+        options.cpu_adam_kernel,
+        engine.states[0].grad.dtype if engine.states[0].grad is not None else compute,
+        finish_pipelines=_finish_can_pipeline(engine),
+    )
+    engine.stepper = OptimizerStepper(
+        engine.optimizer_states,
+        engine.adamw,
+        clipping=engine.config.gradient_clipping,
+        journal_indices=speculative_block_indices(
+            engine.optimizer_states, engine._resident_index, options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM
+        ),
+        holds_gradients=engine.config.holds_gradients,
+        sum_over_ranks=dp.world_sum if dp is not None else None,
+        runtime=engine.runtime,
+    )
+    if engine.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
+        engine.nvme_tier.settle = engine.adamw.flush
+        engine.adamw.residency = engine.nvme_tier
+        engine.stepper.plan_access()
+    engine.held_writes = HeldWrites(len(engine.optimizer_states))
+    engine.optimizer.attach(engine._finish_optimizer_step)
+    engine.pipelined_finish = pipelined_finish_for(  # optimizer/pipelined_finish.py: [Note: pipelined finish]
+        engine.runtime,
+        engine._resident_index,
+        engine._landed,
+        holds_gradients=engine.config.holds_gradients,
+        data_parallel=dp is not None,
+        nvme_tier=engine.nvme_tier is not None,
+        on_host_only=engine.adamw.on_host_only,
+    )
+
+
+def _finish_can_pipeline(engine: EngineUnderConstruction) -> bool:
+    """Whether this configuration's update can run behind the next forward with every
+    state on the CPU (optimizer/pipelined_finish.py: [Note: pipelined finish])."""
+    why_not = refusal(
+        holds_gradients=engine.config.holds_gradients,
+        data_parallel=engine.data_parallel is not None,
+        nvme_tier=engine.nvme_tier is not None,
+        on_host_only=True,
+    )
+    return why_not is None
+
+
+def _open_rank_tier(engine: EngineUnderConstruction) -> None:
+    """With data parallel: this rank's NVMe tier, of its window of each block's Adam m and
+    v (state/nvme_tier.py). The rank alone steps its windows, so their moments never
+    need to be seen by the node's other ranks: each rank's swap files are its own, on
+    its node's disk, and only its windows' share of host memory is a window slot. The
+    masters stay in the node's shared host memory, which the gather after each step
+    updates -- or with the weights on the tier (gathered states) the tier holds the
+    windows' masters too, and no rank holds any block whole. An empty window (a state
+    smaller than the ranks' windows) has nothing on the tier."""
+    blocks = engine.optimizer_states[: engine._resident_index]
+    tier = engine.placement.tier
+    assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if w.layout.numel > 0)
+    gathered = "master" in tier.kinds  # the windows' masters are on the tier alone
+    engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, engine.config.options)
+    for state, window in zip(engine.states, blocks):
+        if window.layout.numel > 0:
+            engine.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
+        else:  # no placeholder left to trip over: nothing to step, nothing to save
+            window.exp_avg, window.exp_avg_sq = torch.zeros(0), torch.zeros(0)
+        if gathered:
+            state.master = window.master  # the state's own reference goes too: on disk only
+
+
+def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplate]) -> None:
+    """What crosses between host and device: gradients out (the sink, behind the
+    reducer with data parallel) and weights in (the streamer, from the NVMe tier's
+    weight window where the weights live there)."""
+    options, compute = engine.config.options, engine.config.compute_dtype
+    largest = max(state.layout.numel for state in engine.states[: engine._resident_index])
+    sink = GradientSink(
+        engine.runtime,
+        min(largest, STAGING_CHUNK_ELEMENTS),
+        compute,
+        options.num_staging_buffers,
+        engine._consume_gradient,
+        land=engine._land_gradient,
+        norm=engine.stepper.norm,
+    )
+    dp = engine.data_parallel
+    engine.sink = (
+        sink if dp is None else GradientReducer(engine.runtime, dp, sink, [s.layout.numel for s in engine.states])
+    )
+    num_slots = options.num_buffers + options.checkpoint_interval - 1
+    if engine.placement.weights_on_tier:  # forward and backward read the blocks' weights from the tier
+        assert engine.nvme_tier is not None  # opened above with any placement on the tier
+        engine.nvme_weights = NvmeWeights(
+            engine.nvme_tier,
+            compute,
+            weight_window_buffers(options.num_buffers, options.checkpoint_interval, options.nvme_window_blocks),
+        )
+        if engine.placement.weights_gathered:  # each rank's tier holds its windows: gathered whole when used
+            assert dp is not None
+            engine.gathered_weights = _gather_from_windows(engine, engine.nvme_weights, dp, num_slots + 1)
+    engine.streamer = WeightStreamer(
+        engine.runtime,
+        engine.states[: engine._resident_index],
+        num_slots=num_slots,
+        source=engine.gathered_weights or engine.nvme_weights,
+        # "auto" crosses whole blocks until the first training forward decides.
+        fragment_elements=(options.fragment_bytes if isinstance(options.fragment_bytes, int) else 0)
+        // compute.itemsize,
+        parts_of=lambda block: templates[block].parts_in_use(),
+        pending_updates=engine.pipelined_finish,
+    )
+
+
+def _gather_from_windows(
+    engine: EngineUnderConstruction, windows: NvmeWeights, dp: DataParallel, capacity: int
+) -> GatheredWeights:
+    """The streamer's source when every rank keeps only its windows of the weights on its
+    NVMe tier ([Note: gathered weights]); a rank's empty window is on no tier."""
+    tier_index: list[int | None] = []
+    on_tier = 0
+    for window in engine.optimizer_states[: engine._resident_index]:
+        tier_index.append(on_tier if window.layout.numel > 0 else None)
+        on_tier += window.layout.numel > 0
+    numels = [state.layout.numel for state in engine.states[: engine._resident_index]]
+    return GatheredWeights(windows, tier_index, numels, dp, engine.runtime, capacity)
+
+
+def _build_streamed_blocks(
+    engine: EngineUnderConstruction,
+    model: nn.Module,
+    blocks: nn.ModuleList,
+    templates: list[BlockTemplate],
+    block_modules: set[int],
+) -> None:
+    """The blocks run from streamed weights (checkpointed, recomputed or stashed), and the
+    resident parameters' gradients hooked into the sink."""
+    options = engine.config.options
+    # "recompute": the first ``stashed_blocks`` blocks stash their activations, the
+    # last ones are recomputed (planning/recompute_policy.py); "auto" decides at the
+    # first training forward and recomputes every block until then.
+    recompute = options.recompute
+    engine.stashed_blocks = stashed_blocks_of(recompute, len(blocks)) or 0
+    engine.recompute_choice = None  # decided at the first training forward
+    engine.fragment_choice = None
+    engine.blocks = StreamedBlocks(
+        blocks,
+        templates,
+        engine.states[: engine._resident_index],
+        engine.streamer,
+        engine.sink,
+        engine.runtime,
+        options.checkpoint_interval,
+        ActivationOffloader(engine.runtime) if options.offload_checkpoints else None,
+        engine.is_gradient_accumulation_boundary,
+        STAGING_CHUNK_ELEMENTS,
+        stash=ActivationStash(engine.runtime) if recompute != "full" else None,
+        stashes=lambda index: index < engine.stashed_blocks,
+    )
+    engine.blocks.install()
+    engine.resident.hook_gradients(
+        lambda offset, grad: engine.sink.push(
+            engine._resident_index, offset, grad, engine.is_gradient_accumulation_boundary()
+        ),
+        (m for m in model.modules() if id(m) not in block_modules),
+        STAGING_CHUNK_ELEMENTS,
+    )
+
+
+def _build_long_context(engine: EngineUnderConstruction, model: nn.Module, templates: list[BlockTemplate]) -> None:
+    """The chunked loss and the blocks' tiled MLPs (planning/long_context.py)."""
+    options = engine.config.options
+    available = available_memory(engine.runtime.device)
+    free = available.device if available.device is not None else available.host
+    width = engine.config.compute_dtype.itemsize
+    engine.mlp_tile_tokens = 0
+    if options.mlp_tile_tokens != 0:
+        for template in templates:
+            ffn = ffn_width(template.module)
+            tokens = (
+                options.mlp_tile_tokens
+                if options.mlp_tile_tokens != "auto"
+                else choose_mlp_tile_tokens(ffn, width, free)
+                if ffn
+                else 0
+            )
+            if tokens and tile_token_wise(template.module, tokens):
+                engine.mlp_tile_tokens = tokens
+    engine.causal_loss = None
+    if options.loss_chunk_tokens == 0:
+        return
+    if options.loss_chunk_tokens == "auto":
+        reason = unsupported_reason(model)
+        if reason is not None:
+            logger.info("megatrain: the loss is computed by the model, not in chunks: %s", reason)
+            return
+    head = linear_head(model)  # None: ChunkedCausalLMLoss raises, saying why
+    tokens = options.loss_chunk_tokens
+    if tokens == "auto":
+        assert head is not None  # unsupported_reason(model) was None
+        tokens = choose_loss_chunk_tokens(head.weight.shape[0], width, free)
+    redirected = engine.resident.row_chunked(head) if head is not None else None
+    engine.causal_loss = ChunkedCausalLMLoss(
+        model, tokens, lambda: redirected.weight_grad_push() if redirected is not None else None
+    )
+
+
+def _span_of(engine: EngineUnderConstruction, numel: int) -> tuple[int, int] | None:
+    """This node's share of a ``numel``-element optimizer state; ``None``: all of it."""
+    dp = engine.data_parallel
+    return dp.span(numel) if dp is not None and dp.num_nodes > 1 else None
+
+
+def _share_initial_weights(engine: EngineUnderConstruction, values: torch.Tensor) -> None:
+    """Every node starts from the first node's weights (as DDP starts from rank 0's):
+    ``migrate_to_host`` hands each state's whole values, on node writers, to this before
+    keeping anything of them (a sharded master keeps only its span: its other nodes'
+    values, in fp32, exist only then)."""
+    if engine.data_parallel is not None:
+        engine.data_parallel.broadcast_from_first_node_(values)
