@@ -188,7 +188,7 @@ def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL, bf16:
     from megatrain_ds import parse_engine_config
     from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
     from megatrain_ds.optimizer.facade import build_optimizer
-    from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError, preflight
+    from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError, PreflightInputs, preflight
 
     model = meta_llama(layers, model_shape)
     engine_config = parse_engine_config(
@@ -201,14 +201,8 @@ def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL, bf16:
     )
     optimizer = build_optimizer(model, None, engine_config.optimizer, None)
     try:
-        need = preflight(
-            model,
-            engine_config,
-            optimizer,
-            torch.device("cpu"),
-            STAGING_CHUNK_ELEMENTS,
-            available=AvailableMemory(host=budget),
-        )
+        run = PreflightInputs(model, engine_config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+        need = preflight(run, available=AvailableMemory(host=budget))
     except InsufficientMemoryError:
         return "does not fit"
     return f"fits (persistent state {need.host_total / GIB:.2f} GiB)"

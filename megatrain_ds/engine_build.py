@@ -44,7 +44,7 @@ from megatrain_ds.optimizer.speculative_step import (
 )
 from megatrain_ds.planning.fragment_policy import FragmentChoice
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
-from megatrain_ds.planning.preflight import available_memory, preflight, wants_nvme_tier
+from megatrain_ds.planning.preflight import PreflightInputs, available_memory, preflight, wants_nvme_tier
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, stashed_blocks_of
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
@@ -152,10 +152,12 @@ def _check_before_allocating(engine: EngineUnderConstruction, model: nn.Module, 
     # With several nodes, each holds only its share of the optimizer state (_span_of); with
     # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier),
     # and with "all" of its windows' masters, the weights gathered whole when used.
-    device = engine.runtime.device
-    nvme = wants_nvme_tier(model, engine.config, engine.optimizer, device, STAGING_CHUNK_ELEMENTS, topology=topology)
+    run = PreflightInputs(
+        model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology
+    )
+    nvme = wants_nvme_tier(run)
     if engine.config.options.preflight:  # fail before allocating anything (planning/preflight.py)
-        preflight(model, engine.config, engine.optimizer, device, STAGING_CHUNK_ELEMENTS, nvme=nvme, topology=topology)
+        preflight(run, nvme=nvme)
     reject_unsupported_outputs(model)
     return nvme
 

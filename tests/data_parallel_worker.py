@@ -31,7 +31,7 @@ from placement_check import placement_disagreements
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.model import causal_lm_loss
-from megatrain_ds.planning.preflight import AvailableMemory, preflight
+from megatrain_ds.planning.preflight import AvailableMemory, PreflightInputs, preflight
 from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
@@ -145,16 +145,15 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     preflight plans for the node (its ranks' tiers together)."""
     tier, dp = engine.nvme_tier, engine.data_parallel
     assert tier is not None
-    planned = preflight(
+    run = PreflightInputs(
         engine.module,
         engine.config,
         engine.optimizer,
         engine.runtime.device,
         STAGING_CHUNK_ELEMENTS,
-        available=AvailableMemory(host=1 << 50),
-        nvme=engine.config.options.nvme_offload,
-        topology=dp.topology if dp is not None else None,
+        dp.topology if dp is not None else None,
     )
+    planned = preflight(run, available=AvailableMemory(host=1 << 50), nvme=engine.config.options.nvme_offload)
     return {
         "numels": tier.numels,
         "disk": tier.directory.nbytes,

@@ -123,7 +123,9 @@ def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
     reference = copy.deepcopy(model).float()
     planned = host_bytes(shape_of(model), RunSettings(seq_len=12, micro_batch=2, accumulation=2))
     config = parse_engine_config(ds_config(accumulation=2, clipping=1.0, bf16=True))
-    estimated = preflight.preflight(model, config, _optimizer(model, config), torch.device("cpu"), 1 << 20)
+    estimated = preflight.preflight(
+        preflight.PreflightInputs(model, config, _optimizer(model, config), torch.device("cpu"), 1 << 20)
+    )
     trainable = [p for p in reference.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY)
     engine = MegatrainEngine(model, config)

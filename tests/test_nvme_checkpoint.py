@@ -201,17 +201,18 @@ def test_preflight_suggests_the_tier_when_host_memory_is_short(tmp_path):
     from megatrain_ds import parse_engine_config
     from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
     from megatrain_ds.optimizer.facade import build_optimizer
-    from megatrain_ds.planning.preflight import AvailableMemory, preflight
+    from megatrain_ds.planning.preflight import AvailableMemory, PreflightInputs, preflight
 
     model = tiny_models.llama()
     config = parse_engine_config(ds_config(megatrain={"nvme_path": str(tmp_path)}))
     optimizer = build_optimizer(model, None, config.optimizer, None)
-    need = preflight(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
-    tier = preflight(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="optimizer")
+    run = PreflightInputs(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+    need = preflight(run)
+    tier = preflight(run, nvme="optimizer")
     assert tier.host["adam_m_v"] < need.host["adam_m_v"] and tier.disk > 0 and need.disk == 0
     short = AvailableMemory(host=need.host_total - 1)
     with pytest.raises(InsufficientMemoryError, match="nvme_offload"):
-        preflight(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, available=short)
+        preflight(run, available=short)
 
 
 def test_disk_full_during_a_step_is_a_clear_error_and_the_checkpoint_survives(tmp_path):

@@ -222,10 +222,9 @@ def test_auto_uses_the_tier_only_when_host_memory_is_short(tmp_path, monkeypatch
     config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
     probe = tiny_models.llama()
     optimizer = build_optimizer(probe, None, config.optimizer, None)
-    ram_only = preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="none")
-    with_tier = preflight.preflight(
-        probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="optimizer"
-    )
+    run = preflight.PreflightInputs(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+    ram_only = preflight.preflight(run, nvme="none")
+    with_tier = preflight.preflight(run, nvme="optimizer")
     assert with_tier.host_total < ram_only.host_total
     for available, expected in ((ram_only.host_total + (1 << 20), False), (ram_only.host_total - 1, True)):
         monkeypatch.setattr(
@@ -345,10 +344,8 @@ def test_auto_puts_as_little_on_the_tier_as_host_memory_allows(tmp_path, monkeyp
     config = parse_engine_config(ds_config(megatrain={"nvme_offload": "auto", "nvme_path": str(tmp_path)}))
     probe = model()
     optimizer = build_optimizer(probe, None, config.optimizer, None)
-    needs = {
-        level: preflight.preflight(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme=level)
-        for level in ("none", "optimizer", "all")
-    }
+    run = preflight.PreflightInputs(probe, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+    needs = {level: preflight.preflight(run, nvme=level) for level in ("none", "optimizer", "all")}
     assert needs["all"].host_total < needs["optimizer"].host_total < needs["none"].host_total
     assert needs["all"].host["nvme_weights"] > 0 and needs["all"].disk > needs["optimizer"].disk
     for room, expected in ((needs["optimizer"].host_total, "optimizer"), (needs["optimizer"].host_total - 1, "all")):

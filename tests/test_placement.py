@@ -90,15 +90,8 @@ def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, pr
     model = _model(compute if frozen else None)
     config = parse_engine_config(_config(nvme, precision, tmp_path / "swap"))
     optimizer = build_optimizer(model, None, config.optimizer, None)
-    need = preflight.preflight(
-        model,
-        config,
-        optimizer,
-        torch.device("cpu"),
-        STAGING_CHUNK_ELEMENTS,
-        available=preflight.AvailableMemory(host=1 << 50),
-        nvme=nvme,
-    )
+    run = preflight.PreflightInputs(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme=nvme)
     engine = MegatrainEngine(model, config)
     try:
         assert placement_disagreements(engine) == []
@@ -122,9 +115,8 @@ def test_fp32_frozen_weights_with_bf16_compute_keep_a_whole_master(tmp_path):
     config = parse_engine_config(_config("none", "bf16", tmp_path))
     optimizer = build_optimizer(model, None, config.optimizer, None)
     cpu = torch.device("cpu")
-    need = preflight.preflight(
-        model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, available=preflight.AvailableMemory(host=1 << 50)
-    )
+    run = preflight.PreflightInputs(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS)
+    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50))
     engine = MegatrainEngine(model, config)
     try:
         assert placement_disagreements(engine) == []

@@ -207,17 +207,19 @@ def test_with_several_nodes_only_this_nodes_share_of_the_optimizer_state_is_coun
     optimizer = build_optimizer(model, None, config.optimizer, None)
     span_of = Ownership.of([[0], [1], [2], [3]], rank=0).span
     cpu = torch.device("cpu")
-    whole = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="none")
-    share = preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, nvme="none", span_of=span_of)
+    run = preflight.PreflightInputs(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS)
+    on_node_0 = dataclasses.replace(run, topology=preflight.topology_of(span_of, None))
+    whole = preflight.preflight(run, nvme="none")
+    share = preflight.preflight(on_node_0, nvme="none")
     assert share.host["master"] == whole.host["master"]
     for kind in ("adam_m_v", "gradients"):
         assert whole.host[kind] / 4 - 16 * PAGE_BYTES <= share.host[kind] <= whole.host[kind] / 4 + 16 * PAGE_BYTES
     room = preflight.AvailableMemory(host=share.host_total + PAGE_BYTES)  # the share fits, the whole does not
-    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, span_of) == "none"
-    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room) != "none"
-    preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none", span_of=span_of)
+    assert preflight.wants_nvme_tier(on_node_0, room) == "none"
+    assert preflight.wants_nvme_tier(run, room) != "none"
+    preflight.preflight(on_node_0, room, nvme="none")
     with pytest.raises(preflight.InsufficientMemoryError):
-        preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, nvme="none")
+        preflight.preflight(run, room, nvme="none")
 
 
 def test_with_data_parallel_each_rank_has_a_tier_of_its_windows_and_auto_goes_up_to_the_weights(tmp_path) -> None:
@@ -234,14 +236,16 @@ def test_with_data_parallel_each_rank_has_a_tier_of_its_windows_and_auto_goes_up
     optimizer = build_optimizer(model, None, config.optimizer, None)
     cpu = torch.device("cpu")
 
-    def need(nvme: str, tier_ranks: int | None = None) -> preflight.MemoryNeed:
-        settings = (model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS)
-        return preflight.preflight(*settings, nvme=nvme, tier_ranks=tier_ranks)
+    run = preflight.PreflightInputs(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS)
+    two_ranks = dataclasses.replace(run, topology=preflight.topology_of(None, 2))
 
-    alone, ranks, whole = need("optimizer"), need("optimizer", tier_ranks=2), need("none")
+    def need(nvme: str, of: preflight.PreflightInputs = run) -> preflight.MemoryNeed:
+        return preflight.preflight(of, nvme=nvme)
+
+    alone, ranks, whole = need("optimizer"), need("optimizer", two_ranks), need("none")
     assert alone.host["master"] < whole.host["master"] == ranks.host["master"]  # one rank: the tier takes the master
     assert alone.disk == 1.5 * ranks.disk  # m, v and master against m and v (blocks of whole 4 KiB pages here)
-    all_alone, all_ranks = need("all"), need("all", tier_ranks=2)
+    all_alone, all_ranks = need("all"), need("all", two_ranks)
     assert all_ranks.host["master"] == all_alone.host["master"] < ranks.host["master"]  # the resident state's only
     assert all_ranks.disk == all_alone.disk == alone.disk  # the masters, m and v (each rank its windows of them)
     # Two ranks' weight windows of half a block each, plus each rank's whole blocks gathered
@@ -251,10 +255,10 @@ def test_with_data_parallel_each_rank_has_a_tier_of_its_windows_and_auto_goes_up
     gather_buffers = all_ranks.host["nvme_weights"] - all_alone.host["nvme_weights"]
     assert 2 * 3 * largest * 2 <= gather_buffers <= 2 * 3 * (largest + padding) * 2
     room = preflight.AvailableMemory(host=4096)  # nothing fits
-    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room) == "all"
-    assert preflight.wants_nvme_tier(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2) == "all"
+    assert preflight.wants_nvme_tier(run, room) == "all"
+    assert preflight.wants_nvme_tier(two_ranks, room) == "all"
     with pytest.raises(preflight.InsufficientMemoryError, match="does not fit"):
-        preflight.preflight(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS, room, tier_ranks=2)
+        preflight.preflight(two_ranks, room)
 
 
 def test_with_several_nodes_and_bf16_compute_only_the_nodes_span_of_the_master_is_counted() -> None:
@@ -270,9 +274,10 @@ def test_with_several_nodes_and_bf16_compute_only_the_nodes_span_of_the_master_i
     config = parse_engine_config(ds_config(bf16=True))
     optimizer = build_optimizer(model, None, config.optimizer, None)
     span_of = Ownership.of([[0], [1], [2], [3]], rank=0).span
-    share = preflight.preflight(
-        model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, nvme="none", span_of=span_of
+    run = preflight.PreflightInputs(
+        model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS, preflight.topology_of(span_of, None)
     )
+    share = preflight.preflight(run, nvme="none")
     group_of = group_index_of(model, optimizer)
     blocks = list(model.model.layers)
     block_ids = {id(p) for block in blocks for p in block.parameters()}

@@ -426,36 +426,42 @@ def _advice(need_of: Callable[[EngineConfig], MemoryNeed], config: EngineConfig,
     return "no combination of settings makes it fit: use a machine with more memory or a smaller model"
 
 
-def preflight(
-    model: nn.Module,
-    config: EngineConfig,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    staging_chunk: int,
-    available: AvailableMemory | None = None,
-    nvme: str | None = None,
-    span_of: SpanOf | None = None,
-    tier_ranks: int | None = None,
-    topology: Topology | None = None,
-) -> MemoryNeed:
-    """Check that the run fits before anything is allocated; returns the estimate.
+@dataclass(frozen=True)
+class PreflightInputs:
+    """The run :func:`preflight` and :func:`wants_nvme_tier` plan for, as the engine is about
+    to build it (``engine_build.py`` makes one, before anything is allocated)."""
 
+    model: nn.Module
+    config: EngineConfig
+    optimizer: torch.optim.Optimizer
+    """The client optimizer facade: its groups say which parameters are trained."""
+    device: torch.device
+    """Where the blocks compute: CUDA counts device buffers, host staging and pinning."""
+    staging_chunk: int
+    """The most elements of a gradient staged to the host at once (the engine's ``STAGING_CHUNK_ELEMENTS``)."""
+    topology: Topology | None = None
+    """The processes sharing the state (``DataParallel.topology``); ``None``: one process
+    (:func:`topology_of` makes one from a span and a rank count)."""
+
+
+def preflight(run: PreflightInputs, available: AvailableMemory | None = None, nvme: str | None = None) -> MemoryNeed:
+    """Check that ``run`` fits before anything is allocated; returns the estimate.
+
+    ``available``: the memory to fit in (default: :func:`available_memory` of the device).
     ``nvme``: what the NVMe tier holds, "none", "optimizer" or "all" (default:
     ``nvme_offload`` resolved by :func:`wants_nvme_tier`); its swap files must fit in the
     free space under ``nvme_path`` (``DiskSpaceError`` naming the path and the bytes).
-    ``span_of``: this node's share of the optimizer state, with several nodes;
-    ``tier_ranks``: this node's ranks, with data parallel; ``topology``: both, and every
-    rank's window, exactly (:func:`estimate_from_shapes`).
     """
-    shapes = _shapes(model, config, optimizer)
+    config, device, staging_chunk, topology = run.config, run.device, run.staging_chunk, run.topology
+    shapes = _shapes(run.model, config, run.optimizer)
     have = available if available is not None else available_memory(device)
     if have.device is not None and shapes.device_freed:
         have = dataclasses.replace(have, device=have.device + shapes.device_freed)
     if nvme is None:
-        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, topology or topology_of(span_of, tier_ranks))
+        nvme = _wants_nvme(shapes, config, device, staging_chunk, have, topology or Topology())
     config = _options(config, nvme_offload=nvme)
     need = check(
-        lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, span_of, tier_ranks, topology),
+        lambda c: estimate_from_shapes(shapes, c, device.type, staging_chunk, topology=topology),
         config,
         have,
     )
@@ -464,29 +470,20 @@ def preflight(
     return need
 
 
-def wants_nvme_tier(
-    model: nn.Module,
-    config: EngineConfig,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    staging_chunk: int,
-    available: AvailableMemory | None = None,
-    span_of: SpanOf | None = None,
-    tier_ranks: int | None = None,
-    topology: Topology | None = None,
-) -> str:
+def wants_nvme_tier(run: PreflightInputs, available: AvailableMemory | None = None) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
-    with which the run's host state (this node's share of it, with ``span_of``) fits in the
-    available host memory ("all" when none does)."""
+    with which the run's host state (this node's share of it, with several nodes) fits in
+    the available host memory ("all" when none does)."""
+    config = run.config
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     return _wants_nvme(
-        _shapes(model, config, optimizer),
+        _shapes(run.model, config, run.optimizer),
         config,
-        device,
-        staging_chunk,
-        available if available is not None else available_memory(device),
-        topology or topology_of(span_of, tier_ranks),
+        run.device,
+        run.staging_chunk,
+        available if available is not None else available_memory(run.device),
+        run.topology or Topology(),
     )
 
 
