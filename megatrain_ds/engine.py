@@ -13,6 +13,9 @@ Lifecycle of one optimizer step (``gradient_accumulation_steps`` micro-batches):
                            its update has landed; optimizer/speculative_step.py: [Note:
                            speculative steps], optimizer/pipelined_finish.py: [Note:
                            pipelined finish])
+
+Building the engine (preflight, the placement, the host state, the optimizer, the streams)
+is ``engine_build.py``'s: ``__init__`` runs its :func:`~megatrain_ds.engine_build.build`.
 """
 
 from __future__ import annotations
@@ -111,26 +114,37 @@ class MegatrainEngine(nn.Module):
     states: list[HostFlatState]
     """One flat host state per block, in block order, then the resident parameters' state."""
     num_templates: int
+    """Weightless block templates, one per distinct block structure (model/block_template.py)."""
     resident: ResidentParams
+    """The parameters outside the blocks (embeddings, final norm, head), on the device."""
     _resident_index: int
+    """The resident parameters' state in :attr:`states` (the last)."""
     windows: list[tuple[int, int]]
     """This rank's ``[start, end)`` of each state (all of it without data parallel)."""
     optimizer_states: list[HostFlatState]
     """Views of each state's window: what this rank's optimizer (and NVMe tier) holds."""
     adamw: HostAdamW
+    """AdamW over :attr:`optimizer_states`, each state on its placement (optimizer/host_adamw.py)."""
     stepper: OptimizerStepper
+    """The global norm, clipping, speculative updates and skips (optimizer/speculative_step.py)."""
     held_writes: HeldWrites
     pipelined_finish: PipelinedFinish | None
+    """The update behind the next forward, where the configuration allows it (optimizer/pipelined_finish.py)."""
     sink: GradientPort
+    """Where gradients leave the device (behind the reducer with data parallel)."""
     streamer: WeightStreamer
+    """The blocks' weights into device buffers (from the NVMe tier's window where they live there)."""
     blocks: StreamedBlocks
     stashed_blocks: int
+    """Blocks, from the first, whose activations are stashed rather than recomputed."""
     recompute_choice: RecomputeChoice | None
     """The policy's decision at the first training forward (stash bytes, predicted steps)."""
     fragment_choice: FragmentChoice | None
     """``"fragment_bytes": "auto"``'s decision at the first training forward."""
     mlp_tile_tokens: int
+    """Tokens per tile of the blocks' MLPs (0: not tiled; planning/long_context.py)."""
     causal_loss: ChunkedCausalLMLoss | None
+    """The loss over sequence chunks, where the model's head allows it (model/causal_lm_loss.py)."""
 
     def __init__(
         self,
