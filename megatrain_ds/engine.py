@@ -547,9 +547,11 @@ class MegatrainEngine(nn.Module):
 
         Collective with data parallel: every rank must call it (barriers, the span files,
         the blocks gathered for the model files); every rank returns once it is published."""
+        # Settled first, outside host_work: the resident parameters' refresh it may issue is
+        # device work, which the streams' synchronisation in save_checkpoint then orders.
+        self.settle_optimizer()
         # Checkpoint I/O is host code on host buffers, once save_checkpoint has synchronised the streams.
         with self.runtime.observe(), self.runtime.host_work():
-            self.settle_optimizer()
             if self._inside_accumulation_window():  # the held gradients are saved: all of them valid
                 self.sink.drain()
                 self.held_writes.settle(self.optimizer_states)
@@ -572,8 +574,8 @@ class MegatrainEngine(nn.Module):
 
         Collective with data parallel: every rank must call it (barriers; each node reads
         its copy, each rank its windows)."""
+        self.settle_optimizer()  # outside host_work, as for saving
         with self.runtime.observe(), self.runtime.host_work():  # host code, as for saving
-            self.settle_optimizer()
             request = checkpoint_load.LoadRequest(
                 load_dir,
                 tag,
