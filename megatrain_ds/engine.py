@@ -277,9 +277,8 @@ class MegatrainEngine(nn.Module):
         landed in the host state (optimizer/pipelined_finish.py: [Note: pipelined finish]).
         The engine does it wherever it reads or writes that state; call it before reading
         ``module``'s parameters directly between ``step()`` and the next forward."""
-        if self.pipelined_finish is not None and self.pipelined_finish.in_flight:
-            with self.runtime.observe():
-                self.pipelined_finish.settle()
+        if self.pipelined_finish is not None:
+            self.pipelined_finish.settle_observed()
 
     def _before_model_forward(self) -> None:
         """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish])."""

@@ -208,8 +208,8 @@ class PipelinedFinish:
                 self._take_one()
 
     def settle_observed(self) -> None:
-        """:meth:`settle` from code outside the engine, seen by the race checker as the
-        engine's own host code (``runtime.observe``)."""
+        """:meth:`settle`, seen by the race checker as the engine's own host code
+        (``runtime.observe``): the engine's settle points and readers outside it."""
         if self._waiting:
             with self._runtime.observe():
                 self.settle()
