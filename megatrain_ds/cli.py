@@ -280,9 +280,10 @@ def probe_host(hardware: Hardware, block: Callable[[Hardware], float] | None = N
     measured = dataclasses.replace(
         hardware, host_memory_bytes_per_s=2 * copy_rate, adam_bytes_per_s=_adam_bytes_per_s(seconds)
     )
-    if not torch.cuda.is_available():  # planning a GPU from a machine without one
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime, cuda_available
+
+    if not cuda_available():  # planning a GPU from a machine without one
         return measured
-    from megatrain_ds.runtime.device_runtime import DeviceRuntime
 
     rates = DeviceRuntime.create(torch.device("cuda")).measure_copy_rates(256 << 20)
     assert rates is not None  # a CUDA runtime copies

@@ -50,7 +50,7 @@ from megatrain_ds.optimizer.speculative_step import OptimizerStepper, StepOutcom
 from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run
 from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
+from megatrain_ds.runtime.device_runtime import DeviceRuntime, cuda_available, default_device
 from megatrain_ds.runtime.host_ledger import LedgerCounts
 from megatrain_ds.runtime.trace import TraceSchedule
 from megatrain_ds.state.host_store import HostFlatState
@@ -69,12 +69,6 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteGradientError(RuntimeError):
     """The global gradient norm was not finite and the step could not (or may no longer) be skipped."""
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _destroy_at_exit(engine: weakref.ref[MegatrainEngine]) -> Callable[[], None]:
@@ -159,7 +153,7 @@ class MegatrainEngine(nn.Module):
         self.config = config
         # Before the device is chosen: on CUDA each rank takes the device LOCAL_RANK.
         self.data_parallel = DataParallel.join(
-            use_cuda=(device.type == "cuda") if device is not None else torch.cuda.is_available(),
+            use_cuda=(device.type == "cuda") if device is not None else cuda_available(),
             timeout_s=config.options.collective_timeout_s,
         )
         self.runtime = DeviceRuntime.create(device or default_device(), config.options.pin_memory)

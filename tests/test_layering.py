@@ -197,3 +197,39 @@ def test_only_the_integration_layer_imports_the_frameworks():
                 if framework or (name.startswith("deepspeed") and not deepspeed_allowed):
                     offending.append(f"{module} imports {name}")
     assert not offending, "\n".join(offending)
+
+
+CUDA_OWNER = f"{PACKAGE}.runtime.device_runtime"
+
+
+def _cuda_uses(tree: ast.AST) -> list[int]:
+    """Lines of ``torch.cuda`` attribute reads and ``torch.cuda`` imports in ``tree``, in order."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "cuda":
+            if isinstance(node.value, ast.Name) and node.value.id == "torch":
+                lines.add(node.lineno)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            imported = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(name.startswith("torch.cuda") for name in imported):
+                lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_device_runtime_calls_cuda():
+    """CUDA belongs to ``runtime/device_runtime.py``: streams, events and buffers through a
+    ``DeviceRuntime``, and the stream-free questions (the device, its free memory, RNG
+    states) through its functions. Elsewhere a ``torch.cuda`` call would be GPU-only code
+    that the CPU path (and the race checker proving its ordering) never runs."""
+    offending = [
+        f"{module}:{line}"
+        for module, path in _modules().items()
+        if module != CUDA_OWNER
+        for line in _cuda_uses(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert not offending, "torch.cuda used outside device_runtime: " + ", ".join(offending)
+
+
+def test_the_cuda_check_sees_a_call():
+    tree = ast.parse("import torch\nx = 1\nif torch.cuda.is_available():\n    pass\nfrom torch.cuda import Stream\n")
+    assert _cuda_uses(tree) == [3, 5]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatrain_ds.checkpoint.tensor_files import CheckpointError
+from megatrain_ds.runtime.device_runtime import device_rng_states, restore_device_rng_states
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def capture_rng() -> RngState:
         numpy_state = numpy.random.get_state(legacy=True)
     except ImportError:
         pass
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    cuda = device_rng_states()
     return RngState(random.getstate(), torch.get_rng_state(), numpy_state, cuda)  # type: ignore[arg-type]
 
 
@@ -133,15 +134,11 @@ def restore_rng(state: RngState) -> None:
         import numpy
 
         numpy.random.set_state(state.numpy)
-    if state.cuda is not None and torch.cuda.is_available():
-        devices = torch.cuda.device_count()
-        if len(state.cuda) != devices:
-            logger.warning(
-                "megatrain: the checkpoint has RNG states of %d CUDA devices, this process "
-                "sees %d; restoring the first %d",
-                len(state.cuda),
-                devices,
-                min(devices, len(state.cuda)),
-            )
-        for index, device_state in enumerate(state.cuda[:devices]):
-            torch.cuda.set_rng_state(device_state, index)
+    devices = restore_device_rng_states(state.cuda) if state.cuda is not None else None
+    if state.cuda is not None and devices is not None and len(state.cuda) != devices:
+        logger.warning(
+            "megatrain: the checkpoint has RNG states of %d CUDA devices, this process sees %d; restored the first %d",
+            len(state.cuda),
+            devices,
+            min(devices, len(state.cuda)),
+        )

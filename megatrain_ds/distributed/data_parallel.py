@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain_ds.distributed.ownership import Ownership
+from megatrain_ds.runtime.device_runtime import take_local_device
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState
@@ -271,7 +272,7 @@ class DataParallel:
             return None
         rank = dist.get_rank()
         if use_cuda and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            take_local_device(int(os.environ["LOCAL_RANK"]))
         timeout = datetime.timedelta(seconds=timeout_s)
         nodes, my_node = _gather_nodes(rank, world_size)
         # new_group is collective over the whole world, in the same order everywhere.

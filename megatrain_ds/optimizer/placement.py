@@ -141,7 +141,7 @@ def measure(runtime: DeviceRuntime, kernel: CpuAdamKernel, n: int = CALIBRATION_
             lambda: adamw_step_(dp, dg, dm, dv, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=10), sync
         )
     )
-    return Calibration(kernel.name, cpu, copy, h2d, d2h, device_adam, torch.cuda.get_device_name(runtime.device))
+    return Calibration(kernel.name, cpu, copy, h2d, d2h, device_adam, runtime.device_name)
 
 
 def cache_path() -> Path:
@@ -149,7 +149,7 @@ def cache_path() -> Path:
 
 
 def _machine_key(runtime: DeviceRuntime, kernel: CpuAdamKernel) -> str:
-    device = torch.cuda.get_device_name(runtime.device) if runtime.is_cuda else "cpu"
+    device = runtime.device_name if runtime.is_cuda else "cpu"
     return "|".join(
         [
             socket.gethostname(),

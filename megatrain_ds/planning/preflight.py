@@ -48,7 +48,7 @@ from megatrain_ds.config import NVME_OFFLOAD_LEVELS, EngineConfig
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
-from megatrain_ds.runtime.device_runtime import PAGE_BYTES
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES, free_device_bytes
 from megatrain_ds.state.host_store import SpanOf
 from megatrain_ds.state.placement import Placement, StateShape, Topology, flat_state_params, state_shapes
 from megatrain_ds.state.swap_directory import check_free_space
@@ -225,9 +225,7 @@ def available_memory(device: torch.device) -> AvailableMemory:
     limit = _cgroup_room()
     if limit is not None and limit < host:
         host, source = limit, "the cgroup memory limit"
-    free_device = None
-    if device.type == "cuda":
-        free_device, _ = torch.cuda.mem_get_info(device)
+    free_device = free_device_bytes(device)
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return AvailableMemory(
         host=host, host_source=source, device=free_device, memlock=None if soft == resource.RLIM_INFINITY else soft

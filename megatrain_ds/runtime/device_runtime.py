@@ -1,11 +1,12 @@
 """Streams, events, threads and host/device allocations: the one owner of CUDA's streams and memory.
 
 Everything else asks a :class:`DeviceRuntime` for streams, events, buffers, host threads
-and the queues between them. Elsewhere the package calls CUDA only for questions that
-involve no stream or buffer: whether there is a device and which is current
-(``engine.py``), the device a rank takes (``distributed/data_parallel.py``), its name
-(``optimizer/placement.py``) and free memory (``planning/preflight.py``), and the RNG
-states (``streaming/streamed_blocks.py``, ``checkpoint/rng_state.py``). On a machine
+and the queues between them, and this module's functions for the questions that involve
+no stream or buffer: whether there is a device and which is current (:func:`default_device`),
+the device a rank takes (:func:`take_local_device`), its name and free memory
+(:attr:`DeviceRuntime.device_name`, :func:`free_device_bytes`), and the RNG states
+(:meth:`DeviceRuntime.rng_state`, :func:`device_rng_states`). No other module of the
+package calls ``torch.cuda`` (``tests/test_layering.py`` checks it). On a machine
 without CUDA the runtime hands out no-op streams and events and unpinned host memory, so
 the CPU runs exactly the scheduling code the GPU runs (see ``[Note: one code path]`` below).
 
@@ -153,6 +154,49 @@ def canonical_device(device: torch.device) -> torch.device:
     return device
 
 
+def cuda_available() -> bool:
+    """Whether this process can compute on a CUDA device."""
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    """Where the engine computes unless told: the current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def take_local_device(local_rank: int) -> None:
+    """Make ``cuda:<local_rank>`` this process's current device: each data-parallel rank of
+    a node computes on its own GPU, and NCCL's groups bind to the current device."""
+    torch.cuda.set_device(local_rank)
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` now, as CUDA reports it; ``None`` for the CPU (host memory
+    is the planner's other question)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def device_rng_states() -> list[torch.Tensor] | None:
+    """The RNG state of every CUDA device this process sees, ``None`` without CUDA."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def restore_device_rng_states(states: list[torch.Tensor]) -> int | None:
+    """Restore the first devices' RNG states from ``states`` (as many as both sides have);
+    returns how many devices this process sees (``None`` without CUDA, nothing restored)."""
+    if not torch.cuda.is_available():
+        return None
+    devices = torch.cuda.device_count()
+    for index, state in enumerate(states[:devices]):
+        torch.cuda.set_rng_state(state, index)
+    return devices
+
+
 @dataclass
 class DeviceRuntime:
     """The compute device, the engine's side streams, and how host memory is allocated.
@@ -267,6 +311,14 @@ class DeviceRuntime:
         if self.is_cuda:
             return torch.cuda.get_device_name(self.device)
         return _cpu_name()
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The compute device's RNG state (``None`` on the CPU, whose state is torch's global one)."""
+        return torch.cuda.get_rng_state(self.device) if self.is_cuda else None
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore the compute device's RNG state from :meth:`rng_state`'s value."""
+        torch.cuda.set_rng_state(state, self.device)
 
     @contextlib.contextmanager
     def on(self, stream: Stream) -> Iterator[None]:

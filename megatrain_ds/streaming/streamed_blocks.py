@@ -62,7 +62,7 @@ class _ReplayState:
         device_type = runtime.device.type
         return cls(
             cpu_rng=torch.get_rng_state(),
-            device_rng=torch.cuda.get_rng_state(runtime.device) if runtime.is_cuda else None,
+            device_rng=runtime.rng_state(),
             autocast_enabled=torch.is_autocast_enabled(device_type),
             autocast_dtype=torch.get_autocast_dtype(device_type),
         )
@@ -73,7 +73,7 @@ class _ReplayState:
         with torch.random.fork_rng(devices=devices, device_type=runtime.device.type):
             torch.set_rng_state(self.cpu_rng)
             if self.device_rng is not None:
-                torch.cuda.set_rng_state(self.device_rng, runtime.device)
+                runtime.set_rng_state(self.device_rng)
             with torch.autocast(runtime.device.type, dtype=self.autocast_dtype, enabled=self.autocast_enabled):
                 yield
 
