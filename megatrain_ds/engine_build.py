@@ -233,8 +233,6 @@ def _migrate_block(
             span_of=dp.window,
             share=dp.broadcast_from_rank0_,
         )
-    if placement.trained_only:
-        return migrate_to_host(named, group_of, engine.runtime, master, compute, source=source, trained_only=True)
     return migrate_to_host(
         named,
         group_of,
@@ -247,6 +245,7 @@ def _migrate_block(
         shadow_on_host=placement.streamed is Where.HOST,
         span_of=functools.partial(_span_of, engine),
         share=functools.partial(_share_initial_weights, engine),
+        trained_only=placement.trained_only,
     )
 
 
@@ -264,7 +263,6 @@ def _build_resident(
     block_params = {id(p) for block in blocks for p in block.parameters()}
     resident = [(n, p) for n, p in model.named_parameters() if id(p) not in block_params]
     master, compute = engine.config.master_dtype, engine.config.compute_dtype
-    trained_only = engine.placement.resident.trained_only  # frozen ones: their weights alone
     engine.resident = ResidentParams(
         resident,
         group_of,
@@ -273,9 +271,9 @@ def _build_resident(
         compute,
         source=source,
         shared=shared,
-        span_of=None if trained_only else functools.partial(_span_of, engine),
-        share=None if trained_only else functools.partial(_share_initial_weights, engine),
-        trained_only=trained_only,
+        span_of=functools.partial(_span_of, engine),
+        share=functools.partial(_share_initial_weights, engine),
+        trained_only=engine.placement.resident.trained_only,  # frozen ones: their weights alone
     )
     if source is not None:
         source.report_unused(name for name, _ in model.named_buffers())
@@ -311,7 +309,7 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
     # What this rank updates: every state whole, or with data parallel its window of
     # each (distributed/data_parallel.py: [Note: data-parallel step]).
     engine.windows = [
-        dp.window(state.layout.numel) if dp is not None else (0, state.layout.numel) for state in engine.states
+        dp.window(state.stepped_numel) if dp is not None else (0, state.stepped_numel) for state in engine.states
     ]
     engine.optimizer_states = (
         engine.states if dp is None else [state.window(*window) for state, window in zip(engine.states, engine.windows)]
@@ -408,7 +406,7 @@ def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplat
     )
     dp = engine.data_parallel
     engine.sink = (
-        sink if dp is None else GradientReducer(engine.runtime, dp, sink, [s.layout.numel for s in engine.states])
+        sink if dp is None else GradientReducer(engine.runtime, dp, sink, [s.stepped_numel for s in engine.states])
     )
     num_slots = options.num_buffers + options.checkpoint_interval - 1
     if engine.placement.weights_on_tier:  # forward and backward read the blocks' weights from the tier

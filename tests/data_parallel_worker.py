@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
-from placement_check import placement_disagreements
+from placement_check import node_preflight, placement_disagreements, preflight_host_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
@@ -43,6 +43,17 @@ def global_batch(seed: int, rows: int, length: int = LENGTH) -> dict[str, torch.
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, tiny_models.VOCAB, (rows, length), generator=generator)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+
+
+def freeze_some(model: torch.nn.Module) -> list[str]:
+    """Freeze (``requires_grad_(False)``) every block's MLP and the embedding, as a LoRA-style
+    run freezes its base: frozen weights in the blocks and among the resident parameters.
+    Returns their names."""
+    frozen = [name for name, _ in model.named_parameters() if ".mlp." in name or "embed_tokens" in name]
+    parameters = dict(model.named_parameters())
+    for name in frozen:
+        parameters[name].requires_grad_(False)
+    return frozen
 
 
 def config(accumulation: int, world_size: int, micro: int = MICRO, **megatrain: object) -> dict:
@@ -167,6 +178,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
     collectives = count_collective_elements()
     model = tiny_models.llama(num_layers=4)
+    if args.frozen:
+        freeze_some(model)
     long_context = {
         key: value
         for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens), ("mlp_tile_tokens", args.mlp_tile_tokens))
@@ -225,8 +238,12 @@ def _held_report(engine: MegatrainEngine) -> dict:
     if dp is not None:
         held = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
     held.update(host_bytes=engine.host_bytes(), numels=[flat.layout.numel for flat in engine.states])
-    # This rank's buffers against its placement (tests/test_placement.py: one process's combinations).
+    held["trained_numels"] = [flat.layout.trained_numel for flat in engine.states]
+    # This rank's buffers against its placement (tests/test_placement.py: one process's combinations),
+    # and against preflight's estimate where every host buffer is its node's.
     held["placement_disagreements"] = placement_disagreements(engine)
+    if engine.gathered_weights is None:
+        held["placement_disagreements"] += preflight_host_disagreements(node_preflight(engine), engine)
     held["tier"] = None
     if engine.nvme_tier is not None:
         held["tier"] = _tier_report(engine)
@@ -322,6 +339,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
     parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
+    parser.add_argument("--frozen", action="store_true", help="parity: freeze_some(model) before the engine")
     parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
     parser.add_argument("--nvme", help="parity: Adam's moments on the NVMe tier, its swap files under this path")
     parser.add_argument("--nvme-weights", action="store_true", help='parity: with --nvme, "nvme_offload": "all"')

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from megatrain_ds import MegatrainEngine
+from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+from megatrain_ds.planning.preflight import AvailableMemory, MemoryNeed, PreflightInputs, preflight
+from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.placement import BUFFERS, Where
 
 
@@ -85,3 +88,41 @@ def _tier_disagreements(engine: MegatrainEngine) -> list[str]:
     if placement.blocks[0].streamed is Where.TIER and engine.nvme_weights is None:
         problems.append("weights planned on the tier, no weight window")
     return problems
+
+
+def node_preflight(engine: MegatrainEngine) -> MemoryNeed:
+    """Preflight's estimate for this engine's run and topology (this rank's node), with the
+    NVMe level the engine placed (``"auto"`` already resolved)."""
+    dp = engine.data_parallel
+    run = PreflightInputs(
+        engine.module,
+        engine.config,
+        engine.optimizer,
+        engine.runtime.device,
+        STAGING_CHUNK_ELEMENTS,
+        dp.topology if dp is not None else None,
+    )
+    return preflight(run, available=AvailableMemory(host=1 << 50), nvme=engine.placement.nvme)
+
+
+def preflight_host_disagreements(need: MemoryNeed, engine: MegatrainEngine) -> list[str]:
+    """Where preflight's host figures differ from the bytes this engine allocated plus a page
+    per host tensor (``host_empty`` over-allocates one: ``planning/preflight.py``). Node-shared
+    buffers are one allocation per node, so a rank's view is its node's; valid where no buffer
+    is a rank's own window (data parallel with the weights on the NVMe tier)."""
+    tensors = allocated_host_tensors(engine)
+
+    def paged(*names: str) -> int:
+        return sum(nbytes + PAGE_BYTES for name in names for nbytes in tensors[name])
+
+    pairs = {
+        "master": ("master",),
+        "adam_m_v": ("exp_avg", "exp_avg_sq"),
+        "gradients": ("grad",),
+        "shadow": ("shadow",),
+    }
+    return [
+        f"preflight {kind} {need.host.get(kind, 0)}, allocated {paged(*names)}"
+        for kind, names in pairs.items()
+        if need.host.get(kind, 0) != paged(*names)
+    ]

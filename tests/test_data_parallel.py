@@ -19,7 +19,7 @@ import safetensors.torch
 import tiny_models
 import torch
 import transformers
-from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
+from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, freeze_some, global_batch
 from data_parallel_worker import config as worker_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
@@ -56,11 +56,14 @@ def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "to
 
 
 def reference_training(
-    steps: int, accumulation: int, world_size: int, length: int = LENGTH
+    steps: int, accumulation: int, world_size: int, length: int = LENGTH, frozen: bool = False
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size."""
+    """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size
+    (``frozen``: the worker's ``freeze_some``, so AdamW and clipping skip those weights)."""
     torch.manual_seed(0)  # rank 0's model: the engine keeps the node writer's weights
     model = tiny_models.llama(num_layers=4)
+    if frozen:
+        freeze_some(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     norms = []
     for step in range(steps):
@@ -209,16 +212,21 @@ def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_singl
 
 def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, cpu_single_thread: None) -> None:
     """The same run started by the deepspeed launcher, which names the node by CROSS_RANK
-    (the ranks' work is the same as under torchrun: not run again under the race checker)."""
-    _two_ranks_on_one_node(tmp_path, "deepspeed")
+    (the ranks' work is the same as under torchrun: not run again under the race checker),
+    with frozen weights (issue 44; ``freeze_some``): the node holds them once, at their own
+    size, and no optimizer state (``_assert_frozen_held_once``)."""
+    _two_ranks_on_one_node(tmp_path, "deepspeed", frozen=True)
 
 
-def _two_ranks_on_one_node(tmp_path: Path, launcher: str) -> None:
+def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: bool = False) -> None:
     steps, accumulation = 5, 2
-    launch("parity", tmp_path, "--steps", str(steps), "--accumulation", str(accumulation), launcher=launcher)
+    args = ("--steps", str(steps), "--accumulation", str(accumulation), *(["--frozen"] if frozen else []))
+    launch("parity", tmp_path, *args, launcher=launcher)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(2, 0, False), (2, 1, False)]
-    _assert_parity(ranks, steps, accumulation)
+    _assert_parity(ranks, steps, accumulation, frozen=frozen)
+    if frozen:
+        _assert_frozen_held_once(ranks, nodes=1, per_node=2)
 
 
 def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1) -> None:
@@ -304,14 +312,41 @@ def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool
         assert sum(leader["host_bytes"][kind] for leader in ranks[::per_node]) == 4 * numel
 
 
-def _assert_parity(ranks: list[dict], steps: int, accumulation: int) -> None:
-    """Both ranks' weights and norms are plain PyTorch's with both batches in one process."""
+def _assert_frozen_held_once(ranks: list[dict], nodes: int, per_node: int) -> None:
+    """Frozen weights cost their own bytes once per node (issue 44): every state's moments
+    and held gradients cover this node's span of its trained prefix alone (the frozen
+    elements after it have none), together each trained element once; the fp32 master
+    holds every weight once (node-shared: one copy per node)."""
+    trained, numels = ranks[0]["trained_numels"], ranks[0]["numels"]
+    assert sum(trained) < sum(numels)  # the worker froze weights in blocks and resident state
+    ownership = Ownership.of([range(node * per_node, (node + 1) * per_node) for node in range(nodes)], 0)
+    for node, leader in enumerate(ranks[::per_node]):
+        spans = [end - start for _, start, end in (ownership.spans(t)[node] for t in trained)]
+        for index, state in enumerate(leader["flat_states"]):
+            assert state["held"][1] <= trained[index] and state["exp_avg"].numel() == spans[index]
+        for kind in ("exp_avg", "exp_avg_sq", "grad"):
+            assert leader["host_bytes"][kind] == 4 * sum(spans), kind
+        assert leader["host_bytes"]["master"] == 4 * sum(numels)
+    for kind in ("exp_avg", "exp_avg_sq", "grad"):
+        assert sum(leader["host_bytes"][kind] for leader in ranks[::per_node]) == 4 * sum(trained)
+
+
+def _assert_parity(ranks: list[dict], steps: int, accumulation: int, frozen: bool = False) -> None:
+    """Both ranks' weights and norms are plain PyTorch's with both batches in one process
+    (``frozen``: with the worker's frozen weights, which stay bit for bit as they started)."""
     _assert_placement_agrees(ranks)
-    expected, expected_norms = reference_training(steps, accumulation, world_size=2)
+    expected, expected_norms = reference_training(steps, accumulation, world_size=2, frozen=frozen)
     assert min(expected_norms) > CLIPPING  # clipping is active in every step
     for rank in ranks:
         assert relative_error(rank["state_dict"], expected) < 2e-6
         assert rank["norms"] == pytest.approx(expected_norms, rel=1e-5)
+    if frozen:
+        torch.manual_seed(0)
+        initial = tiny_models.llama(num_layers=4).state_dict()
+        names = freeze_some(tiny_models.llama(num_layers=4))
+        for rank in ranks:
+            for name in names:
+                assert torch.equal(rank["state_dict"][name], initial[name]), name
     for key, value in ranks[0]["state_dict"].items():  # every rank (every node) holds the same weights
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 

@@ -281,8 +281,8 @@ def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: St
 
             def whole_of(state: HostFlatState, kind: str) -> torch.Tensor:
                 part = held_of[id(state)]
-                # Trained-only state: its trained prefix is all the files have tensors of.
-                if (part.start, part.end) == (0, part.numel) or state.trained_only:
+                # A trained-only state holding its whole trained prefix: all the files have tensors of.
+                if (part.start, part.end) in ((0, part.numel), (0, state.stepped_numel)):
                     return part.tensor(kind)
                 return temporaries.whole(id(state), part, kind)
 
@@ -318,7 +318,8 @@ def _open_span_files(
     states = states_by_name(engine)
     numels = {name: state.layout.numel for name, state in states.items()}
     frozen = [name for name, state in states.items() if state.layout.trained_numel < state.layout.numel]
-    return SpanFiles(files, numels, kinds, frozen) if kinds else None
+    trained = {name: state.layout.trained_numel for name, state in states.items()}
+    return SpanFiles(files, numels, kinds, frozen, trained) if kinds else None
 
 
 def _open_shards(path: Path, manifest: Mapping[str, Any], prefix: str) -> dict[str, SafetensorsFile]:

@@ -124,6 +124,10 @@ class SpanFiles:
         frozen_states: the names of the states with frozen parameters, whose layout changed
             (:data:`FROZEN_LAST_LAYOUT`): an older file's span of one is refused.
         kinds: what each file must hold for every state (the moments, ``grad``, :data:`MASTER`).
+        trained_numels: each state's trained prefix (``FlatLayout.trained_numel``): its spans
+            may end there, written by nodes whose optimizer state covers the trained
+            elements alone (frozen ones have none: ``state/host_store.py``, [Note: frozen
+            weights]); a reader that holds frozen elements keeps their moments at zero.
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class SpanFiles:
         numels: Mapping[str, int],
         kinds: Sequence[str],
         frozen_states: Collection[str] = (),
+        trained_numels: Mapping[str, int] | None = None,
     ) -> None:
         self._files = files
         self.kinds: tuple[str, ...] = tuple(kinds)
@@ -147,9 +152,9 @@ class SpanFiles:
                     "checkpoint has no span files, and this version reads it by parameter name)"
                 )
         for state_name, numel in numels.items():
-            self._check_tiling(state_name, numel)
+            self._check_tiling(state_name, numel, (trained_numels or {}).get(state_name, numel))
 
-    def _check_tiling(self, state_name: str, numel: int) -> None:
+    def _check_tiling(self, state_name: str, numel: int, trained_numel: int) -> None:
         covered = sorted((spans[state_name], file) for file, spans in self._spans.items() if state_name in spans)
         position = 0
         for (start, end), file in covered:
@@ -167,7 +172,7 @@ class SpanFiles:
                         "of a different model, or saved outside an accumulation window?)"
                     )
             position = end
-        if position != numel:
+        if position not in (numel, trained_numel):
             raise CheckpointError(
                 f"the span files cover elements [0, {position}) of state {state_name!r}, which has {numel}: "
                 "is it a checkpoint of a different model?"

@@ -147,7 +147,7 @@ def _whole_master(engine: MasterHolder, index: int, on_tier: OnTier | None) -> t
         dp = engine.data_parallel
         assert dp is not None  # only several nodes shard the master
         first, last = state.master_held
-        whole = torch.empty(state.layout.numel, dtype=state.master.dtype)
+        whole = torch.empty(state.stepped_numel, dtype=state.master.dtype)  # frozen weights: in the shadow
         whole[first:last].copy_(state.master)
         # gloo writes the received spans unseen by aten; the race checker sees them here.
         declare_access(reads=[state.master], writes=[whole], what="the master gather for state_dict")

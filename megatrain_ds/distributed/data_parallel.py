@@ -416,7 +416,9 @@ class DataParallel:
                 # A sharded master: the shadow is what the nodes hold whole, and each rank
                 # rounded its window into it as it stepped (HostAdamW.update_range), so the
                 # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
-                received = self.gather_spans_(state.weights)
+                # Only the stepped elements changed (frozen weights after them never do), and
+                # the spans are of those (HostFlatState.stepped_numel).
+                received = self.gather_spans_(state.weights[: state.stepped_numel])
                 if state.master_sharded:
                     # gloo writes the received spans unseen by aten; the race checker sees
                     # them as it saw the refresh of the shadow they replace.

@@ -56,8 +56,12 @@ class HostFlatState:
     streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
     master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
     frozen weights to the compute dtype before ``initialize`` to hold them at 2 B/param.
-    One process with its state in host memory only: with data parallel or the NVMe tier every
-    buffer still covers the whole layout (``migrate_to_host(trained_only=...)``).
+    So it is wherever the state is in host memory (``migrate_to_host(trained_only=...)``):
+    in one process, and with data parallel, where the node's shared copy holds the frozen
+    weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
+    (:attr:`stepped_numel`). Not for a state on the NVMe tier, nor, with several nodes sharding
+    a bf16 run's master, for frozen weights that are not in the compute dtype: there every
+    buffer still covers the whole layout (``state/placement.py``: [Note: the placement model]).
     """
 
     layout: FlatLayout
@@ -75,11 +79,18 @@ class HostFlatState:
     frozen_in_shadow: bool = False
 
     @property
+    def stepped_numel(self) -> int:
+        """Elements the optimizer state is laid over: the trained prefix where
+        :attr:`trained_only`, else every element. Data-parallel windows and node spans
+        (``distributed/ownership.py``) divide these."""
+        return self.layout.trained_numel if self.trained_only else self.layout.numel
+
+    @property
     def held(self) -> tuple[int, int]:
         """``[start, end)`` of the elements the optimizer state (moments, gradients) holds."""
         if self.span is not None:
             return self.span
-        return (0, self.layout.trained_numel if self.trained_only else self.layout.numel)
+        return (0, self.stepped_numel)
 
     @property
     def sharded(self) -> bool:
@@ -90,9 +101,9 @@ class HostFlatState:
     def master_held(self) -> tuple[int, int]:
         """``[start, end)`` of the elements ``master`` holds (:attr:`held` where it is sharded,
         the trained prefix where the frozen weights are in the shadow alone)."""
-        if self.frozen_in_shadow:
-            return (0, self.layout.trained_numel)
-        return self.held if self.master_sharded else (0, self.layout.numel)
+        if self.master_sharded:
+            return self.held
+        return (0, self.layout.trained_numel) if self.frozen_in_shadow else (0, self.layout.numel)
 
     @property
     def gathered(self) -> bool:
@@ -149,7 +160,6 @@ class HostFlatState:
         inside the part this node holds (:attr:`held`)."""
         first, last = self.held
         assert first <= start <= end <= last, (start, end, self.held)
-        assert not self.trained_only, "data parallel windows are of states that hold every element"
 
         def part(tensor: torch.Tensor | None, base: int = 0) -> torch.Tensor | None:
             return None if tensor is None else tensor[start - base : end - base]
@@ -257,28 +267,30 @@ def migrate_to_host(
 
     ``span_of``: the moments hold only this node's share, ``span_of(numel)``
     (:attr:`HostFlatState.span`), and so may the master (:func:`_fill_sharded`).
-    ``trained_only`` (one process, none of the above): frozen parameters get no moments,
-    gradients or, where they can, master (:func:`_migrate_trained_only`)."""
+    ``trained_only``: frozen parameters get no moments, gradients or, where they can, master
+    ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
-    if trained_only:
-        assert shared is None and span_of is None and share is None and moments_on_host and shadow_on_host
-        return _migrate_trained_only(named_params, layout, runtime, master_dtype, compute_dtype, source)
-    span = span_of(layout.numel) if span_of is not None else None
-    first, last = span if span is not None else (0, layout.numel)
+    assert not trained_only or (moments_on_host and shadow_on_host), "a trained-only state is in host memory"
+    covered = layout.trained_numel if trained_only else layout.numel
+    span = span_of(covered) if span_of is not None else None
+    first, last = span if span is not None else (0, covered)
     writes = shared is None or shared.is_writer
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
+    in_shadow = trained_only and shadow is not None and _frozen_all_in(named_params, layout, compute_dtype)
     sharded = span is not None and (shadow is not None or not shadow_on_host)
+    has_frozen = layout.trained_numel < layout.numel
+    assert not (sharded and trained_only and has_frozen) or in_shadow, "a sharded master holds no frozen weight"
     if sharded:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
-        master = runtime.host_empty(layout.numel, master_dtype, shared)
-        params = _fill_slots(named_params, layout, master if writes else None, master, source)
+        master = runtime.host_empty(layout.trained_numel if in_shadow else layout.numel, master_dtype, shared)
+        params = _fill_whole(named_params, layout, master, shadow if in_shadow else None, source, writes)
         if writes and share is not None:
             share(master)
         if writes and shadow is not None:
-            shadow.copy_(master)
+            shadow[: master.numel()].copy_(master)  # the master's weights' streamed copy, rounded
     held = last - first
     state = HostFlatState(
         layout=layout,
@@ -289,53 +301,38 @@ def migrate_to_host(
         params=params,
         span=span,
         master_sharded=sharded,
+        trained_only=trained_only,
+        frozen_in_shadow=in_shadow,
     )
     if sharded and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
 
 
-def _migrate_trained_only(
+def _frozen_all_in(named_params: Sequence[tuple[str, nn.Parameter]], layout: FlatLayout, dtype: torch.dtype) -> bool:
+    """Whether the layout has frozen parameters and every one arrives in ``dtype``."""
+    dtype_of = {name: param.dtype for name, param in named_params}
+    frozen = [slot.name for slot in layout.slots if slot.group == FROZEN_GROUP]
+    return bool(frozen) and all(dtype_of[name] == dtype for name in frozen)
+
+
+def _fill_whole(
     named_params: Sequence[tuple[str, nn.Parameter]],
     layout: FlatLayout,
-    runtime: DeviceRuntime,
-    master_dtype: torch.dtype,
-    compute_dtype: torch.dtype,
+    master: torch.Tensor,
+    frozen_into: torch.Tensor | None,
     source: TensorSource | None,
-) -> HostFlatState:
-    """The state of ``named_params`` in one process's host memory, frozen parameters at the
-    cost of their weights alone ([Note: frozen weights]): moments (and gradients, allocated
-    later over :attr:`HostFlatState.held`) of the trained prefix only; with a bf16 shadow and
-    every frozen parameter in the compute dtype, a master of the trained prefix only, each
-    frozen weight copied straight into its slot of the shadow (exact: same dtype)."""
-    trained = layout.trained_numel
-    dtype_of = {name: param.dtype for name, param in named_params}
+    writes: bool,
+) -> list[nn.Parameter]:
+    """Fill a master of every element, or with ``frozen_into`` (the shadow, in the frozen
+    weights' own dtype) a master of the trained prefix and each frozen weight copied straight
+    into its slot of ``frozen_into`` (exact: the same dtype). ``writes``: this rank fills the
+    (node-shared) buffers; the others only re-point their parameters."""
+    if frozen_into is None:
+        return _fill_slots(named_params, layout, master if writes else None, master, source)
     frozen = [index for index, slot in enumerate(layout.slots) if slot.group == FROZEN_GROUP]
-    shadow = runtime.host_empty(layout.numel, compute_dtype) if compute_dtype != master_dtype else None
-    in_shadow = (
-        shadow is not None and bool(frozen) and all(dtype_of[layout.slots[i].name] == compute_dtype for i in frozen)
-    )
-    if in_shadow:
-        assert shadow is not None
-        master = runtime.host_empty(trained, master_dtype)
-        params = _fill_slots(named_params, layout, master, master, source, range(frozen[0]))
-        params += _fill_slots(named_params, layout, shadow, shadow, source, frozen)
-        shadow[:trained].copy_(master)  # the trained weights' streamed copy, rounded
-    else:
-        master = runtime.host_empty(layout.numel, master_dtype)
-        params = _fill_slots(named_params, layout, master, master, source)
-        if shadow is not None:
-            shadow.copy_(master)
-    return HostFlatState(
-        layout=layout,
-        master=master,
-        shadow=shadow,
-        exp_avg=runtime.host_zeros(trained, torch.float32),
-        exp_avg_sq=runtime.host_zeros(trained, torch.float32),
-        params=params,
-        trained_only=True,
-        frozen_in_shadow=in_shadow,
-    )
+    params = _fill_slots(named_params, layout, master if writes else None, master, source, range(frozen[0]))
+    return params + _fill_slots(named_params, layout, frozen_into if writes else None, frozen_into, source, frozen)
 
 
 def _fill_sharded(

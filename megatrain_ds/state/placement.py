@@ -266,9 +266,8 @@ class Placement:
         with the NVMe tier holding ``nvme``."""
         assert nvme in ("none", "optimizer", "all"), nvme
         sizes = _Sizes.of(config)
-        trained_only = nvme == "none" and not topology.data_parallel
-        states = [_state(shape, sizes, nvme, topology, trained_only) for shape in shapes[:-1]]
-        states.append(_state(shapes[-1], sizes, "none", topology, trained_only))  # the resident state: host memory
+        states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
+        states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
         mine, node = _tiers(config, nvme, topology, shapes[:-1], sizes)
         return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
 
@@ -282,8 +281,8 @@ class Placement:
 
     @property
     def trained_only(self) -> bool:
-        """Whether frozen parameters cost their weights alone: one process, no NVMe tier."""
-        return self.resident.trained_only
+        """Whether frozen parameters cost their weights alone in every state (no NVMe tier)."""
+        return all(state.trained_only for state in self.states)
 
     @property
     def weights_on_tier(self) -> bool:
@@ -361,41 +360,49 @@ class _Sizes:
         )
 
 
-def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology, trained_only: bool) -> StatePlacement:
-    """One state's placement ([Note: the placement model]); ``trained_only``: the run is one
-    process with every state in host memory (the resident state's ``nvme`` is ``"none"``
-    whatever the blocks' is)."""
+def _trained_only(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> bool:
+    """Whether the state's optimizer state covers its trained prefix alone, frozen parameters
+    holding their weights and nothing else: wherever it is in host memory, unless several
+    nodes shard a bf16 run's master and a frozen weight is not in the compute dtype (its
+    exact value would need a master of its own beside the node's span)."""
+    shards_master = topology.span_of is not None and sizes.with_shadow
+    has_frozen = shape.trained_numel < shape.numel
+    return nvme == "none" and not (shards_master and has_frozen and not shape.frozen_in_compute_dtype)
+
+
+def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> StatePlacement:
+    """One state's placement ([Note: the placement model]); the resident state's ``nvme`` is
+    ``"none"`` whatever the blocks' is."""
     numel, trained = shape.numel, shape.trained_numel
-    frozen_numel = numel - trained
+    trained_only = _trained_only(shape, sizes, nvme, topology)
+    stepped = trained if trained_only else numel  # what windows and spans divide
     shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow and nvme != "all" else NOWHERE
-    grad_where, streamed = Where.HOST, Where.HOST
-    if trained_only:  # one process, host memory: frozen parameters cost their weights alone
-        held, where = trained, (Where.TRAINED_PREFIX if trained < numel else Where.HOST)
+    grad_where, streamed, frozen_in = Where.HOST, Where.HOST, "master"
+    if trained_only:  # host memory: frozen parameters cost their weights alone
+        held = topology.span(stepped)
+        where = Where.NODE_SPAN if held < stepped else Where.TRAINED_PREFIX if trained < numel else Where.HOST
         in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
-        master = (
-            Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
-            if in_shadow
-            else Buffer(Where.HOST, numel, sizes.master)
-        )
-        moments = Buffer(where, trained, 4)
-        grad_where = where
+        if sizes.with_shadow and held < stepped:  # several nodes: the master's span too
+            master = Buffer(Where.NODE_SPAN, held, sizes.master)
+        elif in_shadow:
+            master = Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
+        else:
+            master = Buffer(Where.HOST, numel, sizes.master)
+        moments, grad_where = Buffer(where, held, 4), where
         frozen_in = "shadow" if in_shadow else "master"
-    elif not topology.data_parallel and nvme == "none":  # one process's resident state beside a tier
-        held, frozen_in = numel, "master"
-        master, moments = Buffer(Where.HOST, numel, sizes.master), Buffer(Where.HOST, numel, 4)
     elif not topology.data_parallel:  # one process with the NVMe tier
-        held, frozen_in = numel, "master"
+        held = numel
         master_on_tier = nvme == "all" or sizes.with_shadow  # unless it is what host memory streams
         master = Buffer(Where.TIER, numel, sizes.master) if master_on_tier else Buffer(Where.HOST, numel, sizes.master)
         moments = Buffer(Where.TIER, numel, 4)
         streamed = Where.TIER if nvme == "all" else Where.HOST
     elif nvme == "all":  # every rank its windows on its own tier, gathered when used
-        held, frozen_in = topology.window(numel), "master"
+        held = topology.window(numel)
         master = Buffer(Where.TIER_WINDOW, held, sizes.master)
         moments = Buffer(Where.TIER_WINDOW, held, 4)
         grad_where, streamed = Where.RANK_WINDOW, Where.GATHERED
     else:  # data parallel: the node's copy, its span of what is sharded
-        held, frozen_in = topology.span(numel), "master"
+        held = topology.span(numel)
         span_where = Where.NODE_SPAN if held < numel else Where.HOST
         sharded = sizes.with_shadow and held < numel  # several nodes: the master too, the shadow whole
         master = Buffer(span_where, held, sizes.master) if sharded else Buffer(Where.HOST, numel, sizes.master)
@@ -411,9 +418,9 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology, trai
         moments,
         grad,
         streamed,
-        frozen_numel,
+        numel - trained,
         trained_only,
-        frozen_in if frozen_numel else "",
+        frozen_in if numel > trained else "",
     )
 
 
