@@ -260,7 +260,9 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
 ) -> None:
     """Two ``torchrun --nnodes 2`` launches on this one host, a rank each: torchrun's
     GROUP_RANK makes them 2 nodes (the hostname would have made them one), each with its own
-    host copy, and they still train as one process with both batches.
+    host copy, and they still train as one process with both batches, with frozen weights
+    (issue 44: ``_assert_frozen_held_once``, each node its span of the trained prefix); their
+    checkpoint (a span file per node, of the trained prefix) loads back exactly.
 
     Under the race checker only (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``): nodes of
     one rank on the plain path run in the resharding test below (its 4-node resume)."""
@@ -268,13 +270,21 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     steps, accumulation = 5, 2
     # Buckets of a few parameters: a block's gradients reach the reducer in several buckets,
     # in backward order, which is not the layout's (the MLP before the attention, the norms last).
-    launch_nodes(
-        2, tmp_path, "parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bucket-elements", "3000"
-    )
+    checkpoint = tmp_path / "checkpoint"
+    saved = ("--save-to", str(checkpoint), "--save-at", str(steps), "--load-after", str(checkpoint))
+    common = ("--steps", str(steps), "--accumulation", str(accumulation), "--bucket-elements", "3000")
+    launch_nodes(2, tmp_path, "parity", *common, "--frozen", *saved)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
-    _assert_parity(ranks, steps, accumulation)
+    _assert_parity(ranks, steps, accumulation, frozen=True)
+    _assert_frozen_held_once(ranks, nodes=2, per_node=1)
+    for rank in ranks:  # the saved state, loaded back, is the state it was saved from
+        for saved_state, loaded in zip(rank["flat_states"], rank["loaded_states"]):
+            for kind in ("master", "exp_avg"):
+                assert torch.equal(saved_state[kind], loaded[kind]), kind
+        for key, value in rank["state_dict"].items():
+            assert torch.equal(value, rank["loaded_state_dict"][key]), key
 
 
 def _assert_placement_agrees(ranks: list[dict]) -> None:
