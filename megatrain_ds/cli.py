@@ -67,6 +67,7 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
         resident_params=resident,
         frozen_params=sum(p.numel() for p in frozen),
         frozen_block_params=sum(p.numel() for p in largest.parameters() if not p.requires_grad),
+        frozen_resident_params=sum(p.numel() for p in frozen if id(p) not in block_ids),
         frozen_in_bf16=bool(frozen) and all(p.dtype == torch.bfloat16 for p in frozen),
         **{
             **sizes_from_config(getattr(model, "config", None)),

@@ -79,6 +79,41 @@ def test_host_state_matches_the_engines_allocations(bf16, clipping, accumulation
         engine.destroy()
 
 
+@pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
+def test_frozen_weights_cost_the_planner_what_they_cost_the_engine(nvme, tmp_path):
+    """Frozen bf16 weights (every block's MLP and the embedding) with bf16 compute: the
+    planner's host state, kind by kind, is the engine's placement (``engine.host_bytes()``
+    of its buffers, checked against the allocations by tests/test_placement.py) at every
+    NVMe level: the weights alone in host memory, every buffer for a block on the tier
+    (issue 44). Exact: hidden 64 gives no alignment padding."""
+    model = _mid_llama()
+    for name, param in model.named_parameters():
+        if ".mlp." in name or "embed_tokens" in name:
+            param.requires_grad_(False)
+            param.data = param.data.bfloat16()
+    shape = shape_of(model)
+    assert shape.frozen_resident_params == model.model.embed_tokens.weight.numel() and shape.frozen_in_bf16
+    settings = RunSettings(
+        seq_len=12, accumulation=2, nvme=nvme != "none", nvme_weights=nvme == "all", nvme_window_blocks=2
+    )
+    predicted = host_bytes(shape, settings)
+    config = ds_config(bf16=True, clipping=1.0, accumulation=2)
+    if nvme != "none":
+        config["megatrain"] = {"nvme_offload": nvme, "nvme_path": str(tmp_path), "nvme_window_blocks": 2}
+    engine = MegatrainEngine(model, parse_engine_config(config))
+    try:
+        measured = engine.host_bytes()
+        by_kind = {
+            "master": measured["master"],
+            "adam_m_v": measured["exp_avg"] + measured["exp_avg_sq"],
+            "bf16_shadow": measured.get("shadow", 0),
+            "gradients": measured.get("grad", 0),
+        }
+        assert by_kind == {kind: predicted.get(kind, 0) for kind in by_kind}
+    finally:
+        engine.destroy()
+
+
 # The CPU as the device: nothing overlaps, blocks are computed on in place (figures made up).
 CPU = Hardware(
     "cpu",

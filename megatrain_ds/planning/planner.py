@@ -160,14 +160,17 @@ class Plan:
 def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     """Host memory of the run, by kind (the engine's persistent state plus staging)."""
     params = shape.params
-    frozen = 0 if settings.nvme else shape.frozen_params  # the tier keeps every buffer whole
+    # Frozen parameters in host memory cost their weights alone; a block's on the NVMe tier
+    # keeps every buffer whole, the resident state beside it (in host memory) does not.
+    frozen = shape.frozen_resident_params if settings.nvme else shape.frozen_params
     trained = params - frozen
     in_shadow = frozen if settings.bf16 and shape.frozen_in_bf16 else 0
     result = {"master": 4 * (params - in_shadow), "adam_m_v": 8 * trained}
     if settings.nvme:
-        result["adam_m_v"] = 8 * shape.resident_params
+        resident_trained = shape.resident_params - frozen
+        result["adam_m_v"] = 8 * resident_trained
         if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
-            result["master"] = 4 * shape.resident_params
+            result["master"] = 4 * (shape.resident_params - in_shadow)
         result["nvme_window"] = (
             min(settings.nvme_window_blocks, shape.num_blocks) * tier_bytes_per_param(settings) * shape.block_params
         )

@@ -219,6 +219,9 @@ class ModelShape:
     weights])."""
     frozen_block_params: int = 0
     """Frozen parameters of the largest block (a journal slot holds the trained ones only)."""
+    frozen_resident_params: int = 0
+    """Frozen parameters among the resident ones: their weights alone are held beside the
+    NVMe tier too (the resident state stays in host memory)."""
     frozen_in_bf16: bool = False
     """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone."""
 

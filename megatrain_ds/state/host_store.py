@@ -279,18 +279,13 @@ def migrate_to_host(
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
     in_shadow = trained_only and shadow is not None and _frozen_all_in(named_params, layout, compute_dtype)
     sharded = span is not None and (shadow is not None or not shadow_on_host)
-    has_frozen = layout.trained_numel < layout.numel
-    assert not (sharded and trained_only and has_frozen) or in_shadow, "a sharded master holds no frozen weight"
+    assert not (sharded and trained_only and covered < layout.numel) or in_shadow, "a sharded master: no frozen"
     if sharded:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
         master = runtime.host_empty(layout.trained_numel if in_shadow else layout.numel, master_dtype, shared)
-        params = _fill_whole(named_params, layout, master, shadow if in_shadow else None, source, writes)
-        if writes and share is not None:
-            share(master)
-        if writes and shadow is not None:
-            shadow[: master.numel()].copy_(master)  # the master's weights' streamed copy, rounded
+        params = _fill_whole(named_params, layout, master, shadow, in_shadow, source, writes, share)
     held = last - first
     state = HostFlatState(
         layout=layout,
@@ -320,19 +315,31 @@ def _fill_whole(
     named_params: Sequence[tuple[str, nn.Parameter]],
     layout: FlatLayout,
     master: torch.Tensor,
-    frozen_into: torch.Tensor | None,
+    shadow: torch.Tensor | None,
+    frozen_in_shadow: bool,
     source: TensorSource | None,
     writes: bool,
+    share: Callable[[torch.Tensor], None] | None,
 ) -> list[nn.Parameter]:
-    """Fill a master of every element, or with ``frozen_into`` (the shadow, in the frozen
-    weights' own dtype) a master of the trained prefix and each frozen weight copied straight
-    into its slot of ``frozen_into`` (exact: the same dtype). ``writes``: this rank fills the
-    (node-shared) buffers; the others only re-point their parameters."""
-    if frozen_into is None:
-        return _fill_slots(named_params, layout, master if writes else None, master, source)
-    frozen = [index for index, slot in enumerate(layout.slots) if slot.group == FROZEN_GROUP]
-    params = _fill_slots(named_params, layout, master if writes else None, master, source, range(frozen[0]))
-    return params + _fill_slots(named_params, layout, frozen_into if writes else None, frozen_into, source, frozen)
+    """Fill a master of every element, or with ``frozen_in_shadow`` a master of the trained
+    prefix and each frozen weight copied straight into its slot of the shadow (exact: the
+    same dtype); then the shadow's copy of the master, rounded. ``writes``: this rank fills
+    the (node-shared) buffers; the others only re-point their parameters."""
+    values = master if writes else None
+    if frozen_in_shadow:
+        assert shadow is not None
+        frozen = [index for index, slot in enumerate(layout.slots) if slot.group == FROZEN_GROUP]
+        params = _fill_slots(named_params, layout, values, master, source, range(frozen[0]))
+        params += _fill_slots(named_params, layout, shadow if writes else None, shadow, source, frozen)
+    else:
+        params = _fill_slots(named_params, layout, values, master, source)
+    if writes and share is not None:
+        # The first node's weights. Frozen weights in the shadow are on one node here: several
+        # nodes with a shadow shard the master (_fill_sharded), which shares them all.
+        share(master)
+    if writes and shadow is not None:
+        shadow[: master.numel()].copy_(master)  # the master's weights' streamed copy, rounded
+    return params
 
 
 def _fill_sharded(
