@@ -192,12 +192,17 @@ def _assert_accounting_agrees(engine: MegatrainEngine, planned: dict[str, int], 
     assert estimated.host.get("journal", 0) == host.get("journal", 0)
 
 
-def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("nvme", ["none", "optimizer"])
+def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_path, nvme):
     """Train 2 steps, save, train 2 more; a second engine (other adapter initialisation)
     loads the checkpoint and trains the same 2 steps: identical losses and host state, bit
     for bit (same ops on the same values). The model file holds each frozen weight once, in
-    bf16; the optimizer file holds nothing of them."""
-    config = ds_config(accumulation=2, clipping=1.0, bf16=True)
+    bf16; the optimizer file holds nothing of them. With the optimizer state on the NVMe
+    tier (issue 44) its swap files hold the blocks' trained prefixes alone (fp32 master, m
+    and v of the adapters), the frozen weights stay in the bf16 shadow, and the state the
+    two engines hold is compared through ``state_dict()`` and the tier's files."""
+    swap = {"nvme_offload": nvme, "nvme_path": str(tmp_path / "swap"), "nvme_aio": {"engine": "threads"}}
+    config = ds_config(accumulation=2, clipping=1.0, bf16=True, megatrain=swap if nvme != "none" else {})
     model = lora_llama(torch.bfloat16)
     frozen = _frozen(model)
     engine = MegatrainEngine(model, parse_engine_config(config))
@@ -216,9 +221,7 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
             other.load_checkpoint(tmp_path, tag="step2")
             assert _train(other, 2, first=2) == losses
             engine.settle_optimizer(), other.settle_optimizer()  # the host state is read directly
-            for ours, theirs in zip(engine.states, other.states):
-                for kind in ("master", "shadow", "exp_avg", "exp_avg_sq"):
-                    assert torch.equal(getattr(ours, kind), getattr(theirs, kind)), kind
+            _assert_same_state(engine, other)
             _assert_frozen_unchanged(other, frozen)
         finally:
             other.destroy()
@@ -231,6 +234,28 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
     assert {name: dtypes[name] for name in frozen} == {name: "BF16" for name in frozen}
     assert all(dtypes[name] == "F32" for name in dtypes if "lora_" in name)
     assert saved and all("lora_" in name for name in saved)
+
+
+def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:
+    """The two engines' masters, shadows and moments are equal bit for bit, in host memory or
+    in the NVMe tier's files (whose blocks hold their trained prefix alone)."""
+    ours, theirs = engine.module.state_dict(), other.module.state_dict()
+    assert all(torch.equal(value, theirs[name]) for name, value in ours.items())
+    for mine, its in zip(engine.states, other.states):
+        assert torch.equal(mine.shadow, its.shadow)
+    if engine.nvme_tier is None or other.nvme_tier is None:
+        for mine, its in zip(engine.states, other.states):
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(getattr(mine, kind), getattr(its, kind)), kind
+        return
+    assert engine.nvme_tier.numels == [state.layout.trained_numel for state in engine.states[:-1]]
+    with engine.nvme_tier.file_views() as on_mine, other.nvme_tier.file_views() as on_its:
+        for mine, its in zip(engine.states[:-1], other.states[:-1]):
+            files, other_files = on_mine(mine), on_its(its)
+            assert files is not None and other_files is not None
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert files[kind].numel() == mine.layout.trained_numel
+                assert torch.equal(files[kind], other_files[kind]), kind
 
 
 def test_parameters_in_no_optimizer_group_are_frozen_though_they_require_grad():

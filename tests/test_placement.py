@@ -88,12 +88,19 @@ def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, pr
         assert placement_disagreements(engine) == []
         _preflight_agrees(need, engine)
         placement = engine.placement
-        # The frozen weights: at their own cost in one process's host memory alone.
-        assert placement.trained_only == (nvme == "none")
-        if frozen and nvme == "none":
-            assert all(state.exp_avg.where is Where.TRAINED_PREFIX for state in placement.states)
+        # The frozen weights: at their own cost with the weights in host memory (issue 44),
+        # no tier or the tier holding the optimizer state: its swap files hold the trained
+        # prefix alone. With the weights on the tier the blocks keep every buffer whole.
+        assert placement.trained_only == (nvme != "all")
+        assert all(state.trained_only for state in placement.states[-1:])  # the resident state: host memory
+        if frozen and nvme != "all":
+            moments = Where.TRAINED_PREFIX if nvme == "none" else Where.TIER
+            assert all(state.exp_avg.where is moments for state in placement.blocks)
             in_shadow = compute != config.master_dtype
             assert all(state.frozen_in == ("shadow" if in_shadow else "master") for state in placement.states)
+            if placement.tier is not None:
+                trained = [state.numel - state.frozen_numel for state in placement.blocks]
+                assert list(placement.tier.numels) == trained < [state.numel for state in placement.blocks]
         assert all(state.streamed is (Where.TIER if nvme == "all" else Where.HOST) for state in placement.blocks)
     finally:
         engine.destroy()

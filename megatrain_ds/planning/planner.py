@@ -50,6 +50,7 @@ from megatrain_ds.planning.step_time import (
     sizes_from_config,
     stash_bytes_per_block,
     step_seconds,
+    stepped_block_params,
     tier_bytes_per_param,
     weight_fill_seconds,
 )
@@ -160,19 +161,19 @@ class Plan:
 def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     """Host memory of the run, by kind (the engine's persistent state plus staging)."""
     params = shape.params
-    # Frozen parameters in host memory cost their weights alone; a block's on the NVMe tier
-    # keeps every buffer whole, the resident state beside it (in host memory) does not.
-    frozen = shape.frozen_resident_params if settings.nvme else shape.frozen_params
-    trained = params - frozen
-    in_shadow = frozen if settings.bf16 and shape.frozen_in_bf16 else 0
+    # Frozen parameters cost their weights alone where the weights are in host memory; a
+    # block with its weights on the NVMe tier keeps every buffer whole (blocks_trained_only).
+    largest_stepped, blocks_stepped = stepped_block_params(shape, settings)
+    trained = blocks_stepped + shape.resident_params - shape.frozen_resident_params
+    bf16_frozen = settings.bf16 and shape.frozen_in_bf16  # held in the shadow alone
+    in_shadow = (params - trained) if bf16_frozen else 0
     result = {"master": 4 * (params - in_shadow), "adam_m_v": 8 * trained}
     if settings.nvme:
-        resident_trained = shape.resident_params - frozen
-        result["adam_m_v"] = 8 * resident_trained
+        result["adam_m_v"] = 8 * (shape.resident_params - shape.frozen_resident_params)
         if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
-            result["master"] = 4 * (shape.resident_params - in_shadow)
+            result["master"] = 4 * (shape.resident_params - (shape.frozen_resident_params if bf16_frozen else 0))
         result["nvme_window"] = (
-            min(settings.nvme_window_blocks, shape.num_blocks) * tier_bytes_per_param(settings) * shape.block_params
+            min(settings.nvme_window_blocks, shape.num_blocks) * tier_bytes_per_param(settings) * largest_stepped
         )
     if settings.nvme and settings.nvme_weights:
         buffers = weight_window_buffers(settings.num_buffers, settings.checkpoint_interval, settings.nvme_window_blocks)

@@ -335,9 +335,27 @@ def tier_bytes_per_param(settings: RunSettings) -> int:
     return 12 if settings.bf16 or settings.nvme_weights else 8
 
 
+def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
+    """Whether the blocks' frozen parameters cost their weights alone (``state/placement.py``:
+    ``_trained_only``): their weights in host memory (no tier, or the optimizer state on it),
+    and where the fp32 master is on the tier (bf16 compute) every frozen weight in bf16."""
+    if settings.nvme and settings.nvme_weights:
+        return False
+    return not (settings.nvme and settings.bf16 and shape.frozen_block_params and not shape.frozen_in_bf16)
+
+
+def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int, int]:
+    """Elements the optimizer state covers of the largest block and of every block: their
+    trained prefix where :func:`blocks_trained_only`."""
+    if not blocks_trained_only(shape, settings):
+        return shape.block_params, shape.total_block_params
+    frozen_in_blocks = shape.frozen_params - shape.frozen_resident_params
+    return shape.block_params - shape.frozen_block_params, shape.total_block_params - frozen_in_blocks
+
+
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
     """Bytes of the NVMe tier's swap files (every block's :func:`tier_bytes_per_param`); 0 without the tier."""
-    return tier_bytes_per_param(settings) * shape.total_block_params if settings.nvme else 0
+    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] if settings.nvme else 0
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
@@ -370,7 +388,7 @@ def journal_numel(shape: ModelShape, settings: RunSettings) -> int:
     """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
     if not settings.holds_gradients:
         return 0
-    trained = shape.block_params - (0 if settings.nvme else shape.frozen_block_params)  # frozen: never stepped
+    trained = stepped_block_params(shape, settings)[0]  # frozen: never stepped
     cost = journal_bytes_per_element(settings) * trained
     chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
     return len(chosen) * trained

@@ -56,12 +56,14 @@ class HostFlatState:
     streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
     master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
     frozen weights to the compute dtype before ``initialize`` to hold them at 2 B/param.
-    So it is wherever the state is in host memory (``migrate_to_host(trained_only=...)``):
+    So it is wherever the weights are in host memory (``migrate_to_host(trained_only=...)``):
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
-    (:attr:`stepped_numel`). Not for a state on the NVMe tier, nor, with several nodes sharding
-    a bf16 run's master, for frozen weights that are not in the compute dtype: there every
-    buffer still covers the whole layout (``state/placement.py``: [Note: the placement model]).
+    (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
+    files then hold the trained prefix). Not with the weights on the tier (``"all"``), nor,
+    where the fp32 master is cut (on the tier, or in nodes' spans), for frozen weights not in
+    the compute dtype: there every buffer still covers the whole layout
+    (``state/placement.py``: [Note: the placement model]).
     """
 
     layout: FlatLayout
@@ -176,9 +178,12 @@ class HostFlatState:
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Re-point the user's parameters at their slots of ``flat`` (the shadow while the
-        master is on the NVMe tier, the master again when it comes back: ``state/nvme_tier.py``)."""
+        master is on the NVMe tier, the master again when it comes back: ``state/nvme_tier.py``);
+        a frozen weight held in the shadow alone stays there ([Note: frozen weights])."""
         for slot, param in zip(self.layout.slots, self.params):
-            _repoint(param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+            held = self.shadow if self.frozen_in_shadow and slot.group == FROZEN_GROUP else flat
+            assert held is not None
+            _repoint(param, held[slot.offset : slot.offset + slot.numel].view(slot.shape))
 
     def park_params(self) -> None:
         """Make the user's parameters meta tensors of their shapes: no host copy of the
@@ -270,7 +275,7 @@ def migrate_to_host(
     ``trained_only``: frozen parameters get no moments, gradients or, where they can, master
     ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
-    assert not trained_only or (moments_on_host and shadow_on_host), "a trained-only state is in host memory"
+    assert not trained_only or shadow_on_host, "a trained-only state's weights are in host memory"
     covered = layout.trained_numel if trained_only else layout.numel
     span = span_of(covered) if span_of is not None else None
     first, last = span if span is not None else (0, covered)

@@ -276,15 +276,15 @@ class NvmeTier:
         master on the tier it is written to the block's file now (m and v start as the
         file's zeros), its host buffer freed and the block's parameters pointed at the shadow."""
         index = len(self.states)
-        if index >= len(self._numels) or state.layout.numel != self._numels[index]:
+        if index >= len(self._numels) or state.stepped_numel != self._numels[index]:
             raise ValueError(
-                f"block {index} has {state.layout.numel} elements, the tier was made for "
+                f"block {index} has {state.stepped_numel} elements, the tier was made for "
                 f"{self._numels[index] if index < len(self._numels) else 'no more blocks'}"
             )
         if "master" in self.kinds:
             slot = self._slots[0]
             assert slot.index is None and slot.pending is None, "blocks are adopted before any access"
-            numel, pad = state.layout.numel, self._pad[index]
+            numel, pad = state.stepped_numel, self._pad[index]
             part = slot.buffer[: len(self.kinds) * pad]
             part.zero_()
             part[:numel].copy_(state.master)
@@ -481,7 +481,7 @@ class NvmeTier:
             if index is None:
                 return None
             touched.add(index)
-            pad, numel = self._pad[index], state.layout.numel
+            pad, numel = self._pad[index], state.stepped_numel
             mapped = torch.from_file(self._paths[index], shared=True, size=len(self.kinds) * pad, dtype=torch.float32)
             return {kind: mapped[k * pad : k * pad + numel] for k, kind in enumerate(self.kinds)}
 
@@ -517,7 +517,7 @@ class NvmeTier:
             if "master" in self.kinds and self._failure is None:
                 self.flush()
                 for index, state in enumerate(self.states):
-                    pad, numel = self._pad[index], state.layout.numel
+                    pad, numel = self._pad[index], state.stepped_numel
                     mapped = torch.from_file(
                         self._paths[index], shared=False, size=len(self.kinds) * pad, dtype=torch.float32
                     )
@@ -539,12 +539,12 @@ class NvmeTier:
     def _bind(self, index: int, slot: _Slot) -> None:
         state, pad = self.states[index], self._pad[index]
         for k, kind in enumerate(self.kinds):
-            setattr(state, kind, slot.buffer[k * pad : k * pad + state.layout.numel])
+            setattr(state, kind, slot.buffer[k * pad : k * pad + state.stepped_numel])
 
     def _unbind(self, index: int) -> None:
         state = self.states[index]
         for kind in self.kinds:
-            setattr(state, kind, absent_on_host(state.layout.numel))
+            setattr(state, kind, absent_on_host(state.stepped_numel))
 
     def _victim(self, protect: set[int], demand: bool) -> _Slot | None:
         """A slot to load into: an empty one, else the one whose block is needed last

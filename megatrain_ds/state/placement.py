@@ -31,16 +31,19 @@ part of the state, ``distributed/ownership.py``)::
   data parallel / "all"     tier: window         none            tier: window      host: window    gathered from the
                                                                                    (own memory)    windows
 
-The resident state is always in host memory, as a block's with ``"none"`` (with data
-parallel its span; in one process its trained prefix without a tier, every element beside
-one). (*) Frozen parameters: layouts put them last
-(``FlatLayout.trained_numel``), and in one process with everything in host memory the
-moments and gradients stop at the trained prefix, and so does the master where there is a
-shadow and every frozen weight arrives in the compute dtype: the frozen weights then live in
-the shadow alone (``state/host_store.py``: [Note: frozen weights]). Elsewhere every buffer
-covers the frozen parameters too. With data parallel the host buffers of the node (master,
-shadow, m, v and gradients but those of a rank's own window) are node-shared: one copy per
-node; the NVMe tier is each rank's own, of its windows.
+The resident state is always in host memory, as a block's with ``"none"``. (*) Frozen
+parameters: layouts put them last (``FlatLayout.trained_numel``), and wherever the weights
+are in host memory (``"none"`` and ``"optimizer"``, one process or data parallel) the state
+is *trained-only* (:func:`_trained_only`): the moments, the gradients, the tier's swap files
+and the ranks' windows and nodes' spans cover the trained prefix alone
+(``HostFlatState.stepped_numel``), and so does the master where there is a shadow and every
+frozen weight arrives in the compute dtype: the frozen weights then live in the shadow
+alone (``state/host_store.py``: [Note: frozen weights]). Not trained-only, every buffer
+covering the frozen parameters too: the blocks with ``"all"`` (their weights on the tier,
+written back whole), and, where the fp32 master is cut (on the tier, or several nodes'
+spans), a state with a frozen weight that is not in the compute dtype. With data parallel
+the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
+window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ class StatePlacement:
     """Elements of frozen parameters (after the trained prefix)."""
     trained_only: bool
     """Whether the optimizer state covers the trained prefix alone, frozen parameters having
-    none (one process, every state in host memory), frozen parameters or not."""
+    none (the weights in host memory: [Note: the placement model]), frozen parameters or not."""
     frozen_in: str
     """The buffer that holds the frozen weights: ``"master"``, or ``"shadow"`` where they are
     held there alone ([Note: frozen weights] in ``state/host_store.py``); ``""`` without any."""
@@ -268,7 +271,8 @@ class Placement:
         sizes = _Sizes.of(config)
         states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
-        mine, node = _tiers(config, nvme, topology, shapes[:-1], sizes)
+        stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
+        mine, node = _tiers(config, nvme, topology, stepped[:-1], sizes)
         return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
 
     @property
@@ -281,7 +285,7 @@ class Placement:
 
     @property
     def trained_only(self) -> bool:
-        """Whether frozen parameters cost their weights alone in every state (no NVMe tier)."""
+        """Whether frozen parameters cost their weights alone in every state."""
         return all(state.trained_only for state in self.states)
 
     @property
@@ -362,12 +366,13 @@ class _Sizes:
 
 def _trained_only(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> bool:
     """Whether the state's optimizer state covers its trained prefix alone, frozen parameters
-    holding their weights and nothing else: wherever it is in host memory, unless several
-    nodes shard a bf16 run's master and a frozen weight is not in the compute dtype (its
-    exact value would need a master of its own beside the node's span)."""
-    shards_master = topology.span_of is not None and sizes.with_shadow
-    has_frozen = shape.trained_numel < shape.numel
-    return nvme == "none" and not (shards_master and has_frozen and not shape.frozen_in_compute_dtype)
+    holding their weights and nothing else: with the weights in host memory (no tier, or
+    the tier holding the optimizer state), unless a frozen weight is not in the compute
+    dtype where the fp32 master is cut (several nodes shard it, or it is on the tier): its
+    exact value would need a master of its own beside the trained prefix's."""
+    cut_master = sizes.with_shadow and (topology.span_of is not None or nvme == "optimizer")
+    mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
+    return nvme != "all" and not (cut_master and mixed)
 
 
 def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> StatePlacement:
@@ -378,17 +383,22 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> S
     stepped = trained if trained_only else numel  # what windows and spans divide
     shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow and nvme != "all" else NOWHERE
     grad_where, streamed, frozen_in = Where.HOST, Where.HOST, "master"
-    if trained_only:  # host memory: frozen parameters cost their weights alone
+    if trained_only:  # the weights in host memory: frozen parameters cost their weights alone
         held = topology.span(stepped)
         where = Where.NODE_SPAN if held < stepped else Where.TRAINED_PREFIX if trained < numel else Where.HOST
         in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
-        if sizes.with_shadow and held < stepped:  # several nodes: the master's span too
+        if sizes.with_shadow and nvme != "none" and not topology.data_parallel:  # one process: on the tier
+            master = Buffer(Where.TIER, trained if in_shadow else numel, sizes.master)
+        elif sizes.with_shadow and held < stepped:  # several nodes: the master's span too
             master = Buffer(Where.NODE_SPAN, held, sizes.master)
         elif in_shadow:
             master = Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
         else:
             master = Buffer(Where.HOST, numel, sizes.master)
         moments, grad_where = Buffer(where, held, 4), where
+        if nvme != "none":  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
+            on_tier = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
+            moments = on_tier or Buffer(Where.TIER, trained, 4)
         frozen_in = "shadow" if in_shadow else "master"
     elif not topology.data_parallel:  # one process with the NVMe tier
         held = numel
@@ -425,9 +435,11 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> S
 
 
 def _tiers(
-    config: EngineConfig, nvme: str, topology: Topology, blocks: Sequence[StateShape], sizes: _Sizes
+    config: EngineConfig, nvme: str, topology: Topology, blocks: Sequence[int], sizes: _Sizes
 ) -> tuple[TierPlacement | None, list[TierPlacement]]:
-    """This process's NVMe tier and those of every rank of its node (none without a tier)."""
+    """This process's NVMe tier and those of every rank of its node (none without a tier);
+    ``blocks``: the elements each block's optimizer state covers (its trained prefix where
+    frozen parameters have none)."""
     if nvme == "none":
         return None, []
     options = config.options
@@ -438,10 +450,10 @@ def _tiers(
         return TierPlacement(kinds, tuple(n for n in numels if n > 0), alignment, options.nvme_window_blocks)
 
     if not topology.data_parallel:
-        one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, [s.numel for s in blocks])
+        one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, blocks)
         return one, [one]
     # Each rank's tier: its non-empty windows (with "all" their masters too: nothing else holds them).
     kinds = WITH_MASTER if nvme == "all" else MOMENTS
-    mine = tier(kinds, [topology.window(s.numel) for s in blocks])
-    per_block = [topology.node_windows(s.numel) for s in blocks]
+    mine = tier(kinds, [topology.window(numel) for numel in blocks])
+    per_block = [topology.node_windows(numel) for numel in blocks]
     return mine, [tier(kinds, numels) for numels in zip(*per_block)] if per_block else [mine]
