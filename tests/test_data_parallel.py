@@ -213,20 +213,23 @@ def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_singl
 def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, cpu_single_thread: None) -> None:
     """The same run started by the deepspeed launcher, which names the node by CROSS_RANK
     (the ranks' work is the same as under torchrun: not run again under the race checker),
-    with frozen weights (issue 44; ``freeze_some``): the node holds them once, at their own
-    size, and no optimizer state (``_assert_frozen_held_once``)."""
+    with frozen weights (issue 44; ``freeze_some``) and Adam's moments on each rank's NVMe
+    tier: the node holds the frozen weights once, at their own size, and no optimizer state,
+    each rank's swap files its windows of the trained prefix (``_assert_frozen_held_once``)."""
     _two_ranks_on_one_node(tmp_path, "deepspeed", frozen=True)
 
 
 def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: bool = False) -> None:
     steps, accumulation = 5, 2
-    args = ("--steps", str(steps), "--accumulation", str(accumulation), *(["--frozen"] if frozen else []))
+    args = ["--steps", str(steps), "--accumulation", str(accumulation)]
+    if frozen:
+        args += ["--frozen", "--nvme", str(tmp_path / "swap")]
     launch("parity", tmp_path, *args, launcher=launcher)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(2, 0, False), (2, 1, False)]
     _assert_parity(ranks, steps, accumulation, frozen=frozen)
     if frozen:
-        _assert_frozen_held_once(ranks, nodes=1, per_node=2)
+        _assert_frozen_held_once(ranks, nodes=1, per_node=2, tier=True)
 
 
 def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1) -> None:
@@ -322,23 +325,34 @@ def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool
         assert sum(leader["host_bytes"][kind] for leader in ranks[::per_node]) == 4 * numel
 
 
-def _assert_frozen_held_once(ranks: list[dict], nodes: int, per_node: int) -> None:
+def _assert_frozen_held_once(ranks: list[dict], nodes: int, per_node: int, tier: bool = False) -> None:
     """Frozen weights cost their own bytes once per node (issue 44): every state's moments
     and held gradients cover this node's span of its trained prefix alone (the frozen
     elements after it have none), together each trained element once; the fp32 master
-    holds every weight once (node-shared: one copy per node)."""
+    holds every weight once (node-shared: one copy per node). ``tier``: the blocks' moments
+    are on each rank's NVMe tier instead, its swap files its windows of the trained prefixes."""
     trained, numels = ranks[0]["trained_numels"], ranks[0]["numels"]
     assert sum(trained) < sum(numels)  # the worker froze weights in blocks and resident state
-    ownership = Ownership.of([range(node * per_node, (node + 1) * per_node) for node in range(nodes)], 0)
+    nodes_ranks = [list(range(node * per_node, (node + 1) * per_node)) for node in range(nodes)]
+    ownership = Ownership.of(nodes_ranks, 0)
+    in_memory = ("grad",) if tier else ("exp_avg", "exp_avg_sq", "grad")
     for node, leader in enumerate(ranks[::per_node]):
         spans = [end - start for _, start, end in (ownership.spans(t)[node] for t in trained)]
         for index, state in enumerate(leader["flat_states"]):
-            assert state["held"][1] <= trained[index] and state["exp_avg"].numel() == spans[index]
-        for kind in ("exp_avg", "exp_avg_sq", "grad"):
+            assert state["held"] == ownership.spans(trained[index])[node][1:]
+            if state["exp_avg"] is not None:  # None: on the tier
+                assert state["exp_avg"].numel() == spans[index]
+        for kind in in_memory:
             assert leader["host_bytes"][kind] == 4 * sum(spans), kind
+        if tier:  # the resident state's moments in host memory
+            assert leader["host_bytes"]["exp_avg"] == 4 * spans[-1]
         assert leader["host_bytes"]["master"] == 4 * sum(numels)
-    for kind in ("exp_avg", "exp_avg_sq", "grad"):
+    for kind in in_memory:
         assert sum(leader["host_bytes"][kind] for leader in ranks[::per_node]) == 4 * sum(trained)
+    for rank, report in enumerate(ranks):
+        if tier:
+            windows = [Ownership.of(nodes_ranks, rank).window(t) for t in trained[:-1]]
+            assert report["tier"]["numels"] == [end - start for start, end in windows if end > start]
 
 
 def _assert_parity(ranks: list[dict], steps: int, accumulation: int, frozen: bool = False) -> None:
