@@ -21,17 +21,32 @@ the engine's own :class:`~megatrain_ds.gradients.sink.GradientSink`. Cases:
   copies' rate is the ceiling; on the CPU the copy and norm run on the pushing thread;
 - ``direct_python_busy``: the direct path beside a thread running Python.
 
-    python bench/gradient_worker.py [--elements N] [--out PATH]
+``--accumulation`` measures instead what a later micro-batch's chunk costs the worker with
+gradient accumulation (bf16 chunks added into fp32 held gradients, the final micro-batch's
+squared norm; ``engine._consume_gradient``), through the staged path, ``--repeats`` times,
+the cases interleaved so that each repeat sees the same load:
 
-Prints a table; writes ``bench/results/gradient_worker_<device>.json`` unless ``--out``.
+- ``torch_ops``: ``LossScaling.unscale_into_`` (``add_``) then ``SquaredNorm.add_on_host``
+  (``vector_norm`` and ``float()``), as before the fused pass (and where it cannot run);
+- ``fused``: ``HostAccumulation.accumulate_``, one GIL-free call of the engine's C++ binding
+  (``optimizer/gradient_accumulation.py``); each alone and ``*_python_busy``.
+
+    python bench/gradient_worker.py [--elements N] [--out PATH]
+    python bench/gradient_worker.py --accumulation [--repeats R] [--elements N] [--out PATH]
+
+Prints a table; writes ``bench/results/gradient_worker_<device>.json`` (with
+``--accumulation``: ``gradient_worker_accumulation_<device>.json``) unless ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
+import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrain_ds.gradients.sink import GradientSink, Landing
 from megatrain_ds.gradients.squared_norm import SquaredNorm
+from megatrain_ds.optimizer.cpu_binding import load_deepspeed_op
+from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
+from megatrain_ds.optimizer.loss_scaling import LossScaling
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 
 CHUNK = 1 << 22
@@ -158,17 +176,103 @@ def run(elements: int) -> dict:
     }
 
 
+def accumulating_consume(
+    held: torch.Tensor, norm: SquaredNorm, accumulation: HostAccumulation
+) -> Callable[[int, int, torch.Tensor, bool, Landing], None]:
+    """The worker's work for a later micro-batch's staged chunk, as ``engine._consume_gradient``
+    does it: added into the fp32 held gradients, and on the final micro-batch its squares
+    summed (fused, or by the torch ops' ``SquaredNorm.add_on_host``)."""
+    scaling = LossScaling(None)
+
+    def consume(_state: int, offset: int, chunk: torch.Tensor, final: bool, _landing: Landing) -> None:
+        accumulated = held[offset : offset + chunk.numel()]
+        squares = accumulation.accumulate_(accumulated, chunk, scaling, overwrite=False, squares=final)
+        if final:
+            if squares is None:
+                norm.add_on_host(accumulated)
+            else:
+                norm.add_squares_on_host(squares)
+
+    return consume
+
+
+def accumulating(runtime: DeviceRuntime, grads: torch.Tensor, held: torch.Tensor, op: object | None) -> float:
+    """Elements per second of a final micro-batch's chunks added into ``held`` through a fresh sink."""
+    norm = SquaredNorm(runtime.device)
+    sink = GradientSink(
+        runtime, CHUNK, grads.dtype, NUM_STAGING, accumulating_consume(held, norm, HostAccumulation(op))
+    )
+    try:
+        return _push_all(runtime, sink, grads, norm.take)
+    finally:
+        sink.close()
+
+
+def run_accumulation(elements: int, repeats: int) -> dict:
+    """The accumulation cases, ``repeats`` rounds, interleaved (every round runs each case once)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    runtime = DeviceRuntime.create(device)
+    grads = torch.randn(elements, device=device).to(torch.bfloat16)
+    held = runtime.host_empty(elements, torch.float32)
+    held.normal_()
+    op = load_deepspeed_op()
+    cases: dict[str, Callable[[], float]] = {
+        "torch_ops": lambda: accumulating(runtime, grads, held, None),
+        "fused": lambda: accumulating(runtime, grads, held, op),
+    }
+    cases.update(
+        {f"{name}_python_busy": functools.partial(with_python_busy, measure) for name, measure in list(cases.items())}
+    )
+    for measure in cases.values():
+        measure()  # warm-up: staging pinned, the binding loaded, pages touched
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    load_before = os.getloadavg()
+    for _ in range(repeats):
+        for name, measure in cases.items():
+            rates[name].append(measure())
+    return {
+        "device": runtime.device_name,
+        "mode": "accumulation: bf16 chunks added into fp32 held gradients, final micro-batch (squared norm)",
+        "git_rev": _git_rev(),
+        "elements": elements,
+        "chunk_elements": CHUNK,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "repeats": repeats,
+        "elements_per_s_median": {name: statistics.median(values) for name, values in rates.items()},
+        "elements_per_s_min_max": {name: [min(values), max(values)] for name, values in rates.items()},
+        "elements_per_s_all": rates,
+    }
+
+
+def _git_rev() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elements", type=int, default=1 << 28, help="gradient elements per pass (bf16)")
+    parser.add_argument("--accumulation", action="store_true", help="the accumulation cases (torch ops vs fused)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the accumulation cases")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    result = run(args.elements)
+    result = run_accumulation(args.elements, args.repeats) if args.accumulation else run(args.elements)
     print(f"{result['device']}: {args.elements / 1e6:.0f}M bf16 gradient elements, {CHUNK >> 20}M-element chunks")
-    for case, rate in result["elements_per_s"].items():
-        print(f"  {case:12s} {rate / 1e9:6.2f} G elements/s")
+    for case, rate in result.get("elements_per_s", result.get("elements_per_s_median", {})).items():
+        spread = result.get("elements_per_s_min_max", {}).get(case)
+        extra = f"  (min {spread[0] / 1e9:.2f}, max {spread[1] / 1e9:.2f})" if spread else ""
+        print(f"  {case:24s} {rate / 1e9:6.2f} G elements/s{extra}")
     name = re.sub(r"[^A-Za-z0-9]+", "_", result["device"]).strip("_")
-    out = args.out or Path(__file__).resolve().parent / "results" / f"gradient_worker_{name}.json"
+    kind = "gradient_worker_accumulation" if args.accumulation else "gradient_worker"
+    out = args.out or Path(__file__).resolve().parent / "results" / f"{kind}_{name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 

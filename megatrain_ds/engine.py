@@ -43,6 +43,7 @@ from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss
 from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer
+from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.loss_scaling import LossScaling
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
@@ -121,6 +122,8 @@ class MegatrainEngine(nn.Module):
     """AdamW over :attr:`optimizer_states`, each state on its placement (optimizer/host_adamw.py)."""
     stepper: OptimizerStepper
     """The global norm, clipping, speculative updates and skips (optimizer/speculative_step.py)."""
+    accumulation: HostAccumulation
+    """Staged chunks written or added into the held gradients on the worker (optimizer/gradient_accumulation.py)."""
     held_writes: HeldWrites
     pipelined_finish: PipelinedFinish | None
     """The update behind the next forward, where the configuration allows it (optimizer/pipelined_finish.py)."""
@@ -462,10 +465,16 @@ class MegatrainEngine(nn.Module):
         accumulated = state.grad[offset : offset + grad.numel()]
         # fp16: divided by the scale here, in fp32; the scale changes only between steps,
         # after the worker has drained (optimizer/loss_scaling.py). The first write of the
-        # step copies: the held gradients are never zeroed (gradients/held_writes.py).
-        self.loss_scaling.unscale_into_(accumulated, grad, overwrite=landing.fresh)
+        # step copies: the held gradients are never zeroed (gradients/held_writes.py). One
+        # GIL-free pass, with the final chunk's sum of squares where it can
+        # (optimizer/gradient_accumulation.py: [Note: the fused accumulation pass]).
+        squares = self.accumulation.accumulate_(
+            accumulated, grad, self.loss_scaling, overwrite=landing.fresh, squares=final
+        )
         if final:
-            self.stepper.consume_final(index, offset, accumulated, step)
+            if squares is not None:
+                self.stepper.norm.add_squares_on_host(squares)
+            self.stepper.consume_final(index, offset, accumulated, step, counted=squares is not None)
 
     def _finish_optimizer_step(self) -> None:
         self.settle_optimizer()  # the last step's update, if its forward did not need it all

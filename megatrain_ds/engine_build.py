@@ -34,6 +34,7 @@ from megatrain_ds.model.block_discovery import check_blocks_own_their_params, fi
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
+from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish, pipelined_finish_for, refusal
 from megatrain_ds.optimizer.placement import build_host_adamw
@@ -88,6 +89,7 @@ class EngineUnderConstruction(Protocol):
     optimizer_states: list[HostFlatState]
     adamw: HostAdamW
     stepper: OptimizerStepper
+    accumulation: HostAccumulation
     held_writes: HeldWrites
     pipelined_finish: PipelinedFinish | None
     sink: GradientPort
@@ -342,6 +344,7 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         engine.adamw.residency = engine.nvme_tier
         engine.stepper.plan_access()
     engine.held_writes = HeldWrites(len(engine.optimizer_states))
+    engine.accumulation = HostAccumulation.for_kernel(engine.adamw.cpu)  # fused where DeepSpeed's op loaded
     engine.optimizer.attach(engine._finish_optimizer_step)
     engine.pipelined_finish = pipelined_finish_for(  # optimizer/pipelined_finish.py: [Note: pipelined finish]
         engine.runtime,

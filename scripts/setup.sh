@@ -14,9 +14,9 @@ fi
 if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get install -y -qq libaio-dev >/dev/null || echo "setup: could not install libaio-dev (the NVMe tier will use its thread fallback)"
 fi
-# DeepSpeed's CPU Adam op and the engine's binding of its kernel
-# (megatrain_ds/optimizer/cpu_adam.py), and its async I/O op where libaio is there (the NVMe
-# tier, megatrain_ds/state/swap_io.py), compiled once into torch's extension cache
+# DeepSpeed's CPU Adam op and the engine's binding of its kernel, with the fused gradient
+# accumulation (megatrain_ds/optimizer/cpu_binding.py), and its async I/O op where libaio is
+# there (the NVMe tier, megatrain_ds/state/swap_io.py), compiled once into torch's extension cache
 # (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions; 25-110 s each the first time, a
 # second or two to load after). tests/test_cpu_adam_fused.py checks the binding against
 # DeepSpeed's op bit for bit and fails, not skips, where a compiler should have built it.
@@ -24,7 +24,7 @@ fi
 ops_log=$(mktemp)
 if ! DS_ACCELERATOR=cpu "$PYTHON" -c "
 from deepspeed.ops.op_builder import CPUAdamBuilder
-from megatrain_ds.optimizer.cpu_adam import load_deepspeed_op
+from megatrain_ds.optimizer.cpu_binding import load_deepspeed_op
 CPUAdamBuilder().load(verbose=False)
 load_deepspeed_op()
 from deepspeed.ops.op_builder import AsyncIOBuilder

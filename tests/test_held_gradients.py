@@ -30,6 +30,7 @@ from side_by_side import ds_config
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.gradients.held_writes import HeldWrites
 from megatrain_ds.gradients.squared_norm import SquaredNorm
+from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
@@ -89,18 +90,26 @@ def test_device_and_host_norms_agree_bit_for_bit_and_with_float64():
 
 
 def test_the_staged_path_sums_the_same_norm_as_the_direct_path(monkeypatch):
-    """One step through the worker (the sink told to stage everything: held gradients
-    start at zero, so adding equals copying) against the direct path: the same norm bits."""
+    """One step through the worker (the sink told to stage everything: each chunk is its
+    elements' first write, copied) against the direct path. With torch's ops the worker
+    sums the same fp32 chunk norms as the device: the same norm bits. With the fused pass
+    (``optimizer/gradient_accumulation.py``) it sums the squares in fp64, more exactly:
+    the norms then differ by the fp32 chunk norms' error, below 1e-6 relative (as above),
+    and the updates by what that does to the clipping scale."""
     config = ds_config(accumulation=1, clipping=1.0, megatrain={"speculative_blocks": 0})
-    direct, staged = _engine(config), _engine(config)
+    direct, staged, staged_torch = _engine(config), _engine(config), _engine(config)
+    assert staged.accumulation.fused, "the engine's CPU Adam kernel is DeepSpeed's here"
     monkeypatch.setattr(staged.sink, "_land", None)
+    monkeypatch.setattr(staged_torch.sink, "_land", None)
+    staged_torch.accumulation = HostAccumulation(None)
     try:
-        _micro_batch(direct, 0)
-        _micro_batch(staged, 0)
-        assert direct.get_global_grad_norm() == staged.get_global_grad_norm()
+        for engine in (direct, staged, staged_torch):
+            _micro_batch(engine, 0)
+        assert direct.get_global_grad_norm() == staged_torch.get_global_grad_norm()
+        assert math.isclose(direct.get_global_grad_norm(), staged.get_global_grad_norm(), rel_tol=1e-6)
     finally:
-        direct.destroy()
-        staged.destroy()
+        for engine in (direct, staged, staged_torch):
+            engine.destroy()
 
 
 def test_accumulated_held_gradients_match_pytorch():

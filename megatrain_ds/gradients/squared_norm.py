@@ -10,6 +10,10 @@ Arithmetic, the same on both sides and as before this split: each chunk's norm i
 (``vector_norm(dtype=fp32)``, no chunk-sized temporary), squared and summed in fp64 in
 push order, so the sum is deterministic and a chunk's contribution does not depend on
 where it was computed (on the CPU the "device" is the host: bit for bit the same).
+The one exception: a chunk accumulated into fp32 held gradients by the fused host pass
+(``optimizer/gradient_accumulation.py``) brings its sum of squares summed in fp64 in a
+fixed order (:meth:`SquaredNorm.add_squares_on_host`), more exact than an fp32 norm and as
+deterministic; it moves the step's norm by less than an fp32 norm's own rounding error.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ class SquaredNorm:
     def add_on_host(self, chunk: torch.Tensor) -> None:
         """Add a host chunk's squared norm (the gradient worker; the same arithmetic)."""
         self._on_host += float(torch.linalg.vector_norm(chunk, dtype=torch.float32)) ** 2
+
+    def add_squares_on_host(self, squares: float) -> None:
+        """Add a host chunk's sum of squares computed elsewhere (the gradient worker's fused
+        accumulation pass, ``optimizer/gradient_accumulation.py``: fp64, in a fixed order)."""
+        self._on_host += squares
 
     def lower_bound(self) -> float:
         """What the host knows of the sum so far: the sum only grows, so this bounds it

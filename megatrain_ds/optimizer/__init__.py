@@ -8,6 +8,8 @@
 - ``speculative_step``: global norm, speculative updates during backward, clipping, skips.
 - ``pipelined_finish``: the step's remaining update on a host thread behind ``engine.step()``,
   in the order the next forward reads the states, and the waits for it.
+- ``gradient_accumulation``: a staged gradient chunk written or added into the held fp32
+  gradients, with its sum of squares, in one GIL-free pass of the engine's C++ binding.
 - ``loss_scaling``: fp16 loss scaling with DeepSpeed's loss scalers, and their checkpointed state.
 - ``facade``: the optimizer object ``deepspeed.initialize`` returns.
 

@@ -12,8 +12,9 @@ Kernels (``CPU_KERNELS``; ``"auto"`` tries them in this order):
 
 - ``deepspeed``: DeepSpeed's CPU Adam kernel (``csrc/adam/cpu_adam_impl.cpp``: AVX2/AVX-512),
   compiled from DeepSpeed's sources with its own flags into a module of ours
-  (:data:`_BINDING`) that runs it with the GIL released, widening, scaling and the shadow
-  fused into its pass over cache-sized blocks (see the two notes below).
+  (``cpu_binding.py``'s ``_BINDING``) that runs it with the GIL released, widening,
+  scaling and the shadow fused into its pass over cache-sized blocks (see the two notes
+  below).
 - ``torch_fused``: ATen's fused CPU Adam(W), on chunks (widening, scaling and the shadow
   are separate torch ops on each cache-resident chunk).
 - ``torch``: op by op, ``torch.optim.AdamW``'s single-tensor arithmetic exactly (the
@@ -27,7 +28,7 @@ whole update, so the training thread cannot run a line of Python meanwhile: a ma
 loop of small torch ops that took 0.04 s alone took 40 s while a worker called
 ``adam_update`` back to back on 16M elements (``bench/optimizer.py`` measures it for every
 kernel). The engine therefore compiles DeepSpeed's kernel source with a binding of its own
-(:data:`_BINDING`) whose update releases the GIL, as every ATen op does; the arithmetic is
+(``cpu_binding.py``'s ``_BINDING``) whose update releases the GIL, as every ATen op does; the arithmetic is
 DeepSpeed's SIMD loop (its ``Adam_Optimizer::Step_8``), bit for bit, with two differences
 that make an update independent of how a step is split into calls and of the steps before
 it: a range's last elements take the SIMD loop too (in a padded buffer) instead of its
@@ -43,7 +44,7 @@ bf16 shadow to write. It used to run as a Python loop over ``CHUNK_ELEMENTS`` ch
 four thread-team launches each (widen, scale, DeepSpeed's op, shadow copy): 20-25% slower
 than the fp32 call on a quiet 2-core VM, and 0.1-2.8 s instead of 0.04-0.06 s for 30M
 elements once other processes shared the cores, since each of the ~230 barriers per update
-waited for a descheduled thread. :data:`_BINDING`'s ``adam_step`` does it in one OpenMP
+waited for a descheduled thread. ``cpu_binding.py``'s ``adam_step`` does it in one OpenMP
 region (8-16% slower than the fp32 call, quiet: it writes the shadow and makes two more
 passes in cache): each thread takes one contiguous share (DeepSpeed's split; handing out
 blocks dynamically measured 10-20% slower when both cores were shared with other
@@ -59,20 +60,13 @@ a one-thread team, 0.7 us per block.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 import itertools
 import logging
-import os
-import re
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper, BeforeChunk, adamw_update_
+from megatrain_ds.optimizer.cpu_binding import load_deepspeed_op
 from megatrain_ds.runtime.stream_check import declare_access
 
 logger = logging.getLogger(__name__)
@@ -216,202 +210,6 @@ class TorchFusedKernel(CpuAdamKernel):
 
 _DEEPSPEED_IDS = itertools.count(1 << 20)
 """Optimizer ids in the module's table of DeepSpeed ``Adam_Optimizer`` objects."""
-
-# DeepSpeed's kernel source compiled into this module as one translation unit, so that its
-# serial per-range routine (Adam_Optimizer::Step_8) can run on each thread's blocks
-# ([Note: one pass over DeepSpeed's kernel]). Arguments are converted and checked with the
-# GIL held; nothing after the release touches a Python object ([Note: the GIL and
-# DeepSpeed's op]).
-_BINDING = r"""
-#include "cpu_adam_impl.cpp"
-
-#include <omp.h>
-
-#include <algorithm>
-#include <cstring>
-#include <optional>
-#include <vector>
-
-namespace {
-
-// One per OpenMP thread; the pool's threads live as long as the process, so it is sized once.
-thread_local std::vector<float> t_scratch;
-
-// bf16 -> fp32 is exact (the bits, shifted); the product is torch's grad.float() * scale in
-// fp32 (torch rounds a Python scale to fp32 too).
-void widen_bf16(const uint16_t* grad, float scale, float* out, int64_t n)
-{
-    for (int64_t i = 0; i < n; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(grad[i]) << 16;
-        float value;
-        std::memcpy(&value, &bits, sizeof(value));
-        out[i] = value * scale;
-    }
-}
-
-void scale_fp32(const float* grad, float scale, float* out, int64_t n)
-{
-    for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * scale;
-}
-
-// fp32 -> bf16 as torch's copy_ writes it: round to nearest even, every NaN -> 0xFFFF.
-void round_to_bf16(const float* src, uint16_t* out, int64_t n)
-{
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &src[i], sizeof(bits));
-        const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-        out[i] = (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0xFFFF) : static_cast<uint16_t>(rounded);
-    }
-}
-
-// DeepSpeed's Step_8 does a range's last (length mod SIMD width) elements in a scalar loop
-// that rounds m and v differently from its SIMD loop (by an ulp), so an element's update
-// would depend on where the call's range ends: on how a step happens to be split into calls
-// (gradient chunks as they arrive, speculation, threads), which varies from run to run on a
-// GPU (tests/test_gpu.py's resume was an ulp off). Every element goes through the SIMD loop
-// instead: a tail is stepped in a zero-padded buffer of one whole SIMD pass.
-constexpr int64_t kSimdPass = 128;  // Step_8's unroll 8 x the SIMD width: 16 (AVX-512) or 8 (AVX2)
-
-void step_every_element_vectorized(Adam_Optimizer& opt, float* p, float* g, float* m, float* v, int64_t n)
-{
-    const int64_t body = n / kSimdPass * kSimdPass;
-    if (body > 0) opt.Step_8(p, g, m, v, static_cast<size_t>(body), false);
-    const int64_t tail = n - body;
-    if (tail == 0) return;
-    alignas(64) float tp[kSimdPass] = {}, tg[kSimdPass] = {}, tm[kSimdPass] = {}, tv[kSimdPass] = {};
-    const size_t bytes = static_cast<size_t>(tail) * sizeof(float);
-    std::memcpy(tp, p + body, bytes);
-    std::memcpy(tg, g + body, bytes);
-    std::memcpy(tm, m + body, bytes);
-    std::memcpy(tv, v + body, bytes);
-    opt.Step_8(tp, tg, tm, tv, static_cast<size_t>(kSimdPass), false);  // zeros stay finite
-    std::memcpy(p + body, tp, bytes);
-    std::memcpy(m + body, tm, bytes);
-    std::memcpy(v + body, tv, bytes);
-}
-
-void check_flat(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, const char* name)
-{
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel,
-                name, ": expected a contiguous CPU ", c10::toString(dtype), " tensor of ", numel, " elements");
-}
-
-void adam_step(int optimizer_id, int64_t step, float lr, float beta1, float beta2, float eps,
-               float weight_decay, torch::Tensor params, torch::Tensor grads, torch::Tensor exp_avg,
-               torch::Tensor exp_avg_sq, std::optional<torch::Tensor> shadow, float grad_scale,
-               int64_t block)
-{
-    const int64_t n = params.numel();
-    check_flat(params, at::kFloat, n, "params");
-    check_flat(exp_avg, at::kFloat, n, "exp_avg");
-    check_flat(exp_avg_sq, at::kFloat, n, "exp_avg_sq");
-    const bool bf16_grad = grads.scalar_type() == at::kBFloat16;
-    check_flat(grads, bf16_grad ? at::kBFloat16 : at::kFloat, n, "grads");
-    if (shadow) check_flat(*shadow, at::kBFloat16, n, "shadow");
-    TORCH_CHECK(block > 0 && block % 128 == 0, "block must be a positive multiple of 128");
-    auto found = s_optimizers.find(optimizer_id);
-    TORCH_CHECK(found != s_optimizers.end(), "no Adam optimizer with id ", optimizer_id);
-    auto opt = std::static_pointer_cast<Adam_Optimizer>(found->second);
-    // The bias-correction powers from std::pow at every call: IncrementStep multiplies the
-    // last ones by the betas when the step follows the op's last, which rounds differently,
-    // so a resumed run (pow at its first step) would drift from the uninterrupted one. After
-    // a call for step + 2 the op's last step is step + 2, whatever it was: the call for step
-    // then takes the pow branch.
-    opt->IncrementStep(step + 2, beta1, beta2);
-    opt->IncrementStep(step, beta1, beta2);
-    opt->update_state(lr, eps, weight_decay, true);
-
-    float* p = params.data_ptr<float>();
-    float* m = exp_avg.data_ptr<float>();
-    float* v = exp_avg_sq.data_ptr<float>();
-    float* g32 = bf16_grad ? nullptr : grads.data_ptr<float>();
-    const uint16_t* g16 = bf16_grad ? static_cast<const uint16_t*>(grads.data_ptr()) : nullptr;
-    uint16_t* out = shadow ? static_cast<uint16_t*>(shadow->data_ptr()) : nullptr;
-    const bool direct = !bf16_grad && grad_scale == 1.0f;  // the kernel reads the gradient itself
-
-    pybind11::gil_scoped_release no_gil;
-#pragma omp parallel
-    {
-        // One contiguous share per thread, as DeepSpeed's static split; shares and blocks start
-        // on multiples of 128 (every SIMD width times the kernel's 8-way unroll).
-        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int64_t share = ((n + threads - 1) / threads + 127) / 128 * 128;
-        const int64_t begin = std::min(n, thread * share), end = std::min(n, begin + share);
-        // Blocks only keep the scratch and the fresh master in cache between the steps.
-        const int64_t step_numel = direct && !out ? std::max<int64_t>(end - begin, 1) : block;
-        if (!direct && t_scratch.size() < static_cast<size_t>(block)) t_scratch.resize(block);
-        for (int64_t start = begin; start < end; start += step_numel) {
-            const int64_t len = std::min(step_numel, end - start);
-            float* g = g32 + start;
-            if (!direct) {
-                if (bf16_grad) widen_bf16(g16 + start, grad_scale, t_scratch.data(), len);
-                else scale_fp32(g32 + start, grad_scale, t_scratch.data(), len);
-                g = t_scratch.data();
-            }
-            step_every_element_vectorized(*opt, p + start, g, m + start, v + start, len);
-            if (out) round_to_bf16(p + start, out + start, len);
-        }
-    }
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
-{
-    m.def("adam_step", &adam_step, "DeepSpeed's CPU Adam on blocks, with widening, scaling and shadow");
-    m.def("create_adam", &create_adam_optimizer, "DeepSpeed CPU Adam create");
-    m.def("destroy_adam", &destroy_adam_optimizer, "DeepSpeed CPU Adam destroy");
-}
-"""
-
-
-@functools.lru_cache(maxsize=1)
-def load_deepspeed_op() -> Any:
-    """DeepSpeed's CPU Adam kernel with the binding above, built from DeepSpeed's sources with
-    its own flags (``-O3 -march=native -fopenmp``, AVX2/AVX-512); JIT-compiled on first use
-    into torch's extension cache (25-110 s), imported from it after. The module name carries
-    DeepSpeed's version and the binding's hash, so a new DeepSpeed or binding builds afresh
-    (and a cached build loads without recomputing DeepSpeed's flags, which probes the CPU
-    for seconds)."""
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha1(_BINDING.encode()).hexdigest()[:8]
-    name = "megatrain_cpu_adam_" + re.sub(r"\W", "_", importlib.metadata.version("deepspeed")) + "_" + digest
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    built = build_dir / f"{name}.so"
-    if built.exists():
-        spec = importlib.util.spec_from_file_location(name, built)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    # The op builders are module attributes that op_builder/__init__.py sets in a loop.
-    from deepspeed.ops.op_builder import CPUAdamBuilder  # pyright: ignore[reportAttributeAccessIssue]
-
-    builder = CPUAdamBuilder()
-    if not builder.is_compatible(verbose=False):
-        raise RuntimeError(f"DeepSpeed's cpu_adam op cannot build here: {builder.error_log}")
-    kernel_dirs = {
-        os.path.dirname(os.path.abspath(builder.deepspeed_src_path(path)))
-        for path in builder.sources()
-        if path.endswith("_impl.cpp")
-    }  # the binding includes cpu_adam_impl.cpp from there
-    binding = build_dir / "binding.cpp"
-    binding.write_text(_BINDING)
-    logger.info("megatrain: building DeepSpeed's CPU Adam kernel (once, 25-110 s) in %s", build_dir)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(binding)],
-        extra_include_paths=[
-            *(os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.include_paths()),
-            *sorted(kernel_dirs),
-        ],
-        extra_cflags=[*builder.strip_empty_entries(builder.cxx_args()), "-UC10_USE_GLOG"],
-        extra_ldflags=builder.strip_empty_entries(builder.extra_ldflags()),
-        build_directory=str(build_dir),
-        verbose=False,
-    )
 
 
 class DeepSpeedKernel(CpuAdamKernel):
