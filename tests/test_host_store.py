@@ -162,6 +162,45 @@ def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
     assert whole.weights is whole.master and whole.exp_avg.numel() == end - start
 
 
+def test_a_node_span_of_a_trained_only_state_leaves_frozen_weights_in_the_shadow():
+    """Several nodes with bf16 compute and frozen bf16 weights (issue 44): node 1 of 2 holds
+    its span of the *trained prefix* (``HostFlatState.stepped_numel``) of the fp32 master and
+    of the moments, exact; the frozen weights are in the whole bf16 shadow alone, bit for
+    bit, and stay there when the parameters are re-pointed (as the NVMe tier does). The
+    reference is the values laid out by hand (trained slots first, then the frozen ones)."""
+    from megatrain_ds.distributed.ownership import Ownership
+    from megatrain_ds.runtime.device_runtime import DeviceRuntime
+    from megatrain_ds.state.flat_layout import FROZEN_GROUP
+    from megatrain_ds.state.host_store import migrate_to_host
+
+    torch.manual_seed(0)
+    trained = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (130,), (3, 11)]]
+    frozen = [torch.nn.Parameter(torch.randn(shape).bfloat16(), requires_grad=False) for shape in [(33,), (9, 9)]]
+    named = [(f"p{index}", param) for index, param in enumerate(trained + frozen)]
+    group_of = {param: 0 for param in trained} | {param: FROZEN_GROUP for param in frozen}
+    values = {name: param.detach().clone() for name, param in named}
+    span_of = Ownership.of([[0], [1]], rank=1).span
+    runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
+    state = migrate_to_host(named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, trained_only=True)
+    layout, (start, end) = state.layout, state.held
+    assert state.stepped_numel == layout.trained_numel < layout.numel
+    assert (start, end) == span_of(layout.trained_numel) and 0 < start < end == layout.trained_numel
+    assert state.master_sharded and state.frozen_in_shadow and state.master_held == (start, end)
+    expected = torch.zeros(layout.numel)
+    for slot in layout.slots:
+        expected[slot.offset : slot.offset + slot.numel] = values[slot.name].float().flatten()
+    assert torch.equal(state.master, expected[start:end]) and state.exp_avg.numel() == end - start
+    assert state.shadow is not None and torch.equal(state.shadow, expected.bfloat16())
+    for index, slot in enumerate(layout.slots):
+        if slot.group == FROZEN_GROUP:
+            assert torch.equal(state.weight_view(index), values[slot.name])
+    state.point_params_at(state.shadow)  # what the tier does while the master is away
+    for slot, param in zip(layout.slots, state.params):
+        assert param.data_ptr() == state.shadow[slot.offset :].data_ptr()
+    window = state.window(start, end)  # a rank's window: inside the trained prefix
+    assert torch.equal(window.master, expected[start:end])
+
+
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_parameters(compute: torch.dtype):
     """The weights on the NVMe tier with data parallel (issue 34): ``migrate_to_host`` with
