@@ -242,7 +242,7 @@ def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:
     ours, theirs = engine.module.state_dict(), other.module.state_dict()
     assert all(torch.equal(value, theirs[name]) for name, value in ours.items())
     for mine, its in zip(engine.states, other.states):
-        assert torch.equal(mine.shadow, its.shadow)
+        assert mine.shadow is not None and its.shadow is not None and torch.equal(mine.shadow, its.shadow)
     if engine.nvme_tier is None or other.nvme_tier is None:
         for mine, its in zip(engine.states, other.states):
             for kind in ("master", "exp_avg", "exp_avg_sq"):
