@@ -309,7 +309,8 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         engine.resident.refresh_device()
 
     # What this rank updates: every state whole, or with data parallel its window of
-    # each (distributed/data_parallel.py: [Note: data-parallel step]).
+    # each (distributed/data_parallel.py: [Note: data-parallel step]); either of what the
+    # optimizer state covers (stepped_numel: the trained prefix where frozen weights have none).
     engine.windows = [
         dp.window(state.stepped_numel) if dp is not None else (0, state.stepped_numel) for state in engine.states
     ]
