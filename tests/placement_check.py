@@ -49,8 +49,8 @@ def placement_disagreements(engine: MegatrainEngine) -> list[str]:
                 problems.append(f"state {index} {name}: {actual}, planned {(buffer.numel, buffer.itemsize)}")
         if planned.trained_only != state.trained_only or (planned.frozen_in == "shadow") != state.frozen_in_shadow:
             problems.append(f"state {index}: trained_only/frozen_in_shadow differ from {planned}")
-        if planned.gathered != state.gathered:
-            problems.append(f"state {index}: gathered {state.gathered}, planned {planned.gathered}")
+        if planned.master_split != state.master_sharded:
+            problems.append(f"state {index}: master sharded {state.master_sharded}, planned {planned.master}")
     actual = {name: sum(sizes) for name, sizes in allocated_host_tensors(engine).items() if sizes}
     if actual != placement.host_bytes():
         problems.append(f"host bytes {actual}, planned {placement.host_bytes()}")

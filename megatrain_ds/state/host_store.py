@@ -40,7 +40,13 @@ class HostFlatState:
             hold: all of them on one node, with data parallel over several nodes this
             node's share (``distributed/data_parallel.py``: [Note: sharded host state]).
         master_sharded: whether ``master`` too holds only the ``span`` (several nodes with a
-            shadow: the whole weights a node streams are the shadow, :attr:`weights_kind`).
+            shadow: the whole weights a node streams are the shadow; a rank's window of
+            gathered weights).
+
+    These flags say which elements each buffer holds, for the state's own views
+    (:attr:`held`, :attr:`master_held`, :meth:`window`); where a buffer lives, which
+    code outside this module branches on, is the engine's ``Placement``
+    (``state/placement.py``), which ``tests/test_placement.py`` checks them against.
         trained_only: whether the moments and gradients hold only the trained prefix
             ``[0, layout.trained_numel)``: frozen parameters have none ([Note: frozen weights]).
         frozen_in_shadow: whether ``master`` too holds only the trained prefix, the frozen
@@ -95,21 +101,11 @@ class HostFlatState:
         return self.held if self.master_sharded else (0, self.layout.numel)
 
     @property
-    def gathered(self) -> bool:
-        """Whether this process keeps only its span of the weights and no whole copy: they
-        are gathered from every rank's window when used (``distributed/gathered_weights.py``)."""
-        return self.master_sharded and self.shadow is None
-
-    @property
-    def weights_kind(self) -> str:
-        """The buffer that holds every weight on this node: ``"master"``, or ``"shadow"``
-        where the master is sharded (checkpoints write the model files from it)."""
-        return "shadow" if self.master_sharded else "master"
-
-    @property
     def weights(self) -> torch.Tensor:
-        """Every weight of the state (:attr:`weights_kind`): what the user's parameters view
-        (the trained ones only where :attr:`frozen_in_shadow`: :meth:`weights_of`)."""
+        """Every weight of the state: the master, or the shadow where the master is sharded
+        (``StatePlacement.weights_in`` says which, for the code that branches on it): what the
+        user's parameters view (the trained ones only where :attr:`frozen_in_shadow`:
+        :meth:`weights_of`)."""
         return self.shadow if self.master_sharded and self.shadow is not None else self.master
 
     def weights_of(self, slot: ParamSlot) -> torch.Tensor:

@@ -210,6 +210,26 @@ class StatePlacement:
         """Whether no whole copy of the weights is kept here: this rank holds its window."""
         return self.streamed is Where.GATHERED
 
+    @property
+    def master_split(self) -> bool:
+        """Whether the master is split across processes (this node's span, or this rank's
+        window on its tier): its whole value exists only by gathering the parts, and the
+        checkpoint's span files hold the exact masters."""
+        return self.master.where in (Where.NODE_SPAN, Where.TIER_WINDOW)
+
+    @property
+    def master_in_host_memory(self) -> bool:
+        """Whether the whole master (or its trained prefix, the frozen weights being in the
+        shadow alone) is a host buffer of this process: the parameters view it."""
+        return self.master.where in (Where.HOST, Where.TRAINED_PREFIX)
+
+    @property
+    def weights_in(self) -> str:
+        """The buffer that holds every weight on this node: ``"shadow"`` where the master is
+        this node's span (the shadow is streamed whole), else ``"master"`` (for a gathered
+        state, the master of this rank's window: the whole weights are gathered)."""
+        return "shadow" if self.master.where is Where.NODE_SPAN else "master"
+
 
 @dataclass(frozen=True)
 class TierPlacement:
@@ -294,6 +314,13 @@ class Placement:
     def weights_gathered(self) -> bool:
         """Whether every rank keeps only its windows of the blocks' weights, gathered whole when used."""
         return any(state.gathered for state in self.blocks)
+
+    @property
+    def masters_split(self) -> bool:
+        """Whether any state's master is split across processes (data parallel only): taking
+        the whole masters runs collectives (``checkpoint/whole_masters.py``), and checkpoints
+        write the exact masters in span files, the model files in the compute dtype."""
+        return any(state.master_split for state in self.states)
 
     @property
     def tier_per_rank(self) -> bool:
