@@ -284,12 +284,19 @@ class Placement:
     def of(cls, config: EngineConfig, nvme: str, topology: Topology, shapes: Sequence[StateShape]) -> Placement:
         """The placement of states of these shapes (the resident state's last) under ``config``,
         with the NVMe tier holding ``nvme``."""
+        return cls.of_sizes(ElementSizes.of(config), TierSettings.of(config), nvme, topology, shapes)
+
+    @classmethod
+    def of_sizes(
+        cls, sizes: ElementSizes, tier: TierSettings, nvme: str, topology: Topology, shapes: Sequence[StateShape]
+    ) -> Placement:
+        """:meth:`of` from the element sizes and tier settings alone (the planner's
+        ``planning/planner.py`` plans runs it has no config of)."""
         assert nvme in ("none", "optimizer", "all"), nvme
-        sizes = _Sizes.of(config)
         trained_only = nvme == "none" and not topology.data_parallel
         states = [_state(shape, sizes, nvme, topology, trained_only) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology, trained_only))  # the resident state: host memory
-        mine, node = _tiers(config, nvme, topology, shapes[:-1], sizes)
+        mine, node = _tiers(tier, nvme, topology, shapes[:-1], sizes)
         return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
 
     @property
@@ -370,15 +377,19 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class ElementSizes:
+    """Bytes per element of each buffer, from the run's dtypes."""
+
     master: int
     compute: int
+    """The streamed copy's (the shadow's, or the master's where it is streamed)."""
     grad: int | None
     """Bytes per held gradient element; ``None``: gradients are applied as they arrive."""
     with_shadow: bool
+    """Whether the compute dtype differs from the master's: a shadow is streamed."""
 
     @classmethod
-    def of(cls, config: EngineConfig) -> _Sizes:
+    def of(cls, config: EngineConfig) -> ElementSizes:
         def size(dtype: torch.dtype) -> int:
             return torch.empty((), dtype=dtype).element_size()
 
@@ -388,7 +399,24 @@ class _Sizes:
         )
 
 
-def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology, trained_only: bool) -> StatePlacement:
+@dataclass(frozen=True)
+class TierSettings:
+    """What the NVMe tier's files and window take from the settings."""
+
+    alignment: int = DIRECT_ALIGNMENT
+    """Bytes each kind's part of a swap file is padded to (:attr:`TierPlacement.alignment`)."""
+    window_blocks: int = 4
+    """``nvme_window_blocks``."""
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> TierSettings:
+        aio = config.options.nvme_aio
+        # The configured I/O engine's alignment: DeepSpeed's op aligns to a block per thread.
+        alignment = DIRECT_ALIGNMENT * (aio.thread_count if aio.engine != "threads" else 1)
+        return cls(alignment, config.options.nvme_window_blocks)
+
+
+def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology, trained_only: bool) -> StatePlacement:
     """One state's placement ([Note: the placement model]); ``trained_only``: the run is one
     process with every state in host memory (the resident state's ``nvme`` is ``"none"``
     whatever the blocks' is)."""
@@ -445,17 +473,14 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology, trai
 
 
 def _tiers(
-    config: EngineConfig, nvme: str, topology: Topology, blocks: Sequence[StateShape], sizes: _Sizes
+    settings: TierSettings, nvme: str, topology: Topology, blocks: Sequence[StateShape], sizes: ElementSizes
 ) -> tuple[TierPlacement | None, list[TierPlacement]]:
     """This process's NVMe tier and those of every rank of its node (none without a tier)."""
     if nvme == "none":
         return None, []
-    options = config.options
-    aio = options.nvme_aio
-    alignment = DIRECT_ALIGNMENT * (aio.thread_count if aio.engine != "threads" else 1)
 
     def tier(kinds: tuple[str, ...], numels: Sequence[int]) -> TierPlacement:
-        return TierPlacement(kinds, tuple(n for n in numels if n > 0), alignment, options.nvme_window_blocks)
+        return TierPlacement(kinds, tuple(n for n in numels if n > 0), settings.alignment, settings.window_blocks)
 
     if not topology.data_parallel:
         one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, [s.numel for s in blocks])
