@@ -386,9 +386,9 @@ def _open_rank_tier(engine: EngineUnderConstruction) -> None:
         if window.layout.numel > 0:
             engine.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
         else:  # no placeholder left to trip over: nothing to step, nothing to save
-            window.exp_avg, window.exp_avg_sq = torch.zeros(0), torch.zeros(0)
+            window.bind({"exp_avg": torch.zeros(0), "exp_avg_sq": torch.zeros(0)})
         if gathered:
-            state.master = window.master  # the state's own reference goes too: on disk only
+            state.bind({"master": window.master})  # the state's own reference goes too: on disk only
 
 
 def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplate]) -> None:

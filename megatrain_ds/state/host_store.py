@@ -11,9 +11,9 @@ across nodes), so the model has the trained weights without a second copy; its
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,10 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.host_heap import release_pages
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, FlatLayout, ParamSlot, build_flat_layout
+
+TierKind = Literal["master", "exp_avg", "exp_avg_sq"]
+"""A buffer of a flat state that may live elsewhere than its own host allocation (the NVMe
+tier's kinds, ``state/nvme_tier.py``): :meth:`HostFlatState.bind` and :meth:`~HostFlatState.release`."""
 
 
 @dataclass
@@ -159,6 +163,29 @@ class HostFlatState:
             exp_avg_sq=self.exp_avg_sq[start - first : end - first],
             grad=part(self.grad, first),
         )
+
+    def bind(self, buffers: Mapping[TierKind, torch.Tensor]) -> None:
+        """Make ``buffers`` the state's buffers of their kinds: host tensors that hold those
+        kinds' current values elsewhere than the state's own allocation (a slot of the NVMe
+        tier's window, a mapping of its swap file; ``state/nvme_tier.py``), each of the
+        elements the kind holds (:attr:`master_held`, :attr:`held`). The one way anything
+        outside this module rebinds a buffer; :meth:`release` undoes it."""
+        for kind, tensor in buffers.items():
+            first, last = self.master_held if kind == "master" else self.held
+            assert tensor.shape == (last - first,), (kind, tuple(tensor.shape), (first, last))
+        self.master = buffers.get("master", self.master)
+        self.exp_avg = buffers.get("exp_avg", self.exp_avg)
+        self.exp_avg_sq = buffers.get("exp_avg_sq", self.exp_avg_sq)
+
+    def release(self, kinds: Iterable[TierKind]) -> None:
+        """The buffers of ``kinds`` now live elsewhere (the NVMe tier) and have no host copy:
+        each becomes a placeholder (:func:`absent_on_host`), so a use that skipped fetching
+        it fails instead of reading a buffer the tier has taken back."""
+        placeholders: dict[TierKind, torch.Tensor] = {}
+        for kind in kinds:
+            first, last = self.master_held if kind == "master" else self.held
+            placeholders[kind] = absent_on_host(last - first)
+        self.bind(placeholders)
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Re-point the user's parameters at their slots of ``flat`` (the shadow while the

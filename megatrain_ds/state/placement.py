@@ -54,7 +54,7 @@ from torch import nn
 
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
-from megatrain_ds.state.host_store import SpanOf
+from megatrain_ds.state.host_store import SpanOf, TierKind
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, swap_file_bytes
 from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
@@ -235,7 +235,7 @@ class StatePlacement:
 class TierPlacement:
     """One process's NVMe tier: what it holds of each block, and its files."""
 
-    kinds: tuple[str, ...]
+    kinds: tuple[TierKind, ...]
     """Buffers per block in the swap files (``state/nvme_tier.py``: ``MOMENTS`` or ``WITH_MASTER``)."""
     numels: tuple[int, ...]
     """Each swap file's elements per kind: a block's, or this rank's non-empty window of it."""
@@ -479,7 +479,7 @@ def _tiers(
     if nvme == "none":
         return None, []
 
-    def tier(kinds: tuple[str, ...], numels: Sequence[int]) -> TierPlacement:
+    def tier(kinds: tuple[TierKind, ...], numels: Sequence[int]) -> TierPlacement:
         return TierPlacement(kinds, tuple(n for n in numels if n > 0), settings.alignment, settings.window_blocks)
 
     if not topology.data_parallel:
