@@ -232,6 +232,7 @@ def _migrate_block(
             shadow_on_host=False,
             span_of=dp.window,
             share=dp.broadcast_from_rank0_,
+            shard_master=True,
         )
     if placement.trained_only:
         return migrate_to_host(named, group_of, engine.runtime, master, compute, source=source, trained_only=True)
@@ -247,6 +248,7 @@ def _migrate_block(
         shadow_on_host=placement.streamed is Where.HOST,
         span_of=functools.partial(_span_of, engine),
         share=functools.partial(_share_initial_weights, engine),
+        shard_master=placement.master_split,
     )
 
 
@@ -276,6 +278,7 @@ def _build_resident(
         span_of=None if trained_only else functools.partial(_span_of, engine),
         share=None if trained_only else functools.partial(_share_initial_weights, engine),
         trained_only=trained_only,
+        shard_master=engine.placement.resident.master_split,
     )
     if source is not None:
         source.report_unused(name for name, _ in model.named_buffers())

@@ -259,6 +259,7 @@ def migrate_to_host(
     span_of: SpanOf | None = None,
     share: Callable[[torch.Tensor], None] | None = None,
     trained_only: bool = False,
+    shard_master: bool = False,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
     whole weights (the master; the shadow where the master is sharded, below). The master
@@ -279,7 +280,8 @@ def migrate_to_host(
     the tier, rounded as they are read (``state/nvme_weights.py``).
 
     ``span_of``: the moments hold only this node's share, ``span_of(numel)``
-    (:attr:`HostFlatState.span`), and so may the master (:func:`_fill_sharded`).
+    (:attr:`HostFlatState.span`); with ``shard_master`` the master too (:func:`_fill_sharded`:
+    where the placement says the master is split, ``StatePlacement.master_split``).
     ``trained_only`` (one process, none of the above): frozen parameters get no moments,
     gradients or, where they can, master (:func:`_migrate_trained_only`)."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
@@ -291,7 +293,8 @@ def migrate_to_host(
     writes = shared is None or shared.is_writer
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
-    sharded = span is not None and (shadow is not None or not shadow_on_host)
+    assert not shard_master or span is not None, "a sharded master holds this node's span"
+    sharded = shard_master
     if sharded:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)

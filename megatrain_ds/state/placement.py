@@ -451,8 +451,10 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
         grad_where, streamed = Where.RANK_WINDOW, Where.GATHERED
     else:  # data parallel: the node's copy, its span of what is sharded
         held, frozen_in = topology.span(numel), "master"
-        span_where = Where.NODE_SPAN if held < numel else Where.HOST
-        sharded = sizes.with_shadow and held < numel  # several nodes: the master too, the shadow whole
+        # Several nodes: every node's span, even one that happens to be all of a small state, so
+        # that every node branches alike (the weight gather sends the same buffer from each).
+        span_where = Where.NODE_SPAN if topology.span_of is not None else Where.HOST
+        sharded = sizes.with_shadow and span_where is Where.NODE_SPAN  # the master too, the shadow whole
         master = Buffer(span_where, held, sizes.master) if sharded else Buffer(Where.HOST, numel, sizes.master)
         rank_window = topology.window(numel)
         moments = Buffer(Where.TIER_WINDOW, rank_window, 4) if nvme == "optimizer" else Buffer(span_where, held, 4)
