@@ -265,9 +265,9 @@ def migrate_to_host(
     whole weights (the master; the shadow where the master is sharded, below). The master
     is allocated untouched (no resident pages); each parameter is copied into its slot and
     re-pointed at once, its old storage freed (a large one's pages chunk by chunk as copied,
-    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each slot is filled from
-    ``source.copy_into(name, slot)``; parameters on the ``meta`` device then become real
-    parameters viewing their slot, keeping their identity (optimizer groups hold them).
+    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each
+    slot is filled from ``source.copy_into(name, slot)``; parameters on the ``meta`` device
+    then become real parameters viewing their slot, keeping their identity.
 
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
@@ -279,11 +279,9 @@ def migrate_to_host(
     NVMe tier holds them; ``shadow_on_host=False``: no shadow, the weights are streamed from
     the tier, rounded as they are read (``state/nvme_weights.py``).
 
-    ``span_of``: the moments hold only this node's share, ``span_of(numel)``
-    (:attr:`HostFlatState.span`); with ``shard_master`` the master too (:func:`_fill_sharded`:
-    where the placement says the master is split, ``StatePlacement.master_split``).
-    ``trained_only`` (one process, none of the above): frozen parameters get no moments,
-    gradients or, where they can, master (:func:`_migrate_trained_only`)."""
+    ``span_of``: the moments hold only this node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`);
+    with ``shard_master`` (``StatePlacement.master_split``) the master too (:func:`_fill_sharded`).
+    ``trained_only`` (one process): frozen ones get no moments, gradients or, where they can, master."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     if trained_only:
         assert shared is None and span_of is None and share is None and moments_on_host and shadow_on_host
@@ -294,8 +292,7 @@ def migrate_to_host(
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
     assert not shard_master or span is not None, "a sharded master holds this node's span"
-    sharded = shard_master
-    if sharded:
+    if shard_master:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
@@ -314,9 +311,9 @@ def migrate_to_host(
         exp_avg_sq=runtime.host_zeros(held, torch.float32, shared) if moments_on_host else absent_on_host(held),
         params=params,
         span=span,
-        master_sharded=sharded,
+        master_sharded=shard_master,
     )
-    if sharded and shadow is None:
+    if shard_master and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
 

@@ -5,13 +5,26 @@ Every flat state (one per block, then the resident parameters') has the buffers 
 (the streamed copy, when the compute dtype differs from the master's), Adam's moments m and v,
 the held gradients, and among the weights the frozen ones (LoRA: ``requires_grad=False`` or
 in no optimizer group). :class:`Placement` says, per state and buffer, where it lives
-(:class:`Where`) and how many elements of which size it holds there; the engine's builders,
-``MegatrainEngine.host_bytes()`` and preflight's estimate (``planning/preflight.py``) read it
-instead of branching on the NVMe level, data parallel, nodes and the master's dtype
-themselves, so the figures they report agree by construction (``tests/test_placement.py``
-checks them against the buffers the engine allocates). Pure arithmetic: nothing is
-allocated here. (Not to be confused with ``optimizer/placement.py``, which places the
-optimizer's arithmetic on the CPU or the device.)
+(:class:`Where`) and how many elements of which size it holds there. What reads it instead
+of branching on the NVMe level, data parallel, nodes and the master's dtype itself:
+
+- the engine's builders (``engine_build.py``: what ``migrate_to_host`` keeps of each state,
+  which tier opens, the weight window or the gather);
+- ``MegatrainEngine.host_bytes()``, preflight's estimate (``planning/preflight.py``) and the
+  planner's (``planning/planner.py``: :meth:`Placement.of_sizes` from a model's sizes), so
+  the figures they report agree by construction (``tests/test_placement.py`` checks them
+  against the buffers the engine allocates, and each other);
+- ``state_dict()`` (``checkpoint/whole_masters.py``: where each master is read or gathered
+  from, and whether that is a collective), save and load (``checkpoint/``: which buffer holds
+  the whole weights, which states are gathered, whether the masters go in span files), and
+  the weight gather after a data-parallel step (``DataParallel.gather_updated_weights``).
+
+A :class:`~megatrain_ds.state.host_store.HostFlatState` still records which elements each of
+its buffers holds (``span``, ``master_sharded``, ``trained_only``, ``frozen_in_shadow``), for
+its own views; the builders set them from the placement, and ``tests/placement_check.py``
+checks that they agree with it. Pure arithmetic: nothing is allocated here. (Not to be
+confused with ``optimizer/placement.py``, which places the optimizer's arithmetic on the CPU
+or the device.)
 
 [Note: the placement model]
 The combinations, for a block's state (``W``: a shadow exists, compute dtype != master dtype;
