@@ -486,7 +486,8 @@ class MegatrainEngine(nn.Module):
             self.held_writes.clear()
         if self.data_parallel is not None:
             changed = report.outcome is not StepOutcome.SKIPPED  # a skipped step changed nothing
-            self.data_parallel.gather_updated_weights(self.states, self.optimizer_steps + 1, changed)
+            step = self.optimizer_steps + 1
+            self.data_parallel.gather_updated_weights(self.states, self.placement.states, step, changed)
         self.last_step_report = report
         self._global_grad_norm = report.norm
         self._step_applied = report.outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED)

@@ -234,6 +234,7 @@ def _migrate_block(
             shadow_on_host=False,
             span_of=dp.window,
             share=dp.broadcast_from_rank0_,
+            shard_master=True,
         )
     return migrate_to_host(
         named,
@@ -248,6 +249,7 @@ def _migrate_block(
         span_of=functools.partial(_span_of, engine),
         share=functools.partial(_share_initial_weights, engine),
         trained_only=placement.trained_only,
+        shard_master=placement.master_split,
     )
 
 
@@ -276,6 +278,7 @@ def _build_resident(
         span_of=functools.partial(_span_of, engine),
         share=functools.partial(_share_initial_weights, engine),
         trained_only=engine.placement.resident.trained_only,  # frozen ones: their weights alone
+        shard_master=engine.placement.resident.master_split,
     )
     if source is not None:
         source.report_unused(name for name, _ in model.named_buffers())
@@ -388,9 +391,9 @@ def _open_rank_tier(engine: EngineUnderConstruction) -> None:
         if window.layout.numel > 0:
             engine.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
         else:  # no placeholder left to trip over: nothing to step, nothing to save
-            window.exp_avg, window.exp_avg_sq = torch.zeros(0), torch.zeros(0)
+            window.bind({"exp_avg": torch.zeros(0), "exp_avg_sq": torch.zeros(0)})
         if gathered:
-            state.master = window.master  # the state's own reference goes too: on disk only
+            state.bind({"master": window.master})  # the state's own reference goes too: on disk only
 
 
 def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplate]) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
-from placement_check import node_preflight, placement_disagreements, preflight_host_disagreements
+from placement_check import placement_disagreements, preflight_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
@@ -242,8 +242,8 @@ def _held_report(engine: MegatrainEngine) -> dict:
     # This rank's buffers against its placement (tests/test_placement.py: one process's combinations),
     # and against preflight's estimate where every host buffer is its node's.
     held["placement_disagreements"] = placement_disagreements(engine)
-    if engine.gathered_weights is None:
-        held["placement_disagreements"] += preflight_host_disagreements(node_preflight(engine), engine)
+    # And against preflight's estimate, where this rank is its node (preflight counts the node).
+    held["preflight_disagreements"] = preflight_disagreements(engine) if dp is None or dp.node_size == 1 else []
     held["tier"] = None
     if engine.nvme_tier is not None:
         held["tier"] = _tier_report(engine)

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import safetensors.torch
 from data_parallel_worker import MICRO, config, global_batch
+from placement_check import placement_disagreements, preflight_disagreements
 from tiny_models import llama
 
 STEPS = 2
@@ -67,6 +68,10 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
         engine.backward(engine(**mine).loss)
         engine.step()
     masters = _masters_held(engine)  # as trained, before any entry point runs
+    # This rank's buffers against its placement and preflight (tests/test_placement.py: one process's).
+    agreement = placement_disagreements(engine)
+    if engine.data_parallel is None or engine.data_parallel.node_size == 1:  # preflight counts the node
+        agreement += preflight_disagreements(engine)
     out = Path(args.out) / placement
     answers = {"module.state_dict": {k: v.clone() for k, v in engine.module.state_dict().items()}}
     answers["engine.state_dict"] = {k.removeprefix("module."): v.clone() for k, v in engine.state_dict().items()}
@@ -79,7 +84,12 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
     if rank == 0:  # the files, written by the first rank once every rank has joined
         answers["save_16bit_model"] = torch.load(out / "model.bin", weights_only=True)
         answers["save_pretrained"] = safetensors.torch.load_file(out / "pretrained" / "model.safetensors")
-    report = {"answers": answers, "masters": masters, "collective": engine.state_dict_is_collective}
+    report = {
+        "answers": answers,
+        "masters": masters,
+        "collective": engine.state_dict_is_collective,
+        "disagreements": agreement,
+    }
     torch.save(report, Path(args.out) / f"{placement}.rank{rank}.pt")
     engine.destroy()
 

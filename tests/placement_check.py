@@ -1,7 +1,8 @@
 """What an engine actually allocated, against what its ``Placement`` (``state/placement.py``) says.
 
-Shared by ``tests/test_placement.py`` (one process, every combination in-process) and
-``tests/data_parallel_worker.py`` (each rank of the multi-rank launches checks its own).
+Shared by ``tests/test_placement.py`` (one process, every combination in-process),
+``tests/data_parallel_worker.py`` and ``tests/entry_points_worker.py`` (each rank of the
+multi-rank launches checks its own).
 The actual side is read from the engine's tensors, not from the placement or
 ``engine.host_bytes()`` (which now derives from the placement): each flat state's buffers as
 they are after construction, a buffer the NVMe tier holds being a meta placeholder.
@@ -52,8 +53,8 @@ def placement_disagreements(engine: MegatrainEngine) -> list[str]:
                 problems.append(f"state {index} {name}: {actual}, planned {(buffer.numel, buffer.itemsize)}")
         if planned.trained_only != state.trained_only or (planned.frozen_in == "shadow") != state.frozen_in_shadow:
             problems.append(f"state {index}: trained_only/frozen_in_shadow differ from {planned}")
-        if planned.gathered != state.gathered:
-            problems.append(f"state {index}: gathered {state.gathered}, planned {planned.gathered}")
+        if planned.master_split != state.master_sharded:
+            problems.append(f"state {index}: master sharded {state.master_sharded}, planned {planned.master}")
     actual = {name: sum(sizes) for name, sizes in allocated_host_tensors(engine).items() if sizes}
     if actual != placement.host_bytes():
         problems.append(f"host bytes {actual}, planned {placement.host_bytes()}")
@@ -90,9 +91,10 @@ def _tier_disagreements(engine: MegatrainEngine) -> list[str]:
     return problems
 
 
-def node_preflight(engine: MegatrainEngine) -> MemoryNeed:
-    """Preflight's estimate for this engine's run and topology (this rank's node), with the
-    NVMe level the engine placed (``"auto"`` already resolved)."""
+def engine_preflight(engine: MegatrainEngine) -> MemoryNeed:
+    """Preflight's estimate of ``engine``'s run, as the engine planned it (its topology and
+    resolved NVMe level; the parameters' shapes and groups are what preflight reads, and
+    migration keeps them)."""
     dp = engine.data_parallel
     run = PreflightInputs(
         engine.module,
@@ -105,24 +107,40 @@ def node_preflight(engine: MegatrainEngine) -> MemoryNeed:
     return preflight(run, available=AvailableMemory(host=1 << 50), nvme=engine.placement.nvme)
 
 
-def preflight_host_disagreements(need: MemoryNeed, engine: MegatrainEngine) -> list[str]:
-    """Where preflight's host figures differ from the bytes this engine allocated plus a page
-    per host tensor (``host_empty`` over-allocates one: ``planning/preflight.py``). Node-shared
-    buffers are one allocation per node, so a rank's view is its node's; valid where no buffer
-    is a rank's own window (data parallel with the weights on the NVMe tier)."""
+def preflight_disagreements(engine: MegatrainEngine, need: MemoryNeed | None = None) -> list[str]:
+    """Every way preflight's figures differ from what ``engine`` allocated: its host
+    buffers are the allocated bytes plus a page per host tensor (``host_empty`` over-allocates
+    one to align), its disk and window figures the tier's files and slots. Preflight counts
+    the node, so this compares a process that is its node (one process, or a node of one
+    rank); ``need`` defaults to :func:`engine_preflight`."""
+    dp = engine.data_parallel
+    assert dp is None or dp.node_size == 1, "preflight counts every rank of the node"
+    need = need if need is not None else engine_preflight(engine)
     tensors = allocated_host_tensors(engine)
 
     def paged(*names: str) -> int:
         return sum(nbytes + PAGE_BYTES for name in names for nbytes in tensors[name])
 
-    pairs = {
-        "master": ("master",),
-        "adam_m_v": ("exp_avg", "exp_avg_sq"),
-        "gradients": ("grad",),
-        "shadow": ("shadow",),
+    actual = {
+        "master": paged("master"),
+        "adam_m_v": paged("exp_avg", "exp_avg_sq"),
+        "gradients": paged("grad"),
+        "shadow": paged("shadow"),
     }
-    return [
-        f"preflight {kind} {need.host.get(kind, 0)}, allocated {paged(*names)}"
-        for kind, names in pairs.items()
-        if need.host.get(kind, 0) != paged(*names)
+    problems = [
+        f"preflight {kind} {need.host.get(kind, 0)}, allocated {nbytes} (paged)"
+        for kind, nbytes in actual.items()
+        if need.host.get(kind, 0) != nbytes
     ]
+    tier = engine.nvme_tier
+    planned = engine.placement.tier
+    if tier is None or planned is None or tier.io.alignment == planned.alignment:  # the engine configured opened
+        disk, window = (tier.directory.nbytes, tier.window_bytes) if tier is not None else (0, 0)
+        if (need.disk, need.host.get("nvme_window", 0)) != (disk, window):
+            problems.append(
+                f"preflight disk/window {need.disk}/{need.host.get('nvme_window', 0)}, tier {disk}/{window}"
+            )
+    weights = engine.nvme_weights
+    if engine.gathered_weights is None and need.host.get("nvme_weights", 0) != (weights.nbytes if weights else 0):
+        problems.append(f"preflight weight window {need.host.get('nvme_weights', 0)}, engine {weights}")
+    return problems

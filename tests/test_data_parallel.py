@@ -291,10 +291,12 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
 
 
 def _assert_placement_agrees(ranks: list[dict]) -> None:
-    """Every rank's buffers are where and what its placement says (``tests/placement_check.py``;
-    the one-process combinations are ``tests/test_placement.py``'s)."""
+    """Every rank's buffers are where and what its placement says, and what preflight
+    estimates where the rank is its node (``tests/placement_check.py``; the one-process
+    combinations are ``tests/test_placement.py``'s)."""
     for rank, report in enumerate(ranks):
         assert report["placement_disagreements"] == [], (rank, report["placement_disagreements"])
+        assert report["preflight_disagreements"] == [], (rank, report["preflight_disagreements"])
 
 
 def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool = False) -> None:
@@ -582,7 +584,9 @@ def _assert_the_tier_changes_nothing(tmp_path: Path, ranks: list[dict], steps: i
     on_tier.mkdir()
     common = ("parity", "--steps", str(steps), "--accumulation", str(accumulation), "--bf16")
     launch_nodes(2, on_tier, *common, "--nvme", str(tmp_path / "swap"))
-    for rank, report in enumerate(torch.load(on_tier / f"rank{r}.pt") for r in range(2)):
+    reports = [torch.load(on_tier / f"rank{r}.pt") for r in range(2)]
+    _assert_placement_agrees(reports)  # bf16 nodes with "optimizer": placement = allocations = preflight
+    for rank, report in enumerate(reports):
         assert report["norms"] == ranks[rank]["norms"]
         for key, value in report["state_dict"].items():
             assert torch.equal(value, ranks[rank]["state_dict"][key]), key

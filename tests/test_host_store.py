@@ -121,7 +121,9 @@ def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
 
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
     group_of = dict.fromkeys(params, 0)
-    state = migrate_to_host(named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, share=share)
+    state = migrate_to_host(
+        named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, share=share, shard_master=True
+    )
     numel = state.layout.numel
     start, end = span_of(numel)
     assert 0 < start < end == numel and state.master_sharded and state.held == (start, end)
@@ -139,7 +141,7 @@ def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
         "exp_avg": 4 * (end - start),
         "exp_avg_sq": 4 * (end - start),
     }
-    assert state.weights_kind == "shadow" and state.weights is state.shadow
+    assert state.weights is state.shadow
     # A window (a rank's share, inside the span) sees the master at span-relative offsets.
     window = state.window(start + 64, end)
     assert torch.equal(window.master, expected[start + 64 : end])
@@ -237,9 +239,10 @@ def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_para
         shadow_on_host=False,
         span_of=window_of,
         share=share,
+        shard_master=True,
     )
     start, end = window_of(state.layout.numel)
-    assert 0 < start < end < state.layout.numel and state.gathered and state.held == (start, end)
+    assert 0 < start < end < state.layout.numel and state.master_sharded and state.held == (start, end)
     expected = torch.zeros(state.layout.numel)
     for slot, value in zip(slots, rank0):
         expected[slot.offset : slot.offset + slot.numel] = value.flatten()

@@ -7,9 +7,12 @@ persistent buffer exists once ``__init__`` returns) and its buffers, read from i
 are compared with the placement buffer by buffer, and with preflight's estimate kind by
 kind: preflight counts each host buffer with the page ``host_empty`` over-allocates
 (``planning/preflight.py``), so its figure is the bytes allocated plus a page per tensor,
-exactly. Data parallel, nodes and the sharded bf16 master are checked the same way by every
-rank of the multi-rank launches of ``tests/test_data_parallel.py``
-(``data_parallel_worker._held_report``), at no extra launch.
+exactly; and the planner's estimate (``megatrain plan``), given the engine's flat sizes,
+counts the same bytes as ``host_bytes()``: all three read the one placement. Data
+parallel, nodes and the sharded bf16 master are checked the same way (placement and
+preflight) by every rank of the multi-rank launches of ``tests/test_data_parallel.py``
+(``data_parallel_worker._held_report``) and ``tests/test_state_dict_collectives.py`` (bf16
+nodes in host memory, with "optimizer" and with "all"), at no extra launch.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import pytest
 import tiny_models
 import torch
-from placement_check import placement_disagreements, preflight_host_disagreements
+from placement_check import placement_disagreements, preflight_disagreements
 from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.optimizer.facade import build_optimizer
 from megatrain_ds.planning import preflight
+from megatrain_ds.planning.planner import ModelShape, RunSettings, host_bytes
 from megatrain_ds.state.placement import Where
 
 peft = pytest.importorskip("peft")
@@ -62,15 +66,46 @@ def _config(nvme: str, precision: str, swap) -> dict:
     return settings
 
 
-def _preflight_agrees(need: preflight.MemoryNeed, engine: MegatrainEngine) -> None:
-    """Preflight's host figures are the allocated bytes plus a page per host tensor; its disk
-    and window figures the tier's files and slots."""
-    assert preflight_host_disagreements(need, engine) == []
-    tier = engine.nvme_tier
-    assert need.disk == (tier.directory.nbytes if tier is not None else 0)
-    assert need.host.get("nvme_window", 0) == (tier.window_bytes if tier is not None else 0)
-    weights = engine.nvme_weights
-    assert need.host.get("nvme_weights", 0) == (weights.nbytes if weights is not None else 0)
+def _planner_agrees(engine: MegatrainEngine) -> None:
+    """The planner (``megatrain plan``), given the engine's flat sizes (padding included: a
+    model's parameter counts lack it) and its settings, counts what ``host_bytes()`` reports
+    kind by kind, the NVMe tier's window and the weight window too: it reads the same
+    :class:`Placement` arithmetic (``planning/planner.py``: ``placement_of``)."""
+    config, states = engine.config, engine.states
+    blocks, resident = states[:-1], states[-1]
+    frozen = [state.layout.numel - state.layout.trained_numel for state in states]
+    frozen_dtypes = {p.dtype for p in engine.module.parameters() if not p.requires_grad}
+    shape = ModelShape(
+        num_blocks=len(blocks),
+        block_params=max(state.layout.numel for state in blocks),
+        total_block_params=sum(state.layout.numel for state in blocks),
+        resident_params=resident.layout.numel,
+        hidden=0,
+        vocab=0,
+        frozen_params=sum(frozen),
+        frozen_block_params=max(frozen[:-1]),
+        frozen_in_bf16=frozen_dtypes == {torch.bfloat16},
+    )
+    options = config.options
+    settings = RunSettings(
+        seq_len=1,
+        accumulation=config.gradient_accumulation_steps,
+        bf16=config.compute_dtype.itemsize == 2,
+        clipping=config.gradient_clipping > 0,
+        master_bytes=config.master_dtype.itemsize,
+        checkpoint_interval=options.checkpoint_interval,
+        num_buffers=options.num_buffers,
+        nvme=engine.placement.nvme != "none",
+        nvme_weights=engine.placement.nvme == "all",
+        nvme_window_blocks=options.nvme_window_blocks,
+    )
+    planned, host = host_bytes(shape, settings), engine.host_bytes()
+    assert planned["master"] == host["master"]
+    assert planned["adam_m_v"] == host.get("exp_avg", 0) + host.get("exp_avg_sq", 0)
+    assert planned.get("bf16_shadow", 0) == host.get("shadow", 0)
+    assert planned.get("gradients", 0) == host.get("grad", 0)
+    assert planned.get("nvme_window", 0) == host.get("nvme_window", 0)
+    assert planned.get("nvme_weights", 0) == host.get("nvme_weights", 0)
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "lora"])
@@ -86,7 +121,8 @@ def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, pr
     engine = MegatrainEngine(model, config)
     try:
         assert placement_disagreements(engine) == []
-        _preflight_agrees(need, engine)
+        assert preflight_disagreements(engine, need) == []
+        _planner_agrees(engine)
         placement = engine.placement
         # The frozen weights: at their own cost with the weights in host memory (issue 44),
         # no tier or the tier holding the optimizer state: its swap files hold the trained
@@ -118,7 +154,8 @@ def test_fp32_frozen_weights_with_bf16_compute_keep_a_whole_master(tmp_path):
     engine = MegatrainEngine(model, config)
     try:
         assert placement_disagreements(engine) == []
-        _preflight_agrees(need, engine)
+        assert preflight_disagreements(engine, need) == []
+        _planner_agrees(engine)
         for state in engine.placement.states:
             assert state.master.where is Where.HOST and state.frozen_in == "master"
             assert state.exp_avg.where is Where.TRAINED_PREFIX

@@ -20,6 +20,10 @@ placements in turn:
   tier. Reference: each node's own span of the master, read directly from its host state
   and joined: bit-equal (the state dict moves those bytes, nothing else); the tier
   placement bit-equal to it.
+
+Every rank of both launches also checks its buffers against its placement, and where it is
+its node against preflight's estimate (``tests/placement_check.py``): the bf16 nodes with
+the weights on the tier are the agreement check's multi-rank ``"all"`` combination.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: p
     for placement, ranks in reports.items():
         assert [rank["collective"] for rank in ranks] == [placement == "all"] * 2
         for rank, report in enumerate(ranks):
+            assert report["disagreements"] == [], (placement, rank, report["disagreements"])
             _assert_every_answer_is(expected, report, rank, placement)
 
 
@@ -99,4 +104,6 @@ def test_two_nodes_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: 
     for placement, ranks in reports.items():
         assert [rank["collective"] for rank in ranks] == [True, True]  # sharded, or gathered
         for rank, report in enumerate(ranks):
+            # bf16 nodes, in host memory or "all": placement = allocations = preflight on each rank.
+            assert report["disagreements"] == [], (placement, rank, report["disagreements"])
             _assert_every_answer_is(expected, report, rank, placement)

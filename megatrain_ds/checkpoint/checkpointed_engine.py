@@ -28,6 +28,7 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, ParamSlot
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.nvme_tier import NvmeTier
+from megatrain_ds.state.placement import Placement, StatePlacement
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
@@ -54,6 +55,8 @@ class CheckpointedEngine(Protocol):
     sink: GradientPort
     streamer: WeightStreamer
     resident: ResidentParams
+    placement: Placement
+    """Where each buffer of each state lives: what saving and loading branch on."""
     states: list[HostFlatState]
     """One flat state per block, in block order, then the resident parameters' state."""
     windows: list[tuple[int, int]]
@@ -80,11 +83,13 @@ class CheckpointedEngine(Protocol):
 
 @dataclass(frozen=True)
 class Entry:
-    """One distinct parameter: its Hugging Face name and its place in a flat host state."""
+    """One distinct parameter: its Hugging Face name, its place in a flat host state, and
+    where that state's buffers live."""
 
     name: str
     state: HostFlatState
     slot: ParamSlot
+    placement: StatePlacement
 
     @property
     def trained(self) -> bool:
@@ -97,8 +102,9 @@ class Entry:
         """Its weight in ``whole`` (the state's whole weights), or in the shadow for a frozen
         weight held there alone (``state/host_store.py``: [Note: frozen weights]): written and
         read once, in its own dtype."""
-        if self.state.frozen_in_shadow and not self.trained:
-            return self.view(self.state.weights_of(self.slot))
+        if self.placement.frozen_in == "shadow" and not self.trained:
+            assert self.state.shadow is not None
+            return self.view(self.state.shadow)
         return self.view(whole)
 
 
@@ -137,7 +143,7 @@ def state_tensors(engine: CheckpointedEngine) -> Iterator[StateTensors]:
 def windows_on_rank_tiers(engine: CheckpointedEngine) -> bool:
     """With data parallel and the NVMe tier each rank keeps its windows of the blocks'
     moments in its own swap files (``state/nvme_tier.py``): only that rank reads or writes them."""
-    return engine.data_parallel is not None and engine.nvme_tier is not None
+    return engine.placement.tier_per_rank
 
 
 def state_names(engine: CheckpointedEngine) -> list[str]:
@@ -171,8 +177,8 @@ def entries_by_state(engine: CheckpointedEngine) -> list[list[Entry]]:
     num_blocks = len(engine.states) - 1  # the resident state comes last
     prefixes = [f"{engine.block_path}.{index}." for index in range(num_blocks)] + [""]
     return [
-        [Entry(prefix + slot.name, state, slot) for slot in state.layout.slots]
-        for prefix, state in zip(prefixes, engine.states)
+        [Entry(prefix + slot.name, state, slot, placement) for slot in state.layout.slots]
+        for prefix, state, placement in zip(prefixes, engine.states, engine.placement.states)
     ]
 
 

@@ -52,6 +52,7 @@ from megatrain_ds.checkpoint.optimizer_spans import MASTER, SPANS_PREFIX, HeldSp
 from megatrain_ds.checkpoint.reshard import reshard
 from megatrain_ds.checkpoint.tensor_files import CheckpointError, FileDigest, SafetensorsFile
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.placement import Where
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def load_checkpoint(engine: CheckpointedEngine, request: LoadRequest) -> tuple[s
     if with_optimizer and by_rank:  # each rank its windows: on its own tier, disjoint in the node's memory
         with state_tensors(engine) as flat_of:
             _read_optimizer_state(engine, reads, flat_of)
-    if engine.gathered_weights is not None:  # each rank the masters of its windows, on its own tier
+    if engine.placement.weights_gathered:  # each rank the masters of its windows, on its own tier
         with state_tensors(engine) as flat_of:
             _read_window_masters(engine, reads, flat_of)
     if dp is not None:
@@ -194,9 +195,10 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTenso
     for file in reads.model_files.values():
         with reshard() as temporaries:
 
-            def weights_of(state: HostFlatState) -> torch.Tensor:
-                if not state.master_sharded or reads.exact_masters:
-                    return flat_of(state, state.weights_kind)
+            def weights_of(entry: Entry) -> torch.Tensor:
+                state = entry.state
+                if entry.placement.master.where is not Where.NODE_SPAN or reads.exact_masters:
+                    return flat_of(state, entry.placement.weights_in)
                 assert state.shadow is not None  # a sharded master's state streams its shadow
                 masters = HeldSpan.of_masters(state)
                 return temporaries.whole(id(state), masters, MASTER, outside=state.shadow, whole_into=state.shadow)
@@ -204,9 +206,9 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTenso
             wanted = reads.model_targets.get(file.path, {})
             file.read_into(
                 {
-                    name: entry.weight(weights_of(entry.state))
+                    name: entry.weight(weights_of(entry))
                     for name, entry in wanted.items()
-                    if not entry.state.gathered  # read by every rank: _read_window_masters
+                    if not entry.placement.gathered  # read by every rank: _read_window_masters
                 },
                 reads.digest(file),
             )
@@ -215,8 +217,8 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTenso
         assert reads.span_files is not None
         masters = {
             name: HeldSpan.of_masters(state, flat_of)
-            for name, state in states_by_name(engine).items()
-            if not state.gathered
+            for (name, state), placement in zip(states_by_name(engine).items(), engine.placement.states)
+            if not placement.gathered
         }
         reads.span_files.read_into(masters, [MASTER])
         flat_of.release()
@@ -226,7 +228,12 @@ def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: Sta
     """This rank's window of the master of every block it keeps only as a window (gathered
     weights): from the span files where they hold the masters (exact), else from the model
     files, each such state read whole into a temporary of which the window is kept."""
-    windows = {id(state): window for state, window in zip(engine.states, engine.optimizer_states) if state.gathered}
+    placements = engine.placement.states
+    windows = {
+        id(state): window
+        for state, window, placement in zip(engine.states, engine.optimizer_states, placements)
+        if placement.gathered
+    }
 
     def window_of(state: HostFlatState) -> HeldSpan:
         start, end = state.held
@@ -234,7 +241,7 @@ def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: Sta
 
     if reads.exact_masters:
         assert reads.span_files is not None
-        held = {name: window_of(state) for name, state in states_by_name(engine).items() if state.gathered}
+        held = {name: window_of(state) for name, state in states_by_name(engine).items() if id(state) in windows}
         reads.span_files.read_into(held, [MASTER])
         flat_of.release()
         return
@@ -245,7 +252,7 @@ def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: Sta
                 {
                     name: entry.view(temporaries.whole(id(entry.state), window_of(entry.state), MASTER))
                     for name, entry in wanted.items()
-                    if entry.state.gathered
+                    if entry.placement.gathered
                 },
                 reads.digest(file),
             )
@@ -255,8 +262,8 @@ def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: Sta
 def _refresh_shadows(engine: CheckpointedEngine, flat_of: StateTensors) -> None:
     """The streamed copy of every whole master, once all of it is loaded (a sharded
     master's shadow came from the model files or the whole temporary)."""
-    for state in engine.states:
-        if state.shadow is not None and not state.master_sharded:
+    for state, placement in zip(engine.states, engine.placement.states):
+        if state.shadow is not None and placement.master.where is not Where.NODE_SPAN:
             # Only the master's part: frozen weights held in the shadow alone were read there.
             first, last = state.master_held
             state.shadow[first:last].copy_(flat_of(state, "master"))

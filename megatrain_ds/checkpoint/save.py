@@ -180,7 +180,7 @@ def _save_tag_in_parallel(engine: CheckpointedEngine, dp: DataParallel, request:
             )
             with state_tensors(engine) as flat_of:
                 files[name] = write_span_file(temp / name, held_spans(engine, flat_of), _saved_kinds(engine))
-        if dp.rank == 0 or engine.gathered_weights is not None:  # gathered: every rank joins each block's gather
+        if dp.rank == 0 or engine.placement.weights_gathered:  # gathered: every rank joins each block's gather
             files.update(_write_model_and_trainer_state(engine, temp, request, writes=dp.rank == 0))
     except Exception as error:  # reported to rank 0, which removes the directory; raised below
         failure = f"rank {dp.rank}: {type(error).__name__}: {error}"
@@ -201,7 +201,7 @@ def _saved_kinds(engine: CheckpointedEngine) -> list[str]:
     window, and the fp32 masters where they are sharded (the model files then hold the bf16
     shadow: a resume is exact only with the masters)."""
     mid_window = inside_accumulation_window(engine) and engine.states[0].grad is not None
-    masters = any(state.master_sharded for state in engine.states)
+    masters = engine.placement.masters_split
     return [*MOMENTS, *(["grad"] if mid_window else []), *([MASTER] if masters else [])]
 
 
@@ -259,11 +259,11 @@ def _write_model_and_trainer_state(
 def _whole_weights(engine: CheckpointedEngine, index: int, flat_of: StateTensors) -> torch.Tensor:
     """Every weight of ``engine.states[index]``: what the node holds whole, or gathered
     from every rank's window."""
-    state = engine.states[index]
-    if state.gathered:
+    placement = engine.placement.states[index]
+    if placement.gathered:
         assert engine.gathered_weights is not None  # the engine gathers every state kept as windows
         return engine.gathered_weights.whole(index)
-    return flat_of(state, state.weights_kind)
+    return flat_of(engine.states[index], placement.weights_in)
 
 
 def _write_optimizer_files(engine: CheckpointedEngine, temp: Path, shards: list[list[int]]) -> dict[str, FileDigest]:
@@ -293,9 +293,9 @@ def _write_model_config(engine: CheckpointedEngine, temp: Path) -> dict[str, Fil
     written = []
     if config is not None and hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)
-        sharded = any(state.master_sharded for state in engine.states)
         # What from_pretrained should load as: the dtype of the model files.
-        config.dtype = engine.config.compute_dtype if sharded else engine.config.master_dtype
+        split = engine.placement.masters_split
+        config.dtype = engine.config.compute_dtype if split else engine.config.master_dtype
         config.save_pretrained(temp)
         written.append("config.json")
     generation = getattr(engine.module, "generation_config", None)
@@ -328,7 +328,8 @@ def _shards(groups: list[list[Entry]], max_bytes: int) -> list[list[int]]:
     shards: list[list[int]] = []
     size = 0
     for index, entries in enumerate(groups):
-        nbytes = sum(e.slot.numel for e in entries) * (entries[0].state.weights.element_size() if entries else 0)
+        whole = getattr(entries[0].state, entries[0].placement.weights_in) if entries else None
+        nbytes = sum(e.slot.numel for e in entries) * (whole.element_size() if whole is not None else 0)
         if not shards or size + nbytes > max_bytes:
             shards.append([])
             size = 0

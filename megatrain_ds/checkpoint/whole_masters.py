@@ -8,7 +8,8 @@ parameter: its master, the weights the optimizer updates (fp32 unless
 engine's state-dict hook (``engine.py``) puts these in place of the parameters' values.
 
 [Note: one answer from state_dict]
-Where each state's master is, and what taking it costs:
+Where each state's master is (the engine's ``Placement``, ``state/placement.py``: its
+``master.where``), and what taking it costs:
 
 - Host memory, whole (no NVMe tier; the tier with fp32 compute, or with data parallel
   on one node, which keeps only Adam's moments on it): the parameters are views of the
@@ -20,7 +21,7 @@ Where each state's master is, and what taking it costs:
 - The weights on the NVMe tier with data parallel (gathered states): each rank holds its
   window of the master on its own tier. Each block's master is gathered whole from every
   rank's window (``GatheredWeights.whole``, an all-gather over the gather group).
-- Several nodes with bf16/fp16 compute (``HostFlatState.master_sharded``): each node
+- Several nodes with bf16/fp16 compute (``Where.NODE_SPAN``): each node
   holds its span of the master, the parameters view the whole shadow. Every node's span is
   broadcast by its leader to every rank (``DataParallel.gather_spans_to_every_rank_``,
   over the control group).
@@ -28,7 +29,7 @@ Where each state's master is, and what taking it costs:
 The last two are collectives: every rank must take the state dict, and takes the states
 in the same order (block order, then the resident state), so the n-th gather of every
 rank is the same state's. :func:`state_dict_is_collective` says whether a run is one of
-them; :func:`join_state_dict_collectives` runs a rank's part without keeping anything (a
+them (``Placement.masters_split``); :func:`join_state_dict_collectives` runs a rank's part without keeping anything (a
 rank that writes nothing, in ``save_16bit_model``).
 Before anything is read from the tier or sent, the gradient worker is drained, the device
 synchronised and, with data parallel, every rank waits at a barrier (``checkpointed_engine.quiesce``,
@@ -51,6 +52,7 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.nvme_tier import NvmeTier
+from megatrain_ds.state.placement import Placement, Where
 
 OnTier = Callable[[HostFlatState], "dict[str, torch.Tensor] | None"]
 
@@ -58,6 +60,8 @@ OnTier = Callable[[HostFlatState], "dict[str, torch.Tensor] | None"]
 class MasterHolder(Protocol):
     """What taking the masters reads of the engine (``MegatrainEngine``; this module sits below it)."""
 
+    placement: Placement
+    """Where each state's master lives: what every branch below asks."""
     states: list[HostFlatState]
     """One flat state per block, in block order, then the resident parameters' state."""
     optimizer_states: list[HostFlatState]
@@ -72,7 +76,7 @@ class MasterHolder(Protocol):
 def state_dict_is_collective(engine: MasterHolder) -> bool:
     """Whether taking the masters runs collectives (see [Note: one answer from state_dict]):
     then every rank must take them, in the same order."""
-    return engine.data_parallel is not None and any(state.master_sharded for state in engine.states)
+    return engine.placement.masters_split
 
 
 def masters_by_param(engine: MasterHolder) -> dict[int, torch.Tensor]:
@@ -102,7 +106,7 @@ def join_state_dict_collectives(engine: MasterHolder) -> None:
 def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.Tensor]]:
     """``(state, its whole master)`` for every state in order: block order, then the
     resident state (every rank the same)."""
-    if all(_master_is_live(engine, state) for state in engine.states):
+    if all(_master_is_live(engine, index) for index in range(len(engine.states))):
         for state in engine.states:  # nothing to read or send
             yield state, state.master
         return
@@ -118,32 +122,31 @@ def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.
             yield state, _whole_master(engine, index, on_tier)
 
 
-def _master_is_live(engine: MasterHolder, state: HostFlatState) -> bool:
-    """Whether ``state.master`` is its whole master, current, in this process's host memory:
-    not sharded, not on the NVMe tier -- where a block bound to a window slot has a master
-    in host memory that the tier may take back, unless the tier has given the masters back
-    for good (``engine.destroy()``: the parameters then view them)."""
-    if state.master_sharded or state.master.is_meta:
-        return False
+def _master_is_live(engine: MasterHolder, index: int) -> bool:
+    """Whether state ``index``'s master is its whole master, current, in this process's host
+    memory: where the placement puts it there, or on the NVMe tier once the tier has given
+    the masters back for good (``engine.destroy()``: ``NvmeTier.close`` maps them, and the
+    parameters view them). A block on the tier that is bound to a window slot has a master
+    in host memory that the tier may take back: not live."""
+    where = engine.placement.states[index].master.where
     tier = engine.nvme_tier
-    if tier is None or "master" not in tier.kinds or all(held is not state for held in tier.states):
-        return True
-    storage = state.master.untyped_storage().data_ptr()
-    return all(not param.is_meta and param.untyped_storage().data_ptr() == storage for param in state.params)
+    if where is Where.TIER and tier is not None and tier.closed:
+        return not engine.states[index].master.is_meta  # meta: the tier failed before handing it back
+    return engine.placement.states[index].master_in_host_memory
 
 
 def _whole_master(engine: MasterHolder, index: int, on_tier: OnTier | None) -> torch.Tensor:
-    """State ``index``'s whole master, from wherever this process holds it (a new tensor
+    """State ``index``'s whole master, from wherever its placement puts it (a new tensor
     unless it is live here)."""
-    state = engine.states[index]
-    if _master_is_live(engine, state):
+    state, where = engine.states[index], engine.placement.states[index].master.where
+    if _master_is_live(engine, index):
         return state.master
-    if state.gathered:  # this rank's window on its tier: every rank's gathered
+    if where is Where.TIER_WINDOW:  # this rank's window on its tier: every rank's gathered
         assert engine.gathered_weights is not None and on_tier is not None  # gathered states are on the tier
         window = on_tier(engine.optimizer_states[index])  # None: this rank's window is empty
         mine = window["master"] if window is not None else torch.zeros(0, dtype=torch.float32)
         return engine.gathered_weights.whole(index, mine)
-    if state.master_sharded:  # this node's span: every node's broadcast to every rank
+    if where is Where.NODE_SPAN:  # this node's span: every node's broadcast to every rank
         dp = engine.data_parallel
         assert dp is not None  # only several nodes shard the master
         first, last = state.master_held
@@ -154,6 +157,7 @@ def _whole_master(engine: MasterHolder, index: int, on_tier: OnTier | None) -> t
         dp.gather_spans_to_every_rank_(whole, f"the master gather of state {index} for state_dict")
         return whole
     # One process, the master on the NVMe tier (the parameters view the shadow, or are meta).
+    assert where is Where.TIER, (index, where)
     mapped = on_tier(state) if on_tier is not None else None
     assert mapped is not None and "master" in mapped, f"state {index}: its master is nowhere"
     return mapped["master"].clone()  # the mapping goes with file_views

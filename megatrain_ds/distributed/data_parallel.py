@@ -37,7 +37,7 @@ Ranks of one named node on different hosts are an error (``[Note: node identity]
 [Note: sharded host state]
 Each node keeps whole only the weights it streams (the fp32 master; with bf16 compute the
 bf16 shadow), and only its span of the rest: Adam's m and v, the held gradients and, with
-bf16 compute, the fp32 master (``HostFlatState.master_sharded``).
+bf16 compute, the fp32 master (``Where.NODE_SPAN`` in ``state/placement.py``).
 Per node that is ``W + S/N`` bytes/param for N nodes (fp32 with held gradients: W = 4,
 S = 12, 7 B/param on 4 nodes instead of 16; bf16 compute: W = 2, S = 4 + 8 + the held
 gradients' 2 or 4, 6 B/param on 4 nodes instead of 18), and each node's optimizer work is 1/N.
@@ -71,7 +71,7 @@ from megatrain_ds.runtime.device_runtime import take_local_device
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.placement import Topology
+from megatrain_ds.state.placement import StatePlacement, Topology
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -402,28 +402,32 @@ class DataParallel:
         """Give every rank rank 0's values of ``tensor`` (every rank calls this)."""
         self._guard("the initial weight broadcast", lambda: dist.broadcast(tensor, src=0, group=self.control_group))
 
-    def gather_updated_weights(self, states: Sequence[HostFlatState], step: int, changed: bool) -> None:
+    def gather_updated_weights(
+        self, states: Sequence[HostFlatState], placements: Sequence[StatePlacement], step: int, changed: bool
+    ) -> None:
         """After every rank has stepped its window of ``states`` in optimizer step ``step``:
         every node's copy of the weights gets the other nodes' updated spans ([Note: sharded
-        host state]); ``changed``: the step updated the weights (it was not skipped)."""
+        host state]), each state's whole weights where its placement says they are;
+        ``changed``: the step updated the weights (it was not skipped)."""
         # Sync: every rank of the node has written its window before the leader sends them.
         self.node_barrier(f"the end of optimizer step {step}")
         if self.num_nodes == 1:
             return  # one node: its copy is whole already
         if changed:
-            # Gathered states are never sent after a step: the next use gathers them.
-            for state in (state for state in states if not state.gathered):
-                # A sharded master: the shadow is what the nodes hold whole, and each rank
-                # rounded its window into it as it stepped (HostAdamW.update_range), so the
-                # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
+            for state, placement in zip(states, placements):
+                if placement.gathered:
+                    continue  # never sent after a step: the next use gathers it from the windows
                 # Only the stepped elements changed (frozen weights after them never do), and
                 # the spans are of those (HostFlatState.stepped_numel).
-                received = self.gather_spans_(state.weights[: state.stepped_numel])
-                if state.master_sharded:
+                weights = getattr(state, placement.weights_in)[: state.stepped_numel]
+                received = self.gather_spans_(weights)
+                if placement.weights_in == "shadow":
+                    # A sharded master: the shadow is what the nodes hold whole, and each rank
+                    # rounded its window into it as it stepped (HostAdamW.update_range), so the
+                    # shadow's spans are gathered (2 bytes/param in bf16), nothing refreshed.
                     # gloo writes the received spans unseen by aten; the race checker sees
                     # them as it saw the refresh of the shadow they replace.
-                    spans = [state.weights[start:end] for start, end in received]
-                    declare_access(writes=spans, what="the shadow gather")
+                    declare_access(writes=[weights[start:end] for start, end in received], what="the shadow gather")
                     continue
                 for start, end in received:
                     state.refresh_shadow(start, end)  # the received spans' compute copy

@@ -50,11 +50,9 @@ from megatrain_ds.planning.step_time import (
     sizes_from_config,
     stash_bytes_per_block,
     step_seconds,
-    stepped_block_params,
-    tier_bytes_per_param,
     weight_fill_seconds,
 )
-from megatrain_ds.state.nvme_weights import weight_window_buffers
+from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology
 
 __all__ = [  # the step-time model's names, for callers of the planner
     "ADAM_HOST_BYTES_PER_PARAM",
@@ -159,31 +157,21 @@ class Plan:
 
 
 def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
-    """Host memory of the run, by kind (the engine's persistent state plus staging)."""
-    params = shape.params
-    # Frozen parameters cost their weights alone where the weights are in host memory; a
-    # block with its weights on the NVMe tier keeps every buffer whole (blocks_trained_only).
-    largest_stepped, blocks_stepped = stepped_block_params(shape, settings)
-    trained = blocks_stepped + shape.resident_params - shape.frozen_resident_params
-    bf16_frozen = settings.bf16 and shape.frozen_in_bf16  # held in the shadow alone
-    in_shadow = (params - trained) if bf16_frozen else 0
-    result = {"master": 4 * (params - in_shadow), "adam_m_v": 8 * trained}
-    if settings.nvme:
-        result["adam_m_v"] = 8 * (shape.resident_params - shape.frozen_resident_params)
-        if settings.bf16 or settings.nvme_weights:  # the blocks' fp32 masters go to the tier too
-            result["master"] = 4 * (shape.resident_params - (shape.frozen_resident_params if bf16_frozen else 0))
-        result["nvme_window"] = (
-            min(settings.nvme_window_blocks, shape.num_blocks) * tier_bytes_per_param(settings) * largest_stepped
-        )
-    if settings.nvme and settings.nvme_weights:
-        buffers = weight_window_buffers(settings.num_buffers, settings.checkpoint_interval, settings.nvme_window_blocks)
-        staging = 4 if settings.weight_bytes != 4 else 0
-        result["nvme_weights"] = buffers * (settings.weight_bytes + staging) * shape.block_params
-    if settings.bf16:
-        shadowed = shape.resident_params if settings.nvme and settings.nvme_weights else params
-        result["bf16_shadow"] = 2 * shadowed
+    """Host memory of the run, by kind (the engine's persistent state plus staging). The flat
+    states' buffers, the NVMe tier's window and the weight window are the engine's own
+    accounting: the :class:`~megatrain_ds.state.placement.Placement` of :func:`placement_of`,
+    which the engine's ``host_bytes()`` and preflight read too."""
+    placement = placement_of(shape, settings)
+    state = placement.host_bytes()
+    result = {"master": state.get("master", 0), "adam_m_v": state.get("exp_avg", 0) + state.get("exp_avg_sq", 0)}
+    if placement.tier is not None:
+        result["nvme_window"] = placement.tier.window_bytes
+    if placement.weights_on_tier:
+        result["nvme_weights"] = placement.weight_window_bytes(settings.num_buffers, settings.checkpoint_interval)
+    if settings.weight_bytes != settings.master_bytes:
+        result["bf16_shadow"] = state.get("shadow", 0)
     if settings.holds_gradients:
-        result["gradients"] = settings.grad_bytes * trained
+        result["gradients"] = state.get("grad", 0)
     journal = journal_numel(shape, settings) * journal_bytes_per_element(settings)
     if journal:
         result["journal"] = journal
@@ -193,6 +181,31 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
     if settings.stashed_blocks:
         result["stash"] = settings.stashed_blocks * stash_bytes_per_block(shape, settings)
     return result
+
+
+def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
+    """Where the planned run's buffers live (one process), from the model's sizes alone:
+    ``num_blocks`` blocks, the largest of ``block_params`` and the others sharing the rest
+    evenly, each with ``frozen_block_params`` frozen (at most its size), and the resident
+    state with the frozen parameters left (exact for the usual model of identical blocks).
+    Flat layouts' alignment padding is not counted: a model's sizes are its parameters'."""
+    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
+    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
+    frozen = [min(shape.frozen_block_params, size) for size in sizes]
+    resident = shape.resident_params
+    frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
+    # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
+    in_compute = shape.frozen_in_bf16 and settings.weight_bytes == 2
+    states = [StateShape(size, size - f, bool(f) and in_compute) for size, f in zip([*sizes, resident], frozen)]
+    element_sizes = ElementSizes(
+        master=settings.master_bytes,
+        compute=settings.weight_bytes,
+        grad=settings.grad_bytes if settings.holds_gradients else None,
+        with_shadow=settings.weight_bytes != settings.master_bytes,
+    )
+    nvme = ("all" if settings.nvme_weights else "optimizer") if settings.nvme else "none"
+    tier = TierSettings(window_blocks=settings.nvme_window_blocks)
+    return Placement.of_sizes(element_sizes, tier, nvme, Topology(), states)
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:

@@ -89,6 +89,7 @@ def planned_run(
         accumulation=config.gradient_accumulation_steps,
         bf16=config.compute_dtype.itemsize == 2,  # the planner's "bf16" is 2-byte compute: fp16 too
         clipping=config.gradient_clipping > 0,
+        master_bytes=config.master_dtype.itemsize,
         checkpoint_interval=options.checkpoint_interval,
         num_buffers=options.num_buffers,
         offload_checkpoints=options.offload_checkpoints,

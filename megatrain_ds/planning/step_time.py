@@ -289,6 +289,9 @@ class RunSettings:
     """The blocks' weights on the tier too (``"nvme_offload": "all"``; needs ``nvme``)."""
     fragment_bytes: int = 0
     """Blocks' weights cross host-to-device in pieces of this many bytes; 0: whole blocks."""
+    master_bytes: int = 4
+    """Bytes per master element (``megatrain.master_dtype``: fp32, or 2 for bf16; a shadow is
+    streamed where it differs from :attr:`weight_bytes`)."""
     device_optimizer_share: float = 0.0
     """Fraction of the parameters whose AdamW state streams through the device and is
     updated there (``"optimizer_device": "gpu"``: 1; ``"auto"``: its split, which the engine
@@ -330,9 +333,9 @@ def block_flops(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def tier_bytes_per_param(settings: RunSettings) -> int:
-    """What the NVMe tier holds per block parameter: m and v, and the fp32 master with bf16
-    compute or the weights on the tier (``state/nvme_tier.py``: ``tier_kinds``)."""
-    return 12 if settings.bf16 or settings.nvme_weights else 8
+    """What the NVMe tier holds per block parameter: m and v, and the master where a shadow
+    is streamed instead or the weights are on the tier (``state/placement.py``'s kinds)."""
+    return 12 if settings.weight_bytes != settings.master_bytes or settings.nvme_weights else 8
 
 
 def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:

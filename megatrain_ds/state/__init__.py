@@ -3,7 +3,7 @@
 - ``flat_layout``: where each parameter of a block lies in the block's one flat buffer.
 - ``placement``: where each buffer of each flat state lives (host, node span, a rank's
   window on the NVMe tier, gathered) and its size, computed once; what the engine's
-  builders, ``host_bytes()`` and preflight read.
+  builders, ``host_bytes()``, preflight, the planner, ``state_dict``, save and load read.
 - ``host_store``: the flat fp32 master, Adam moments, compute shadow and gradient
   accumulator of one block (or of the resident parameters).
 - ``nvme_tier``: the NVMe tier: blocks' Adam moments (and masters) in swap files, moved

@@ -11,9 +11,9 @@ across nodes), so the model has the trained weights without a second copy; its
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,10 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.host_heap import release_pages
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, FlatLayout, ParamSlot, build_flat_layout
+
+TierKind = Literal["master", "exp_avg", "exp_avg_sq"]
+"""A buffer of a flat state that may live elsewhere than its own host allocation (the NVMe
+tier's kinds, ``state/nvme_tier.py``): :meth:`HostFlatState.bind` and :meth:`~HostFlatState.release`."""
 
 
 @dataclass
@@ -40,7 +44,13 @@ class HostFlatState:
             hold: all of them on one node, with data parallel over several nodes this
             node's share (``distributed/data_parallel.py``: [Note: sharded host state]).
         master_sharded: whether ``master`` too holds only the ``span`` (several nodes with a
-            shadow: the whole weights a node streams are the shadow, :attr:`weights_kind`).
+            shadow: the whole weights a node streams are the shadow; a rank's window of
+            gathered weights).
+
+    These flags say which elements each buffer holds, for the state's own views
+    (:attr:`held`, :attr:`master_held`, :meth:`window`); where a buffer lives, which
+    code outside this module branches on, is the engine's ``Placement``
+    (``state/placement.py``), which ``tests/test_placement.py`` checks them against.
         trained_only: whether the moments and gradients hold only the trained prefix
             ``[0, layout.trained_numel)``: frozen parameters have none ([Note: frozen weights]).
         frozen_in_shadow: whether ``master`` too holds only the trained prefix, the frozen
@@ -108,21 +118,11 @@ class HostFlatState:
         return (0, self.layout.trained_numel) if self.frozen_in_shadow else (0, self.layout.numel)
 
     @property
-    def gathered(self) -> bool:
-        """Whether this process keeps only its span of the weights and no whole copy: they
-        are gathered from every rank's window when used (``distributed/gathered_weights.py``)."""
-        return self.master_sharded and self.shadow is None
-
-    @property
-    def weights_kind(self) -> str:
-        """The buffer that holds every weight on this node: ``"master"``, or ``"shadow"``
-        where the master is sharded (checkpoints write the model files from it)."""
-        return "shadow" if self.master_sharded else "master"
-
-    @property
     def weights(self) -> torch.Tensor:
-        """Every weight of the state (:attr:`weights_kind`): what the user's parameters view
-        (the trained ones only where :attr:`frozen_in_shadow`: :meth:`weights_of`)."""
+        """Every weight of the state: the master, or the shadow where the master is sharded
+        (``StatePlacement.weights_in`` says which, for the code that branches on it): what the
+        user's parameters view (the trained ones only where :attr:`frozen_in_shadow`:
+        :meth:`weights_of`)."""
         return self.shadow if self.master_sharded and self.shadow is not None else self.master
 
     def weights_of(self, slot: ParamSlot) -> torch.Tensor:
@@ -175,6 +175,29 @@ class HostFlatState:
             exp_avg_sq=self.exp_avg_sq[start - first : end - first],
             grad=part(self.grad, first),
         )
+
+    def bind(self, buffers: Mapping[TierKind, torch.Tensor]) -> None:
+        """Make ``buffers`` the state's buffers of their kinds: host tensors that hold those
+        kinds' current values elsewhere than the state's own allocation (a slot of the NVMe
+        tier's window, a mapping of its swap file; ``state/nvme_tier.py``), each of the
+        elements the kind holds (:attr:`master_held`, :attr:`held`). The one way anything
+        outside this module rebinds a buffer; :meth:`release` undoes it."""
+        for kind, tensor in buffers.items():
+            first, last = self.master_held if kind == "master" else self.held
+            assert tensor.shape == (last - first,), (kind, tuple(tensor.shape), (first, last))
+        self.master = buffers.get("master", self.master)
+        self.exp_avg = buffers.get("exp_avg", self.exp_avg)
+        self.exp_avg_sq = buffers.get("exp_avg_sq", self.exp_avg_sq)
+
+    def release(self, kinds: Iterable[TierKind]) -> None:
+        """The buffers of ``kinds`` now live elsewhere (the NVMe tier) and have no host copy:
+        each becomes a placeholder (:func:`absent_on_host`), so a use that skipped fetching
+        it fails instead of reading a buffer the tier has taken back."""
+        placeholders: dict[TierKind, torch.Tensor] = {}
+        for kind in kinds:
+            first, last = self.master_held if kind == "master" else self.held
+            placeholders[kind] = absent_on_host(last - first)
+        self.bind(placeholders)
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Re-point the user's parameters at their slots of ``flat`` (the shadow while the
@@ -251,14 +274,15 @@ def migrate_to_host(
     span_of: SpanOf | None = None,
     share: Callable[[torch.Tensor], None] | None = None,
     trained_only: bool = False,
+    shard_master: bool = False,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
     whole weights (the master; the shadow where the master is sharded, below). The master
     is allocated untouched (no resident pages); each parameter is copied into its slot and
     re-pointed at once, its old storage freed (a large one's pages chunk by chunk as copied,
-    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each slot is filled from
-    ``source.copy_into(name, slot)``; parameters on the ``meta`` device then become real
-    parameters viewing their slot, keeping their identity (optimizer groups hold them).
+    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each
+    slot is filled from ``source.copy_into(name, slot)``; parameters on the ``meta`` device
+    then become real parameters viewing their slot, keeping their identity.
 
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
@@ -270,8 +294,8 @@ def migrate_to_host(
     NVMe tier holds them; ``shadow_on_host=False``: no shadow, the weights are streamed from
     the tier, rounded as they are read (``state/nvme_weights.py``).
 
-    ``span_of``: the moments hold only this node's share, ``span_of(numel)``
-    (:attr:`HostFlatState.span`), and so may the master (:func:`_fill_sharded`).
+    ``span_of``: the moments hold only this node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`);
+    with ``shard_master`` (``StatePlacement.master_split``) the master too (:func:`_fill_sharded`).
     ``trained_only``: frozen parameters get no moments, gradients or, where they can, master
     ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
@@ -283,9 +307,9 @@ def migrate_to_host(
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
     in_shadow = trained_only and shadow is not None and _frozen_all_in(named_params, layout, compute_dtype)
-    sharded = span is not None and (shadow is not None or not shadow_on_host)
-    assert not (sharded and trained_only and covered < layout.numel) or in_shadow, "a sharded master: no frozen"
-    if sharded:
+    assert not shard_master or span is not None, "a sharded master holds this node's span"
+    assert not (shard_master and trained_only and covered < layout.numel) or in_shadow, "a sharded master: no frozen"
+    if shard_master:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
@@ -300,11 +324,11 @@ def migrate_to_host(
         exp_avg_sq=runtime.host_zeros(held, torch.float32, shared) if moments_on_host else absent_on_host(held),
         params=params,
         span=span,
-        master_sharded=sharded,
+        master_sharded=shard_master,
         trained_only=trained_only,
         frozen_in_shadow=in_shadow,
     )
-    if sharded and shadow is None:
+    if shard_master and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
 

@@ -15,7 +15,10 @@ and forward and backward read the weights from the tier through a second window
 
 The block's :class:`HostFlatState` holds meta-device placeholders for the kinds on disk
 (:func:`~megatrain_ds.state.host_store.absent_on_host`), so a read that skipped
-:meth:`NvmeTier.acquire` fails loudly instead of reading stale memory. With the master on
+:meth:`NvmeTier.acquire` fails loudly instead of reading stale memory. The tier moves a
+kind in and out of the state only through :meth:`HostFlatState.bind` (a slot's part, or a
+mapping of the swap file) and :meth:`HostFlatState.release` (the placeholder again); which
+kinds it holds is the engine's ``Placement`` (``TierPlacement.kinds``, ``state/placement.py``). With the master on
 disk the block's parameters view the bf16 shadow (:meth:`HostFlatState.point_params_at`),
 as a DeepSpeed bf16 model's parameters are bf16; with no shadow either (weights on the
 tier) they are meta tensors, as a ZeRO-3 model's are partitioned. Either way
@@ -92,7 +95,7 @@ from megatrain_ds.config import MegatrainOptions
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import NullTracer, Tracer
-from megatrain_ds.state.host_store import HostFlatState, absent_on_host
+from megatrain_ds.state.host_store import HostFlatState, TierKind
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
 from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, explained_failure, open_swap_io
 
@@ -180,11 +183,11 @@ class PendingTransfer:
     pending: _Transfer | None
 
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-WITH_MASTER = ("master", *MOMENTS)
+MOMENTS: tuple[TierKind, ...] = ("exp_avg", "exp_avg_sq")
+WITH_MASTER: tuple[TierKind, ...] = ("master", *MOMENTS)
 
 
-def tier_kinds(master_is_streamed: bool) -> tuple[str, ...]:
+def tier_kinds(master_is_streamed: bool) -> tuple[TierKind, ...]:
     """What the tier holds of each block: m and v, and the fp32 master unless it is the
     copy forward and backward stream (fp32 compute)."""
     return MOMENTS if master_is_streamed else WITH_MASTER
@@ -213,9 +216,9 @@ class NvmeTier:
     """
 
     def __init__(
-        self, numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime, options: MegatrainOptions
+        self, numels: Sequence[int], kinds: Sequence[TierKind], runtime: DeviceRuntime, options: MegatrainOptions
     ) -> None:
-        self.kinds = tuple(kinds)
+        self.kinds: tuple[TierKind, ...] = tuple(kinds)
         self.states: list[HostFlatState] = []
         self.runtime = runtime
         self.settle: Callable[[], None] = lambda: None
@@ -298,7 +301,7 @@ class NvmeTier:
             else:  # weights on the tier: no host copy to view (state/nvme_weights.py)
                 state.park_params()
             self.runtime.free_host(state.master)
-            state.master = absent_on_host(numel)
+            state.release(["master"])  # on the tier alone now
         self.states.append(state)
         self._index[id(state)] = index
 
@@ -521,7 +524,7 @@ class NvmeTier:
                     mapped = torch.from_file(
                         self._paths[index], shared=False, size=len(self.kinds) * pad, dtype=torch.float32
                     )
-                    state.master = mapped[:numel]
+                    state.bind({"master": mapped[:numel]})
                     state.point_params_at(state.master)
         finally:
             with self._lock:
@@ -537,14 +540,12 @@ class NvmeTier:
     # -- internals (under the lock) --------------------------------------------------------------
 
     def _bind(self, index: int, slot: _Slot) -> None:
+        """Block ``index``'s kinds are the slot's parts until :meth:`_unbind`."""
         state, pad = self.states[index], self._pad[index]
-        for k, kind in enumerate(self.kinds):
-            setattr(state, kind, slot.buffer[k * pad : k * pad + state.stepped_numel])
+        state.bind({kind: slot.buffer[k * pad : k * pad + state.stepped_numel] for k, kind in enumerate(self.kinds)})
 
     def _unbind(self, index: int) -> None:
-        state = self.states[index]
-        for kind in self.kinds:
-            setattr(state, kind, absent_on_host(state.stepped_numel))
+        self.states[index].release(self.kinds)
 
     def _victim(self, protect: set[int], demand: bool) -> _Slot | None:
         """A slot to load into: an empty one, else the one whose block is needed last
@@ -678,7 +679,7 @@ class NvmeTier:
 
 
 def open_nvme_tier(
-    numels: Sequence[int], kinds: Sequence[str], runtime: DeviceRuntime, options: MegatrainOptions
+    numels: Sequence[int], kinds: Sequence[TierKind], runtime: DeviceRuntime, options: MegatrainOptions
 ) -> NvmeTier:
     """The tier for blocks of these flat sizes; a clear error when the swap directory cannot be made."""
     try:

@@ -5,13 +5,26 @@ Every flat state (one per block, then the resident parameters') has the buffers 
 (the streamed copy, when the compute dtype differs from the master's), Adam's moments m and v,
 the held gradients, and among the weights the frozen ones (LoRA: ``requires_grad=False`` or
 in no optimizer group). :class:`Placement` says, per state and buffer, where it lives
-(:class:`Where`) and how many elements of which size it holds there; the engine's builders,
-``MegatrainEngine.host_bytes()`` and preflight's estimate (``planning/preflight.py``) read it
-instead of branching on the NVMe level, data parallel, nodes and the master's dtype
-themselves, so the figures they report agree by construction (``tests/test_placement.py``
-checks them against the buffers the engine allocates). Pure arithmetic: nothing is
-allocated here. (Not to be confused with ``optimizer/placement.py``, which places the
-optimizer's arithmetic on the CPU or the device.)
+(:class:`Where`) and how many elements of which size it holds there. What reads it instead
+of branching on the NVMe level, data parallel, nodes and the master's dtype itself:
+
+- the engine's builders (``engine_build.py``: what ``migrate_to_host`` keeps of each state,
+  which tier opens, the weight window or the gather);
+- ``MegatrainEngine.host_bytes()``, preflight's estimate (``planning/preflight.py``) and the
+  planner's (``planning/planner.py``: :meth:`Placement.of_sizes` from a model's sizes), so
+  the figures they report agree by construction (``tests/test_placement.py`` checks them
+  against the buffers the engine allocates, and each other);
+- ``state_dict()`` (``checkpoint/whole_masters.py``: where each master is read or gathered
+  from, and whether that is a collective), save and load (``checkpoint/``: which buffer holds
+  the whole weights, which states are gathered, whether the masters go in span files), and
+  the weight gather after a data-parallel step (``DataParallel.gather_updated_weights``).
+
+A :class:`~megatrain_ds.state.host_store.HostFlatState` still records which elements each of
+its buffers holds (``span``, ``master_sharded``, ``trained_only``, ``frozen_in_shadow``), for
+its own views; the builders set them from the placement, and ``tests/placement_check.py``
+checks that they agree with it. Pure arithmetic: nothing is allocated here. (Not to be
+confused with ``optimizer/placement.py``, which places the optimizer's arithmetic on the CPU
+or the device.)
 
 [Note: the placement model]
 The combinations, for a block's state (``W``: a shadow exists, compute dtype != master dtype;
@@ -57,7 +70,7 @@ from torch import nn
 
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
-from megatrain_ds.state.host_store import SpanOf
+from megatrain_ds.state.host_store import SpanOf, TierKind
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, swap_file_bytes
 from megatrain_ds.state.nvme_weights import weight_window_buffers
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
@@ -213,12 +226,32 @@ class StatePlacement:
         """Whether no whole copy of the weights is kept here: this rank holds its window."""
         return self.streamed is Where.GATHERED
 
+    @property
+    def master_split(self) -> bool:
+        """Whether the master is split across processes (this node's span, or this rank's
+        window on its tier): its whole value exists only by gathering the parts, and the
+        checkpoint's span files hold the exact masters."""
+        return self.master.where in (Where.NODE_SPAN, Where.TIER_WINDOW)
+
+    @property
+    def master_in_host_memory(self) -> bool:
+        """Whether the whole master (or its trained prefix, the frozen weights being in the
+        shadow alone) is a host buffer of this process: the parameters view it."""
+        return self.master.where in (Where.HOST, Where.TRAINED_PREFIX)
+
+    @property
+    def weights_in(self) -> str:
+        """The buffer that holds every weight on this node: ``"shadow"`` where the master is
+        this node's span (the shadow is streamed whole), else ``"master"`` (for a gathered
+        state, the master of this rank's window: the whole weights are gathered)."""
+        return "shadow" if self.master.where is Where.NODE_SPAN else "master"
+
 
 @dataclass(frozen=True)
 class TierPlacement:
     """One process's NVMe tier: what it holds of each block, and its files."""
 
-    kinds: tuple[str, ...]
+    kinds: tuple[TierKind, ...]
     """Buffers per block in the swap files (``state/nvme_tier.py``: ``MOMENTS`` or ``WITH_MASTER``)."""
     numels: tuple[int, ...]
     """Each swap file's elements per kind: a block's, or this rank's non-empty window of it."""
@@ -267,12 +300,19 @@ class Placement:
     def of(cls, config: EngineConfig, nvme: str, topology: Topology, shapes: Sequence[StateShape]) -> Placement:
         """The placement of states of these shapes (the resident state's last) under ``config``,
         with the NVMe tier holding ``nvme``."""
+        return cls.of_sizes(ElementSizes.of(config), TierSettings.of(config), nvme, topology, shapes)
+
+    @classmethod
+    def of_sizes(
+        cls, sizes: ElementSizes, tier: TierSettings, nvme: str, topology: Topology, shapes: Sequence[StateShape]
+    ) -> Placement:
+        """:meth:`of` from the element sizes and tier settings alone (the planner's
+        ``planning/planner.py`` plans runs it has no config of)."""
         assert nvme in ("none", "optimizer", "all"), nvme
-        sizes = _Sizes.of(config)
         states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
         stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
-        mine, node = _tiers(config, nvme, topology, stepped[:-1], sizes)
+        mine, node = _tiers(tier, nvme, topology, stepped[:-1], sizes)
         return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
 
     @property
@@ -297,6 +337,13 @@ class Placement:
     def weights_gathered(self) -> bool:
         """Whether every rank keeps only its windows of the blocks' weights, gathered whole when used."""
         return any(state.gathered for state in self.blocks)
+
+    @property
+    def masters_split(self) -> bool:
+        """Whether any state's master is split across processes (data parallel only): taking
+        the whole masters runs collectives (``checkpoint/whole_masters.py``), and checkpoints
+        write the exact masters in span files, the model files in the compute dtype."""
+        return any(state.master_split for state in self.states)
 
     @property
     def tier_per_rank(self) -> bool:
@@ -346,15 +393,19 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class ElementSizes:
+    """Bytes per element of each buffer, from the run's dtypes."""
+
     master: int
     compute: int
+    """The streamed copy's (the shadow's, or the master's where it is streamed)."""
     grad: int | None
     """Bytes per held gradient element; ``None``: gradients are applied as they arrive."""
     with_shadow: bool
+    """Whether the compute dtype differs from the master's: a shadow is streamed."""
 
     @classmethod
-    def of(cls, config: EngineConfig) -> _Sizes:
+    def of(cls, config: EngineConfig) -> ElementSizes:
         def size(dtype: torch.dtype) -> int:
             return torch.empty((), dtype=dtype).element_size()
 
@@ -364,7 +415,24 @@ class _Sizes:
         )
 
 
-def _trained_only(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> bool:
+@dataclass(frozen=True)
+class TierSettings:
+    """What the NVMe tier's files and window take from the settings."""
+
+    alignment: int = DIRECT_ALIGNMENT
+    """Bytes each kind's part of a swap file is padded to (:attr:`TierPlacement.alignment`)."""
+    window_blocks: int = 4
+    """``nvme_window_blocks``."""
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> TierSettings:
+        aio = config.options.nvme_aio
+        # The configured I/O engine's alignment: DeepSpeed's op aligns to a block per thread.
+        alignment = DIRECT_ALIGNMENT * (aio.thread_count if aio.engine != "threads" else 1)
+        return cls(alignment, config.options.nvme_window_blocks)
+
+
+def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> bool:
     """Whether the state's optimizer state covers its trained prefix alone, frozen parameters
     holding their weights and nothing else: with the weights in host memory (no tier, or
     the tier holding the optimizer state), unless a frozen weight is not in the compute
@@ -375,7 +443,7 @@ def _trained_only(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topolog
     return nvme != "all" and not (cut_master and mixed)
 
 
-def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> StatePlacement:
+def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> StatePlacement:
     """One state's placement ([Note: the placement model]); the resident state's ``nvme`` is
     ``"none"`` whatever the blocks' is."""
     numel, trained = shape.numel, shape.trained_numel
@@ -385,11 +453,14 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> S
     grad_where, streamed, frozen_in = Where.HOST, Where.HOST, "master"
     if trained_only:  # the weights in host memory: frozen parameters cost their weights alone
         held = topology.span(stepped)
-        where = Where.NODE_SPAN if held < stepped else Where.TRAINED_PREFIX if trained < numel else Where.HOST
+        # Several nodes: every node's span, even one that happens to be all of a small state, so
+        # that every node branches alike (the weight gather sends the same buffer from each).
+        nodes = topology.span_of is not None
+        where = Where.NODE_SPAN if nodes else Where.TRAINED_PREFIX if trained < numel else Where.HOST
         in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
         if sizes.with_shadow and nvme != "none" and not topology.data_parallel:  # one process: on the tier
             master = Buffer(Where.TIER, trained if in_shadow else numel, sizes.master)
-        elif sizes.with_shadow and held < stepped:  # several nodes: the master's span too
+        elif sizes.with_shadow and nodes:  # several nodes: the master's span too
             master = Buffer(Where.NODE_SPAN, held, sizes.master)
         elif in_shadow:
             master = Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
@@ -413,8 +484,9 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> S
         grad_where, streamed = Where.RANK_WINDOW, Where.GATHERED
     else:  # data parallel: the node's copy, its span of what is sharded
         held = topology.span(numel)
-        span_where = Where.NODE_SPAN if held < numel else Where.HOST
-        sharded = sizes.with_shadow and held < numel  # several nodes: the master too, the shadow whole
+        # Several nodes: every node's span, even one that happens to be all of a small state.
+        span_where = Where.NODE_SPAN if topology.span_of is not None else Where.HOST
+        sharded = sizes.with_shadow and span_where is Where.NODE_SPAN  # the master too, the shadow whole
         master = Buffer(span_where, held, sizes.master) if sharded else Buffer(Where.HOST, numel, sizes.master)
         rank_window = topology.window(numel)
         moments = Buffer(Where.TIER_WINDOW, rank_window, 4) if nvme == "optimizer" else Buffer(span_where, held, 4)
@@ -435,19 +507,16 @@ def _state(shape: StateShape, sizes: _Sizes, nvme: str, topology: Topology) -> S
 
 
 def _tiers(
-    config: EngineConfig, nvme: str, topology: Topology, blocks: Sequence[int], sizes: _Sizes
+    settings: TierSettings, nvme: str, topology: Topology, blocks: Sequence[int], sizes: ElementSizes
 ) -> tuple[TierPlacement | None, list[TierPlacement]]:
     """This process's NVMe tier and those of every rank of its node (none without a tier);
     ``blocks``: the elements each block's optimizer state covers (its trained prefix where
     frozen parameters have none)."""
     if nvme == "none":
         return None, []
-    options = config.options
-    aio = options.nvme_aio
-    alignment = DIRECT_ALIGNMENT * (aio.thread_count if aio.engine != "threads" else 1)
 
-    def tier(kinds: tuple[str, ...], numels: Sequence[int]) -> TierPlacement:
-        return TierPlacement(kinds, tuple(n for n in numels if n > 0), alignment, options.nvme_window_blocks)
+    def tier(kinds: tuple[TierKind, ...], numels: Sequence[int]) -> TierPlacement:
+        return TierPlacement(kinds, tuple(n for n in numels if n > 0), settings.alignment, settings.window_blocks)
 
     if not topology.data_parallel:
         one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, blocks)

@@ -44,6 +44,7 @@ class ResidentParams:
         span_of: this node's share of the optimizer state (see ``migrate_to_host``).
         share: data parallel: gives the node writer's values the first node's (``migrate_to_host``).
         trained_only: frozen parameters get no optimizer state (``migrate_to_host``).
+        shard_master: the master too holds only this node's span (``migrate_to_host``).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class ResidentParams:
         span_of: SpanOf | None = None,
         share: Callable[[torch.Tensor], None] | None = None,
         trained_only: bool = False,
+        shard_master: bool = False,
     ) -> None:
         self.state: HostFlatState = migrate_to_host(
             named_params,
@@ -70,6 +72,7 @@ class ResidentParams:
             span_of=span_of,
             share=share,
             trained_only=trained_only,
+            shard_master=shard_master,
         )
         streamed = self.state.streamed
         if runtime.shares_host_memory:
