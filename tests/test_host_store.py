@@ -183,7 +183,9 @@ def test_a_node_span_of_a_trained_only_state_leaves_frozen_weights_in_the_shadow
     values = {name: param.detach().clone() for name, param in named}
     span_of = Ownership.of([[0], [1]], rank=1).span
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
-    state = migrate_to_host(named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, trained_only=True)
+    state = migrate_to_host(
+        named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, trained_only=True, shard_master=True
+    )
     layout, (start, end) = state.layout, state.held
     assert state.stepped_numel == layout.trained_numel < layout.numel
     assert (start, end) == span_of(layout.trained_numel) and 0 < start < end == layout.trained_numel
