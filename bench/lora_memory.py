@@ -25,8 +25,9 @@ predicts it too, and the largest depth whose predicted peak fits ``MemTotal`` le
 holds its predicted peak plus ``--margin`` plus ``--min-free``, and killed by a watchdog
 should ``MemAvailable`` fall under ``--min-free`` (the machine is shared: no run may bring
 on the OOM killer). Should other processes hold that memory for ``--wait`` seconds, the
-deepest model that fits what is free then is verified instead, and the JSON says so
-(``verified_below_predicted``); ``--reuse`` takes the calibration and prediction from an
+deepest model that fits the most they left free meanwhile is verified instead (waiting for
+that room again), and the JSON says so (``verified_below_predicted``), as it does when
+``--verify-layers`` names a smaller depth (0: prediction only); ``--reuse`` takes the calibration and prediction from an
 earlier JSON of the same model, run and budget. Every run builds its model without
 initialisation and then writes each base weight from its name
 (``_same_initial_weights``), so every system trains the same weights.
@@ -49,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compare import _git_rev, _rss_bytes, _versions, run_guarded  # bench/ is not a package
-from largest_model import GIB, fit, largest, meminfo, planner_peak_of, preflight_verdict_of, wait_for_memory
+from largest_model import GIB, fit, largest, meminfo, planner_peak_of, preflight_verdict_of
 
 SYSTEMS = ("megatrain", "zero3_offload")
 PREDICTION_KEYS = (  # what --largest's step 1 records, which --reuse takes from an earlier run
@@ -298,7 +299,19 @@ def _predict(system: str, args: argparse.Namespace, budget: int) -> dict:
     return entry
 
 
-def _verify(system: str, entry: dict, args: argparse.Namespace, budget: int) -> None:
+def _wait_for_memory(needed: int, timeout: float) -> tuple[bool, int]:
+    """Whether ``MemAvailable`` reached ``needed`` within ``timeout`` seconds, and the most
+    it reached (the room other processes left, to size a smaller run by)."""
+    deadline, most = time.monotonic() + timeout, 0
+    while (available := meminfo("MemAvailable")) < needed:
+        most = max(most, available)
+        if time.monotonic() > deadline:
+            return False, most
+        time.sleep(2)
+    return True, available
+
+
+def _verify(system: str, entry: dict, args: argparse.Namespace, budget: int, layers: int) -> None:
     """Step 2 of ``--largest``: a real run at the predicted depth once MemAvailable holds its
     predicted peak plus ``--margin``; one block fewer (up to twice) should it exceed ``budget``.
     Should other processes hold the memory past ``--wait``, the deepest model whose predicted
@@ -307,7 +320,9 @@ def _verify(system: str, entry: dict, args: argparse.Namespace, budget: int) -> 
     params_at = lambda layers: entry["params_outside_blocks"] + layers * entry["params_per_block"]  # noqa: E731
     extrapolated = lambda layers: intercept + slope * params_at(layers)  # noqa: E731
     baseline = max(run["baseline_rss_bytes"] for run in entry["calibration"])
-    layers, headroom = entry["largest_layers"], int((args.margin + args.min_free) * GIB)
+    headroom = int((args.margin + args.min_free) * GIB)
+    if layers != entry["largest_layers"]:
+        entry["verified_below_predicted"] = True
     for _attempt in range(3):
         forecast = {"layers": layers, "params": params_at(layers), "extrapolated_peak": extrapolated(layers)}
         if system == "megatrain":
@@ -316,9 +331,10 @@ def _verify(system: str, entry: dict, args: argparse.Namespace, budget: int) -> 
         # Room for the predicted peak and still --margin above the watchdog's floor.
         needed = int(max(forecast["extrapolated_peak"], forecast.get("planner_peak", 0)) + headroom)
         print(f"{system:14s} L={layers} ({forecast['params'] / 1e9:.2f}B): wait for {needed / GIB:.2f} GiB", flush=True)
-        if not wait_for_memory(needed, args.wait):
-            room = meminfo("MemAvailable") - headroom
-            entry.setdefault("skipped", []).append({"layers": layers, "needed": needed, "available": room})
+        ready, most_free = _wait_for_memory(needed, args.wait)
+        if not ready:
+            room = most_free - headroom
+            entry.setdefault("skipped", []).append({"layers": layers, "needed": needed, "most_available": most_free})
             above = max(1.0, forecast.get("planner_peak", 0) / forecast["extrapolated_peak"])  # the planner's
             layers = largest(lambda depth: above * extrapolated(depth), room)
             entry["verified_below_predicted"] = True
@@ -368,8 +384,9 @@ def largest_main(args: argparse.Namespace) -> None:
         report["systems"][system] = entry
         if args.json:  # after each step: a later one may take long or be killed
             args.json.write_text(json.dumps(report, indent=2) + "\n")
-        if "error" not in entry:
-            _verify(system, entry, args, budget)
+        depth = dict(zip(args.systems.split(","), args.verify_layers or [])).get(system, entry.get("largest_layers"))
+        if "error" not in entry and depth:
+            _verify(system, entry, args, budget, depth)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
     for kind in ("predicted", "verified"):
@@ -403,6 +420,12 @@ def main() -> None:
         "--margin", type=float, default=0.5, help="GiB of MemAvailable beyond a predicted peak to start"
     )
     parser.add_argument("--wait", type=float, default=900, help="seconds to wait for memory before skipping a run")
+    parser.add_argument(
+        "--verify-layers",
+        type=int,
+        nargs="+",
+        help="--largest: the depth to verify, one per --systems entry (0: none); default the predicted largest",
+    )
     parser.add_argument("--reuse", type=Path, help="--largest: take step 1 (calibration, prediction) from this JSON")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
