@@ -22,12 +22,14 @@ two steps each) give its peak RSS (interpreter included) linear in the parameter
 engine's planner (``megatrain plan``'s accounting, frozen weights at their own bytes)
 predicts it too, and the largest depth whose predicted peak fits ``MemTotal`` less
 ``--reserve`` is verified by a real two-step run -- started only once ``MemAvailable``
-holds its predicted peak plus ``--margin`` plus ``--min-free``, and killed by a watchdog
+holds its predicted peak (the larger of the two; the extrapolated one with
+``--gate-by-measurement``) plus ``--margin`` plus ``--min-free``, and killed by a watchdog
 should ``MemAvailable`` fall under ``--min-free`` (the machine is shared: no run may bring
 on the OOM killer). Should other processes hold that memory for ``--wait`` seconds, the
 deepest model that fits the most they left free meanwhile is verified instead (waiting for
 that room again), and the JSON says so (``verified_below_predicted``), as it does when
-``--verify-layers`` names a smaller depth (0: prediction only); ``--reuse`` takes the calibration and prediction from an
+``--verify-layers`` names a smaller depth (0: none, or with ``--reuse`` the earlier
+verification kept); ``--reuse`` takes the calibration and prediction from an
 earlier JSON of the same model, run and budget. Every run builds its model without
 initialisation and then writes each base weight from its name
 (``_same_initial_weights``), so every system trains the same weights.
@@ -329,13 +331,14 @@ def _verify(system: str, entry: dict, args: argparse.Namespace, budget: int, lay
             forecast.update(_engine_forecast(args, layers, baseline, budget))
         entry.setdefault("forecasts", []).append(forecast)
         # Room for the predicted peak and still --margin above the watchdog's floor.
-        needed = int(max(forecast["extrapolated_peak"], forecast.get("planner_peak", 0)) + headroom)
+        predicted = forecast["extrapolated_peak"] if args.gate_by_measurement else forecast.get("planner_peak", 0)
+        needed = int(max(forecast["extrapolated_peak"], predicted) + headroom)
         print(f"{system:14s} L={layers} ({forecast['params'] / 1e9:.2f}B): wait for {needed / GIB:.2f} GiB", flush=True)
         ready, most_free = _wait_for_memory(needed, args.wait)
         if not ready:
             room = most_free - headroom
             entry.setdefault("skipped", []).append({"layers": layers, "needed": needed, "most_available": most_free})
-            above = max(1.0, forecast.get("planner_peak", 0) / forecast["extrapolated_peak"])  # the planner's
+            above = max(1.0, predicted / forecast["extrapolated_peak"])  # the planner's excess, if gated by it
             layers = largest(lambda depth: above * extrapolated(depth), room)
             entry["verified_below_predicted"] = True
             if layers < 2:
@@ -376,15 +379,17 @@ def largest_main(args: argparse.Namespace) -> None:
     earlier = json.loads(args.reuse.read_text()) if args.reuse else {}
     for system in args.systems.split(","):
         reused = earlier.get("systems", {}).get(system)
+        depth = dict(zip(args.systems.split(","), args.verify_layers or [])).get(system)
         if reused and all(earlier[key] == report[key] for key in ("model", "run", "budget_bytes")):
-            entry = {key: value for key, value in reused.items() if key in PREDICTION_KEYS}
-            entry["prediction_reused_from"] = earlier["git_rev"]
+            # Not verified again (0): the earlier verification is kept with the prediction.
+            entry = {key: value for key, value in reused.items() if depth == 0 or key in PREDICTION_KEYS}
+            entry.setdefault("prediction_reused_from", earlier["git_rev"])
         else:
             entry = _predict(system, args, budget)
         report["systems"][system] = entry
         if args.json:  # after each step: a later one may take long or be killed
             args.json.write_text(json.dumps(report, indent=2) + "\n")
-        depth = dict(zip(args.systems.split(","), args.verify_layers or [])).get(system, entry.get("largest_layers"))
+        depth = entry.get("largest_layers") if depth is None else depth
         if "error" not in entry and depth:
             _verify(system, entry, args, budget, depth)
         if args.json:
@@ -425,6 +430,11 @@ def main() -> None:
         type=int,
         nargs="+",
         help="--largest: the depth to verify, one per --systems entry (0: none); default the predicted largest",
+    )
+    parser.add_argument(
+        "--gate-by-measurement",
+        action="store_true",
+        help="--largest: wait for the extrapolated peak alone, not the planner's (larger) one",
     )
     parser.add_argument("--reuse", type=Path, help="--largest: take step 1 (calibration, prediction) from this JSON")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
