@@ -252,7 +252,7 @@ def _meta_lora_llama(args: argparse.Namespace, layers: int):
         num_key_value_heads=heads,
     )
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = torch.nn.Module.to(transformers.LlamaForCausalLM(config), torch.bfloat16)
         lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=["q_proj", "v_proj"])
         return peft.get_peft_model(model, lora).base_model.model  # the Llama, adapters in place
 
