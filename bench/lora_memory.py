@@ -39,7 +39,7 @@ initialisation and then writes each base weight from its name
     # the committed verifications (a shared machine): 34 blocks, 7.15B, engine then ZeRO-3
     python bench/lora_memory.py --largest --hidden 4096 --intermediate 11008 --seq-len 64 --steps 2 \
         --reuse bench/results/largest_lora_cpu.json --verify-layers 34 0 --gate-by-measurement \
-        --margin 1.0 --min-free 0.5 --json bench/results/largest_lora_cpu.json
+        --margin 1.0 --min-free 0.5 --json bench/results/largest_lora_cpu.json  # then --verify-layers 0 34
 """
 
 from __future__ import annotations
