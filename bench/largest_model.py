@@ -171,11 +171,19 @@ def largest(predict, budget: int, limit: int = 4096) -> int:
 def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
     """The planner's peak host bytes for depth ``layers`` (cached CPU profile) plus the
     interpreter baseline, and its plan."""
-    from megatrain_ds.cli import cpu_profile, shape_of
-    from megatrain_ds.planning.planner import RunSettings, plan
+    from megatrain_ds.planning.planner import RunSettings
 
-    model = meta_llama(layers)
     settings = RunSettings(seq_len=MODEL["seq_len"], micro_batch=MODEL["micro_batch"], bf16=False, clipping=True)
+    return planner_peak_of(meta_llama(layers), settings, baseline)
+
+
+def planner_peak_of(model, settings, baseline: int) -> tuple[int, dict]:
+    """The planner's peak host bytes for ``model`` (a Llama, on meta is fine; a peft model
+    too: its frozen parameters count as the planner counts them) at ``settings`` (a
+    ``RunSettings``), on this machine's cached CPU profile, plus ``baseline``; and its plan."""
+    from megatrain_ds.cli import cpu_profile, shape_of
+    from megatrain_ds.planning.planner import plan
+
     hardware = cpu_profile(model.config, "model.layers", settings)
     result = plan(shape_of(model), settings, hardware, host_memory_bytes=meminfo("MemTotal"))
     return baseline + result.predicted_peak_host_bytes, result.to_json()
@@ -183,6 +191,12 @@ def planner_peak(layers: int, baseline: int) -> tuple[int, dict]:
 
 def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL, bf16: bool = False) -> str:
     """The engine's own preflight check (persistent state only) for depth ``layers``."""
+    return preflight_verdict_of(meta_llama(layers, model_shape), budget, bf16)
+
+
+def preflight_verdict_of(model, budget: int, bf16: bool) -> str:
+    """The engine's own preflight check (persistent state only) for ``model`` (on meta is
+    fine), trained by AdamW with clipping on the host within ``budget`` bytes."""
     import torch
 
     from megatrain_ds import parse_engine_config
@@ -190,7 +204,6 @@ def preflight_verdict(layers: int, budget: int, model_shape: dict = MODEL, bf16:
     from megatrain_ds.optimizer.facade import build_optimizer
     from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError, PreflightInputs, preflight
 
-    model = meta_llama(layers, model_shape)
     engine_config = parse_engine_config(
         {
             "train_micro_batch_size_per_gpu": MODEL["micro_batch"],

@@ -123,10 +123,6 @@ CHECKED_SUITES: dict[str, dict[str, tuple[str, ...] | None]] = {
         "test_the_staged_path_sums_the_same_norm_as_the_direct_path": EVERY,
         "test_accumulated_held_gradients_match_pytorch": EVERY,
     },
-    "test_data_parallel.py": {
-        # The gradient all-reduce on its own stream, started while backward runs.
-        "test_two_ranks_match_one_process_with_both_batches": EVERY,
-    },
 }
 """Module -> test function -> the parameter ids (without ``checked``) of its variants that
 also run with ``MEGATRAIN_STREAM_CHECK=1`` (their ``[checked]`` variant; :data:`EVERY`:
@@ -143,8 +139,8 @@ differ in arithmetic, configuration or error messages only, or build no engine; 
 at import, so a checked variant never checked them). ``tests/test_stream_ordering.py``
 runs every scenario of the mutation test under the checker too, and proves the checker
 bites (issue 43: the checked runs were 40% of the test command before this selection).
-Two data-parallel tests run only checked (two simulated nodes, and two ranks with the
-NVMe tier; their docstrings say what covers their plain path)."""
+Three data-parallel tests run only checked (2 ranks under ``torchrun``, two simulated nodes,
+and two ranks with the NVMe tier; their docstrings say what covers their plain path)."""
 
 
 def _checked_id(item: pytest.Item) -> str | None:

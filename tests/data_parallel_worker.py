@@ -1,4 +1,5 @@
-"""One rank of a data-parallel run, launched by ``torchrun`` (or by hand) from test_data_parallel.py.
+"""One rank of a data-parallel run, launched from test_data_parallel.py (forked by ``forked_ranks.py``,
+by ``torchrun``, the ``deepspeed`` launcher, or by hand).
 
 Modes:
   parity  train ``--steps`` optimizer steps on this rank's half of each global batch

@@ -10,6 +10,7 @@ directly.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import threading
 from pathlib import Path
@@ -139,6 +140,17 @@ def test_supported_ranges_are_pyprojects_bounds():
         bounds[name] = (low, high)
     for package, supported in compat.SUPPORTED.items():
         assert bounds[package] == supported, package
+
+
+def test_the_lowest_versions_script_installs_the_lower_bounds():
+    """``scripts/test_lowest.sh`` tests what ``SUPPORTED`` claims: each package pinned at its
+    lowest supported version (``1.0.0`` is ``1.0``)."""
+    from packaging.version import Version
+
+    script = (REPO_ROOT / "scripts" / "test_lowest.sh").read_text()
+    pins = dict(re.findall(r"\b([a-z][a-z0-9_-]*)==([0-9][0-9.]*)", script))
+    for package, (low, _) in compat.SUPPORTED.items():
+        assert package in pins and Version(pins[package]) == Version(low), (package, pins.get(package), low)
 
 
 def _third_party_names(tree: ast.Module) -> set[str]:

@@ -1,12 +1,15 @@
 """Data parallel over gloo on the CPU: 2 ranks vs one plain-PyTorch process with both batches.
 
-Each test launches ``tests/data_parallel_worker.py`` in fresh processes (``torchrun``, the
-``deepspeed`` launcher, or by hand where the launcher must not be the one that notices a
-dead rank).
+Each test launches ``tests/data_parallel_worker.py``: its ranks forked after the imports
+with torchrun's variables (``tests/forked_ranks.py``: one interpreter's imports instead of
+one per rank and launcher), under ``torchrun`` and the ``deepspeed`` launcher where the
+launcher is what is tested, or by hand where the launcher must not be the one that notices
+a dead rank.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -29,6 +32,7 @@ from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
+FORKED_RANKS = Path(__file__).resolve().parent / "forked_ranks.py"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
 from launching import free_port  # noqa: E402
 
@@ -45,16 +49,21 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "torchrun") -> None:
+def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "fork") -> None:
+    """``nproc`` ranks of the worker on one node: forked (``tests/forked_ranks.py``), or
+    started by ``torchrun`` or the ``deepspeed`` launcher."""
     prefix = {
+        "fork": [sys.executable, str(FORKED_RANKS), "--per-node"],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"],
         "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus"],
     }[launcher]
-    command = [*prefix, str(nproc), "--master_port", str(free_port()), str(WORKER), mode, "--out", str(out), *args]
+    port = ("--port" if launcher == "fork" else "--master_port", str(free_port()))
+    command = [*prefix, str(nproc), *port, str(WORKER), mode, "--out", str(out), *args]
     result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
+@functools.cache  # several tests compare with the same run; callers only read it
 def reference_training(
     steps: int, accumulation: int, world_size: int, length: int = LENGTH, frozen: bool = False
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -205,14 +214,22 @@ def test_inconsistent_launcher_claims_are_refused() -> None:
 # -- launched ranks ---------------------------------------------------------------------------
 
 
-def test_two_ranks_match_one_process_with_both_batches(tmp_path: Path, cpu_single_thread: None) -> None:
-    """One node of 2 ranks, as torchrun (GROUP_RANK) names it (also run under the race checker)."""
+def test_two_ranks_match_one_process_with_both_batches(
+    tmp_path: Path, cpu_single_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One node of 2 ranks, as torchrun (GROUP_RANK) names it, the gradient all-reduce on its
+    own stream started while backward runs.
+
+    Under the race checker only (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``): the same
+    ranks' work on the plain path is the ``deepspeed`` launcher's test below (the same
+    worker command), and the forked 2-rank runs after it."""
+    monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
     _two_ranks_on_one_node(tmp_path, "torchrun")
 
 
 def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, cpu_single_thread: None) -> None:
     """The same run started by the deepspeed launcher, which names the node by CROSS_RANK
-    (the ranks' work is the same as under torchrun: not run again under the race checker),
+    (the ranks' work is the same as under torchrun, whose run is the checked one: this is the plain path),
     with frozen weights (issue 44; ``freeze_some``) and Adam's moments on each rank's NVMe
     tier: the node holds the frozen weights once, at their own size, and no optimizer state,
     each rank's swap files its windows of the trained prefix (``_assert_frozen_held_once``)."""
@@ -232,9 +249,16 @@ def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: bool = False) 
         _assert_frozen_held_once(ranks, nodes=1, per_node=2, tier=True)
 
 
-def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1) -> None:
-    """``nodes`` simulated nodes on this host: a ``torchrun --nnodes`` launch each, of
-    ``per_node`` ranks, meeting at one rendezvous (gloo)."""
+def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1, launcher: str = "fork") -> None:
+    """``nodes`` simulated nodes on this host of ``per_node`` ranks each, meeting at one
+    rendezvous (gloo): forked ranks told their node by ``GROUP_RANK`` as torchrun does
+    (``tests/forked_ranks.py``), or (``launcher="torchrun"``) a ``torchrun --nnodes`` launch each."""
+    if launcher == "fork":
+        command = [sys.executable, str(FORKED_RANKS), "--nodes", str(nodes), "--per-node", str(per_node)]
+        command += ["--port", str(free_port()), str(WORKER), "--out", str(out), *args]
+        result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        return
     endpoint = f"127.0.0.1:{free_port()}"
     launches = [
         subprocess.Popen(
@@ -276,7 +300,7 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     checkpoint = tmp_path / "checkpoint"
     saved = ("--save-to", str(checkpoint), "--save-at", str(steps), "--load-after", str(checkpoint))
     common = ("--steps", str(steps), "--accumulation", str(accumulation), "--bucket-elements", "3000")
-    launch_nodes(2, tmp_path, "parity", *common, "--frozen", *saved)
+    launch_nodes(2, tmp_path, "parity", *common, "--frozen", *saved, launcher="torchrun")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
@@ -440,7 +464,7 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     plain PyTorch's with both batches. Network: a gather per block taken (forward and
     backward), the updated blocks never sent. Its checkpoint (a span file per rank with the
     masters, model files gathered a block at a time) resumes on 2 simulated nodes of one
-    rank (separate torchrun launches: the resident state sharded across them too)
+    rank (two nodes as GROUP_RANK names them: the resident state sharded across them too)
     bit-identically to the uninterrupted run, and a one-process checkpoint loads into their
     windows exactly.
 
@@ -698,7 +722,7 @@ def _assert_nodes_checkpoint_loads_exactly(tag_dir: Path, ranks: list[dict]) -> 
 
 
 def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Path) -> None:
-    """2 nodes of 2 ranks (separate torchrun launches), one global batch of 4 rows: they
+    """2 nodes of 2 ranks (as GROUP_RANK names them), one global batch of 4 rows: they
     train as one process with the whole batch does, each node holding its share of the
     optimizer state. The checkpoint they write at step 2 (each node its span file) resumes
     in one process with Adam's moments on the NVMe tier, which saves it again as soon as it

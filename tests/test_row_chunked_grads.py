@@ -53,7 +53,11 @@ def test_projection_chunks_equal_autograd(bias):
     x_ref = x.clone().requires_grad_(True)
     upstream = torch.randn(3, 4, 10)
     out_ours, out_ref = redirected(x_ours), reference(x_ref)
-    torch.testing.assert_close(out_ours, out_ref, rtol=0, atol=0)
+    # Without a bias both sides are F.linear(x, W): the same op on the same values, bit-equal.
+    # With one, the reference is one addmm and ours the matmul, then "+ bias": the bias may
+    # join the 6-term sum at another point, a few fp32 roundings of the O(1) terms apart
+    # (< 1e-6): torch's fp32 defaults (rtol 1.3e-6, atol 1e-5) bound that.
+    torch.testing.assert_close(out_ours, out_ref, **({} if bias else {"rtol": 0, "atol": 0}))
     out_ours.backward(upstream)
     out_ref.backward(upstream)
 

@@ -91,7 +91,7 @@ _MARKER = "__megatrain_original__"
 
 SUPPORTED: dict[str, tuple[str, str]] = {
     "deepspeed": ("0.19.8", "0.20"),
-    "accelerate": ("1.0", "2.0"),
+    "accelerate": ("1.10", "2.0"),
     "transformers": ("4.56", "6.0"),
 }
 """``package: (lowest, first unsupported)``, the same bounds as ``pyproject.toml``
