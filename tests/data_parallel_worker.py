@@ -27,12 +27,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
-from placement_check import placement_disagreements, preflight_disagreements
+from placement_check import engine_preflight, placement_disagreements, preflight_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.model import causal_lm_loss
-from megatrain_ds.planning.preflight import AvailableMemory, PreflightInputs, preflight
 from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
@@ -155,17 +153,9 @@ def count_collective_elements() -> dict[str, int]:
 def _tier_report(engine: MegatrainEngine) -> dict:
     """This rank's NVMe tier: its blocks' sizes, swap-file and window bytes, and the bytes
     preflight plans for the node (its ranks' tiers together)."""
-    tier, dp = engine.nvme_tier, engine.data_parallel
+    tier = engine.nvme_tier
     assert tier is not None
-    run = PreflightInputs(
-        engine.module,
-        engine.config,
-        engine.optimizer,
-        engine.runtime.device,
-        STAGING_CHUNK_ELEMENTS,
-        dp.topology if dp is not None else None,
-    )
-    planned = preflight(run, available=AvailableMemory(host=1 << 50), nvme=engine.config.options.nvme_offload)
+    planned = engine_preflight(engine)
     return {
         "numels": tier.numels,
         "disk": tier.directory.nbytes,

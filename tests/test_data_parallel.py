@@ -641,6 +641,7 @@ def _one_bf16_process(steps: int, accumulation: int, save_to: Path) -> dict:
             for micro in range(accumulation):
                 engine.backward(engine(**global_batch(step * accumulation + micro, MICRO * 2)).loss)
                 engine.step()
+        engine.settle_optimizer()  # one process: the last update lands behind step(); read it landed
         states = [{"master": s.master.clone(), "exp_avg": s.exp_avg.clone()} for s in engine.states]
         engine.save_checkpoint(str(save_to))
         return {"states": states}
