@@ -33,6 +33,9 @@ from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.model import causal_lm_loss
 from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
+# Imported by forked_ranks.py before it forks the ranks: what they build is loaded once, here.
+tiny_models.load_eagerly("LlamaConfig", "LlamaForCausalLM")
+
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
 MICRO, LENGTH = 2, 12
 

@@ -66,6 +66,16 @@ FAMILIES: dict[str, Callable[..., transformers.PreTrainedModel]] = {
 }
 
 
+def load_eagerly(*names: str) -> None:
+    """Import these transformers classes now (``"LlamaForCausalLM"``). transformers imports a
+    model's module on first use, and the first one brings much of ``torch._dynamo`` with it:
+    a process that forks after its imports (``forked_ranks.py``, ``clean_exit_worker.py``)
+    loads what its children build here, so they share one import instead of each paying it
+    (two thirds of a short forked rank's CPU)."""
+    for name in names:
+        getattr(transformers, name)
+
+
 def make_batch(seed: int, batch: int = 2, length: int = 12) -> dict[str, torch.Tensor]:
     """Random tokens; the second row is left-padded (mask 0, label -100) by a seed-dependent amount."""
     generator = torch.Generator().manual_seed(seed)
