@@ -36,13 +36,16 @@ from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, 
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
 from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.optimizer.journal import (
+    AUTO_JOURNAL_BYTES_PER_PARAM,
+    JournalExtent,
+    describe_extents,
+    journal_element_bytes,
+    journal_extents,
+)
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish, pipelined_finish_for, refusal
 from megatrain_ds.optimizer.placement import build_host_adamw
-from megatrain_ds.optimizer.speculative_step import (
-    AUTO_JOURNAL_BYTES_PER_PARAM,
-    OptimizerStepper,
-    speculative_block_indices,
-)
+from megatrain_ds.optimizer.speculative_step import OptimizerStepper
 from megatrain_ds.planning.fragment_policy import FragmentChoice
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.preflight import PreflightInputs, available_memory, preflight, wants_nvme_tier
@@ -336,9 +339,7 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         engine.optimizer_states,
         engine.adamw,
         clipping=engine.config.gradient_clipping,
-        journal_indices=speculative_block_indices(
-            engine.optimizer_states, engine._resident_index, options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM
-        ),
+        journal_extents=_journal_extents(engine),
         holds_gradients=engine.config.holds_gradients,
         sum_over_ranks=dp.world_sum if dp is not None else None,
         runtime=engine.runtime,
@@ -359,6 +360,29 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         nvme_tier=engine.nvme_tier is not None,
         on_host_only=engine.adamw.on_host_only,
     )
+
+
+def _journal_extents(engine: EngineUnderConstruction) -> list[JournalExtent]:
+    """What the speculative step journals (``optimizer/journal.py``: [Note: journal extents]),
+    logged once: with held gradients only (without, nothing is deferred or undone)."""
+    if not engine.config.holds_gradients:
+        return []
+    setting = engine.config.options.speculative_blocks
+    blocks = engine.optimizer_states[: engine._resident_index]
+    extents = journal_extents(engine.optimizer_states, engine._resident_index, setting)
+    element_bytes = journal_element_bytes(blocks[0]) if blocks else 0
+    budget = (
+        f"at most {AUTO_JOURNAL_BYTES_PER_PARAM} B per parameter"
+        if setting == "auto"
+        else f"the last {setting} blocks whole"
+    )
+    logger.info(
+        "megatrain: speculative steps journal %s (speculative_blocks %r: %s)",
+        describe_extents(extents, [state.layout.trained_numel for state in blocks], element_bytes),
+        setting,
+        budget,
+    )
+    return extents
 
 
 def _finish_can_pipeline(engine: EngineUnderConstruction) -> bool:

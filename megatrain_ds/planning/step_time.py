@@ -127,7 +127,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+from megatrain_ds.optimizer.journal import choose_journal_extents
 
 GIB = 1 << 30
 
@@ -383,18 +383,19 @@ def num_checkpoints(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def journal_bytes_per_element(settings: RunSettings) -> int:
-    """Master, m and v (fp32) and the bf16 shadow, as ``optimizer/speculative_step.py`` journals them."""
+    """Master, m and v (fp32) and the bf16 shadow, as ``optimizer/journal.py`` journals them."""
     return 12 + (2 if settings.bf16 else 0)
 
 
 def journal_numel(shape: ModelShape, settings: RunSettings) -> int:
-    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
+    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule, the last
+    blocks' trailing elements within the budget (``optimizer/journal.py``)."""
     if not settings.holds_gradients:
         return 0
     trained = stepped_block_params(shape, settings)[0]  # frozen: never stepped
-    cost = journal_bytes_per_element(settings) * trained
-    chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
-    return len(chosen) * trained
+    per_element = journal_bytes_per_element(settings)
+    extents = choose_journal_extents([trained] * shape.num_blocks, per_element, shape.params, "auto")
+    return sum(extent.numel for extent in extents)
 
 
 def min_tokens_to_hide_transfer(hardware: Hardware, bf16: bool = True) -> int:
