@@ -58,6 +58,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -276,7 +277,7 @@ def measure(settings: Settings) -> dict:
     }
 
 
-LEDGER_MODEL = {"hidden": 64, "intermediate": 176, "layers": 4, "vocab": 96}
+LEDGER_MODEL: dict[str, Any] = {"hidden": 64, "intermediate": 176, "layers": 4, "vocab": 96}
 """A tiny Llama for the host ledger (the race checker runs its real steps: slow per op)."""
 LEDGER_CASES = {
     "bf16_clip": (True, 1.0, 1),
