@@ -125,16 +125,21 @@ def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, pr
         assert preflight_disagreements(engine, need) == []
         _planner_agrees(engine)
         placement = engine.placement
-        # The frozen weights: at their own cost with the weights in host memory (issue 44),
-        # no tier or the tier holding the optimizer state: its swap files hold the trained
-        # prefix alone. With the weights on the tier the blocks keep every buffer whole.
-        assert placement.trained_only == (nvme != "all")
-        assert all(state.trained_only for state in placement.states[-1:])  # the resident state: host memory
-        if frozen and nvme != "all":
+        # The frozen weights at their own cost at every NVMe level (issue 44): with no tier or
+        # the optimizer state on it in host memory (the swap files hold the trained prefix
+        # alone), with the weights on the tier in a read-only file of their own, in their dtype.
+        assert placement.trained_only
+        if frozen:
             moments = Where.TRAINED_PREFIX if nvme == "none" else Where.TIER
             assert all(state.exp_avg.where is moments for state in placement.blocks)
             in_shadow = compute != config.master_dtype
-            assert all(state.frozen_in == ("shadow" if in_shadow else "master") for state in placement.states)
+            held_in = "frozen" if nvme == "all" else "shadow" if in_shadow else "master"
+            assert all(state.frozen_in == held_in for state in placement.blocks)
+            assert placement.resident.frozen_in == ("shadow" if in_shadow else "master")
+            if nvme == "all":
+                sizes = [(state.frozen.where, state.frozen.numel, state.frozen.itemsize) for state in placement.blocks]
+                assert sizes == [(Where.TIER, state.frozen_numel, compute.itemsize) for state in placement.blocks]
+                assert placement.tier is not None and len(placement.tier.frozen_file_bytes) == len(placement.blocks)
             if placement.tier is not None:
                 trained = [state.numel - state.frozen_numel for state in placement.blocks]
                 assert list(placement.tier.numels) == trained < [state.numel for state in placement.blocks]

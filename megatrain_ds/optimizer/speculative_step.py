@@ -74,7 +74,7 @@ from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
+from megatrain_ds.state.residency import RAM_ONLY, Residency
 
 if TYPE_CHECKING:
     from megatrain_ds.runtime.device_runtime import DeviceRuntime
