@@ -316,12 +316,11 @@ def migrate_to_host(
     shard_master: bool = False,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
-    whole weights (the master; the shadow where the master is sharded, below). The master
-    is allocated untouched (no resident pages); each parameter is copied into its slot and
-    re-pointed at once, its old storage freed (a large one's pages chunk by chunk as copied,
-    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each
-    slot is filled from ``source.copy_into(name, slot)``; parameters on the ``meta`` device
-    then become real parameters viewing their slot, keeping their identity.
+    whole weights (the master; the shadow where the master is sharded, below). The master is
+    allocated untouched; each parameter is copied into its slot and re-pointed at once, its
+    old storage freed (a large one's chunk by chunk, :func:`copy_releasing_source`): the peak
+    is the state plus one chunk. With ``source`` each slot is filled from ``source.copy_into``;
+    ``meta`` parameters then become real ones viewing their slot, keeping their identity.
 
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
@@ -329,16 +328,12 @@ def migrate_to_host(
     :meth:`NodeSharedMemory.written`. ``share(values)``, on the writer, may replace the
     whole values first (data parallel: the first node's initial weights).
 
-    ``moments_on_host=False``: Adam's m and v are placeholders (:func:`absent_on_host`), the
-    NVMe tier holds them; ``shadow_on_host=False``: no shadow, the weights are streamed from
-    the tier, rounded as they are read (``state/nvme_weights.py``).
+    ``moments_on_host=False``: m and v are placeholders (:func:`absent_on_host`); ``shadow_on_host=False``: no shadow.
 
     ``span_of``: the moments hold only this node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`);
     with ``shard_master`` (``StatePlacement.master_split``) the master too (:func:`_fill_sharded`).
     ``trained_only``: frozen parameters get no moments, gradients or, where they can, master
-    ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone. Trained-only
-    without a shadow on the host (the weights on the NVMe tier): the frozen weights are
-    :attr:`HostFlatState.frozen`, for the tier to take."""
+    ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
     covered = layout.trained_numel if trained_only else layout.numel
     span = span_of(covered) if span_of is not None else None
@@ -347,21 +342,16 @@ def migrate_to_host(
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
     in_shadow = trained_only and shadow is not None and _frozen_all_in(named_params, layout, compute_dtype)
-    frozen = None
-    if trained_only and not shadow_on_host and layout.trained_numel < layout.numel:
-        # Held once in their own dtype: the compute dtype's where every one arrives in it.
-        dtype = compute_dtype if _frozen_all_in(named_params, layout, compute_dtype) else master_dtype
-        frozen = runtime.host_empty(layout.numel - layout.trained_numel, dtype, shared)
-        assert span is None and not shard_master, "frozen weights apart: one process, the weights on its tier"
+    frozen = _frozen_apart(named_params, layout, runtime, (master_dtype, compute_dtype), trained_only, shadow_on_host)
+    assert frozen is None or (span is None and not shard_master), "frozen weights apart: one process"
     assert not shard_master or span is not None, "a sharded master holds this node's span"
     assert not (shard_master and trained_only and covered < layout.numel) or in_shadow, "a sharded master: no frozen"
     if shard_master:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
-        prefix = in_shadow or frozen is not None
-        master = runtime.host_empty(layout.trained_numel if prefix else layout.numel, master_dtype, shared)
-        frozen_in = shadow if in_shadow else frozen
+        frozen_in = shadow if in_shadow else frozen  # frozen weights not in the master
+        master = runtime.host_empty(layout.numel if frozen_in is None else layout.trained_numel, master_dtype, shared)
         params = _fill_whole(named_params, layout, master, shadow, frozen_in, source, writes, share)
     held = last - first
     state = HostFlatState(
@@ -380,6 +370,25 @@ def migrate_to_host(
     if shard_master and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
+
+
+def _frozen_apart(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
+    runtime: DeviceRuntime,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    trained_only: bool,
+    shadow_on_host: bool,
+) -> torch.Tensor | None:
+    """The buffer of a trained-only state's frozen weights held apart where no shadow is on
+    the host to hold them (the weights on the NVMe tier, one process: :attr:`HostFlatState.frozen`),
+    in their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
+    the master's (``dtypes[0]``); ``None`` elsewhere, or without frozen weights."""
+    if not trained_only or shadow_on_host or layout.trained_numel == layout.numel:
+        return None
+    master, compute = dtypes
+    dtype = compute if _frozen_all_in(named_params, layout, compute) else master
+    return runtime.host_empty(layout.numel - layout.trained_numel, dtype)
 
 
 def _frozen_all_in(named_params: Sequence[tuple[str, nn.Parameter]], layout: FlatLayout, dtype: torch.dtype) -> bool:
