@@ -261,6 +261,7 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
         engine.save_checkpoint(tmp_path, tag="step2")
         losses = _train(engine, 2, first=2)
         _assert_frozen_unchanged(engine, frozen)
+        engine.save_checkpoint(tmp_path, tag="adapters", exclude_frozen_parameters=True)
         if written is not None:
             _assert_frozen_apart_on_the_tier(engine, torch.bfloat16, written)
         torch.manual_seed(1)
@@ -286,6 +287,8 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
     assert {name: dtypes[name] for name in frozen} == {name: "BF16" for name in frozen}
     assert all(dtypes[name] == "F32" for name in dtypes if "lora_" in name)
     assert saved and all("lora_" in name for name in saved)
+    with safe_open(str(tmp_path / "adapters" / "model-00001-of-00001.safetensors"), "pt") as adapters:
+        assert {name for name in adapters.keys() if "lora_" not in name} == set()  # noqa: SIM118 (not a dict)
 
 
 def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:

@@ -167,3 +167,48 @@ def test_fp32_frozen_weights_with_bf16_compute_keep_a_whole_master(tmp_path):
             assert state.exp_avg.where is Where.TRAINED_PREFIX
     finally:
         engine.destroy()
+
+
+def _partly_frozen() -> torch.nn.Module:
+    """A 2-block tiny Llama, fp32: its first block frozen whole, the second's MLP frozen."""
+    torch.manual_seed(0)
+    model = tiny_models.llama(num_layers=2)
+    model.model.layers[0].requires_grad_(False)
+    model.model.layers[1].mlp.requires_grad_(False)
+    return model
+
+
+def test_a_block_with_nothing_trained_keeps_every_buffer_with_the_weights_on_the_tier(tmp_path):
+    """With the weights on the tier a block with trained parameters keeps its frozen weights
+    apart (``StatePlacement.frozen``, fp32 here: the master's dtype, rounded to bf16 as they
+    are streamed); one with none at all (the first block) keeps every buffer, as the tier
+    makes no empty swap file; the engine, preflight and the planner agree on both. Two
+    steps train it bit for bit as the state in host memory does: the same rounding of the
+    same fp32 values (the shadow's, or the tier's as it is read), the same AdamW."""
+    config = parse_engine_config(_config("all", "bf16", tmp_path / "swap"))
+    model = _partly_frozen()
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    run = preflight.PreflightInputs(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme="all")
+    engine = MegatrainEngine(model, config)
+    ram = MegatrainEngine(_partly_frozen(), parse_engine_config(_config("none", "bf16", tmp_path)))
+    try:
+        assert placement_disagreements(engine) == []
+        assert preflight_disagreements(engine, need) == []
+        first, second = engine.placement.blocks
+        assert not first.trained_only and first.frozen.where is Where.NOWHERE and first.master.numel == first.numel
+        assert second.trained_only and second.frozen.where is Where.TIER and second.frozen.itemsize == 4
+        assert engine.states[1].frozen is not None and engine.states[0].frozen is None
+        for micro in range(4):
+            losses = []
+            for trained in (engine, ram):
+                loss = trained(**tiny_models.make_batch(micro)).loss
+                trained.backward(loss)
+                trained.step()
+                losses.append(loss.item())
+            assert losses[0] == losses[1], micro
+        ours, theirs = engine.module.state_dict(), ram.module.state_dict()
+        assert all(torch.equal(value, theirs[name]) for name, value in ours.items())
+    finally:
+        engine.destroy()
+        ram.destroy()

@@ -344,7 +344,7 @@ def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
     own), or in host memory (no tier, or the optimizer state on it) where, with the fp32
     master on the tier (bf16 compute), every frozen weight is in bf16."""
     if settings.nvme and settings.nvme_weights:
-        return True
+        return shape.frozen_block_params < shape.block_params  # a block with nothing trained: every buffer
     return not (settings.nvme and settings.bf16 and shape.frozen_block_params and not shape.frozen_in_bf16)
 
 
@@ -360,7 +360,7 @@ def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int,
 def frozen_tier_bytes(shape: ModelShape, settings: RunSettings) -> int:
     """Bytes of the blocks' frozen weights on the tier, in their own files, with the weights
     there: in bf16 where every frozen weight and the compute are, else in the master's dtype."""
-    if not (settings.nvme and settings.nvme_weights):
+    if not (settings.nvme and settings.nvme_weights and blocks_trained_only(shape, settings)):
         return 0
     in_compute = shape.frozen_in_bf16 and settings.weight_bytes == 2
     return (2 if in_compute else settings.master_bytes) * (shape.frozen_params - shape.frozen_resident_params)

@@ -82,7 +82,7 @@ class HostFlatState:
     and the frozen weights are a buffer of their own (:attr:`frozen`), in the compute dtype
     where every frozen weight arrives in it, else the master's, which the tier writes once to
     a read-only file and reads with the master when it streams the block
-    (``state/nvme_tier.py``: [Note: frozen weights on the tier]). Not, where the fp32 master
+    (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not, where the fp32 master
     is cut (in nodes' spans, or on the tier with ``"optimizer"``), for frozen weights not in
     the compute dtype, nor with data parallel and ``"all"`` (gathered windows): there every
     buffer still covers the whole layout (``state/placement.py``: [Note: the placement model]).

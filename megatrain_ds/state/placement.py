@@ -58,9 +58,9 @@ the trained prefix's master, m and v, the only part written back after a step, a
 frozen weights are a buffer of their own (:attr:`StatePlacement.frozen`, ``Where.TIER``),
 in the compute dtype where every frozen weight arrives in it, else in the master's: written
 once to a read-only file beside the block's swap file and read with the master when the
-block is streamed (``state/nvme_tier.py``: [Note: frozen weights on the tier]). Not
-trained-only, every buffer covering the frozen parameters too: the blocks with data
-parallel and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when
+block is streamed (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not
+trained-only, every buffer covering the frozen parameters too: a block with nothing trained
+at all with ``"all"`` (the tier makes no empty swap file), the blocks with data parallel and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when
 used), and, where the fp32 master is cut (on the tier with ``"optimizer"``, or several
 nodes' spans), a state with a frozen weight that is not in the compute dtype. With data parallel
 the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
@@ -465,10 +465,11 @@ def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: T
     the tier holding the optimizer state), unless a frozen weight is not in the compute
     dtype where the fp32 master is cut (several nodes shard it, or it is on the tier): its
     exact value would need a master of its own beside the trained prefix's. With the weights
-    on the tier too (``"all"``), in one process: frozen weights not in the compute dtype are
-    kept apart in the master's (:func:`_frozen_apart_on_tier`)."""
+    on the tier too (``"all"``), in one process, a state with a trained parameter: frozen
+    weights not in the compute dtype are kept apart in the master's (:func:`_frozen_apart_on_tier`)."""
     if nvme == "all":  # one process: the frozen weights apart on the tier; data parallel: gathered windows
-        return not topology.data_parallel
+        # A block with nothing trained keeps every buffer: the tier has no empty swap files.
+        return not topology.data_parallel and shape.trained_numel > 0
     cut_master = sizes.with_shadow and (topology.span_of is not None or nvme == "optimizer")
     mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
     return not (cut_master and mixed)
