@@ -60,9 +60,10 @@ in the compute dtype where every frozen weight arrives in it, else in the master
 once to a read-only file beside the block's swap file and read with the master when the
 block is streamed (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not
 trained-only, every buffer covering the frozen parameters too: a block with nothing trained
-at all with ``"all"`` (the tier makes no empty swap file), the blocks with data parallel and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when
-used), and, where the fp32 master is cut (on the tier with ``"optimizer"``, or several
-nodes' spans), a state with a frozen weight that is not in the compute dtype. With data parallel
+at all with ``"all"`` (the tier makes no empty swap file), the blocks with data parallel
+and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when used),
+and, where the fp32 master is cut (on the tier with ``"optimizer"``, or several nodes'
+spans), a state with a frozen weight that is not in the compute dtype. With data parallel
 the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
 window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
 """
