@@ -74,7 +74,7 @@ def _planner_agrees(engine: MegatrainEngine) -> None:
     config, states = engine.config, engine.states
     blocks, resident = states[:-1], states[-1]
     frozen = [state.layout.numel - state.layout.trained_numel for state in states]
-    # Parked parameters (the weights on the tier) are meta tensors of the master's dtype: not theirs.
+    # Parked parameters (the weights on the tier) are meta tensors: their dtypes are not what the planner asks.
     frozen_dtypes = {p.dtype for p in engine.module.parameters() if not p.requires_grad and not p.is_meta}
     shape = ModelShape(
         num_blocks=len(blocks),

@@ -97,7 +97,7 @@ class FrozenFiles:
         # file before the fsync, after which O_DIRECT reads find the bytes on disk.
         declare_access(reads=(weights,), writes=(file.token,), what=f"the frozen weights' write of {file.path}")
         with open(file.path, "r+b") as handle:
-            handle.write(memoryview(values.numpy()))
+            handle.write(values.numpy().data)  # the bytes in place: no copy
             handle.flush()
             os.fsync(handle.fileno())
         return file.nbytes
