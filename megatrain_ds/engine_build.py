@@ -188,7 +188,9 @@ def _build_host_state(
     if tier is not None and not engine.placement.tier_per_rank:
         # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
         # data parallel each rank's tier opens over its windows (_open_rank_tier).
-        engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, engine.config.options)
+        # With the weights on it, frozen weights get read-only files of their own (state/frozen_files.py).
+        options = engine.config.options
+        engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, options, tier.frozen_bytes)
 
     templates_by_key: dict[tuple, BlockTemplate] = {}
     templates: list[BlockTemplate] = []

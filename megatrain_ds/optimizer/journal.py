@@ -48,7 +48,7 @@ import torch
 
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
+from megatrain_ds.state.residency import RAM_ONLY, Residency
 
 JOURNALED = ("master", "exp_avg", "exp_avg_sq", "shadow")
 """The buffers a journal slot copies (the gradient is not: a refuted step reads it again)."""

@@ -340,10 +340,11 @@ def tier_bytes_per_param(settings: RunSettings) -> int:
 
 def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
     """Whether the blocks' frozen parameters cost their weights alone (``state/placement.py``:
-    ``_trained_only``): their weights in host memory (no tier, or the optimizer state on it),
-    and where the fp32 master is on the tier (bf16 compute) every frozen weight in bf16."""
+    ``_trained_only``, one process): with the weights on the tier (apart, in a file of their
+    own), or in host memory (no tier, or the optimizer state on it) where, with the fp32
+    master on the tier (bf16 compute), every frozen weight is in bf16."""
     if settings.nvme and settings.nvme_weights:
-        return False
+        return shape.frozen_block_params < shape.block_params  # a block with nothing trained: every buffer
     return not (settings.nvme and settings.bf16 and shape.frozen_block_params and not shape.frozen_in_bf16)
 
 
@@ -356,20 +357,37 @@ def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int,
     return shape.block_params - shape.frozen_block_params, shape.total_block_params - frozen_in_blocks
 
 
+def frozen_tier_bytes(shape: ModelShape, settings: RunSettings) -> int:
+    """Bytes of the blocks' frozen weights on the tier, in their own files, with the weights
+    there: in bf16 where every frozen weight and the compute are, else in the master's dtype."""
+    if not (settings.nvme and settings.nvme_weights and blocks_trained_only(shape, settings)):
+        return 0
+    in_compute = shape.frozen_in_bf16 and settings.weight_bytes == 2
+    return (2 if in_compute else settings.master_bytes) * (shape.frozen_params - shape.frozen_resident_params)
+
+
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """Bytes of the NVMe tier's swap files (every block's :func:`tier_bytes_per_param`); 0 without the tier."""
-    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] if settings.nvme else 0
+    """Bytes of the NVMe tier's swap files (every block's :func:`tier_bytes_per_param`, and
+    the frozen weights' files); 0 without the tier."""
+    if not settings.nvme:
+        return 0
+    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] + frozen_tier_bytes(
+        shape, settings
+    )
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
     """Seconds per optimizer step the disk needs to read and write every block's state on the
-    tier, and with the weights there to read every block's master in each forward and backward."""
-    swap = disk_bytes(shape, settings)
-    if not swap:
+    tier, and with the weights there to read every block's master (and frozen weights) in each
+    forward and backward."""
+    frozen = frozen_tier_bytes(shape, settings)  # read with the weights, never written
+    swap = disk_bytes(shape, settings) - frozen
+    if not settings.nvme:
         return 0.0
     if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
         raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
-    weights = settings.accumulation * 2 * 4 * shape.total_block_params if settings.nvme_weights else 0
+    trained = stepped_block_params(shape, settings)[1]
+    weights = settings.accumulation * 2 * (4 * trained + frozen) if settings.nvme_weights else 0
     return (swap + weights) / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
 
