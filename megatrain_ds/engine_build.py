@@ -33,6 +33,7 @@ from megatrain_ds.model.batch_checks import reject_unsupported_outputs
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
+from megatrain_ds.model.frozen_weights import cast_frozen_weights
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
 from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
@@ -119,15 +120,20 @@ def build(engine: EngineUnderConstruction, model: nn.Module) -> None:
     """Take ``model`` over, in the order of the pipeline it then runs: check that the run
     fits, find the blocks, move their state to the host, then the resident parameters,
     the optimizer over that state, the streams that carry weights and gradients, and the
-    streamed blocks that run forward and backward from them."""
+    streamed blocks that run forward and backward from them. With ``"frozen_weights":
+    "compute_dtype"`` the frozen weights are first cast in place (model/frozen_weights.py)."""
     topology = engine.data_parallel.topology if engine.data_parallel is not None else Topology()
+    group_of = group_index_of(model, engine.optimizer)  # the cast keeps every nn.Parameter object
+    if engine.config.options.frozen_weights == "compute_dtype":
+        # Before anything reads the model's dtypes (preflight, the placement, the migration):
+        # from here a frozen weight is in the compute dtype, held once (model/frozen_weights.py).
+        cast_frozen_weights(model, group_of, engine.config.compute_dtype)
     nvme = _check_before_allocating(engine, model, topology)
     blocks = _discover_blocks(engine, model)
     # load_from: values come from safetensors shards, one tensor at a time, so a model
     # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
     source = open_source(model, engine.config.options.load_from)
     materialize_meta_buffers(model, source)
-    group_of = group_index_of(model, engine.optimizer)
     # Where every buffer lives (state/placement.py): what the builders below branch on.
     shapes = state_shapes(flat_state_params(model, blocks), group_of, engine.config.compute_dtype)
     engine.placement = Placement.of(engine.config, nvme, topology, shapes)

@@ -376,3 +376,54 @@ def test_frozen_parameters_in_full_fine_tuning_cost_their_weights_alone():
         assert trained_elements < sum(p.numel() for p in reference.parameters() if p.requires_grad) * 1.05
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("nvme", ["none", "optimizer"])
+def test_frozen_weights_cast_to_the_compute_dtype_train_as_the_model_cast_by_hand(tmp_path, nvme):
+    """``"frozen_weights": "compute_dtype"``: an fp32 LoRA base under bf16 compute is cast to
+    bf16 once, in place, before the engine reads the model. The reference is the engine on
+    the same model cast to bf16 by hand (default ``"exact"``, nothing left to cast): the same
+    ops on the same values, so losses and weights agree bit for bit. The frozen weights then
+    cost 2 B each, in the streamed shadow alone (no fp32 master of them), stay the rounded
+    originals bit for bit, and the model's own parameters are those. With the optimizer state
+    on the NVMe tier (the fp32 master cut), where an exact fp32 frozen weight gives its state
+    every buffer, each block's swap files hold its trained prefix alone. The planner, fed the
+    uncast model with ``frozen_weights="compute_dtype"``, and preflight count what the engine holds."""
+    rounded = {name: value.to(torch.bfloat16) for name, value in _frozen(lora_llama()).items()}
+    swap = _swap(nvme, tmp_path / "cast")
+    cast_config = parse_engine_config(ds_config(bf16=True, megatrain={**swap, "frozen_weights": "compute_dtype"}))
+    by_hand_config = parse_engine_config(ds_config(bf16=True, megatrain=_swap(nvme, tmp_path / "by_hand")))
+    model, by_hand_model = lora_llama(), lora_llama(torch.bfloat16)
+    planned = host_bytes(
+        shape_of(model), RunSettings(seq_len=12, micro_batch=2, nvme=nvme != "none", frozen_weights="compute_dtype")
+    )
+    estimated = preflight.preflight(
+        preflight.PreflightInputs(
+            by_hand_model, by_hand_config, _optimizer(by_hand_model, by_hand_config), torch.device("cpu"), 1 << 20
+        ),
+        nvme=nvme,
+    )
+    engine = MegatrainEngine(model, cast_config)
+    by_hand = MegatrainEngine(by_hand_model, by_hand_config)
+    try:
+        assert _train(engine, 2, accumulation=1) == _train(by_hand, 2, accumulation=1)
+        ours, theirs = engine.module.state_dict(), by_hand.module.state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in theirs)
+        _assert_frozen_unchanged(engine, rounded)
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
+        for state in engine.states:
+            assert state.trained_only and state.frozen_in_shadow
+            assert state.shadow is not None and state.shadow.numel() == state.layout.numel
+        host = engine.host_bytes()
+        assert host == by_hand.host_bytes()
+        assert host["shadow"] == 2 * sum(state.layout.numel for state in engine.states)
+        trained = [state.layout.trained_numel for state in engine.states]
+        assert host["master"] == 4 * (trained[-1] if nvme == "optimizer" else sum(trained))
+        assert planned["master"] == host["master"] and planned["adam_m_v"] == host["exp_avg"] + host["exp_avg_sq"]
+        for kind, measured in (("master", host["master"]), ("shadow", host["shadow"])):
+            assert measured <= estimated.host[kind] <= measured + len(engine.states) * preflight.PAGE_BYTES, kind
+        if nvme == "optimizer":
+            assert engine.nvme_tier is not None and engine.nvme_tier.numels == trained[:-1]
+    finally:
+        engine.destroy()
+        by_hand.destroy()

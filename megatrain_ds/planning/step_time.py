@@ -223,7 +223,8 @@ class ModelShape:
     """Frozen parameters among the resident ones: their weights alone are held beside the
     NVMe tier too (the resident state stays in host memory)."""
     frozen_in_bf16: bool = False
-    """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone."""
+    """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone (or
+    cast to it: ``RunSettings.frozen_weights``)."""
 
     @property
     def params(self) -> int:
@@ -296,6 +297,10 @@ class RunSettings:
     """Fraction of the parameters whose AdamW state streams through the device and is
     updated there (``"optimizer_device": "gpu"``: 1; ``"auto"``: its split, which the engine
     logs and ``bench/compare.py`` records); the rest steps on the host's CPU kernel."""
+    frozen_weights: str = "exact"
+    """``megatrain.frozen_weights``: "compute_dtype" casts every frozen weight to the compute
+    dtype at ``initialize``, so with 2-byte compute each is held in it whatever dtype the
+    model's was (:func:`frozen_in_compute_dtype`)."""
 
     @property
     def tokens_per_pass(self) -> int:
@@ -338,14 +343,23 @@ def tier_bytes_per_param(settings: RunSettings) -> int:
     return 12 if settings.weight_bytes != settings.master_bytes or settings.nvme_weights else 8
 
 
+def frozen_in_compute_dtype(shape: ModelShape, settings: RunSettings) -> bool:
+    """Whether the frozen weights are held in the (2-byte) compute dtype: every one arrives in
+    bf16, or ``frozen_weights`` is "compute_dtype" (the engine casts them before it reads the
+    model, ``model/frozen_weights.py``; :func:`shape_of` reads the model as it is given)."""
+    return settings.weight_bytes == 2 and (shape.frozen_in_bf16 or settings.frozen_weights == "compute_dtype")
+
+
 def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
     """Whether the blocks' frozen parameters cost their weights alone (``state/placement.py``:
     ``_trained_only``, one process): with the weights on the tier (apart, in a file of their
     own), or in host memory (no tier, or the optimizer state on it) where, with the fp32
-    master on the tier (bf16 compute), every frozen weight is in bf16."""
+    master on the tier (bf16 compute), every frozen weight is in bf16 (:func:`frozen_in_compute_dtype`)."""
     if settings.nvme and settings.nvme_weights:
         return shape.frozen_block_params < shape.block_params  # a block with nothing trained: every buffer
-    return not (settings.nvme and settings.bf16 and shape.frozen_block_params and not shape.frozen_in_bf16)
+    return not (
+        settings.nvme and settings.bf16 and shape.frozen_block_params and not frozen_in_compute_dtype(shape, settings)
+    )
 
 
 def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int, int]:
@@ -362,8 +376,9 @@ def frozen_tier_bytes(shape: ModelShape, settings: RunSettings) -> int:
     there: in bf16 where every frozen weight and the compute are, else in the master's dtype."""
     if not (settings.nvme and settings.nvme_weights and blocks_trained_only(shape, settings)):
         return 0
-    in_compute = shape.frozen_in_bf16 and settings.weight_bytes == 2
-    return (2 if in_compute else settings.master_bytes) * (shape.frozen_params - shape.frozen_resident_params)
+    return (2 if frozen_in_compute_dtype(shape, settings) else settings.master_bytes) * (
+        shape.frozen_params - shape.frozen_resident_params
+    )
 
 
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:

@@ -72,7 +72,8 @@ class HostFlatState:
     (``frozen_in_shadow``): its weights are then held once, bit for bit, in the shadow that is
     streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
     master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
-    frozen weights to the compute dtype before ``initialize`` to hold them at 2 B/param.
+    frozen weights to the compute dtype before ``initialize`` (``"frozen_weights":
+    "compute_dtype"`` does, ``model/frozen_weights.py``) to hold them at 2 B/param.
     So it is wherever the weights are in host memory (``migrate_to_host(trained_only=...)``):
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
