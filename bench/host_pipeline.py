@@ -23,6 +23,9 @@ Reported (medians over ``--steps`` steps after a warm-up step):
   CPU it runs inline, on a GPU it is queued; see :class:`InlineDeviceWork`), and its share
   of the step (target after issue 42: under 5%);
 - ``finish_s``: ``engine.optimizer.step()``;
+- ``speculated_elements``: elements updated during backward, before the norm was known
+  (``optimizer/speculative_step.py``), and the journal that allowed it (``journal_bytes``,
+  ``journal_extents``: ``[block, start, end)``; ``--speculative-blocks 0`` turns it off);
 - the **worker's rate**: gradient elements per second from the first push to the drain
   with nothing between pushes (alone, and with another thread running Python the whole time:
   ``bench/gradient_worker.py``'s ``with_python_busy``), against a plain ``copy_`` of the
@@ -55,6 +58,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -85,6 +89,9 @@ class Settings:
     """Python busy loop per block on the pushing thread (a block's recompute and backward)."""
     steps: int = 5
     """Measured steps (after one warm-up step)."""
+    speculative_blocks: str = "auto"
+    """``megatrain.speculative_blocks``: ``"auto"`` or a number of last blocks (``"0"``: none,
+    what ``"auto"`` chose at this shape before the journal was sized by extents)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ class StepTimes:
     """In ``push``, less the device work it issued (:class:`InlineDeviceWork`)."""
     device_work_in_push_s: float
     finish_s: float
+    speculated_elements: int
+    """Elements the stepper updated during backward (``StepReport.speculated``)."""
 
 
 class InlineDeviceWork:
@@ -142,8 +151,13 @@ def build_engine(settings: Settings, accumulation: int = 1) -> MegatrainEngine:
         "gradient_clipping": settings.clipping,
         "bf16": {"enabled": settings.bf16},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "megatrain": {"speculative_blocks": _setting(settings.speculative_blocks)},
     }
     return MegatrainEngine(model, parse_engine_config(ds), device=torch.device("cpu"))
+
+
+def _setting(value: str) -> int | str:
+    return int(value) if value.isdigit() else value
 
 
 def fake_gradients(engine: MegatrainEngine, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -197,7 +211,8 @@ def run_step(engine: MegatrainEngine, grads: list[torch.Tensor], block_s: float,
     finishing = time.perf_counter()
     engine.optimizer.step()
     ended = time.perf_counter()
-    return StepTimes(ended - started, compute, blocked, inline, ended - finishing)
+    speculated = engine.last_step_report.speculated if engine.last_step_report is not None else 0
+    return StepTimes(ended - started, compute, blocked, inline, ended - finishing, speculated)
 
 
 def worker_rate(engine: MegatrainEngine, grads: list[torch.Tensor], device: InlineDeviceWork) -> float:
@@ -236,6 +251,11 @@ def measure(settings: Settings) -> dict:
         python_busy = with_python_busy(lambda: worker_rate(engine, grads, device))
         plain_copy = copy_rate(grads)
         num_params = engine.num_params
+        journal = engine.stepper.journal
+        journal_figures = {
+            "journal_bytes": journal.nbytes,
+            "journal_extents": [[e.index, e.start, e.end] for e in journal.extents],
+        }
     finally:
         engine.destroy()
     median = {field: statistics.median(getattr(s, field) for s in steps) for field in asdict(steps[0])}
@@ -248,6 +268,8 @@ def measure(settings: Settings) -> dict:
         "push_blocked_fraction": median["push_blocked_s"] / median["step_s"],
         "device_work_in_push_s": median["device_work_in_push_s"],
         "finish_s": median["finish_s"],
+        "speculated_elements": median["speculated_elements"],
+        **journal_figures,
         "steps": [asdict(s) for s in steps],
         "worker_elements_per_s": {"alone": alone, "python_busy": python_busy},
         "plain_copy_elements_per_s": plain_copy,
@@ -255,7 +277,7 @@ def measure(settings: Settings) -> dict:
     }
 
 
-LEDGER_MODEL = {"hidden": 64, "intermediate": 176, "layers": 4, "vocab": 96}
+LEDGER_MODEL: dict[str, Any] = {"hidden": 64, "intermediate": 176, "layers": 4, "vocab": 96}
 """A tiny Llama for the host ledger (the race checker runs its real steps: slow per op)."""
 LEDGER_CASES = {
     "bf16_clip": (True, 1.0, 1),
@@ -326,6 +348,8 @@ def report(result: dict) -> str:
             f"  step {result['step_s'] * 1e3:8.1f} ms   backward compute (Python) {result['compute_s'] * 1e3:8.1f} ms",
             f"  host critical path {result['host_critical_path_s'] * 1e3:8.1f} ms   "
             f"finish (optimizer.step) {result['finish_s'] * 1e3:8.1f} ms",
+            f"  speculated during backward {result['speculated_elements'] / 1e6:.2f} M elements "
+            f"(journal {result['journal_bytes'] / 2**20:.1f} MiB: {result['journal_extents']})",
             f"  backward blocked in push {result['push_blocked_s'] * 1e3:8.1f} ms "
             f"({100 * result['push_blocked_fraction']:.1f}% of the step; target < 5%)",
             f"  worker {rates['alone'] / 1e6:.0f} M elements/s alone, {rates['python_busy'] / 1e6:.0f} M with "

@@ -91,7 +91,7 @@ import torch  # noqa: E402
 
 from megatrain_ds.optimizer.cpu_adam import CPU_KERNELS, make_cpu_kernel  # noqa: E402
 from megatrain_ds.optimizer.host_adamw import HostAdamW  # noqa: E402
-from megatrain_ds.optimizer.speculative_step import Journal  # noqa: E402
+from megatrain_ds.optimizer.journal import Journal, JournalExtent  # noqa: E402
 from megatrain_ds.runtime.device_runtime import DeviceRuntime  # noqa: E402
 from megatrain_ds.state.flat_layout import build_flat_layout  # noqa: E402
 from megatrain_ds.state.host_store import HostFlatState  # noqa: E402
@@ -170,7 +170,7 @@ def _engine_update(
     )
     assert state.layout.numel == n, "allocate the buffers with _engine_numel(n) elements"
     grad = buffers.grad if grad_dtype == torch.float32 else buffers.grad_bf16
-    journal = Journal([state], [0]) if journaled else None
+    journal = Journal([state], [JournalExtent(0, 0, n)]) if journaled else None
     counter = _Counter()
 
     def run() -> None:

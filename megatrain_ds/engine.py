@@ -445,7 +445,7 @@ class MegatrainEngine(nn.Module):
         if grad is None:  # nothing held: the worker steps each chunk as it arrives
             return STAGED
         start = offset - self.windows[index][0]
-        speculative = final and self.stepper.may_speculate(index)  # the worker steps it during backward
+        speculative = final and self.stepper.may_speculate(index, start, numel)  # the worker steps it in backward
         with self.runtime.host_work():  # a partly written chunk's zeroing: no write of it in flight
             return self.held_writes.land(index, grad, start, numel, self.config.compute_dtype, speculative)
 

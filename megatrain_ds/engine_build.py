@@ -33,16 +33,20 @@ from megatrain_ds.model.batch_checks import reject_unsupported_outputs
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
+from megatrain_ds.model.frozen_weights import cast_frozen_weights
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
 from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.optimizer.journal import (
+    AUTO_JOURNAL_BYTES_PER_PARAM,
+    JournalExtent,
+    describe_extents,
+    journal_element_bytes,
+    journal_extents,
+)
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish, pipelined_finish_for, refusal
 from megatrain_ds.optimizer.placement import build_host_adamw
-from megatrain_ds.optimizer.speculative_step import (
-    AUTO_JOURNAL_BYTES_PER_PARAM,
-    OptimizerStepper,
-    speculative_block_indices,
-)
+from megatrain_ds.optimizer.speculative_step import OptimizerStepper
 from megatrain_ds.planning.fragment_policy import FragmentChoice
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.preflight import PreflightInputs, available_memory, preflight, wants_nvme_tier
@@ -116,15 +120,20 @@ def build(engine: EngineUnderConstruction, model: nn.Module) -> None:
     """Take ``model`` over, in the order of the pipeline it then runs: check that the run
     fits, find the blocks, move their state to the host, then the resident parameters,
     the optimizer over that state, the streams that carry weights and gradients, and the
-    streamed blocks that run forward and backward from them."""
+    streamed blocks that run forward and backward from them. With ``"frozen_weights":
+    "compute_dtype"`` the frozen weights are first cast in place (model/frozen_weights.py)."""
     topology = engine.data_parallel.topology if engine.data_parallel is not None else Topology()
+    group_of = group_index_of(model, engine.optimizer)  # the cast keeps every nn.Parameter object
+    if engine.config.options.frozen_weights == "compute_dtype":
+        # Before anything reads the model's dtypes (preflight, the placement, the migration):
+        # from here a frozen weight is in the compute dtype, held once (model/frozen_weights.py).
+        cast_frozen_weights(model, group_of, engine.config.compute_dtype)
     nvme = _check_before_allocating(engine, model, topology)
     blocks = _discover_blocks(engine, model)
     # load_from: values come from safetensors shards, one tensor at a time, so a model
     # built on the meta device is never in host memory twice (checkpoint/safetensors_source.py).
     source = open_source(model, engine.config.options.load_from)
     materialize_meta_buffers(model, source)
-    group_of = group_index_of(model, engine.optimizer)
     # Where every buffer lives (state/placement.py): what the builders below branch on.
     shapes = state_shapes(flat_state_params(model, blocks), group_of, engine.config.compute_dtype)
     engine.placement = Placement.of(engine.config, nvme, topology, shapes)
@@ -185,7 +194,9 @@ def _build_host_state(
     if tier is not None and not engine.placement.tier_per_rank:
         # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
         # data parallel each rank's tier opens over its windows (_open_rank_tier).
-        engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, engine.config.options)
+        # With the weights on it, frozen weights get read-only files of their own (state/frozen_files.py).
+        options = engine.config.options
+        engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, options, tier.frozen_bytes)
 
     templates_by_key: dict[tuple, BlockTemplate] = {}
     templates: list[BlockTemplate] = []
@@ -336,9 +347,7 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         engine.optimizer_states,
         engine.adamw,
         clipping=engine.config.gradient_clipping,
-        journal_indices=speculative_block_indices(
-            engine.optimizer_states, engine._resident_index, options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM
-        ),
+        journal_extents=_journal_extents(engine),
         holds_gradients=engine.config.holds_gradients,
         sum_over_ranks=dp.world_sum if dp is not None else None,
         runtime=engine.runtime,
@@ -359,6 +368,29 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         nvme_tier=engine.nvme_tier is not None,
         on_host_only=engine.adamw.on_host_only,
     )
+
+
+def _journal_extents(engine: EngineUnderConstruction) -> list[JournalExtent]:
+    """What the speculative step journals (``optimizer/journal.py``: [Note: journal extents]),
+    logged once: with held gradients only (without, nothing is deferred or undone)."""
+    if not engine.config.holds_gradients:
+        return []
+    setting = engine.config.options.speculative_blocks
+    blocks = engine.optimizer_states[: engine._resident_index]
+    extents = journal_extents(engine.optimizer_states, engine._resident_index, setting)
+    element_bytes = journal_element_bytes(blocks[0]) if blocks else 0
+    budget = (
+        f"at most {AUTO_JOURNAL_BYTES_PER_PARAM} B per parameter"
+        if setting == "auto"
+        else f"the last {setting} blocks whole"
+    )
+    logger.info(
+        "megatrain: speculative steps journal %s (speculative_blocks %r: %s)",
+        describe_extents(extents, [state.layout.trained_numel for state in blocks], element_bytes),
+        setting,
+        budget,
+    )
+    return extents
 
 
 def _finish_can_pipeline(engine: EngineUnderConstruction) -> bool:

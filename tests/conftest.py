@@ -81,6 +81,11 @@ CHECKED_SUITES: dict[str, dict[str, tuple[str, ...] | None]] = {
         ),
         "test_save_pretrained_mid_training_with_the_weights_on_the_tier": EVERY,
     },
+    "test_lora.py": {
+        # The weights on the tier with frozen weights apart: each block's read from its own
+        # file on the tier's I/O threads, with the master, into the weight window's buffers.
+        "test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping": ("all",),
+    },
     "test_nvme_checkpoint.py": {
         # Saved from and loaded into the swap files with the bf16 masters on them (the
         # moments alone, and the weights too, are the "nvme" and "nvme-all" scenarios' saves

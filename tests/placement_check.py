@@ -53,6 +53,10 @@ def placement_disagreements(engine: MegatrainEngine) -> list[str]:
                 problems.append(f"state {index} {name}: {actual}, planned {(buffer.numel, buffer.itemsize)}")
         if planned.trained_only != state.trained_only or (planned.frozen_in == "shadow") != state.frozen_in_shadow:
             problems.append(f"state {index}: trained_only/frozen_in_shadow differ from {planned}")
+        frozen = state.frozen  # the frozen weights apart: on the tier, a placeholder of their size and dtype
+        apart = (frozen.numel(), frozen.element_size(), frozen.is_meta) if frozen is not None else None
+        if apart != ((planned.frozen.numel, planned.frozen.itemsize, True) if planned.frozen.where.on_tier else None):
+            problems.append(f"state {index}: frozen weights apart {apart}, planned {planned.frozen}")
         if planned.master_split != state.master_sharded:
             problems.append(f"state {index}: master sharded {state.master_sharded}, planned {planned.master}")
     actual = {name: sum(sizes) for name, sizes in allocated_host_tensors(engine).items() if sizes}

@@ -68,6 +68,7 @@ def test_missing_batch_size_is_rejected():
         ({"recompute": -1}, r"megatrain.recompute must be .*integer >= 0.* got -1"),
         ({"recompute": True}, r"megatrain.recompute must be .* got True"),
         ({"recompute": 1.5}, r"megatrain.recompute must be .* got 1.5"),
+        ({"frozen_weights": "bf16"}, r"megatrain.frozen_weights must be one of 'exact', 'compute_dtype'; got 'bf16'"),
     ],
 )
 def test_bad_megatrain_options_name_the_key(megatrain, message):

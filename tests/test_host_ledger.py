@@ -183,20 +183,23 @@ def test_bf16_clipped_step_within_host_budget(stream_check, cpu_single_thread, t
     2026-11-27 (staged copies, host norms, zeroing) it measured 44.3 B/param.
 
     The same run checks that the trace carries each step's ledger, equal to the engine's.
+    Steps 3 and 4 are the steady ones: the first step speculates on the journal (the last
+    block's trailing elements, ``optimizer/journal.py``), clipping refutes it, and its restore
+    is counted with the second step; after a clipped step the predictor waits for the norm.
     """
     trace = tmp_path / "trace.json"
     torch.manual_seed(0)
-    config = ds_config(bf16=True, clipping=1.0, megatrain={"trace": str(trace), "trace_steps": 2})
+    config = ds_config(bf16=True, clipping=1.0, megatrain={"trace": str(trace), "trace_steps": 3})
     engine = MegatrainEngine(tiny_models.llama(num_layers=4), parse_engine_config(config), device=torch.device("cpu"))
     try:
-        for step in range(3):
+        for step in range(4):
             engine.backward(engine(**tiny_models.make_batch(step)).loss)
             engine.step()
         ledger = engine.runtime.host_ledger
-        assert ledger is not None and len(ledger.steps) == 3
+        assert ledger is not None and len(ledger.steps) == 4
         steady = ledger.steps[-1]
         assert engine.last_host_ledger == steady
-        assert ledger.steps[1] == steady  # the same work every step
+        assert ledger.steps[2] == steady  # the same work every steady step
         trained = sum(slot.numel for state in engine.states[: engine._resident_index] for slot in state.layout.slots)
     finally:
         engine.destroy()

@@ -3,11 +3,14 @@
 A frozen parameter (``requires_grad=False``) costs its weights alone, in its own dtype, in
 one process with its state in host memory (``state/host_store.py``: [Note: frozen weights]):
 no master beside a bf16 shadow (when it arrives in bf16), no Adam moments, no gradient
-buffer, no journal slot, and backward computes no gradient for it.
+buffer, no journal slot, and backward computes no gradient for it. With the weights on the
+NVMe tier (``"nvme_offload": "all"``) a block's frozen weights are a read-only file of their
+own, in their dtype, never written back (``state/frozen_files.py``).
 """
 
 import copy
 import math
+import os
 
 import pytest
 import tiny_models
@@ -69,23 +72,68 @@ def _assert_trained_only_buffers(engine: MegatrainEngine) -> None:
         assert state.grad is not None and state.grad.numel() == trained
 
 
-def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping():
+def _swap(nvme: str, path) -> dict:
+    """The ``"megatrain"`` keys of an NVMe level (the thread pool: the alignment preflight assumes)."""
+    if nvme == "none":
+        return {}
+    return {"nvme_offload": nvme, "nvme_path": str(path), "nvme_window_blocks": 2, "nvme_aio": {"engine": "threads"}}
+
+
+@pytest.mark.parametrize("nvme", ["none", "all"])
+def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping(nvme, tmp_path):
     """Tolerances as tests/test_parity.py (fp32, the same matmuls, norm summed per block):
     1e-5 relative per-step loss and norm, 2e-6 global relative weight error after 5 steps.
     The loss is the chunked one, in chunks of 5 tokens, through peft's wrapper
-    (``causal_lm_inside``), against the reference's own Hugging Face loss."""
+    (``causal_lm_inside``), against the reference's own Hugging Face loss. With the weights
+    on the NVMe tier, the frozen fp32 base weights are read from files of their own, every
+    block's 12 times in 3 steps (fewer steps: this variant also runs under the race checker)."""
     frozen = _frozen(lora_llama())
-    config = ds_config(accumulation=2, clipping=1.0, megatrain={"loss_chunk_tokens": 5})
-    engine, reference, trace = train_side_by_side(lora_llama, config)
+    config = ds_config(accumulation=2, clipping=1.0, megatrain={"loss_chunk_tokens": 5, **_swap(nvme, tmp_path)})
+    engine, reference, trace = train_side_by_side(lora_llama, config, steps=3 if nvme == "all" else 5)
     try:
         assert engine.causal_loss is not None
         _assert_matches_reference(engine, reference, trace)
         _assert_frozen_unchanged(engine, frozen)
         _assert_trained_only_buffers(engine)
-        for state in engine.states:  # fp32 compute: the master is what is streamed, whole
+        if nvme == "all":
+            _assert_frozen_apart_on_the_tier(engine, torch.float32)
+        for state in engine.states[-1:] if nvme == "all" else engine.states:
+            # fp32 compute: the master is what is streamed, whole, where it is in host memory
             assert state.shadow is None and state.master.numel() == state.layout.numel
     finally:
         engine.destroy()
+
+
+def _assert_frozen_apart_on_the_tier(
+    engine: MegatrainEngine, dtype: torch.dtype, written: dict[str, int] | None = None
+) -> dict[str, int]:
+    """With the weights on the NVMe tier: each block's swap file holds its trained prefix's
+    master, m and v alone, its frozen weights a file of their own at ``dtype``'s size (padded
+    to the alignment); the host holds no master, moment or gradient element of them. Returns
+    the frozen files' modification times; with ``written`` (those after construction), checks
+    that training wrote none of them (the tier's window written back first)."""
+    tier = engine.nvme_tier
+    assert tier is not None and engine.nvme_weights is not None
+    alignment = tier.io.alignment
+    files = tier.directory.files
+    for index, state in enumerate(engine.states[:-1]):
+        trained, numel = state.layout.trained_numel, state.layout.numel
+        assert state.frozen is not None and state.frozen.is_meta and state.frozen.dtype == dtype
+        assert state.frozen.numel() == numel - trained and state.shadow is None
+        assert state.exp_avg.numel() == state.exp_avg_sq.numel() == state.master.numel() == trained
+        assert state.grad is not None and state.grad.numel() == trained
+        padded = -(-4 * trained // alignment) * alignment
+        assert os.path.getsize(files[f"block{index:05d}.swap"]) == 3 * padded
+        frozen_file = files[f"block{index:05d}.frozen"]
+        frozen_bytes = (numel - trained) * dtype.itemsize
+        assert os.path.getsize(frozen_file) == -(-frozen_bytes // alignment) * alignment
+    assert tier.numels == [state.layout.trained_numel for state in engine.states[:-1]]
+    if written is not None:
+        engine.settle_optimizer()
+        tier.flush()  # every changed block written back: its swap file, never its frozen weights
+    mtimes = {name: os.stat(path).st_mtime_ns for name, path in files.items() if name.endswith(".frozen")}
+    assert len(mtimes) == len(engine.states) - 1 and mtimes == (written or mtimes)
+    return mtimes
 
 
 def test_the_chunked_loss_looks_through_peft_wrappers_that_keep_the_inputs():
@@ -192,7 +240,7 @@ def _assert_accounting_agrees(engine: MegatrainEngine, planned: dict[str, int], 
     assert estimated.host.get("journal", 0) == host.get("journal", 0)
 
 
-@pytest.mark.parametrize("nvme", ["none", "optimizer"])
+@pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
 def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_path, nvme):
     """Train 2 steps, save, train 2 more; a second engine (other adapter initialisation)
     loads the checkpoint and trains the same 2 steps: identical losses and host state, bit
@@ -200,22 +248,28 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
     bf16; the optimizer file holds nothing of them. With the optimizer state on the NVMe
     tier (issue 44) its swap files hold the blocks' trained prefixes alone (fp32 master, m
     and v of the adapters), the frozen weights stay in the bf16 shadow, and the state the
-    two engines hold is compared through ``state_dict()`` and the tier's files."""
-    swap = {"nvme_offload": nvme, "nvme_path": str(tmp_path / "swap"), "nvme_aio": {"engine": "threads"}}
-    config = ds_config(accumulation=2, clipping=1.0, bf16=True, megatrain=swap if nvme != "none" else {})
+    two engines hold is compared through ``state_dict()`` and the tier's files. With the
+    weights on the tier too the blocks' frozen weights are files of their own, in bf16 (2 B
+    each), never written after construction; the second engine starts from other frozen
+    weights, which the load overwrites (in its shadow, or in its frozen files)."""
+    config = ds_config(accumulation=2, clipping=1.0, bf16=True, megatrain=_swap(nvme, tmp_path / "swap"))
     model = lora_llama(torch.bfloat16)
     frozen = _frozen(model)
     engine = MegatrainEngine(model, parse_engine_config(config))
     try:
+        written = _assert_frozen_apart_on_the_tier(engine, torch.bfloat16) if nvme == "all" else None
         _train(engine, 2)
         engine.save_checkpoint(tmp_path, tag="step2")
         losses = _train(engine, 2, first=2)
         _assert_frozen_unchanged(engine, frozen)
+        engine.save_checkpoint(tmp_path, tag="adapters", exclude_frozen_parameters=True)
+        if written is not None:
+            _assert_frozen_apart_on_the_tier(engine, torch.bfloat16, written)
         torch.manual_seed(1)
         other_model = lora_llama(torch.bfloat16)
         for param in other_model.parameters():
-            if param.requires_grad:
-                torch.nn.init.normal_(param, std=0.05)
+            # Other adapters, and other frozen weights: the checkpoint's are read in over them.
+            torch.nn.init.normal_(param, std=0.05)
         other = MegatrainEngine(other_model, parse_engine_config(config))
         try:
             other.load_checkpoint(tmp_path, tag="step2")
@@ -234,6 +288,8 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
     assert {name: dtypes[name] for name in frozen} == {name: "BF16" for name in frozen}
     assert all(dtypes[name] == "F32" for name in dtypes if "lora_" in name)
     assert saved and all("lora_" in name for name in saved)
+    with safe_open(str(tmp_path / "adapters" / "model-00001-of-00001.safetensors"), "pt") as adapters:
+        assert {name for name in adapters.keys() if "lora_" not in name} == set()  # noqa: SIM118 (not a dict)
 
 
 def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:
@@ -242,7 +298,8 @@ def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:
     ours, theirs = engine.module.state_dict(), other.module.state_dict()
     assert all(torch.equal(value, theirs[name]) for name, value in ours.items())
     for mine, its in zip(engine.states, other.states):
-        assert mine.shadow is not None and its.shadow is not None and torch.equal(mine.shadow, its.shadow)
+        if mine.shadow is not None or its.shadow is not None:  # none with the weights on the tier
+            assert mine.shadow is not None and its.shadow is not None and torch.equal(mine.shadow, its.shadow)
     if engine.nvme_tier is None or other.nvme_tier is None:
         for mine, its in zip(engine.states, other.states):
             for kind in ("master", "exp_avg", "exp_avg_sq"):
@@ -256,6 +313,9 @@ def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 assert files[kind].numel() == mine.layout.trained_numel
                 assert torch.equal(files[kind], other_files[kind]), kind
+            assert ("frozen" in files) == ("frozen" in other_files) == (engine.placement.nvme == "all")
+            if "frozen" in files:  # the frozen weights apart: bf16, read in by the load
+                assert files["frozen"].dtype == torch.bfloat16 and torch.equal(files["frozen"], other_files["frozen"])
 
 
 def test_parameters_in_no_optimizer_group_are_frozen_though_they_require_grad():
@@ -316,3 +376,54 @@ def test_frozen_parameters_in_full_fine_tuning_cost_their_weights_alone():
         assert trained_elements < sum(p.numel() for p in reference.parameters() if p.requires_grad) * 1.05
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("nvme", ["none", "optimizer"])
+def test_frozen_weights_cast_to_the_compute_dtype_train_as_the_model_cast_by_hand(tmp_path, nvme):
+    """``"frozen_weights": "compute_dtype"``: an fp32 LoRA base under bf16 compute is cast to
+    bf16 once, in place, before the engine reads the model. The reference is the engine on
+    the same model cast to bf16 by hand (default ``"exact"``, nothing left to cast): the same
+    ops on the same values, so losses and weights agree bit for bit. The frozen weights then
+    cost 2 B each, in the streamed shadow alone (no fp32 master of them), stay the rounded
+    originals bit for bit, and the model's own parameters are those. With the optimizer state
+    on the NVMe tier (the fp32 master cut), where an exact fp32 frozen weight gives its state
+    every buffer, each block's swap files hold its trained prefix alone. The planner, fed the
+    uncast model with ``frozen_weights="compute_dtype"``, and preflight count what the engine holds."""
+    rounded = {name: value.to(torch.bfloat16) for name, value in _frozen(lora_llama()).items()}
+    swap = _swap(nvme, tmp_path / "cast")
+    cast_config = parse_engine_config(ds_config(bf16=True, megatrain={**swap, "frozen_weights": "compute_dtype"}))
+    by_hand_config = parse_engine_config(ds_config(bf16=True, megatrain=_swap(nvme, tmp_path / "by_hand")))
+    model, by_hand_model = lora_llama(), lora_llama(torch.bfloat16)
+    planned = host_bytes(
+        shape_of(model), RunSettings(seq_len=12, micro_batch=2, nvme=nvme != "none", frozen_weights="compute_dtype")
+    )
+    estimated = preflight.preflight(
+        preflight.PreflightInputs(
+            by_hand_model, by_hand_config, _optimizer(by_hand_model, by_hand_config), torch.device("cpu"), 1 << 20
+        ),
+        nvme=nvme,
+    )
+    engine = MegatrainEngine(model, cast_config)
+    by_hand = MegatrainEngine(by_hand_model, by_hand_config)
+    try:
+        assert _train(engine, 2, accumulation=1) == _train(by_hand, 2, accumulation=1)
+        ours, theirs = engine.module.state_dict(), by_hand.module.state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in theirs)
+        _assert_frozen_unchanged(engine, rounded)
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
+        for state in engine.states:
+            assert state.trained_only and state.frozen_in_shadow
+            assert state.shadow is not None and state.shadow.numel() == state.layout.numel
+        host = engine.host_bytes()
+        assert host == by_hand.host_bytes()
+        assert host["shadow"] == 2 * sum(state.layout.numel for state in engine.states)
+        trained = [state.layout.trained_numel for state in engine.states]
+        assert host["master"] == 4 * (trained[-1] if nvme == "optimizer" else sum(trained))
+        assert planned["master"] == host["master"] and planned["adam_m_v"] == host["exp_avg"] + host["exp_avg_sq"]
+        for kind, measured in (("master", host["master"]), ("shadow", host["shadow"])):
+            assert measured <= estimated.host[kind] <= measured + len(engine.states) * preflight.PAGE_BYTES, kind
+        if nvme == "optimizer":
+            assert engine.nvme_tier is not None and engine.nvme_tier.numels == trained[:-1]
+    finally:
+        engine.destroy()
+        by_hand.destroy()

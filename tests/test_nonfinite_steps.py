@@ -71,9 +71,15 @@ def _step(engine, seed):
 
 
 @pytest.mark.parametrize("where", ["embedding", "block"])
-@pytest.mark.parametrize("bf16, device", [(False, "cpu"), (True, "gpu")], ids=["fp32-cpu", "bf16-gpu"])
-def test_nan_step_leaves_every_bit_and_training_continues(where, bf16, device):
-    config = ds_config(clipping=100.0, bf16=bf16, megatrain={"speculative_blocks": 4, "optimizer_device": device})
+@pytest.mark.parametrize(
+    "bf16, device, blocks",
+    [(False, "cpu", 4), (True, "gpu", 4), (False, "cpu", "auto")],
+    ids=["fp32-cpu", "bf16-gpu", "fp32-cpu-part-of-a-block"],
+)
+def test_nan_step_leaves_every_bit_and_training_continues(where, bf16, device, blocks):
+    """``"auto"`` journals the last block's trailing elements only (a tiny model): they are
+    stepped and restored, every other range waits."""
+    config = ds_config(clipping=100.0, bf16=bf16, megatrain={"speculative_blocks": blocks, "optimizer_device": device})
     torch.manual_seed(0)
     model = tiny_models.llama()
     reference = copy.deepcopy(model)
@@ -94,6 +100,9 @@ def test_nan_step_leaves_every_bit_and_training_continues(where, bf16, device):
         report = engine.last_step_report
         assert report.outcome is StepOutcome.SKIPPED and math.isnan(report.norm)
         assert report.restored > 0, "blocks stepped during backward were restored"
+        if blocks == "auto":
+            (extent,) = engine.stepper.journal.extents
+            assert report.restored == report.speculated <= extent.numel < engine.states[3].layout.numel
         _assert_unchanged(engine, before)
         assert (engine.skipped_steps, engine.optimizer_steps, engine.global_steps) == (1, 1, 2)
         assert not engine.was_step_applied() and scheduler.last_epoch == 1  # schedule not advanced

@@ -74,7 +74,7 @@ def _planner_agrees(engine: MegatrainEngine) -> None:
     config, states = engine.config, engine.states
     blocks, resident = states[:-1], states[-1]
     frozen = [state.layout.numel - state.layout.trained_numel for state in states]
-    # Parked parameters (the weights on the tier) are meta tensors of the master's dtype: not theirs.
+    # Parked parameters (the weights on the tier) are meta tensors: their dtypes are not what the planner asks.
     frozen_dtypes = {p.dtype for p in engine.module.parameters() if not p.requires_grad and not p.is_meta}
     shape = ModelShape(
         num_blocks=len(blocks),
@@ -125,16 +125,21 @@ def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, pr
         assert preflight_disagreements(engine, need) == []
         _planner_agrees(engine)
         placement = engine.placement
-        # The frozen weights: at their own cost with the weights in host memory (issue 44),
-        # no tier or the tier holding the optimizer state: its swap files hold the trained
-        # prefix alone. With the weights on the tier the blocks keep every buffer whole.
-        assert placement.trained_only == (nvme != "all")
-        assert all(state.trained_only for state in placement.states[-1:])  # the resident state: host memory
-        if frozen and nvme != "all":
+        # The frozen weights at their own cost at every NVMe level (issue 44): with no tier or
+        # the optimizer state on it in host memory (the swap files hold the trained prefix
+        # alone), with the weights on the tier in a read-only file of their own, in their dtype.
+        assert placement.trained_only
+        if frozen:
             moments = Where.TRAINED_PREFIX if nvme == "none" else Where.TIER
             assert all(state.exp_avg.where is moments for state in placement.blocks)
             in_shadow = compute != config.master_dtype
-            assert all(state.frozen_in == ("shadow" if in_shadow else "master") for state in placement.states)
+            held_in = "frozen" if nvme == "all" else "shadow" if in_shadow else "master"
+            assert all(state.frozen_in == held_in for state in placement.blocks)
+            assert placement.resident.frozen_in == ("shadow" if in_shadow else "master")
+            if nvme == "all":
+                sizes = [(state.frozen.where, state.frozen.numel, state.frozen.itemsize) for state in placement.blocks]
+                assert sizes == [(Where.TIER, state.frozen_numel, compute.itemsize) for state in placement.blocks]
+                assert placement.tier is not None and len(placement.tier.frozen_file_bytes) == len(placement.blocks)
             if placement.tier is not None:
                 trained = [state.numel - state.frozen_numel for state in placement.blocks]
                 assert list(placement.tier.numels) == trained < [state.numel for state in placement.blocks]
@@ -162,3 +167,48 @@ def test_fp32_frozen_weights_with_bf16_compute_keep_a_whole_master(tmp_path):
             assert state.exp_avg.where is Where.TRAINED_PREFIX
     finally:
         engine.destroy()
+
+
+def _partly_frozen() -> torch.nn.Module:
+    """A 2-block tiny Llama, fp32: its first block frozen whole, the second's MLP frozen."""
+    torch.manual_seed(0)
+    model = tiny_models.llama(num_layers=2)
+    model.model.layers[0].requires_grad_(False)
+    model.model.layers[1].mlp.requires_grad_(False)
+    return model
+
+
+def test_a_block_with_nothing_trained_keeps_every_buffer_with_the_weights_on_the_tier(tmp_path):
+    """With the weights on the tier a block with trained parameters keeps its frozen weights
+    apart (``StatePlacement.frozen``, fp32 here: the master's dtype, rounded to bf16 as they
+    are streamed); one with none at all (the first block) keeps every buffer, as the tier
+    makes no empty swap file; the engine, preflight and the planner agree on both. Two
+    steps train it bit for bit as the state in host memory does: the same rounding of the
+    same fp32 values (the shadow's, or the tier's as it is read), the same AdamW."""
+    config = parse_engine_config(_config("all", "bf16", tmp_path / "swap"))
+    model = _partly_frozen()
+    optimizer = build_optimizer(model, None, config.optimizer, None)
+    run = preflight.PreflightInputs(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
+    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme="all")
+    engine = MegatrainEngine(model, config)
+    ram = MegatrainEngine(_partly_frozen(), parse_engine_config(_config("none", "bf16", tmp_path)))
+    try:
+        assert placement_disagreements(engine) == []
+        assert preflight_disagreements(engine, need) == []
+        first, second = engine.placement.blocks
+        assert not first.trained_only and first.frozen.where is Where.NOWHERE and first.master.numel == first.numel
+        assert second.trained_only and second.frozen.where is Where.TIER and second.frozen.itemsize == 4
+        assert engine.states[1].frozen is not None and engine.states[0].frozen is None
+        for micro in range(4):
+            losses = []
+            for trained in (engine, ram):
+                loss = trained(**tiny_models.make_batch(micro)).loss
+                trained.backward(loss)
+                trained.step()
+                losses.append(loss.item())
+            assert losses[0] == losses[1], micro
+        ours, theirs = engine.module.state_dict(), ram.module.state_dict()
+        assert all(torch.equal(value, theirs[name]) for name, value in ours.items())
+    finally:
+        engine.destroy()
+        ram.destroy()

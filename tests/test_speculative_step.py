@@ -17,7 +17,14 @@ import torch
 from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
-from megatrain_ds.optimizer.speculative_step import StepOutcome, _unstepped, speculative_block_indices
+from megatrain_ds.optimizer.journal import (
+    AUTO_JOURNAL_BYTES_PER_PARAM,
+    JournalExtent,
+    choose_journal_extents,
+    journal_extents,
+)
+from megatrain_ds.optimizer.speculative_step import StepOutcome, _unstepped
+from megatrain_ds.planning.step_time import ModelShape, RunSettings, journal_numel
 from megatrain_ds.streaming.streamed_blocks import StreamedBlocks
 
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
@@ -52,11 +59,16 @@ def _assert_same_state(ours, theirs):
                 assert torch.equal(getattr(a, kind), getattr(b, kind)), (index, kind)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_speculation_is_bit_exact_through_clipping(bf16):
+@pytest.mark.parametrize(
+    "bf16, blocks", [(False, 4), (True, 4), (True, "auto")], ids=["fp32", "bf16", "bf16-part-of-a-block"]
+)
+def test_speculation_is_bit_exact_through_clipping(bf16, blocks):
+    """``"auto"`` on this tiny model journals the trailing elements of the last block only,
+    from inside ``down_proj``: its gradient straddles the journal's start, and the part
+    before it waits with the deferred ranges."""
     config = ds_config(accumulation=2, clipping=CLIP, bf16=bf16, megatrain={"speculative_blocks": 0})
     waiting, _ = _train(config, 5)
-    config["megatrain"]["speculative_blocks"] = 4
+    config["megatrain"]["speculative_blocks"] = blocks
     speculating, reports = _train(config, 5, force_speculation=True)
     try:
         _assert_same_state(speculating, waiting)
@@ -65,9 +77,14 @@ def test_speculation_is_bit_exact_through_clipping(bf16):
         for report in reports:
             assert report.speculated > 0  # something was stepped during backward every time
             assert (report.restored > 0) == (report.outcome is StepOutcome.CLIPPED)
-        assert speculating.host_bytes()["journal"] == sum(
-            s.layout.numel * (14 if bf16 else 12) for s in speculating.states[:4]
-        )
+        extents = speculating.stepper.journal.extents
+        if blocks == "auto":
+            (extent,) = extents
+            down = speculating.states[3].layout.slot("mlp.down_proj.weight")
+            assert extent.index == 3 and down.offset < extent.start < down.offset + down.numel, extent
+        else:
+            assert extents == [JournalExtent(i, 0, speculating.states[i].layout.numel) for i in (3, 2, 1, 0)]
+        assert speculating.host_bytes()["journal"] == sum(e.numel for e in extents) * (14 if bf16 else 12)
     finally:
         waiting.destroy()
         speculating.destroy()
@@ -112,14 +129,47 @@ def test_unstepped_ranges_and_auto_journal_budget():
         numel = state.layout.numel
         assert _unstepped(state, []) == [(0, numel)]
         assert _unstepped(state, [(64, 128), (0, 64), (256, numel)]) == [(128, 256)]
-        per_block = numel * 12
-        total = sum(s.layout.numel for s in engine.states)
-        # "auto": as many of the last blocks as fit in the budget, last block first.
-        assert speculative_block_indices(engine.states, 4, "auto", 2.5 * per_block / total) == [3, 2]
-        assert speculative_block_indices(engine.states, 4, 3, 0.0) == [3, 2, 1]
-        assert engine.stepper.journal.nbytes == 0  # a tiny model: 0.5 B/param fits no block
+        assert _unstepped(state, [(192, 256), (100, 192)]) == [(0, 100), (256, numel)]
+        # "auto": the last blocks whole, last first, then the next one's trailing elements
+        # (its start rounded up to 64 elements), within the budget: 0.5 B x 50000 / 10 B.
+        assert choose_journal_extents([1000] * 4, 10, 50_000, "auto", 0.5) == [
+            JournalExtent(3, 0, 1000),
+            JournalExtent(2, 0, 1000),
+            JournalExtent(1, 512, 1000),
+        ]
+        assert choose_journal_extents([1000, 0, 1000, 1000], 10, 50_000, "auto", 0.5) == [
+            JournalExtent(3, 0, 1000),
+            JournalExtent(2, 0, 1000),
+            JournalExtent(0, 512, 1000),  # a block with nothing trained takes nothing
+        ]
+        assert journal_extents(engine.states, 4, 3, 0.0) == [JournalExtent(i, 0, numel) for i in (3, 2, 1)]
+        # The default on a tiny model: part of the last block, as much as 0.5 B/param allows.
+        (extent,) = engine.stepper.journal.extents
+        assert extent.index == 3 and extent.start > 0 and extent.end == numel
+        budget = AUTO_JOURNAL_BYTES_PER_PARAM * sum(s.layout.numel for s in engine.states)
+        assert budget - 64 * 12 < engine.stepper.journal.nbytes <= budget
     finally:
         engine.destroy()
+
+
+def test_auto_journals_part_of_a_block_at_the_940m_shape():
+    """The first GPU run's 940M Llama (hidden 2048, FFN 5504, 16 blocks, vocab 32000, bf16):
+    one block's journal (708 MB) exceeds 0.5 B/param (470 MB), so choosing whole blocks chose
+    none. By extents "auto" journals the last block's trailing 33.6M elements (all but 0.2M
+    of its MLP, the first gradients backward finishes there), within the budget by less
+    than one 64-element alignment; the planner counts the same elements."""
+    hidden, ffn, blocks, vocab = 2048, 5504, 16, 32000
+    block = 4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden  # q, k, v, o; gate, up, down; 2 norms
+    total = blocks * block + 2 * vocab * hidden + hidden
+    assert total == 940_640_256  # bench/results/gpu_H200/compare.json
+    budget = AUTO_JOURNAL_BYTES_PER_PARAM * total
+    assert 14 * block > budget  # not one whole block fits
+    (extent,) = choose_journal_extents([block] * blocks, 14, total, "auto")
+    assert extent.index == blocks - 1 and extent.end == block and extent.start % 64 == 0
+    assert budget - 14 * 64 < 14 * extent.numel <= budget
+    assert 3 * hidden * ffn - 300_000 < extent.numel < 3 * hidden * ffn  # nearly the whole MLP
+    shape = ModelShape(blocks, block, blocks * block, total - blocks * block, hidden, vocab, ffn)
+    assert journal_numel(shape, RunSettings(seq_len=1024, bf16=True, clipping=True)) == extent.numel
 
 
 # -- overlap ------------------------------------------------------------------------------

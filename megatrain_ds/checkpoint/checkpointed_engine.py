@@ -98,20 +98,22 @@ class Entry:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
 
-    def weight(self, whole: torch.Tensor) -> torch.Tensor:
-        """Its weight in ``whole`` (the state's whole weights), or in the shadow for a frozen
-        weight held there alone (``state/host_store.py``: [Note: frozen weights]): written and
-        read once, in its own dtype."""
+    def weight(self, whole: torch.Tensor, flat_of: StateTensors) -> torch.Tensor:
+        """Its weight in ``whole`` (the state's whole weights), or for a frozen weight held
+        alone in the shadow, or apart on the NVMe tier (``flat_of``'s ``"frozen"``), there
+        (``state/host_store.py``: [Note: frozen weights]): written and read once, in its own dtype."""
         if self.placement.frozen_in == "shadow" and not self.trained:
             assert self.state.shadow is not None
             return self.view(self.state.shadow)
+        if self.placement.frozen_in == "frozen" and not self.trained:
+            return self.state.slot_of(self.slot, flat_of(self.state, "frozen"))
         return self.view(whole)
 
 
 class StateTensors:
-    """A state's flat buffer of a kind; what the NVMe tier holds (Adam moments, and fp32
-    masters with bf16 compute) comes mapped from the swap files (``NvmeTier.file_views``),
-    kept until :meth:`release`."""
+    """A state's flat buffer of a kind; what the NVMe tier holds (Adam moments, fp32 masters
+    with bf16 compute, frozen weights apart) comes mapped from the swap files
+    (``NvmeTier.file_views``), kept until :meth:`release`."""
 
     def __init__(self, on_tier: Callable[[HostFlatState], dict[str, torch.Tensor] | None] | None) -> None:
         self._on_tier = on_tier

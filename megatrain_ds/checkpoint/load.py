@@ -206,7 +206,7 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTenso
             wanted = reads.model_targets.get(file.path, {})
             file.read_into(
                 {
-                    name: entry.weight(weights_of(entry))
+                    name: entry.weight(weights_of(entry), flat_of)
                     for name, entry in wanted.items()
                     if not entry.placement.gathered  # read by every rank: _read_window_masters
                 },

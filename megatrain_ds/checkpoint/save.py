@@ -228,7 +228,9 @@ def _write_model_and_trainer_state(
             tensors = []
             for i in members:
                 weights = _whole_weights(engine, i, flat_of)  # a gather on every rank where no node holds them
-                tensors += [(e.name, e.weight(weights)) for e in groups[i] if e.trained or not request.exclude_frozen]
+                tensors += [
+                    (e.name, e.weight(weights, flat_of)) for e in groups[i] if e.trained or not request.exclude_frozen
+                ]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
             if writes and failure is None:
@@ -329,7 +331,11 @@ def _shards(groups: list[list[Entry]], max_bytes: int) -> list[list[int]]:
     size = 0
     for index, entries in enumerate(groups):
         whole = getattr(entries[0].state, entries[0].placement.weights_in) if entries else None
-        nbytes = sum(e.slot.numel for e in entries) * (whole.element_size() if whole is not None else 0)
+        size_of = whole.element_size() if whole is not None else 0
+        # Frozen weights held apart (on the NVMe tier) are written in their own dtype.
+        nbytes = sum(
+            e.slot.numel * (size_of if e.trained else e.state.weights_of(e.slot).element_size()) for e in entries
+        )
         if not shards or size + nbytes > max_bytes:
             shards.append([])
             size = 0

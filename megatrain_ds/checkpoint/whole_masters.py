@@ -84,12 +84,13 @@ def masters_by_param(engine: MasterHolder) -> dict[int, torch.Tensor]:
     live host masters where they are whole in host memory, else copies). Collective where
     :func:`state_dict_is_collective`: every rank calls it."""
     masters: dict[int, torch.Tensor] = {}
-    for state, whole in _whole_masters(engine):
+    for state, whole, frozen in _whole_masters(engine):
         for slot, param in zip(state.layout.slots, state.params):
-            # A frozen weight past a trained prefix has no master: it is held once, in the
-            # streamed buffer in its own dtype (``host_store.py``), and that is its value.
-            source = whole if slot.offset + slot.numel <= whole.numel() else state.streamed
-            masters[id(param)] = source[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            # A frozen weight past a trained prefix has no master: it is held once, in its own
+            # dtype, in the streamed buffer or apart on the NVMe tier (``host_store.py``:
+            # [Note: frozen weights]), and that is its value.
+            apart = frozen if frozen is not None else state.streamed
+            masters[id(param)] = state.slot_of(slot, whole if slot.offset + slot.numel <= whole.numel() else apart)
     return masters
 
 
@@ -103,12 +104,12 @@ def join_state_dict_collectives(engine: MasterHolder) -> None:
         pass
 
 
-def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.Tensor]]:
-    """``(state, its whole master)`` for every state in order: block order, then the
-    resident state (every rank the same)."""
+def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.Tensor, torch.Tensor | None]]:
+    """``(state, its whole master, its frozen weights held apart or None)`` for every state
+    in order: block order, then the resident state (every rank the same)."""
     if all(_master_is_live(engine, index) for index in range(len(engine.states))):
         for state in engine.states:  # nothing to read or send
-            yield state, state.master
+            yield state, state.master, state.frozen
         return
     # Sync: the gradient worker may still be stepping blocks (on the tier too); nothing is
     # read or sent while an update is in flight on any rank. With data parallel only
@@ -119,7 +120,11 @@ def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.
         if engine.nvme_tier is not None:
             on_tier = stack.enter_context(engine.nvme_tier.file_views())
         for index, state in enumerate(engine.states):
-            yield state, _whole_master(engine, index, on_tier)
+            mapped = on_tier(state) if on_tier is not None and state.frozen is not None else None
+            frozen = (
+                mapped["frozen"].clone() if mapped is not None else state.frozen
+            )  # the mapping goes with file_views
+            yield state, _whole_master(engine, index, on_tier), frozen
 
 
 def _master_is_live(engine: MasterHolder, index: int) -> bool:

@@ -70,6 +70,9 @@ class AioSettings:
         return settings
 
 
+FROZEN_WEIGHTS_CHOICES = ("exact", "compute_dtype")
+"""The values of ``megatrain.frozen_weights``: frozen weights kept exact, or cast to the compute dtype."""
+
 RECOMPUTE_CHOICES = ("full", "none", "auto")
 """The named values of ``megatrain.recompute``; an integer is the fourth form."""
 
@@ -125,6 +128,15 @@ class MegatrainOptions:
     """Device weight buffers for streaming (2 = double buffering)."""
     master_dtype: str = "fp32"
     """Dtype of the master weights: "fp32" (default) or "bf16" (rounds small updates away)."""
+    frozen_weights: str = "exact"
+    """How a frozen parameter (``requires_grad=False``, or in no optimizer group) that is
+    not in the compute dtype is held with bf16 or fp16 compute: "exact" (default) keeps its
+    values bit for bit, beside the rounded copy that is streamed (6 bytes/param for an fp32
+    weight with bf16 compute, and every buffer where the fp32 master is cut: on the NVMe
+    tier with "optimizer", or in several nodes' spans); "compute_dtype" casts it in place,
+    on the user's module, to the compute dtype once at ``initialize`` (2 bytes/param with
+    bf16, held once and streamed as it is), so what is trained and saved are the rounded
+    values. No effect with fp32 compute. See ``model/frozen_weights.py``."""
     pin_memory: bool = True
     """Page-lock host buffers when CUDA is used (needed for asynchronous copies)."""
     num_staging_buffers: int = 4
@@ -219,6 +231,7 @@ class MegatrainOptions:
             ("optimizer_device", ("auto", "cpu", "gpu")),
             ("cpu_adam_kernel", ("auto", "deepspeed", "torch_fused", "torch")),
             ("non_finite_steps", ("auto", "skip", "raise")),
+            ("frozen_weights", FROZEN_WEIGHTS_CHOICES),
         ):
             if getattr(self, name) not in choices:
                 raise ConfigError(

@@ -6,6 +6,7 @@
 - ``layer_checkpointing``: the model's own gradient checkpointing, switched off inside streamed blocks.
 - ``chunked_loss``: projection + cross-entropy over sequence chunks, no ``tokens x vocab`` logits.
 - ``causal_lm_loss``: a Hugging Face causal LM's labelled loss computed with it.
+- ``frozen_weights``: frozen weights cast to the compute dtype (``"frozen_weights": "compute_dtype"``).
 
 May import: ``config``, ``runtime``, ``state``.
 """

@@ -6,6 +6,8 @@
 - ``placement``: which state's update runs where (``"optimizer_device"``), calibrated once.
 - ``host_adamw``: walks a state's optimizer-group runs and hands each to its placement.
 - ``speculative_step``: global norm, speculative updates during backward, clipping, skips.
+- ``journal``: what the speculative step journals (whole blocks, then part of one, within
+  the budget) and the pre-step copies it restores.
 - ``pipelined_finish``: the step's remaining update on a host thread behind ``engine.step()``,
   in the order the next forward reads the states, and the waits for it.
 - ``gradient_accumulation``: a staged gradient chunk written or added into the held fp32

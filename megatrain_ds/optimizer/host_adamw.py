@@ -16,7 +16,7 @@ from megatrain_ds.optimizer.adamw_math import AdamHyper, BeforeChunk
 from megatrain_ds.optimizer.cpu_adam import CpuAdamKernel, TorchKernel
 from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
+from megatrain_ds.state.residency import RAM_ONLY, Residency
 
 
 class Placement(Protocol):

@@ -19,11 +19,12 @@ needs neither (the steady state of a healthy run) and validates at ``engine.step
   and once it is not finite the step is certainly skipped: speculation stops for the rest
   of the step. Device-side sums are known only at ``engine.step()``: there speculation
   goes on until validation (the predictor alone decides).
-- The journal blocks (``speculative_blocks``: the highest-numbered blocks, whose gradients
-  backward finishes first) are stepped *as their chunks arrive*, with scale 1, if the
-  previous step was applied unclipped (a clipped or skipped step predicts another) and
-  the running sum has not proved speculation wrong. Right before a chunk of a journal
-  block is overwritten, its master, m, v and shadow are copied into the block's journal
+- The journaled elements (``optimizer/journal.py``: [Note: journal extents]; the tail of
+  backward's order: the last blocks whole, then the trailing elements of the next one, as
+  ``speculative_blocks`` or its budget allows) are stepped *as their chunks arrive*, with
+  scale 1, if the previous step was applied unclipped (a clipped or skipped step predicts
+  another) and the running sum has not proved speculation wrong. Right before a chunk of
+  them is overwritten, its master, m, v and shadow are copied into the block's journal
   slot (cache-hot for the update that follows).
 - Every other range is deferred: its gradient waits in the held gradient buffer.
 - At ``engine.step()``, with the norm known:
@@ -41,14 +42,14 @@ needs neither (the steady state of a healthy run) and validates at ``engine.step
   so it is bit-identical too: no kernel's results depend on where a range starts or ends
   (the DeepSpeed pass takes every element through its SIMD loop, ``cpu_adam.py``).
 
-Cost. Memory: one journal slot per journal block, ``12 B (+2 B with a bf16 shadow)`` per
-element of the block, allocated once (``journal_bytes``; about 0.5 B per model parameter
-by default, see ``config.py``). Time, on the worker during backward: a right speculation
-adds one copy of the journaled elements (14 B read + 14 B written each, against the 28 B
-the update itself touches); a wrong one adds the copy back and throws the speculative
-update away, so the step costs what it would have cost without speculation plus two
-copies of the journal blocks. Gradients are held for every range until the step is
-validated, which clipping and accumulation need anyway.
+Cost. Memory: one journal slot per journaled block, ``12 B (+2 B with a bf16 shadow)`` per
+journaled element, allocated once (``Journal.nbytes``, ``host_bytes()["journal"]``; at most
+``AUTO_JOURNAL_BYTES_PER_PARAM`` = 0.5 B per model parameter with ``"auto"``). Time, on the
+worker during backward: a right speculation adds one copy of the journaled elements (14 B
+read + 14 B written each, against the 28 B the update itself touches); a wrong one adds
+the copy back and throws the speculative update away, so the step costs what it would have
+cost without speculation plus two copies of the journaled elements. Gradients are held for
+every range until the step is validated, which clipping and accumulation need anyway.
 
 Without clipping, accumulation or ``"non_finite_steps": "skip"`` no gradient is held
 (12 B/param with fp32 compute): each chunk is stepped as it arrives, nothing can be
@@ -62,7 +63,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,11 +71,11 @@ import torch
 from megatrain_ds.gradients.squared_norm import SquaredNorm
 from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.optimizer.host_adamw import HostAdamW
+from megatrain_ds.optimizer.journal import Journal, JournalExtent
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
 from megatrain_ds.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from megatrain_ds.state.flat_layout import intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.nvme_tier import RAM_ONLY, Residency
 
 if TYPE_CHECKING:
     from megatrain_ds.runtime.device_runtime import DeviceRuntime
@@ -83,12 +84,6 @@ logger = logging.getLogger(__name__)
 
 CLIP_EPS = 1e-6
 """DeepSpeed's and torch's ``clip_grad_norm_`` epsilon."""
-
-_JOURNALED = ("master", "exp_avg", "exp_avg_sq", "shadow")
-
-# Host memory the journal may take by default, per model parameter (speculative_blocks
-# "auto"): bf16 + clipping then stays within 16.5 B/param.
-AUTO_JOURNAL_BYTES_PER_PARAM = 0.5
 
 
 class StepOutcome(enum.Enum):
@@ -114,77 +109,6 @@ class StepReport:
     """Speculatively updated elements copied back from the journal."""
 
 
-@dataclass
-class _Slot:
-    """A journal block's pre-step copy of its state, and which ranges hold one."""
-
-    tensors: dict[str, torch.Tensor]
-    ranges: list[tuple[int, int]] = field(default_factory=list)
-
-
-class Journal:
-    """Pre-step copies of the journal blocks' state (see [Note: speculative steps])."""
-
-    def __init__(self, states: Sequence[HostFlatState], indices: Sequence[int]) -> None:
-        self.states = states
-        # Ordinary (unpinned) host memory: only the CPU ever reads it. Only trained elements
-        # are ever stepped, and they are the layout's prefix (frozen slots come last).
-        self._slots = {
-            index: _Slot(
-                {
-                    kind: torch.empty(states[index].layout.trained_numel, dtype=getattr(states[index], kind).dtype)
-                    for kind in _JOURNALED
-                    if getattr(states[index], kind) is not None
-                }
-            )
-            for index in indices
-        }
-
-    def __contains__(self, index: int) -> bool:
-        return index in self._slots
-
-    @property
-    def indices(self) -> list[int]:
-        """The journal blocks, in the order backward finishes them."""
-        return list(self._slots)
-
-    def __bool__(self) -> bool:
-        return bool(self._slots)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in self._slots.values() for t in slot.tensors.values())
-
-    def save(self, index: int, start: int, end: int) -> None:
-        """Copy elements ``[start, end)`` of state ``index`` before they are overwritten."""
-        slot = self._slots[index]
-        for kind, saved in slot.tensors.items():
-            saved[start:end].copy_(getattr(self.states[index], kind)[start:end])
-        slot.ranges.append((start, end))
-
-    def ranges(self, index: int) -> list[tuple[int, int]]:
-        slot = self._slots.get(index)
-        return list(slot.ranges) if slot is not None else []
-
-    def restore(self, residency: Residency = RAM_ONLY) -> int:
-        """Copy every saved range back (bit for bit); returns the elements restored.
-        ``residency`` brings each state's moments in first (the NVMe tier)."""
-        restored = 0
-        residency.expect([self.states[index] for index, slot in self._slots.items() if slot.ranges])
-        for index, slot in self._slots.items():
-            if slot.ranges:
-                residency.acquire(self.states[index])
-            for start, end in slot.ranges:
-                for kind, saved in slot.tensors.items():
-                    getattr(self.states[index], kind)[start:end].copy_(saved[start:end])
-                restored += end - start
-        return restored
-
-    def clear(self) -> None:
-        for slot in self._slots.values():
-            slot.ranges.clear()
-
-
 class OptimizerStepper:
     """Norm, speculation and validation of each optimizer step; see [Note: speculative steps].
 
@@ -192,7 +116,8 @@ class OptimizerStepper:
         states: every flat state (blocks, then the resident parameters).
         adamw: the arithmetic and placements.
         clipping: global-norm threshold; 0 disables clipping.
-        journal_indices: states stepped speculatively during backward (block indices).
+        journal_extents: the elements stepped speculatively during backward
+            (``optimizer/journal.py``: [Note: journal extents]).
         holds_gradients: every state has a gradient buffer that keeps its final gradient
             until :meth:`finish` (``state.grad``); without it nothing is deferred or undone.
         sum_over_ranks: with data parallel ``states`` are this rank's windows, and this
@@ -206,7 +131,7 @@ class OptimizerStepper:
         adamw: HostAdamW,
         *,
         clipping: float,
-        journal_indices: Sequence[int],
+        journal_extents: Sequence[JournalExtent],
         holds_gradients: bool,
         sum_over_ranks: Callable[[float], float] | None = None,
         runtime: DeviceRuntime | None = None,
@@ -217,7 +142,7 @@ class OptimizerStepper:
         self.clipping = clipping
         self.holds_gradients = holds_gradients
         self._sum_over_ranks = sum_over_ranks
-        self.journal = Journal(states, journal_indices if holds_gradients else ())
+        self.journal = Journal(states, journal_extents if holds_gradients else ())
         self.norm = SquaredNorm(runtime.device if runtime is not None else torch.device("cpu"))
         """The step's squared gradient norm: the one place it is summed and read."""
         self.speculate_next = True
@@ -231,12 +156,17 @@ class OptimizerStepper:
 
     # -- gradient worker ------------------------------------------------------------------
 
-    def may_speculate(self, index: int) -> bool:
-        """Whether a final chunk of state ``index`` may be stepped during backward (a journal
-        block, the predictor speculating): the sink hands such a chunk to the worker even
-        when it lands straight in the held gradients. Any thread; the predictor changes
-        only in :meth:`finish`, after the step's chunks have all been pushed."""
-        return self.holds_gradients and self.speculate_next and index in self.journal
+    def may_speculate(self, index: int, offset: int, numel: int) -> bool:
+        """Whether part of final chunk ``[offset, offset+numel)`` of state ``index`` may be
+        stepped during backward (the journal covers it, the predictor speculating): the sink
+        hands such a chunk to the worker even when it lands straight in the held gradients.
+        Any thread; the predictor changes only in :meth:`finish`, after the step's chunks
+        have all been pushed."""
+        return (
+            self.holds_gradients
+            and self.speculate_next
+            and self.journal.overlap(index, offset, offset + numel) is not None
+        )
 
     def consume_final(self, index: int, offset: int, grad: torch.Tensor, step: int, *, counted: bool = False) -> None:
         """A final gradient chunk of state ``index`` (the held buffer's view when gradients
@@ -253,15 +183,23 @@ class OptimizerStepper:
             return
         if self._speculating is None:
             self._speculating = self.speculate_next and bool(self.journal)
-        if not (self._speculating and index in self.journal and self._speculation_may_hold()):
+        covered = self.journal.overlap(index, offset, offset + grad.numel()) if self._speculating else None
+        if covered is None or not self._speculation_may_hold():
             return  # deferred to finish(): the gradient waits in state.grad
-        for run in intersect_runs(state.layout.trained_runs(), offset, offset + grad.numel()):
+        # A chunk may straddle its extent's start (journal.py: [Note: journal extents]): the
+        # part before it is deferred like any other range.
+        lo, hi = covered
+        for run in intersect_runs(state.layout.trained_runs(), lo, hi):
             self._hyper_read.setdefault(run.group, self.adamw.hyper(run.group))
-        with self._span(index, offset, grad.numel(), speculative=True):
+        with self._span(index, lo, hi - lo, speculative=True):
             self.adamw.update_range(
-                state, offset, grad, step=step, before_chunk=lambda start, end: self.journal.save(index, start, end)
+                state,
+                lo,
+                grad[lo - offset : hi - offset],
+                step=step,
+                before_chunk=lambda start, end: self.journal.save(index, start, end),
             )
-        self._speculated += grad.numel()
+        self._speculated += hi - lo
 
     def _tracer(self) -> NullTracer | Tracer:
         return self._runtime.tracer if self._runtime is not None else NULL_TRACER
@@ -390,33 +328,3 @@ def _unstepped(state: HostFlatState, stepped: list[tuple[int, int]]) -> list[tup
     if cursor < state.layout.numel:
         gaps.append((cursor, state.layout.numel))
     return [(run.start, run.end) for lo, hi in gaps for run in intersect_runs(state.layout.trained_runs(), lo, hi)]
-
-
-def speculative_block_indices(
-    states: Sequence[HostFlatState], num_blocks: int, setting: int | str, budget_bytes_per_param: float
-) -> list[int]:
-    """The journal blocks: the last ``setting`` blocks, or with ``"auto"`` as many as fit
-    in ``budget_bytes_per_param`` times the number of parameters."""
-    costs = [
-        sum(getattr(state, kind).element_size() for kind in _JOURNALED if getattr(state, kind) is not None)
-        * state.layout.trained_numel  # frozen elements are never stepped, so never journaled
-        for state in states[:num_blocks]
-    ]
-    return choose_journal_blocks(costs, sum(state.layout.numel for state in states), setting, budget_bytes_per_param)
-
-
-def choose_journal_blocks(
-    block_costs: Sequence[int], total_numel: int, setting: int | str, budget_bytes_per_param: float
-) -> list[int]:
-    """Pure selection rule (shared with preflight): ``block_costs`` are journal bytes per block."""
-    blocks = list(range(len(block_costs) - 1, -1, -1))  # backward finishes the last block first
-    if setting != "auto":
-        return blocks[: int(setting)]
-    budget = budget_bytes_per_param * total_numel
-    chosen, used = [], 0
-    for index in blocks:
-        if used + block_costs[index] > budget:
-            break
-        chosen.append(index)
-        used += block_costs[index]
-    return chosen

@@ -40,6 +40,7 @@ from megatrain_ds.planning.step_time import (
     RunSettings,
     checkpoint_bytes,
     disk_bytes,
+    frozen_in_compute_dtype,
     journal_bytes_per_element,
     journal_numel,
     min_tokens_to_hide_transfer,
@@ -195,7 +196,7 @@ def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
     resident = shape.resident_params
     frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
     # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
-    in_compute = shape.frozen_in_bf16 and settings.weight_bytes == 2
+    in_compute = frozen_in_compute_dtype(shape, settings)
     states = [StateShape(size, size - f, bool(f) and in_compute) for size, f in zip([*sizes, resident], frozen)]
     element_sizes = ElementSizes(
         master=settings.master_bytes,

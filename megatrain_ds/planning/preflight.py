@@ -47,7 +47,7 @@ from torch import nn
 from megatrain_ds.config import NVME_OFFLOAD_LEVELS, EngineConfig
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.optimizer.facade import group_index_of
-from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+from megatrain_ds.optimizer.journal import choose_journal_extents
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES, free_device_bytes
 from megatrain_ds.state.host_store import SpanOf
 from megatrain_ds.state.placement import Placement, StateShape, Topology, flat_state_params, state_shapes
@@ -179,12 +179,11 @@ def estimate_from_shapes(
     if config.holds_gradients:
         grad = torch.empty((), dtype=config.held_gradient_dtype).element_size()
         host["gradients"] = sum(_host_buffer(n, grad) for n in placement.node_host_buffers("grad"))
-        # The speculative-step journal (optimizer/speculative_step.py), chosen by the engine's rule.
+        # The speculative-step journal, chosen by the engine's rule (optimizer/journal.py).
         per_element = master + 8 + (compute if with_shadow else 0)
-        costs = [per_element * n for n in _journaled(shapes)]
-        chosen = choose_journal_blocks(costs, sum(numels), options.speculative_blocks, AUTO_JOURNAL_BYTES_PER_PARAM)
-        if chosen:
-            host["journal"] = sum(costs[i] for i in chosen)
+        extents = choose_journal_extents(_journaled(shapes), per_element, sum(numels), options.speculative_blocks)
+        if extents:
+            host["journal"] = per_element * sum(extent.numel for extent in extents)
     largest = max(shapes.block_numels)
     if device_type == "cuda":  # on the CPU gradients are consumed where they are (gradients/sink.py)
         host["staging"] = options.num_staging_buffers * _host_buffer(min(largest, staging_chunk), compute)
@@ -202,7 +201,7 @@ def estimate_from_shapes(
 
 def _journaled(shapes: _Shapes) -> list[int]:
     """Each block's elements a journal slot holds: its trained prefix (frozen elements are
-    never stepped, so never journaled; ``optimizer/speculative_step.py``)."""
+    never stepped, so never journaled; ``optimizer/journal.py``)."""
     return [state.trained_numel for state in shapes.states[:-1]]
 
 

@@ -127,7 +127,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from megatrain_ds.optimizer.speculative_step import AUTO_JOURNAL_BYTES_PER_PARAM, choose_journal_blocks
+from megatrain_ds.optimizer.journal import choose_journal_extents
 
 GIB = 1 << 30
 
@@ -223,7 +223,8 @@ class ModelShape:
     """Frozen parameters among the resident ones: their weights alone are held beside the
     NVMe tier too (the resident state stays in host memory)."""
     frozen_in_bf16: bool = False
-    """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone."""
+    """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone (or
+    cast to it: ``RunSettings.frozen_weights``)."""
 
     @property
     def params(self) -> int:
@@ -296,6 +297,10 @@ class RunSettings:
     """Fraction of the parameters whose AdamW state streams through the device and is
     updated there (``"optimizer_device": "gpu"``: 1; ``"auto"``: its split, which the engine
     logs and ``bench/compare.py`` records); the rest steps on the host's CPU kernel."""
+    frozen_weights: str = "exact"
+    """``megatrain.frozen_weights``: "compute_dtype" casts every frozen weight to the compute
+    dtype at ``initialize``, so with 2-byte compute each is held in it whatever dtype the
+    model's was (:func:`frozen_in_compute_dtype`)."""
 
     @property
     def tokens_per_pass(self) -> int:
@@ -338,13 +343,23 @@ def tier_bytes_per_param(settings: RunSettings) -> int:
     return 12 if settings.weight_bytes != settings.master_bytes or settings.nvme_weights else 8
 
 
+def frozen_in_compute_dtype(shape: ModelShape, settings: RunSettings) -> bool:
+    """Whether the frozen weights are held in the (2-byte) compute dtype: every one arrives in
+    bf16, or ``frozen_weights`` is "compute_dtype" (the engine casts them before it reads the
+    model, ``model/frozen_weights.py``; :func:`shape_of` reads the model as it is given)."""
+    return settings.weight_bytes == 2 and (shape.frozen_in_bf16 or settings.frozen_weights == "compute_dtype")
+
+
 def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
     """Whether the blocks' frozen parameters cost their weights alone (``state/placement.py``:
-    ``_trained_only``): their weights in host memory (no tier, or the optimizer state on it),
-    and where the fp32 master is on the tier (bf16 compute) every frozen weight in bf16."""
+    ``_trained_only``, one process): with the weights on the tier (apart, in a file of their
+    own), or in host memory (no tier, or the optimizer state on it) where, with the fp32
+    master on the tier (bf16 compute), every frozen weight is in bf16 (:func:`frozen_in_compute_dtype`)."""
     if settings.nvme and settings.nvme_weights:
-        return False
-    return not (settings.nvme and settings.bf16 and shape.frozen_block_params and not shape.frozen_in_bf16)
+        return shape.frozen_block_params < shape.block_params  # a block with nothing trained: every buffer
+    return not (
+        settings.nvme and settings.bf16 and shape.frozen_block_params and not frozen_in_compute_dtype(shape, settings)
+    )
 
 
 def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int, int]:
@@ -356,20 +371,38 @@ def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int,
     return shape.block_params - shape.frozen_block_params, shape.total_block_params - frozen_in_blocks
 
 
+def frozen_tier_bytes(shape: ModelShape, settings: RunSettings) -> int:
+    """Bytes of the blocks' frozen weights on the tier, in their own files, with the weights
+    there: in bf16 where every frozen weight and the compute are, else in the master's dtype."""
+    if not (settings.nvme and settings.nvme_weights and blocks_trained_only(shape, settings)):
+        return 0
+    return (2 if frozen_in_compute_dtype(shape, settings) else settings.master_bytes) * (
+        shape.frozen_params - shape.frozen_resident_params
+    )
+
+
 def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
-    """Bytes of the NVMe tier's swap files (every block's :func:`tier_bytes_per_param`); 0 without the tier."""
-    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] if settings.nvme else 0
+    """Bytes of the NVMe tier's swap files (every block's :func:`tier_bytes_per_param`, and
+    the frozen weights' files); 0 without the tier."""
+    if not settings.nvme:
+        return 0
+    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] + frozen_tier_bytes(
+        shape, settings
+    )
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
     """Seconds per optimizer step the disk needs to read and write every block's state on the
-    tier, and with the weights there to read every block's master in each forward and backward."""
-    swap = disk_bytes(shape, settings)
-    if not swap:
+    tier, and with the weights there to read every block's master (and frozen weights) in each
+    forward and backward."""
+    frozen = frozen_tier_bytes(shape, settings)  # read with the weights, never written
+    swap = disk_bytes(shape, settings) - frozen
+    if not settings.nvme:
         return 0.0
     if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
         raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
-    weights = settings.accumulation * 2 * 4 * shape.total_block_params if settings.nvme_weights else 0
+    trained = stepped_block_params(shape, settings)[1]
+    weights = settings.accumulation * 2 * (4 * trained + frozen) if settings.nvme_weights else 0
     return (swap + weights) / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
 
@@ -383,18 +416,19 @@ def num_checkpoints(shape: ModelShape, settings: RunSettings) -> int:
 
 
 def journal_bytes_per_element(settings: RunSettings) -> int:
-    """Master, m and v (fp32) and the bf16 shadow, as ``optimizer/speculative_step.py`` journals them."""
+    """Master, m and v (fp32) and the bf16 shadow, as ``optimizer/journal.py`` journals them."""
     return 12 + (2 if settings.bf16 else 0)
 
 
 def journal_numel(shape: ModelShape, settings: RunSettings) -> int:
-    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule."""
+    """Elements the speculative-step journal holds: the engine's ``"auto"`` rule, the last
+    blocks' trailing elements within the budget (``optimizer/journal.py``)."""
     if not settings.holds_gradients:
         return 0
     trained = stepped_block_params(shape, settings)[0]  # frozen: never stepped
-    cost = journal_bytes_per_element(settings) * trained
-    chosen = choose_journal_blocks([cost] * shape.num_blocks, shape.params, "auto", AUTO_JOURNAL_BYTES_PER_PARAM)
-    return len(chosen) * trained
+    per_element = journal_bytes_per_element(settings)
+    extents = choose_journal_extents([trained] * shape.num_blocks, per_element, shape.params, "auto")
+    return sum(extent.numel for extent in extents)
 
 
 def min_tokens_to_hide_transfer(hardware: Hardware, bf16: bool = True) -> int:

@@ -8,6 +8,10 @@
   accumulator of one block (or of the resident parameters).
 - ``nvme_tier``: the NVMe tier: blocks' Adam moments (and masters) in swap files, moved
   through a bounded window in host memory, read ahead and written behind.
+- ``frozen_files``: with the weights on the tier (one process), each block's frozen weights
+  in a read-only file of their own, in their dtype, written once.
+- ``residency``: where the optimizer asks for a state's optimizer state (host memory, or
+  the tier).
 - ``nvme_weights``: the weight window: with the weights on the tier, blocks' weights read
   from the swap files ahead of forward and backward for the weight streamer.
 - ``swap_io``: O_DIRECT reads and writes of swap files (DeepSpeed's async I/O op, or a

@@ -24,8 +24,12 @@ from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, FlatLayout, ParamSlot, build_flat_layout
 
 TierKind = Literal["master", "exp_avg", "exp_avg_sq"]
-"""A buffer of a flat state that may live elsewhere than its own host allocation (the NVMe
-tier's kinds, ``state/nvme_tier.py``): :meth:`HostFlatState.bind` and :meth:`~HostFlatState.release`."""
+"""A buffer of a flat state that may live in the NVMe tier's swap files and window slots
+(the tier's kinds, ``state/nvme_tier.py``)."""
+BoundKind = Literal["master", "exp_avg", "exp_avg_sq", "frozen"]
+"""A buffer of a flat state that may live elsewhere than its own host allocation: the tier's
+kinds and the frozen weights held apart ([Note: frozen weights]), which the tier keeps in a
+read-only file of their own: :meth:`HostFlatState.bind` and :meth:`~HostFlatState.release`."""
 
 
 @dataclass
@@ -55,6 +59,9 @@ class HostFlatState:
             ``[0, layout.trained_numel)``: frozen parameters have none ([Note: frozen weights]).
         frozen_in_shadow: whether ``master`` too holds only the trained prefix, the frozen
             weights living in the streamed ``shadow`` alone, in their own (the compute) dtype.
+        frozen: the frozen weights ``[layout.trained_numel, layout.numel)`` held apart from
+            the master, in their own dtype, with the weights on the NVMe tier (``master`` then
+            holds the trained prefix alone); ``None`` where they are in ``master`` or ``shadow``.
 
     [Note: frozen weights]
     A frozen parameter (``requires_grad=False``, or in no optimizer group) is streamed and
@@ -65,15 +72,21 @@ class HostFlatState:
     (``frozen_in_shadow``): its weights are then held once, bit for bit, in the shadow that is
     streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
     master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
-    frozen weights to the compute dtype before ``initialize`` to hold them at 2 B/param.
+    frozen weights to the compute dtype before ``initialize`` (``"frozen_weights":
+    "compute_dtype"`` does, ``model/frozen_weights.py``) to hold them at 2 B/param.
     So it is wherever the weights are in host memory (``migrate_to_host(trained_only=...)``):
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
     (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
-    files then hold the trained prefix). Not with the weights on the tier (``"all"``), nor,
-    where the fp32 master is cut (on the tier, or in nodes' spans), for frozen weights not in
-    the compute dtype: there every buffer still covers the whole layout
-    (``state/placement.py``: [Note: the placement model]).
+    files then hold the trained prefix). With the weights on the tier too (``"all"``), in one
+    process, there is no shadow: the master, moments and gradients cover the trained prefix
+    and the frozen weights are a buffer of their own (:attr:`frozen`), in the compute dtype
+    where every frozen weight arrives in it, else the master's, which the tier writes once to
+    a read-only file and reads with the master when it streams the block
+    (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not, where the fp32 master
+    is cut (in nodes' spans, or on the tier with ``"optimizer"``), for frozen weights not in
+    the compute dtype, nor with data parallel and ``"all"`` (gathered windows): there every
+    buffer still covers the whole layout (``state/placement.py``: [Note: the placement model]).
     """
 
     layout: FlatLayout
@@ -89,6 +102,7 @@ class HostFlatState:
     master_sharded: bool = False
     trained_only: bool = False
     frozen_in_shadow: bool = False
+    frozen: torch.Tensor | None = None
 
     @property
     def stepped_numel(self) -> int:
@@ -115,7 +129,8 @@ class HostFlatState:
         the trained prefix where the frozen weights are in the shadow alone)."""
         if self.master_sharded:
             return self.held
-        return (0, self.layout.trained_numel) if self.frozen_in_shadow else (0, self.layout.numel)
+        apart = self.frozen_in_shadow or self.frozen is not None
+        return (0, self.layout.trained_numel) if apart else (0, self.layout.numel)
 
     @property
     def weights(self) -> torch.Tensor:
@@ -126,12 +141,26 @@ class HostFlatState:
         return self.shadow if self.master_sharded and self.shadow is not None else self.master
 
     def weights_of(self, slot: ParamSlot) -> torch.Tensor:
-        """The buffer that holds ``slot``'s weight: :attr:`weights`, or the shadow for a frozen
-        slot whose weight is held there alone ([Note: frozen weights])."""
+        """The buffer that holds ``slot``'s weight: :attr:`weights`, or for a frozen slot the
+        shadow or :attr:`frozen` where its weight is held there ([Note: frozen weights]);
+        :meth:`slot_of` finds the slot in it."""
+        if self._apart(slot):
+            assert self.frozen is not None
+            return self.frozen
         if self.frozen_in_shadow and slot.group == FROZEN_GROUP:
             assert self.shadow is not None
             return self.shadow
         return self.weights
+
+    def slot_of(self, slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
+        """``slot``'s weight in ``flat``, the buffer :meth:`weights_of` names or one laid out
+        as it is (a mapping of the tier's file): a frozen slot's, where the frozen weights
+        are held apart, in a buffer of them (:attr:`frozen`, from the trained prefix on)."""
+        start = slot.offset - (self.layout.trained_numel if self._apart(slot) else 0)
+        return flat[start : start + slot.numel].view(slot.shape)
+
+    def _apart(self, slot: ParamSlot) -> bool:
+        return slot.group == FROZEN_GROUP and self.frozen is not None
 
     @property
     def streamed(self) -> torch.Tensor:
@@ -141,7 +170,7 @@ class HostFlatState:
     def weight_view(self, slot_index: int) -> torch.Tensor:
         """Slot ``slot_index`` of :attr:`weights` (the fp32 master unless it is sharded)."""
         slot = self.layout.slots[slot_index]
-        return self.weights_of(slot)[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return self.slot_of(slot, self.weights_of(slot))
 
     def nbytes_by_kind(self) -> dict[str, int]:
         """Host bytes held, by kind (for memory accounting and tests)."""
@@ -151,6 +180,7 @@ class HostFlatState:
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
             "grad": self.grad,
+            "frozen": self.frozen,
         }
         return {
             kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None and not t.is_meta
@@ -176,37 +206,46 @@ class HostFlatState:
             grad=part(self.grad, first),
         )
 
-    def bind(self, buffers: Mapping[TierKind, torch.Tensor]) -> None:
+    def bind(self, buffers: Mapping[BoundKind, torch.Tensor]) -> None:
         """Make ``buffers`` the state's buffers of their kinds: host tensors that hold those
         kinds' current values elsewhere than the state's own allocation (a slot of the NVMe
         tier's window, a mapping of its swap file; ``state/nvme_tier.py``), each of the
         elements the kind holds (:attr:`master_held`, :attr:`held`). The one way anything
         outside this module rebinds a buffer; :meth:`release` undoes it."""
         for kind, tensor in buffers.items():
-            first, last = self.master_held if kind == "master" else self.held
+            first, last = self._held_by(kind)
             assert tensor.shape == (last - first,), (kind, tuple(tensor.shape), (first, last))
         self.master = buffers.get("master", self.master)
+        self.frozen = buffers.get("frozen", self.frozen)
         self.exp_avg = buffers.get("exp_avg", self.exp_avg)
         self.exp_avg_sq = buffers.get("exp_avg_sq", self.exp_avg_sq)
 
-    def release(self, kinds: Iterable[TierKind]) -> None:
+    def release(self, kinds: Iterable[BoundKind]) -> None:
         """The buffers of ``kinds`` now live elsewhere (the NVMe tier) and have no host copy:
-        each becomes a placeholder (:func:`absent_on_host`), so a use that skipped fetching
-        it fails instead of reading a buffer the tier has taken back."""
-        placeholders: dict[TierKind, torch.Tensor] = {}
+        each becomes a placeholder (:func:`absent_on_host`; the frozen weights' of their
+        dtype), so a use that skipped fetching it fails instead of reading a buffer the tier
+        has taken back."""
+        placeholders: dict[BoundKind, torch.Tensor] = {}
         for kind in kinds:
-            first, last = self.master_held if kind == "master" else self.held
-            placeholders[kind] = absent_on_host(last - first)
+            first, last = self._held_by(kind)
+            dtype = self.frozen.dtype if kind == "frozen" and self.frozen is not None else torch.float32
+            placeholders[kind] = absent_on_host(last - first, dtype)
         self.bind(placeholders)
+
+    def _held_by(self, kind: BoundKind) -> tuple[int, int]:
+        """``[start, end)`` of the elements the buffer of ``kind`` holds."""
+        if kind == "frozen":
+            return (self.layout.trained_numel, self.layout.numel)
+        return self.master_held if kind == "master" else self.held
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Re-point the user's parameters at their slots of ``flat`` (the shadow while the
         master is on the NVMe tier, the master again when it comes back: ``state/nvme_tier.py``);
         a frozen weight held in the shadow alone stays there ([Note: frozen weights])."""
         for slot, param in zip(self.layout.slots, self.params):
-            held = self.shadow if self.frozen_in_shadow and slot.group == FROZEN_GROUP else flat
-            assert held is not None
-            _repoint(param, held[slot.offset : slot.offset + slot.numel].view(slot.shape))
+            frozen = slot.group == FROZEN_GROUP and (self.frozen_in_shadow or self.frozen is not None)
+            held = self.weights_of(slot) if frozen else flat
+            _repoint(param, self.slot_of(slot, held))
 
     def park_params(self) -> None:
         """Make the user's parameters meta tensors of their shapes: no host copy of the
@@ -214,7 +253,8 @@ class HostFlatState:
         one's values out fails instead of returning stale ones, as a ZeRO-3 model's
         partitioned parameters have none. :meth:`point_params_at` gives them values again."""
         for slot, param in zip(self.layout.slots, self.params):
-            _repoint(param, torch.empty(slot.shape, dtype=self.master.dtype, device="meta"))
+            dtype = self.weights_of(slot).dtype  # a frozen weight held apart: its own
+            _repoint(param, torch.empty(slot.shape, dtype=dtype, device="meta"))
 
     def refresh_shadow(self, start: int | None = None, end: int | None = None) -> None:
         """Round the updated master into the streamed shadow over ``[start, end)`` (state
@@ -241,11 +281,11 @@ SpanOf = Callable[[int], "tuple[int, int] | None"]
 all of it (``distributed/data_parallel.py``: [Note: sharded host state])."""
 
 
-def absent_on_host(numel: int) -> torch.Tensor:
-    """The placeholder of an fp32 buffer kept elsewhere (a moment or master on the NVMe tier,
-    ``state/nvme_tier.py``): right dtype and size, no storage, so any use that skipped
-    fetching it fails instead of reading garbage."""
-    return torch.empty(numel, dtype=torch.float32, device="meta")
+def absent_on_host(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The placeholder of a buffer kept elsewhere (a moment or master on the NVMe tier, fp32,
+    or frozen weights there, ``state/nvme_tier.py``): right dtype and size, no storage, so
+    any use that skipped fetching it fails instead of reading garbage."""
+    return torch.empty(numel, dtype=dtype, device="meta")
 
 
 def flat_numel(named_params: Sequence[tuple[str, nn.Parameter]], group_of: dict[nn.Parameter, int]) -> int:
@@ -277,12 +317,11 @@ def migrate_to_host(
     shard_master: bool = False,
 ) -> HostFlatState:
     """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
-    whole weights (the master; the shadow where the master is sharded, below). The master
-    is allocated untouched (no resident pages); each parameter is copied into its slot and
-    re-pointed at once, its old storage freed (a large one's pages chunk by chunk as copied,
-    :func:`copy_releasing_source`): the peak is the state plus one chunk. With ``source`` each
-    slot is filled from ``source.copy_into(name, slot)``; parameters on the ``meta`` device
-    then become real parameters viewing their slot, keeping their identity.
+    whole weights (the master; the shadow where the master is sharded, below). The master is
+    allocated untouched; each parameter is copied into its slot and re-pointed at once, its
+    old storage freed (a large one's chunk by chunk, :func:`copy_releasing_source`): the peak
+    is the state plus one chunk. With ``source`` each slot is filled from ``source.copy_into``;
+    ``meta`` parameters then become real ones viewing their slot, keeping their identity.
 
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
@@ -290,16 +329,13 @@ def migrate_to_host(
     :meth:`NodeSharedMemory.written`. ``share(values)``, on the writer, may replace the
     whole values first (data parallel: the first node's initial weights).
 
-    ``moments_on_host=False``: Adam's m and v are placeholders (:func:`absent_on_host`), the
-    NVMe tier holds them; ``shadow_on_host=False``: no shadow, the weights are streamed from
-    the tier, rounded as they are read (``state/nvme_weights.py``).
+    ``moments_on_host=False``: m and v are placeholders (:func:`absent_on_host`); ``shadow_on_host=False``: no shadow.
 
     ``span_of``: the moments hold only this node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`);
     with ``shard_master`` (``StatePlacement.master_split``) the master too (:func:`_fill_sharded`).
     ``trained_only``: frozen parameters get no moments, gradients or, where they can, master
     ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone."""
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
-    assert not trained_only or shadow_on_host, "a trained-only state's weights are in host memory"
     covered = layout.trained_numel if trained_only else layout.numel
     span = span_of(covered) if span_of is not None else None
     first, last = span if span is not None else (0, covered)
@@ -307,14 +343,17 @@ def migrate_to_host(
     with_shadow = compute_dtype != master_dtype and shadow_on_host
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
     in_shadow = trained_only and shadow is not None and _frozen_all_in(named_params, layout, compute_dtype)
+    frozen = _frozen_apart(named_params, layout, runtime, (master_dtype, compute_dtype), trained_only, shadow_on_host)
+    assert frozen is None or (span is None and not shard_master), "frozen weights apart: one process"
     assert not shard_master or span is not None, "a sharded master holds this node's span"
     assert not (shard_master and trained_only and covered < layout.numel) or in_shadow, "a sharded master: no frozen"
     if shard_master:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
-        master = runtime.host_empty(layout.trained_numel if in_shadow else layout.numel, master_dtype, shared)
-        params = _fill_whole(named_params, layout, master, shadow, in_shadow, source, writes, share)
+        frozen_in = shadow if in_shadow else frozen  # frozen weights not in the master
+        master = runtime.host_empty(layout.numel if frozen_in is None else layout.trained_numel, master_dtype, shared)
+        params = _fill_whole(named_params, layout, master, shadow, frozen_in, source, writes, share)
     held = last - first
     state = HostFlatState(
         layout=layout,
@@ -327,10 +366,30 @@ def migrate_to_host(
         master_sharded=shard_master,
         trained_only=trained_only,
         frozen_in_shadow=in_shadow,
+        frozen=frozen,
     )
     if shard_master and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
+
+
+def _frozen_apart(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
+    runtime: DeviceRuntime,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    trained_only: bool,
+    shadow_on_host: bool,
+) -> torch.Tensor | None:
+    """The buffer of a trained-only state's frozen weights held apart where no shadow is on
+    the host to hold them (the weights on the NVMe tier, one process: :attr:`HostFlatState.frozen`),
+    in their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
+    the master's (``dtypes[0]``); ``None`` elsewhere, or without frozen weights."""
+    if not trained_only or shadow_on_host or layout.trained_numel == layout.numel:
+        return None
+    master, compute = dtypes
+    dtype = compute if _frozen_all_in(named_params, layout, compute) else master
+    return runtime.host_empty(layout.numel - layout.trained_numel, dtype)
 
 
 def _frozen_all_in(named_params: Sequence[tuple[str, nn.Parameter]], layout: FlatLayout, dtype: torch.dtype) -> bool:
@@ -345,21 +404,22 @@ def _fill_whole(
     layout: FlatLayout,
     master: torch.Tensor,
     shadow: torch.Tensor | None,
-    frozen_in_shadow: bool,
+    frozen_in: torch.Tensor | None,
     source: TensorSource | None,
     writes: bool,
     share: Callable[[torch.Tensor], None] | None,
 ) -> list[nn.Parameter]:
-    """Fill a master of every element, or with ``frozen_in_shadow`` a master of the trained
-    prefix and each frozen weight copied straight into its slot of the shadow (exact: the
-    same dtype); then the shadow's copy of the master, rounded. ``writes``: this rank fills
+    """Fill a master of every element, or with ``frozen_in`` (the shadow, or the frozen
+    weights' own buffer, which starts at the trained prefix) a master of the trained prefix
+    and each frozen weight copied straight into its slot there (exact: the same dtype, or
+    the master's); then the shadow's copy of the master, rounded. ``writes``: this rank fills
     the (node-shared) buffers; the others only re-point their parameters."""
     values = master if writes else None
-    if frozen_in_shadow:
-        assert shadow is not None
+    if frozen_in is not None:
         frozen = [index for index, slot in enumerate(layout.slots) if slot.group == FROZEN_GROUP]
+        base = 0 if frozen_in is shadow else layout.trained_numel
         params = _fill_slots(named_params, layout, values, master, source, range(frozen[0]))
-        params += _fill_slots(named_params, layout, shadow if writes else None, shadow, source, frozen)
+        params += _fill_slots(named_params, layout, frozen_in if writes else None, frozen_in, source, frozen, base)
     else:
         params = _fill_slots(named_params, layout, values, master, source)
     if writes and share is not None:
@@ -411,26 +471,29 @@ def _fill_slots(
     viewed: torch.Tensor,
     source: TensorSource | None,
     indices: Sequence[int] | None = None,
+    base: int = 0,
 ) -> list[nn.Parameter]:
     """Copy each parameter's value (or ``source``'s) into its slot of ``values`` (``None``:
     not this rank's to write), then re-point the parameter at its slot of ``viewed``: its old
     storage is freed before the next one is copied. Returns the parameters in slot order.
-    ``indices``: only these slots (default all; frozen ones may go to another buffer)."""
+    ``indices``: only these slots (default all; frozen ones may go to another buffer, whose
+    element 0 is the layout's element ``base``)."""
     by_name = dict(named_params)
     params = []
     for index in range(len(layout.slots)) if indices is None else indices:
         slot = layout.slots[index]
         param = by_name[slot.name]
+        start = slot.offset - base
         if values is not None:
-            view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = values[start : start + slot.numel].view(slot.shape)
             if source is not None:
                 source.copy_into(slot.name, view)
             else:
                 copy_releasing_source(view, param)
             # Zero the alignment padding up to the next slot (Adam keeps zeros at zero).
             pad_end = layout.slots[index + 1].offset if index + 1 < len(layout.slots) else layout.numel
-            values[slot.offset + slot.numel : pad_end].zero_()
-        _repoint(param, viewed[slot.offset : slot.offset + slot.numel].view(slot.shape))
+            values[start + slot.numel : pad_end - base].zero_()
+        _repoint(param, viewed[start : start + slot.numel].view(slot.shape))
         params.append(param)
     return params
 

@@ -11,7 +11,8 @@ With fp32 compute the master is the streamed copy, read every forward and backwa
 stays in host memory, as do the shadow and the gradients -- unless the weights are on the
 tier too (``"nvme_offload": "all"``): then the master is always a kind, no shadow exists,
 and forward and backward read the weights from the tier through a second window
-(``state/nvme_weights.py``, :meth:`NvmeTier.read_master`).
+(``state/nvme_weights.py``, :meth:`NvmeTier.read_master`); frozen weights then have a
+read-only file of their own (``state/frozen_files.py``: [Note: frozen weights on the tier]).
 
 The block's :class:`HostFlatState` holds meta-device placeholders for the kinds on disk
 (:func:`~megatrain_ds.state.host_store.absent_on_host`), so a read that skipped
@@ -55,7 +56,7 @@ calls it before each range, the journal before restoring). The window is
 - Device placements (``optimizer_device: "gpu"``) update the host state asynchronously:
   ``settle`` (``HostAdamW.flush``) runs before any slot is written back.
 - The transfers run on observed host threads (``runtime.start_thread``) fed by a
-  ``runtime.host_queue``, and each finished transfer is a handoff (:class:`_Transfer`):
+  ``runtime.host_queue``, and each finished transfer is a handoff (``swap_io.Transfer``):
   whoever touches a slot's buffer next -- the optimizer after ``acquire``, the slot's
   next transfer, a checkpoint after ``flush`` -- first calls its ``synchronize``, even
   when it is already done, so the race checker (``MEGATRAIN_STREAM_CHECK=1``) sees every
@@ -87,7 +88,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -95,9 +95,17 @@ from megatrain_ds.config import MegatrainOptions
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.runtime.trace import NullTracer, Tracer
+from megatrain_ds.state.frozen_files import FrozenFiles
 from megatrain_ds.state.host_store import HostFlatState, TierKind
 from megatrain_ds.state.swap_directory import DiskSpaceError, SwapDirectory
-from megatrain_ds.state.swap_io import SwapIO, SwapIOError, aligned_bytes, explained_failure, open_swap_io
+from megatrain_ds.state.swap_io import (
+    SwapIO,
+    SwapIOError,
+    Transfer,
+    aligned_bytes,
+    explained_failure,
+    open_swap_io,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,71 +116,12 @@ DISK_WAIT_SHARE = 0.2
 """Warn once the training threads wait for the disk longer than this share of a step."""
 
 
-class Residency(Protocol):
-    """Where the optimizer asks for a state's optimizer state before touching it."""
-
-    def acquire(self, state: HostFlatState) -> None:
-        """Make ``state.exp_avg``/``exp_avg_sq`` (and ``master``) real host tensors until the next acquire."""
-
-    def expect(self, states: Sequence[HostFlatState]) -> None:
-        """The order of the next accesses (a hint: prefetch follows it)."""
-
-    def step_done(self) -> None:
-        """An optimizer step has finished (the tier checks whether the disk kept up)."""
-
-
-class RamResidency:
-    """Everything in host memory: nothing to do."""
-
-    def acquire(self, state: HostFlatState) -> None:
-        del state
-
-    def expect(self, states: Sequence[HostFlatState]) -> None:
-        del states
-
-    def step_done(self) -> None:
-        pass
-
-
-RAM_ONLY = RamResidency()
-
-
-class _Transfer:
-    """One slot's queued I/O task, finished once. Its completion is a handoff the race
-    checker sees (``runtime.host_queue``): whoever synchronises with it is ordered after
-    the I/O thread's accesses to the slot's buffer."""
-
-    def __init__(self, runtime: DeviceRuntime, work: Callable[[], None]) -> None:
-        self.work = work
-        self.error: BaseException | None = None
-        self._finished = threading.Event()
-        self._outcome = runtime.host_queue()
-
-    def run(self) -> None:
-        """On an I/O thread: do the work, then hand its outcome over."""
-        try:
-            self.work()
-        except BaseException as error:  # the tier raises it on the training thread (NvmeTier._failure)
-            self.error = error
-        self._outcome.put(None)
-        self._finished.set()
-
-    def done(self) -> bool:
-        """Whether the work has finished (no ordering: :meth:`synchronize` before touching its buffer)."""
-        return self._finished.is_set()
-
-    def synchronize(self) -> None:
-        """Block until the work has finished. Each caller takes the outcome and puts it
-        back, so every one of them is ordered after the I/O thread."""
-        self._outcome.put(self._outcome.get())
-
-
 @dataclass
 class _Slot:
     buffer: torch.Tensor
     """Flat fp32: the tier's k-th kind at ``[k * pad, (k + 1) * pad)`` of the block it holds."""
     index: int | None = None
-    pending: _Transfer | None = None
+    pending: Transfer | None = None
     dirty: bool = False
 
 
@@ -180,7 +129,7 @@ class _Slot:
 class PendingTransfer:
     """A transfer into a buffer outside the window (:meth:`NvmeTier.read_master`), awaited like a slot's."""
 
-    pending: _Transfer | None
+    pending: Transfer | None
 
 
 MOMENTS: tuple[TierKind, ...] = ("exp_avg", "exp_avg_sq")
@@ -202,8 +151,11 @@ class NvmeTier:
     """The NVMe tier of the blocks' optimizer state; see the module docstring and [Note: the NVMe window].
 
     Args:
-        numels: every block's flat size, in block order: one swap file each, made now.
+        numels: every block's flat size (its trained prefix where frozen parameters have no
+            optimizer state), in block order: one swap file each, made now.
         kinds: what the files hold of each block (:func:`tier_kinds`).
+        frozen_bytes: each block's frozen weights' bytes, in a read-only file of their own
+            (``state/frozen_files.py``), with the weights on the tier; empty: none.
         runtime: host buffers (pinned with CUDA) and the tracer.
         options: ``nvme_path``, ``nvme_window_blocks``, ``nvme_aio``.
 
@@ -216,7 +168,12 @@ class NvmeTier:
     """
 
     def __init__(
-        self, numels: Sequence[int], kinds: Sequence[TierKind], runtime: DeviceRuntime, options: MegatrainOptions
+        self,
+        numels: Sequence[int],
+        kinds: Sequence[TierKind],
+        runtime: DeviceRuntime,
+        options: MegatrainOptions,
+        frozen_bytes: Sequence[int] = (),
     ) -> None:
         self.kinds: tuple[TierKind, ...] = tuple(kinds)
         self.states: list[HostFlatState] = []
@@ -226,17 +183,18 @@ class NvmeTier:
         self._numels = list(numels)
         self._pad = [aligned_bytes(numel * FP32, self.io.alignment) // FP32 for numel in self._numels]
         names = [f"block{index:05d}.swap" for index in range(len(self._numels))]
+        self.frozen = FrozenFiles(frozen_bytes, self.io.alignment)
+        files = {name: len(self.kinds) * pad * FP32 for name, pad in zip(names, self._pad)}
         try:
-            self.directory = SwapDirectory(
-                options.nvme_path or "", {name: len(self.kinds) * pad * FP32 for name, pad in zip(names, self._pad)}
-            )
+            self.directory = SwapDirectory(options.nvme_path or "", files | self.frozen.sizes())
         except BaseException:
             self.io.close()
             raise
         self._paths = [self.directory.files[name] for name in names]
+        self.frozen.locate(self.directory.files)
         # What the race checker sees of each swap file's bytes (declare_access in _transfer).
         self._file_tokens = [torch.empty(1) for _ in names]
-        self._written: dict[int, _Transfer] = {}
+        self._written: dict[int, Transfer] = {}
         """The last write queued of each block's file: reads of it wait for it."""
         self._versions = [0] * len(names)
         self._index: dict[int, int] = {}
@@ -302,6 +260,12 @@ class NvmeTier:
                 state.park_params()
             self.runtime.free_host(state.master)
             state.release(["master"])  # on the tier alone now
+        if self.frozen.holds(index) != (state.frozen is not None):
+            raise ValueError(f"block {index}'s frozen weights are not where the tier was made for them")
+        if state.frozen is not None:  # written once, never again ([Note: frozen weights on the tier])
+            self.bytes_written += self.frozen.write(index, state.frozen)
+            self.runtime.free_host(state.frozen)
+            state.release(["frozen"])
         self.states.append(state)
         self._index[id(state)] = index
 
@@ -328,6 +292,12 @@ class NvmeTier:
     def padded_numels(self) -> list[int]:
         """Every block's flat size padded to the I/O engine's alignment (one kind in its file)."""
         return self._pad
+
+    @property
+    def weight_numels(self) -> list[int]:
+        """Every adopted block's weights (its whole layout: the trained prefix in its file,
+        the frozen weights in theirs), each padded to the I/O engine's alignment in fp32."""
+        return [aligned_bytes(state.layout.numel * FP32, self.io.alignment) // FP32 for state in self.states]
 
     def version(self, index: int) -> int:
         """How many times block ``index``'s master may have changed (see [Note: the NVMe window])."""
@@ -385,38 +355,51 @@ class NvmeTier:
         self._raise_failure()
         slot.pending = None
 
-    def read_master(self, index: int, into: torch.Tensor, staging: torch.Tensor | None) -> PendingTransfer:
+    def read_master(
+        self, index: int, into: torch.Tensor, staging: torch.Tensor | None, frozen: torch.Tensor | None = None
+    ) -> PendingTransfer:
         """Start reading block ``index``'s newest master into ``into`` (its first ``numel``
         elements, in ``into``'s dtype; through ``staging``, an fp32 buffer of the I/O
-        engine's alignment, when that is not fp32); :meth:`await_transfer` the result before
-        reading ``into``. The newest master is the window's, when a slot holds the block
-        (copied on this thread), else the swap file's, once its last write is done."""
+        engine's alignment, when that is not fp32), and its frozen weights after them
+        through ``frozen``, an fp32 buffer of the alignment ([Note: frozen weights on the
+        tier]); :meth:`await_transfer` the result before reading ``into``. The newest master
+        is the window's, when a slot holds the block (copied on this thread), else the swap
+        file's, once its last write is done."""
         assert self.kinds[0] == "master", "the weights are read from the tier only when it holds the masters"
         with self._lock:
             self._raise_failure()
             numel = self._numels[index]
             slot = self._where.get(index)
+            from_file = slot is None
             if slot is not None:  # master is the first kind of a slot
                 self.await_transfer(slot, index)
                 with self.runtime.host_work():  # a host copy, done before any stream reads ``into``
                     into[:numel].copy_(slot.buffer[:numel])  # rounds to bf16 as the shadow is
-                return PendingTransfer(None)
+                if not self.frozen.holds(index):
+                    return PendingTransfer(None)
             target = into if staging is None else staging
             if target.dtype != torch.float32 or target.numel() < self._pad[index]:
                 raise ValueError("read_master reads into an fp32 buffer of the block's padded size")
+            if self.frozen.holds(index) and (frozen is None or frozen.numel() * FP32 < self.frozen.padded_bytes(index)):
+                raise ValueError("read_master reads frozen weights into an fp32 buffer of their file's size")
             written = self._written.get(index)
             tracer = self.runtime.tracer
             step = {"step": tracer.step} if tracer.step is not None else {}
 
             def task() -> None:
-                self._after_write(written)
-                self._transfer(
-                    target, index, writing=False, slot=None, tracer=tracer, step=step, kinds=1, what="weights"
-                )
-                if staging is not None:
-                    into[:numel].copy_(staging[:numel])
+                if from_file:
+                    self._after_write(written)
+                    self._transfer(
+                        target, index, writing=False, slot=None, tracer=tracer, step=step, kinds=1, what="weights"
+                    )
+                    if staging is not None:
+                        into[:numel].copy_(staging[:numel])
+                if frozen is not None and self.frozen.holds(index):  # never written since adopted: no wait
+                    self._transfer(frozen, index, writing=False, slot=None, tracer=tracer, step=step, frozen=True)
+                    weights = self.frozen.unpack(index, frozen)
+                    into[numel : numel + weights.numel()].copy_(weights)  # rounded where held in the master's dtype
 
-            pending = PendingTransfer(_Transfer(self.runtime, task))
+            pending = PendingTransfer(Transfer(self.runtime, task))
             self._tasks.put(pending.pending)
             return pending
 
@@ -486,7 +469,10 @@ class NvmeTier:
             touched.add(index)
             pad, numel = self._pad[index], state.stepped_numel
             mapped = torch.from_file(self._paths[index], shared=True, size=len(self.kinds) * pad, dtype=torch.float32)
-            return {kind: mapped[k * pad : k * pad + numel] for k, kind in enumerate(self.kinds)}
+            views = {kind: mapped[k * pad : k * pad + numel] for k, kind in enumerate(self.kinds)}
+            if self.frozen.holds(index):  # read only in training; a checkpoint load writes it
+                views["frozen"] = self.frozen.mapped(index, shared=True)
+            return views
 
         try:
             yield on_tier
@@ -499,6 +485,8 @@ class NvmeTier:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+                if self.frozen.holds(index):
+                    self.frozen.fsync(index)
             with self._lock:  # read ahead again what was expected before
                 self._schedule = deque(upcoming)
                 self._prefetch()
@@ -525,6 +513,8 @@ class NvmeTier:
                         self._paths[index], shared=False, size=len(self.kinds) * pad, dtype=torch.float32
                     )
                     state.bind({"master": mapped[:numel]})
+                    if self.frozen.holds(index):
+                        state.bind({"frozen": self.frozen.mapped(index, shared=False)})
                     state.point_params_at(state.master)
         finally:
             with self._lock:
@@ -619,13 +609,13 @@ class NvmeTier:
                 self._after_write(written)
                 self._transfer(buffer, read, writing=False, slot=slot, tracer=tracer, step=step)
 
-        slot.pending = _Transfer(self.runtime, task)
+        slot.pending = Transfer(self.runtime, task)
         if write is not None:
             self._written[write] = slot.pending
         self._tasks.put(slot.pending)
 
     @staticmethod
-    def _after_write(written: _Transfer | None) -> None:
+    def _after_write(written: Transfer | None) -> None:
         """On an I/O thread, before reading a block's file: its last write, queued earlier
         (perhaps on the other I/O thread), has reached the disk."""
         if written is not None:
@@ -643,12 +633,20 @@ class NvmeTier:
         step: dict[str, int],
         kinds: int | None = None,
         what: str = "optimizer state",
+        frozen: bool = False,
     ) -> None:
-        """Move the first ``kinds`` kinds (all by default) of block ``index`` between ``buffer`` and its file."""
-        nbytes = (kinds or len(self.kinds)) * self._pad[index] * FP32
+        """Move the first ``kinds`` kinds (all by default) of block ``index`` between ``buffer``
+        and its file; with ``frozen``, its frozen weights' file into ``buffer`` instead."""
+        path, file, nbytes = (
+            self._paths[index],
+            self._file_tokens[index],
+            (kinds or len(self.kinds)) * self._pad[index] * FP32,
+        )
+        if frozen:
+            path, file, nbytes = self.frozen.file(index)
+            what = "frozen weights"
         part = buffer[: nbytes // FP32]
         track = "nvme write" if writing else "nvme read"
-        file = self._file_tokens[index]
         try:
             with tracer.span(
                 f"{track} {index}", track, block=index, bytes=nbytes, engine=self.io.name, state=what, **step
@@ -658,14 +656,14 @@ class NvmeTier:
                 declare_access(
                     reads=(part,) if writing else (file,),
                     writes=(file,) if writing else (part,),
-                    what=f"{track} of {self._paths[index]}",
+                    what=f"{track} of {path}",
                 )
-                (self.io.write if writing else self.io.read)(part, self._paths[index], 0)
+                (self.io.write if writing else self.io.read)(part, path, 0)
         except BaseException as error:
             # No lock here: the training thread may hold it while waiting for this task.
             if writing and slot is not None:
                 slot.dirty = True  # the data is still only here
-            self._failure = self._failure or explained_failure(error, self._paths[index], nbytes, writing, what)
+            self._failure = self._failure or explained_failure(error, path, nbytes, writing, what)
             raise
         with self._count_lock:
             if writing:
@@ -679,11 +677,16 @@ class NvmeTier:
 
 
 def open_nvme_tier(
-    numels: Sequence[int], kinds: Sequence[TierKind], runtime: DeviceRuntime, options: MegatrainOptions
+    numels: Sequence[int],
+    kinds: Sequence[TierKind],
+    runtime: DeviceRuntime,
+    options: MegatrainOptions,
+    frozen_bytes: Sequence[int] = (),
 ) -> NvmeTier:
-    """The tier for blocks of these flat sizes; a clear error when the swap directory cannot be made."""
+    """The tier for blocks of these flat sizes (and frozen weights' bytes); a clear error
+    when the swap directory cannot be made."""
     try:
-        return NvmeTier(numels, kinds, runtime, options)
+        return NvmeTier(numels, kinds, runtime, options, frozen_bytes)
     except (DiskSpaceError, SwapIOError):
         raise
     except OSError as error:

@@ -9,7 +9,9 @@ of the block's state. The host then holds, of a block, only its held gradient.
 [Note: the weight window]
 - ``capacity`` buffers, each the largest block in the compute dtype (with bf16 compute also
   an fp32 staging buffer the master is read into and rounded from, to nearest even as the
-  shadow is, so the streamed bytes are those of the engine without the tier).
+  shadow is, so the streamed bytes are those of the engine without the tier; where blocks
+  have frozen weights apart, one more the largest frozen file is read into:
+  ``state/frozen_files.py``).
 - Read ahead along the streamer's plan (:meth:`NvmeWeights.prefetch`): the first blocks
   not held are read into free buffers on the tier's I/O threads, the buffer whose block is
   needed last being reused first. A block wanted out of plan is read on demand.
@@ -55,6 +57,8 @@ class _Buffer:
     """The compute dtype, aligned for the tier's I/O engine when it is fp32 (read into directly)."""
     staging: torch.Tensor | None
     """fp32, aligned: what the master is read into when the compute dtype is not fp32."""
+    frozen: torch.Tensor | None
+    """fp32, aligned: what a block's frozen weights' file is read into (none without one)."""
     block: int | None = None
     version: int = -1
     read: PendingTransfer | None = None
@@ -76,13 +80,16 @@ class NvmeWeights:
     def __init__(self, tier: NvmeTier, dtype: torch.dtype, capacity: int) -> None:
         self.tier = tier
         self.dtype = dtype
-        largest = max(tier.padded_numels, default=0)
+        largest = max(tier.padded_numels, default=0)  # a block's master in its file
+        whole = max(tier.weight_numels, default=0)  # a block's weights: its frozen ones too
+        frozen = tier.frozen.largest() // 4
         io = tier.io
 
         def buffer() -> _Buffer:
+            apart = io.buffer(frozen) if frozen else None
             if dtype == torch.float32:
-                return _Buffer(io.buffer(largest), None)
-            return _Buffer(tier.runtime.host_empty(largest, dtype), io.buffer(largest))
+                return _Buffer(io.buffer(whole), None, apart)
+            return _Buffer(tier.runtime.host_empty(whole, dtype), io.buffer(largest), apart)
 
         self._buffers = [buffer() for _ in range(capacity)]
         self._where: dict[int, _Buffer] = {}
@@ -95,10 +102,16 @@ class NvmeWeights:
     @property
     def nbytes(self) -> int:
         """Host memory of the window's buffers."""
-        return sum(t.numel() * t.element_size() for b in self._buffers for t in (b.weights, b.staging) if t is not None)
+        return sum(
+            t.numel() * t.element_size()
+            for b in self._buffers
+            for t in (b.weights, b.staging, b.frozen)
+            if t is not None
+        )
 
     def numel(self, block: int) -> int:
-        return self.tier.numels[block]
+        """Elements of ``block``'s weights (its frozen ones too)."""
+        return self.tier.states[block].layout.numel
 
     def prefetch(self, blocks: Sequence[int]) -> None:
         """The blocks the streamer will take next, in order: read the first ones ahead."""
@@ -175,7 +188,7 @@ class NvmeWeights:
         buffer.device_reads.clear()
         buffer.block, buffer.version = block, self.tier.version(block)
         self._where[block] = buffer
-        buffer.read = self.tier.read_master(block, buffer.weights, buffer.staging)
+        buffer.read = self.tier.read_master(block, buffer.weights, buffer.staging, buffer.frozen)
         self.reads += 1
 
     def _read_ahead(self) -> None:

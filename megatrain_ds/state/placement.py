@@ -36,7 +36,8 @@ part of the state, ``distributed/ownership.py``)::
                             trained prefix (*)                   prefix            prefix
   one process / "optimizer" W: tier, whole;      host: whole     tier: whole       host: whole     host
                             else host: whole
-  one process / "all"       tier: whole          none            tier: whole       host: whole     tier (weight window)
+  one process / "all"       tier: the trained    none            tier: trained     host: trained   tier (weight window)
+                            prefix (**)                          prefix            prefix
   data parallel / "none"    host: span if W,     host: whole     host: span        host: span      host
                             else whole
   data parallel / "optim."  host: span if W,     host: whole     tier: window      host: span      host
@@ -51,9 +52,17 @@ is *trained-only* (:func:`_trained_only`): the moments, the gradients, the tier'
 and the ranks' windows and nodes' spans cover the trained prefix alone
 (``HostFlatState.stepped_numel``), and so does the master where there is a shadow and every
 frozen weight arrives in the compute dtype: the frozen weights then live in the shadow
-alone (``state/host_store.py``: [Note: frozen weights]). Not trained-only, every buffer
-covering the frozen parameters too: the blocks with ``"all"`` (their weights on the tier,
-written back whole), and, where the fp32 master is cut (on the tier, or several nodes'
+alone (``state/host_store.py``: [Note: frozen weights]). (**) With the weights on the tier
+too (``"all"``), in one process, the blocks are trained-only as well: their swap files hold
+the trained prefix's master, m and v, the only part written back after a step, and the
+frozen weights are a buffer of their own (:attr:`StatePlacement.frozen`, ``Where.TIER``),
+in the compute dtype where every frozen weight arrives in it, else in the master's: written
+once to a read-only file beside the block's swap file and read with the master when the
+block is streamed (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not
+trained-only, every buffer covering the frozen parameters too: a block with nothing trained
+at all with ``"all"`` (the tier makes no empty swap file), the blocks with data parallel
+and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when used),
+and, where the fp32 master is cut (on the tier with ``"optimizer"``, or several nodes'
 spans), a state with a frozen weight that is not in the compute dtype. With data parallel
 the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
 window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
@@ -73,7 +82,7 @@ from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
 from megatrain_ds.state.host_store import SpanOf, TierKind
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, swap_file_bytes
 from megatrain_ds.state.nvme_weights import weight_window_buffers
-from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT
+from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT, aligned_bytes
 
 BUFFERS = ("master", "shadow", "exp_avg", "exp_avg_sq", "grad")
 """The buffers of a flat state, by the names ``HostFlatState.nbytes_by_kind`` gives them."""
@@ -214,8 +223,13 @@ class StatePlacement:
     """Whether the optimizer state covers the trained prefix alone, frozen parameters having
     none (the weights in host memory: [Note: the placement model]), frozen parameters or not."""
     frozen_in: str
-    """The buffer that holds the frozen weights: ``"master"``, or ``"shadow"`` where they are
-    held there alone ([Note: frozen weights] in ``state/host_store.py``); ``""`` without any."""
+    """The buffer that holds the frozen weights: ``"master"``, ``"shadow"`` where they are
+    held there alone ([Note: frozen weights] in ``state/host_store.py``), or ``"frozen"``
+    where they are a buffer of their own (:attr:`frozen`); ``""`` without any."""
+    frozen: Buffer = NOWHERE
+    """The frozen weights held apart, with the weights on the NVMe tier in one process
+    (``Where.TIER``: a read-only file of their own, in their own dtype); else nowhere: they
+    are in the buffer :attr:`frozen_in` names."""
 
     def buffers(self) -> dict[str, Buffer]:
         """Every buffer by its name (:data:`BUFFERS`)."""
@@ -254,20 +268,29 @@ class TierPlacement:
     kinds: tuple[TierKind, ...]
     """Buffers per block in the swap files (``state/nvme_tier.py``: ``MOMENTS`` or ``WITH_MASTER``)."""
     numels: tuple[int, ...]
-    """Each swap file's elements per kind: a block's, or this rank's non-empty window of it."""
+    """Each swap file's elements per kind: a block's (its trained prefix where frozen
+    parameters have none), or this rank's non-empty window of it."""
     alignment: int
     """Bytes each kind's part of a file is padded to: the configured I/O engine's
     (``state/swap_io.py``; DeepSpeed's op aligns to a block per thread)."""
     window_blocks: int
     """Blocks the tier's window holds in host memory (``nvme_window_blocks``)."""
+    frozen_bytes: tuple[int, ...] = ()
+    """Each block's frozen weights' bytes, in a read-only file of its own (0: none), with
+    the weights on the tier in one process; empty otherwise."""
 
     @property
     def file_bytes(self) -> list[int]:
         return [swap_file_bytes(numel, self.alignment, len(self.kinds)) for numel in self.numels]
 
     @property
+    def frozen_file_bytes(self) -> list[int]:
+        """Bytes of each frozen weights' file (``state/frozen_files.py``), padded to the alignment."""
+        return [aligned_bytes(nbytes, self.alignment) for nbytes in self.frozen_bytes if nbytes]
+
+    @property
     def disk_bytes(self) -> int:
-        return sum(self.file_bytes)
+        return sum(self.file_bytes) + sum(self.frozen_file_bytes)
 
     @property
     def window_bytes(self) -> int:
@@ -312,7 +335,8 @@ class Placement:
         states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
         stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
-        mine, node = _tiers(tier, nvme, topology, stepped[:-1], sizes)
+        frozen = tuple(state.frozen.numel * state.frozen.itemsize for state in states[:-1])
+        mine, node = _tiers(tier, nvme, topology, stepped[:-1], sizes, frozen)
         return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
 
     @property
@@ -376,19 +400,23 @@ class Placement:
 
     def weight_window_bytes(self, num_buffers: int, checkpoint_interval: int) -> int:
         """Host memory of the node's weight windows with the weights on the tier: per rank,
-        buffers of its largest file's elements in the compute dtype, with an fp32 buffer to
-        read into when that is not fp32 (``NvmeWeights.nbytes``); with data parallel, one
-        more whole block than the streamer's slots to gather into, and the window being sent
+        buffers of its largest block's padded elements in the compute dtype (its largest
+        file's, or a block whole where frozen weights are apart), with an fp32 buffer of the
+        largest file's to read into when that is not fp32, and one of the largest frozen file
+        to read those into (``NvmeWeights.nbytes``); with data parallel, one more whole block
+        than the streamer's slots to gather into, and the window being sent
         (``GatheredWeights.nbytes``)."""
         if not self.weights_on_tier:
             return 0
         compute = self.compute_itemsize
-        per_element = compute + (4 if compute != 4 else 0)
         buffers = weight_window_buffers(num_buffers, checkpoint_interval, self.node_tiers[0].window_blocks)
         total = 0
         for tier in self.node_tiers:
             largest = max(tier.file_bytes, default=0) // len(tier.kinds) // 4  # padded elements
-            total += buffers * largest * per_element
+            apart = [aligned_bytes(4 * state.numel, tier.alignment) // 4 for state in self.blocks if state.frozen.numel]
+            whole = max([largest, *apart])
+            frozen = max(tier.frozen_file_bytes, default=0)
+            total += buffers * (whole * compute + (largest * 4 if compute != 4 else 0) + frozen)
         return total
 
 
@@ -437,10 +465,15 @@ def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: T
     holding their weights and nothing else: with the weights in host memory (no tier, or
     the tier holding the optimizer state), unless a frozen weight is not in the compute
     dtype where the fp32 master is cut (several nodes shard it, or it is on the tier): its
-    exact value would need a master of its own beside the trained prefix's."""
+    exact value would need a master of its own beside the trained prefix's. With the weights
+    on the tier too (``"all"``), in one process, a state with a trained parameter: frozen
+    weights not in the compute dtype are kept apart in the master's (:func:`_frozen_apart_on_tier`)."""
+    if nvme == "all":  # one process: the frozen weights apart on the tier; data parallel: gathered windows
+        # A block with nothing trained keeps every buffer: the tier has no empty swap files.
+        return not topology.data_parallel and shape.trained_numel > 0
     cut_master = sizes.with_shadow and (topology.span_of is not None or nvme == "optimizer")
     mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
-    return nvme != "all" and not (cut_master and mixed)
+    return not (cut_master and mixed)
 
 
 def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> StatePlacement:
@@ -448,6 +481,8 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
     ``"none"`` whatever the blocks' is."""
     numel, trained = shape.numel, shape.trained_numel
     trained_only = _trained_only(shape, sizes, nvme, topology)
+    if trained_only and nvme == "all":
+        return _frozen_apart_on_tier(shape, sizes)
     stepped = trained if trained_only else numel  # what windows and spans divide
     shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow and nvme != "all" else NOWHERE
     grad_where, streamed, frozen_in = Where.HOST, Where.HOST, "master"
@@ -506,12 +541,42 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
     )
 
 
+def _frozen_apart_on_tier(shape: StateShape, sizes: ElementSizes) -> StatePlacement:
+    """A block's placement with the weights on the tier in one process: the trained prefix's
+    master, m and v on the tier, its gradients in host memory, the frozen weights apart on the
+    tier in their own dtype (the compute dtype where every one arrives in it, else the
+    master's), read only ([Note: the placement model])."""
+    numel, trained = shape.numel, shape.trained_numel
+    frozen_itemsize = sizes.compute if shape.frozen_in_compute_dtype else sizes.master
+    moments = Buffer(Where.TIER, trained, 4)
+    grad = Buffer(Where.HOST, trained, sizes.grad) if sizes.grad is not None else NOWHERE
+    frozen = Buffer(Where.TIER, numel - trained, frozen_itemsize) if trained < numel else NOWHERE
+    return StatePlacement(
+        numel,
+        Buffer(Where.TIER, trained, sizes.master),
+        NOWHERE,
+        moments,
+        moments,
+        grad,
+        Where.TIER,
+        numel - trained,
+        True,
+        "frozen" if trained < numel else "",
+        frozen,
+    )
+
+
 def _tiers(
-    settings: TierSettings, nvme: str, topology: Topology, blocks: Sequence[int], sizes: ElementSizes
+    settings: TierSettings,
+    nvme: str,
+    topology: Topology,
+    blocks: Sequence[int],
+    sizes: ElementSizes,
+    frozen: tuple[int, ...],
 ) -> tuple[TierPlacement | None, list[TierPlacement]]:
     """This process's NVMe tier and those of every rank of its node (none without a tier);
     ``blocks``: the elements each block's optimizer state covers (its trained prefix where
-    frozen parameters have none)."""
+    frozen parameters have none); ``frozen``: each block's frozen weights' bytes apart."""
     if nvme == "none":
         return None, []
 
@@ -520,6 +585,8 @@ def _tiers(
 
     if not topology.data_parallel:
         one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, blocks)
+        if any(frozen):
+            one = TierPlacement(one.kinds, one.numels, one.alignment, one.window_blocks, frozen)
         return one, [one]
     # Each rank's tier: its non-empty windows (with "all" their masters too: nothing else holds them).
     kinds = WITH_MASTER if nvme == "all" else MOMENTS

@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +52,36 @@ every common NVMe drive and filesystem; 512-byte devices accept it too)."""
 
 class SwapIOError(OSError):
     """A swap file read or write failed; the message names the file and the bytes."""
+
+
+class Transfer:
+    """One slot's queued I/O task, finished once. Its completion is a handoff the race
+    checker sees (``runtime.host_queue``): whoever synchronises with it is ordered after
+    the I/O thread's accesses to the slot's buffer."""
+
+    def __init__(self, runtime: DeviceRuntime, work: Callable[[], None]) -> None:
+        self.work = work
+        self.error: BaseException | None = None
+        self._finished = threading.Event()
+        self._outcome = runtime.host_queue()
+
+    def run(self) -> None:
+        """On an I/O thread: do the work, then hand its outcome over."""
+        try:
+            self.work()
+        except BaseException as error:  # the tier raises it on the training thread (``NvmeTier._failure``)
+            self.error = error
+        self._outcome.put(None)
+        self._finished.set()
+
+    def done(self) -> bool:
+        """Whether the work has finished (no ordering: :meth:`synchronize` before touching its buffer)."""
+        return self._finished.is_set()
+
+    def synchronize(self) -> None:
+        """Block until the work has finished. Each caller takes the outcome and puts it
+        back, so every one of them is ordered after the I/O thread."""
+        self._outcome.put(self._outcome.get())
 
 
 def explained_failure(error: BaseException, path: str, nbytes: int, writing: bool, what: str) -> BaseException:
