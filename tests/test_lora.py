@@ -195,7 +195,7 @@ def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
         _assert_frozen_unchanged(engine, frozen)
         _assert_trained_only_buffers(engine)
         for state in engine.states:
-            assert state.frozen_in_shadow and state.master.numel() == state.layout.trained_numel
+            assert state.placement.frozen_in == "shadow" and state.master.numel() == state.layout.trained_numel
             assert state.shadow is not None and state.shadow.numel() == state.layout.numel
         _assert_host_bytes_per_param(engine, model)
         _assert_accounting_agrees(engine, planned, estimated)
