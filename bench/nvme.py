@@ -40,6 +40,8 @@ sys.path.insert(0, str(HERE.parent))  # this checkout's megatrain_ds, wherever p
 
 
 def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, engine: str) -> dict:
+    from dataclasses import replace
+
     import torch
 
     from megatrain_ds.config import AioSettings, MegatrainOptions
@@ -47,11 +49,13 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
     from megatrain_ds.state.flat_layout import build_flat_layout
     from megatrain_ds.state.host_store import HostFlatState, absent_on_host
     from megatrain_ds.state.nvme_tier import IO_THREADS, MOMENTS, NvmeTier
+    from megatrain_ds.state.state_placement import Buffer, Where, whole_in_host_memory
 
     numel = block_mib * (1 << 20) // 8  # m and v: 8 bytes per element
     states = []
     for _ in range(blocks):
         layout = build_flat_layout([("w", torch.Size([numel]), 0)])
+        on_tier = Buffer(Where.TIER, layout.numel, 4)  # the moments, as "optimizer" places them (fp32 compute)
         states.append(
             HostFlatState(
                 layout=layout,
@@ -59,6 +63,7 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
                 shadow=None,
                 exp_avg=absent_on_host(layout.numel),
                 exp_avg_sq=absent_on_host(layout.numel),
+                placement=replace(whole_in_host_memory(layout.numel, 4), exp_avg=on_tier, exp_avg_sq=on_tier),
             )
         )
     options = MegatrainOptions(

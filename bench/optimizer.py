@@ -95,6 +95,7 @@ from megatrain_ds.optimizer.journal import Journal, JournalExtent  # noqa: E402
 from megatrain_ds.runtime.device_runtime import DeviceRuntime  # noqa: E402
 from megatrain_ds.state.flat_layout import build_flat_layout  # noqa: E402
 from megatrain_ds.state.host_store import HostFlatState  # noqa: E402
+from megatrain_ds.state.state_placement import whole_in_host_memory  # noqa: E402
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 BYTES_PER_ELEMENT = 28
@@ -167,6 +168,7 @@ def _engine_update(
         shadow=buffers.shadow if shadow else None,
         exp_avg=buffers.m,
         exp_avg_sq=buffers.v,
+        placement=whole_in_host_memory(n, 4, buffers.shadow.element_size() if shadow else 0),
     )
     assert state.layout.numel == n, "allocate the buffers with _engine_numel(n) elements"
     grad = buffers.grad if grad_dtype == torch.float32 else buffers.grad_bf16

@@ -56,7 +56,8 @@ from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
 from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
-from megatrain_ds.state.placement import Placement, StatePlacement, Topology, Where, flat_state_params, state_shapes
+from megatrain_ds.state.placement import Placement, Topology, flat_state_params, state_shapes
+from megatrain_ds.state.state_placement import StatePlacement, Where
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
 from megatrain_ds.streaming.activation_stash import ActivationStash
 from megatrain_ds.streaming.resident_params import ResidentParams
@@ -240,12 +241,10 @@ def _migrate_block(
             engine.runtime,
             master,
             compute,
+            placement,
             source=source,
-            moments_on_host=False,
-            shadow_on_host=False,
             span_of=dp.window,
             share=dp.broadcast_from_rank0_,
-            shard_master=True,
         )
     return migrate_to_host(
         named,
@@ -253,14 +252,11 @@ def _migrate_block(
         engine.runtime,
         master,
         compute,
+        placement,
         source=source,
         shared=shared,
-        moments_on_host=placement.exp_avg.where.on_host,
-        shadow_on_host=placement.streamed is Where.HOST,
         span_of=functools.partial(_span_of, engine),
         share=functools.partial(_share_initial_weights, engine),
-        trained_only=placement.trained_only,
-        shard_master=placement.master_split,
     )
 
 
@@ -284,12 +280,11 @@ def _build_resident(
         engine.runtime,
         master,
         compute,
+        engine.placement.resident,
         source=source,
         shared=shared,
         span_of=functools.partial(_span_of, engine),
         share=functools.partial(_share_initial_weights, engine),
-        trained_only=engine.placement.resident.trained_only,  # frozen ones: their weights alone
-        shard_master=engine.placement.resident.master_split,
     )
     if source is not None:
         source.report_unused(name for name, _ in model.named_buffers())

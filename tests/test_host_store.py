@@ -6,10 +6,12 @@ import pytest
 import tiny_models
 import torch
 import transformers
+from placement_check import planned_state
 from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
+from megatrain_ds.state.placement import Topology
 
 
 def _mid_llama(num_layers=4):
@@ -121,12 +123,15 @@ def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
 
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
     group_of = dict.fromkeys(params, 0)
+    nodes = Topology(node_ranks=1, span_of=span_of)
+    placement = planned_state(named, group_of, (torch.float32, torch.bfloat16), nodes)
+    assert placement.master_split  # the master too: this node's span
     state = migrate_to_host(
-        named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, share=share, shard_master=True
+        named, group_of, runtime, torch.float32, torch.bfloat16, placement, span_of=span_of, share=share
     )
     numel = state.layout.numel
     start, end = span_of(numel)
-    assert 0 < start < end == numel and state.master_sharded and state.held == (start, end)
+    assert 0 < start < end == numel and state.master_held == state.held == (start, end)
     expected = torch.zeros(numel)
     for slot, value in zip(slots, first_node):
         expected[slot.offset : slot.offset + slot.numel] = value.flatten()
@@ -152,15 +157,10 @@ def test_a_node_span_with_a_bf16_shadow_shards_the_fp32_master_too():
 
     # fp32 compute (no shadow) on the same span: only the moments are sharded.
     fp32 = [torch.nn.Parameter(value.clone()) for value in first_node]
-    whole = migrate_to_host(
-        [(f"p{i}", p) for i, p in enumerate(fp32)],
-        dict.fromkeys(fp32, 0),
-        runtime,
-        torch.float32,
-        torch.float32,
-        span_of=span_of,
-    )
-    assert not whole.master_sharded and torch.equal(whole.master, expected)
+    named_fp32, group_fp32 = [(f"p{i}", p) for i, p in enumerate(fp32)], dict.fromkeys(fp32, 0)
+    placement = planned_state(named_fp32, group_fp32, (torch.float32, torch.float32), nodes)
+    whole = migrate_to_host(named_fp32, group_fp32, runtime, torch.float32, torch.float32, placement, span_of=span_of)
+    assert whole.master_held == (0, numel) and torch.equal(whole.master, expected)
     assert whole.weights is whole.master and whole.exp_avg.numel() == end - start
 
 
@@ -183,13 +183,13 @@ def test_a_node_span_of_a_trained_only_state_leaves_frozen_weights_in_the_shadow
     values = {name: param.detach().clone() for name, param in named}
     span_of = Ownership.of([[0], [1]], rank=1).span
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
-    state = migrate_to_host(
-        named, group_of, runtime, torch.float32, torch.bfloat16, span_of=span_of, trained_only=True, shard_master=True
-    )
+    placement = planned_state(named, group_of, (torch.float32, torch.bfloat16), Topology(1, span_of))
+    assert placement.trained_only and placement.master_split and placement.frozen_in == "shadow"
+    state = migrate_to_host(named, group_of, runtime, torch.float32, torch.bfloat16, placement, span_of=span_of)
     layout, (start, end) = state.layout, state.held
     assert state.stepped_numel == layout.trained_numel < layout.numel
     assert (start, end) == span_of(layout.trained_numel) and 0 < start < end == layout.trained_numel
-    assert state.master_sharded and state.frozen_in_shadow and state.master_held == (start, end)
+    assert state.master_held == (start, end) and state.master.numel() == end - start
     expected = torch.zeros(layout.numel)
     for slot in layout.slots:
         expected[slot.offset : slot.offset + slot.numel] = values[slot.name].float().flatten()
@@ -208,7 +208,7 @@ def test_a_node_span_of_a_trained_only_state_leaves_frozen_weights_in_the_shadow
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_parameters(compute: torch.dtype):
     """The weights on the NVMe tier with data parallel (issue 34): ``migrate_to_host`` with
-    ``shadow_on_host=False`` and a rank's window keeps only that window of the fp32 master,
+    that placement (gathered) and a rank's window keeps only that window of the fp32 master,
     exact, and no whole copy at all (the blocks are gathered from every rank's window when
     used): the parameters become meta tensors of their shapes and dtype. ``share`` (rank 0's
     values, as the engine broadcasts them) replaces the values first. The reference is the
@@ -231,20 +231,13 @@ def test_a_window_without_a_shadow_keeps_only_its_master_span_and_parks_the_para
             values[slot.offset : slot.offset + slot.numel].copy_(value.flatten())
 
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
-    state = migrate_to_host(
-        named,
-        dict.fromkeys(params, 0),
-        runtime,
-        torch.float32,
-        compute,
-        moments_on_host=False,
-        shadow_on_host=False,
-        span_of=window_of,
-        share=share,
-        shard_master=True,
-    )
+    group_of = dict.fromkeys(params, 0)
+    ranks = Topology(node_ranks=3, window_of=window_of)
+    placement = planned_state(named, group_of, (torch.float32, compute), ranks, nvme="all")
+    assert placement.gathered and placement.master_split
+    state = migrate_to_host(named, group_of, runtime, torch.float32, compute, placement, span_of=window_of, share=share)
     start, end = window_of(state.layout.numel)
-    assert 0 < start < end < state.layout.numel and state.master_sharded and state.held == (start, end)
+    assert 0 < start < end < state.layout.numel and state.master_held == state.held == (start, end)
     expected = torch.zeros(state.layout.numel)
     for slot, value in zip(slots, rank0):
         expected[slot.offset : slot.offset + slot.numel] = value.flatten()
@@ -280,7 +273,9 @@ def test_migration_copies_a_large_parameter_in_chunks_handing_its_pages_back(mon
     expected = {"alone": alone.detach().clone(), "shared": shared.detach().clone()}
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
     named = [("alone", alone), ("shared", shared)]
-    state = host_store.migrate_to_host(named, dict.fromkeys([alone, shared], 0), runtime, torch.float32, torch.float32)
+    group_of = dict.fromkeys([alone, shared], 0)
+    placement = planned_state(named, group_of, (torch.float32, torch.float32))
+    state = host_store.migrate_to_host(named, group_of, runtime, torch.float32, torch.float32, placement)
     for slot, param in zip(state.layout.slots, state.params):
         assert torch.equal(state.master[slot.offset : slot.offset + slot.numel], expected[slot.name])
         assert param.data_ptr() == state.master[slot.offset :].data_ptr()  # re-pointed at its slot

@@ -195,7 +195,7 @@ def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
         _assert_frozen_unchanged(engine, frozen)
         _assert_trained_only_buffers(engine)
         for state in engine.states:
-            assert state.frozen_in_shadow and state.master.numel() == state.layout.trained_numel
+            assert state.placement.frozen_in == "shadow" and state.master.numel() == state.layout.trained_numel
             assert state.shadow is not None and state.shadow.numel() == state.layout.numel
         _assert_host_bytes_per_param(engine, model)
         _assert_accounting_agrees(engine, planned, estimated)
@@ -412,7 +412,7 @@ def test_frozen_weights_cast_to_the_compute_dtype_train_as_the_model_cast_by_han
         _assert_frozen_unchanged(engine, rounded)
         assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
         for state in engine.states:
-            assert state.trained_only and state.frozen_in_shadow
+            assert state.placement.trained_only and state.placement.frozen_in == "shadow"
             assert state.shadow is not None and state.shadow.numel() == state.layout.numel
         host = engine.host_bytes()
         assert host == by_hand.host_bytes()

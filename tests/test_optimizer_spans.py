@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from placement_check import planned_state
 
 from megatrain_ds.checkpoint.optimizer_spans import (
     HeldSpan,
@@ -24,9 +25,16 @@ from megatrain_ds.checkpoint.tensor_files import CheckpointError, SafetensorsFil
 from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.state.flat_layout import build_flat_layout
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.placement import Topology
 
 KINDS = ("exp_avg", "exp_avg_sq", "grad")
 NUMELS = {"resident": 1000, "model.layers.0": 5 * 64 + 3, "model.layers.1": 64}  # one smaller than the windows
+
+
+def _planned(numel: int, compute: torch.dtype, topology: Topology, grad_itemsize: int | None = None):
+    """The placement of a state of one ``numel``-element fp32 parameter, as an engine plans it."""
+    param = torch.nn.Parameter(torch.empty(numel, device="meta"))
+    return planned_state([("w", param)], {param: 0}, (torch.float32, compute), topology, grad_itemsize=grad_itemsize)
 
 
 def node_states(nodes: int, per_node: int, node: int, values: dict[str, torch.Tensor] | None) -> dict:
@@ -37,6 +45,7 @@ def node_states(nodes: int, per_node: int, node: int, values: dict[str, torch.Te
     for name, numel in NUMELS.items():
         layout = build_flat_layout([("w", torch.Size([numel]), 0)])
         start, end = ownership.span(layout.numel)
+        topology = Topology(node_ranks=per_node, span_of=ownership.span)
         held = {
             kind: (values[f"{name}.{kind}"][start:end].clone() if values else torch.zeros(end - start))
             for kind in KINDS
@@ -49,6 +58,7 @@ def node_states(nodes: int, per_node: int, node: int, values: dict[str, torch.Te
             exp_avg_sq=held["exp_avg_sq"],
             grad=held["grad"],
             span=(start, end),
+            placement=_planned(numel, torch.float32, topology, grad_itemsize=4),
         )
     return states
 
@@ -156,17 +166,19 @@ def _master_states(nodes: int, node: int, masters: dict[str, torch.Tensor] | Non
     states = {}
     for name, numel in NUMELS.items():
         layout = build_flat_layout([("w", torch.Size([numel]), 0)])
-        span = Ownership.of([[n] for n in range(nodes)], node).span(layout.numel) if nodes > 1 else None
+        span_of = Ownership.of([[n] for n in range(nodes)], node).span if nodes > 1 else None
+        placement = _planned(numel, torch.bfloat16 if sharded else torch.float32, Topology(1, span_of))
+        span = span_of(layout.numel) if span_of is not None else None
         start, end = span if span is not None else (0, layout.numel)
-        first, last = (start, end) if sharded else (0, layout.numel)
+        first, last = (start, end) if placement.master_split else (0, layout.numel)
         states[name] = HostFlatState(
             layout=layout,
             master=masters[name][first:last].clone() if masters else torch.zeros(last - first),
-            shadow=torch.zeros(layout.numel, dtype=torch.bfloat16),
+            shadow=torch.zeros(layout.numel, dtype=torch.bfloat16) if sharded else None,
             exp_avg=torch.zeros(end - start),
             exp_avg_sq=torch.zeros(end - start),
             span=span,
-            master_sharded=sharded and span is not None,
+            placement=placement,
         )
     return states
 

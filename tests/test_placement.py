@@ -28,7 +28,7 @@ from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.optimizer.facade import build_optimizer
 from megatrain_ds.planning import preflight
 from megatrain_ds.planning.planner import ModelShape, RunSettings, host_bytes
-from megatrain_ds.state.placement import Where
+from megatrain_ds.state.state_placement import Where
 
 peft = pytest.importorskip("peft")
 

@@ -10,6 +10,7 @@ from megatrain_ds.optimizer.adamw_math import adamw_update_
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, FROZEN_GROUP, build_flat_layout, intersect_runs
 from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.state_placement import whole_in_host_memory
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 
 CPU = DeviceRuntime.create(torch.device("cpu"))
@@ -59,7 +60,8 @@ def _states(sizes):
     for index, size in enumerate(sizes):
         layout = build_flat_layout([("w", torch.Size([size]), 0)])
         master = torch.full((layout.numel,), float(index))
-        states.append(HostFlatState(layout, master, None, torch.zeros_like(master), torch.zeros_like(master)))
+        moments = (torch.zeros_like(master), torch.zeros_like(master))
+        states.append(HostFlatState(layout, master, None, *moments, placement=whole_in_host_memory(layout.numel, 4)))
     return states
 
 

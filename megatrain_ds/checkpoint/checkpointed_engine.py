@@ -28,7 +28,8 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, ParamSlot
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.nvme_tier import NvmeTier
-from megatrain_ds.state.placement import Placement, StatePlacement
+from megatrain_ds.state.placement import Placement
+from megatrain_ds.state.state_placement import StatePlacement
 from megatrain_ds.streaming.resident_params import ResidentParams
 from megatrain_ds.streaming.weight_streamer import WeightStreamer
 

@@ -52,7 +52,7 @@ from megatrain_ds.checkpoint.optimizer_spans import MASTER, SPANS_PREFIX, HeldSp
 from megatrain_ds.checkpoint.reshard import reshard
 from megatrain_ds.checkpoint.tensor_files import CheckpointError, FileDigest, SafetensorsFile
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.placement import Where
+from megatrain_ds.state.state_placement import Where
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,8 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.nvme_tier import NvmeTier
-from megatrain_ds.state.placement import Placement, Where
+from megatrain_ds.state.placement import Placement
+from megatrain_ds.state.state_placement import Where
 
 OnTier = Callable[[HostFlatState], "dict[str, torch.Tensor] | None"]
 

@@ -71,7 +71,8 @@ from megatrain_ds.runtime.device_runtime import take_local_device
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState
-from megatrain_ds.state.placement import StatePlacement, Topology
+from megatrain_ds.state.placement import Topology
+from megatrain_ds.state.state_placement import StatePlacement
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

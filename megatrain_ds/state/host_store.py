@@ -2,10 +2,13 @@
 
 The host is the home of every persistent tensor. Each block (and the set of resident
 non-block parameters) owns a :class:`HostFlatState`: page-aligned flat buffers laid out
-by :mod:`megatrain_ds.state.flat_layout`. The user's parameters are re-pointed at views of
-the whole weights the node holds (the master; the bf16 shadow where the master is sharded
-across nodes), so the model has the trained weights without a second copy; its
-``state_dict()`` reports the masters wherever they are (``checkpoint/whole_masters.py``).
+by :mod:`megatrain_ds.state.flat_layout`, kept as its placement says (the
+:class:`~megatrain_ds.state.state_placement.StatePlacement` it carries, which the engine's
+``Placement`` computed: where each buffer lives, so which elements it holds). The user's
+parameters are re-pointed at views of the whole weights the node holds (the master; the
+bf16 shadow where the master is sharded across nodes), so the model has the trained
+weights without a second copy; its ``state_dict()`` reports the masters wherever they are
+(``checkpoint/whole_masters.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.host_heap import release_pages
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import FROZEN_GROUP, FlatLayout, ParamSlot, build_flat_layout
+from megatrain_ds.state.state_placement import StatePlacement, Where, whole_in_host_memory
 
 TierKind = Literal["master", "exp_avg", "exp_avg_sq"]
 """A buffer of a flat state that may live in the NVMe tier's swap files and window slots
@@ -44,24 +48,25 @@ class HostFlatState:
         exp_avg, exp_avg_sq: Adam's first and second moments, fp32.
         grad: gradient accumulator, allocated only when gradients must be held until
             the end of backward (clipping, or accumulation over micro-batches).
+        placement: where each buffer lives (``state/state_placement.py``), computed by the
+            engine's ``Placement`` (``state/placement.py``: [Note: the placement model]). The
+            state's own views read from it which elements each buffer holds (:attr:`held`,
+            :attr:`master_held`, :attr:`stepped_numel`, :meth:`weights_of`): the moments
+            and gradients only the trained prefix ``[0, layout.trained_numel)`` where it is
+            ``trained_only`` (frozen parameters have none: [Note: frozen weights]); the master
+            only the ``span`` where it is split (``master_split``: several nodes with a
+            shadow, whose whole weights are the shadow; a rank's window of gathered weights),
+            only the trained prefix where the frozen weights are held in the shadow alone or
+            apart (``frozen_in``).
         span: ``[start, end)``, the elements that ``exp_avg``, ``exp_avg_sq`` and ``grad``
             hold: all of them on one node, with data parallel over several nodes this
-            node's share (``distributed/data_parallel.py``: [Note: sharded host state]).
-        master_sharded: whether ``master`` too holds only the ``span`` (several nodes with a
-            shadow: the whole weights a node streams are the shadow; a rank's window of
-            gathered weights).
-
-    These flags say which elements each buffer holds, for the state's own views
-    (:attr:`held`, :attr:`master_held`, :meth:`window`); where a buffer lives, which
-    code outside this module branches on, is the engine's ``Placement``
-    (``state/placement.py``), which ``tests/test_placement.py`` checks them against.
-        trained_only: whether the moments and gradients hold only the trained prefix
-            ``[0, layout.trained_numel)``: frozen parameters have none ([Note: frozen weights]).
-        frozen_in_shadow: whether ``master`` too holds only the trained prefix, the frozen
-            weights living in the streamed ``shadow`` alone, in their own (the compute) dtype.
+            node's share (``distributed/data_parallel.py``: [Note: sharded host state]), with
+            gathered weights this rank's window. The offsets, which the placement (sizes,
+            the same for every node of a plan) does not hold.
         frozen: the frozen weights ``[layout.trained_numel, layout.numel)`` held apart from
-            the master, in their own dtype, with the weights on the NVMe tier (``master`` then
-            holds the trained prefix alone); ``None`` where they are in ``master`` or ``shadow``.
+            the master, in their own dtype, with the weights on the NVMe tier (the placement's
+            ``frozen_in == "frozen"``; ``master`` then holds the trained prefix alone);
+            ``None`` where they are in ``master`` or ``shadow``.
 
     [Note: frozen weights]
     A frozen parameter (``requires_grad=False``, or in no optimizer group) is streamed and
@@ -69,12 +74,12 @@ class HostFlatState:
     last (``FlatLayout.trained_numel``), so the buffers only training needs stop at the
     trained prefix: Adam's moments and the gradients always (``trained_only``), and with a
     bf16 shadow the fp32 master too, when every frozen parameter arrives in the compute dtype
-    (``frozen_in_shadow``): its weights are then held once, bit for bit, in the shadow that is
+    (``frozen_in == "shadow"``): its weights are then held once, bit for bit, in the shadow that is
     streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
     master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
     frozen weights to the compute dtype before ``initialize`` (``"frozen_weights":
     "compute_dtype"`` does, ``model/frozen_weights.py``) to hold them at 2 B/param.
-    So it is wherever the weights are in host memory (``migrate_to_host(trained_only=...)``):
+    So it is wherever the weights are in host memory (the placement's ``trained_only``):
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
     (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
@@ -98,18 +103,16 @@ class HostFlatState:
     params: list[nn.Parameter] = field(default_factory=list)
     """The user's parameters in slot order (for state_dict mapping and hooks)."""
     span: tuple[int, int] | None = None
-    """``None``: the optimizer state covers every element (``[0, layout.numel)``)."""
-    master_sharded: bool = False
-    trained_only: bool = False
-    frozen_in_shadow: bool = False
+    """``None``: the optimizer state covers every element it steps (:attr:`stepped_numel`)."""
     frozen: torch.Tensor | None = None
+    placement: StatePlacement = field(kw_only=True)
 
     @property
     def stepped_numel(self) -> int:
-        """Elements the optimizer state is laid over: the trained prefix where
-        :attr:`trained_only`, else every element. Data-parallel windows and node spans
+        """Elements the optimizer state is laid over: the trained prefix where the placement
+        is ``trained_only``, else every element. Data-parallel windows and node spans
         (``distributed/ownership.py``) divide these."""
-        return self.layout.trained_numel if self.trained_only else self.layout.numel
+        return self.layout.trained_numel if self.placement.trained_only else self.layout.numel
 
     @property
     def held(self) -> tuple[int, int]:
@@ -127,18 +130,21 @@ class HostFlatState:
     def master_held(self) -> tuple[int, int]:
         """``[start, end)`` of the elements ``master`` holds (:attr:`held` where it is sharded,
         the trained prefix where the frozen weights are in the shadow alone)."""
-        if self.master_sharded:
+        if self.placement.master_split:
             return self.held
-        apart = self.frozen_in_shadow or self.frozen is not None
+        apart = self.placement.frozen_in in ("shadow", "frozen")
         return (0, self.layout.trained_numel) if apart else (0, self.layout.numel)
 
     @property
     def weights(self) -> torch.Tensor:
         """Every weight of the state: the master, or the shadow where the master is sharded
         (``StatePlacement.weights_in`` says which, for the code that branches on it): what the
-        user's parameters view (the trained ones only where :attr:`frozen_in_shadow`:
-        :meth:`weights_of`)."""
-        return self.shadow if self.master_sharded and self.shadow is not None else self.master
+        user's parameters view (the trained ones only where the frozen weights are held in the
+        shadow alone or apart: :meth:`weights_of`)."""
+        if self.placement.weights_in == "shadow":
+            assert self.shadow is not None, "a master split in nodes' spans: the shadow is whole"
+            return self.shadow
+        return self.master
 
     def weights_of(self, slot: ParamSlot) -> torch.Tensor:
         """The buffer that holds ``slot``'s weight: :attr:`weights`, or for a frozen slot the
@@ -147,7 +153,7 @@ class HostFlatState:
         if self._apart(slot):
             assert self.frozen is not None
             return self.frozen
-        if self.frozen_in_shadow and slot.group == FROZEN_GROUP:
+        if self.placement.frozen_in == "shadow" and slot.group == FROZEN_GROUP:
             assert self.shadow is not None
             return self.shadow
         return self.weights
@@ -160,7 +166,7 @@ class HostFlatState:
         return flat[start : start + slot.numel].view(slot.shape)
 
     def _apart(self, slot: ParamSlot) -> bool:
-        return slot.group == FROZEN_GROUP and self.frozen is not None
+        return slot.group == FROZEN_GROUP and self.placement.frozen_in == "frozen"
 
     @property
     def streamed(self) -> torch.Tensor:
@@ -189,7 +195,8 @@ class HostFlatState:
     def window(self, start: int, end: int) -> HostFlatState:
         """Views of elements ``[start, end)`` of every buffer, with the matching layout
         (:meth:`FlatLayout.window`): the part of this state one data-parallel rank steps,
-        inside the part this node holds (:attr:`held`)."""
+        inside the part this node holds (:attr:`held`), a state of its own whose every
+        buffer holds all its elements (:func:`whole_in_host_memory`)."""
         first, last = self.held
         assert first <= start <= end <= last, (start, end, self.held)
 
@@ -197,13 +204,20 @@ class HostFlatState:
             return None if tensor is None else tensor[start - base : end - base]
 
         master_first = self.master_held[0]  # a sharded master starts at the span, as the moments do
+        shadow, grad = part(self.shadow), part(self.grad, first)
         return HostFlatState(
             layout=self.layout.window(start, end),
             master=self.master[start - master_first : end - master_first],
-            shadow=part(self.shadow),
+            shadow=shadow,
             exp_avg=self.exp_avg[start - first : end - first],
             exp_avg_sq=self.exp_avg_sq[start - first : end - first],
-            grad=part(self.grad, first),
+            grad=grad,
+            placement=whole_in_host_memory(
+                end - start,
+                self.master.element_size(),
+                shadow.element_size() if shadow is not None else 0,
+                grad.element_size() if grad is not None else 0,
+            ),
         )
 
     def bind(self, buffers: Mapping[BoundKind, torch.Tensor]) -> None:
@@ -243,7 +257,7 @@ class HostFlatState:
         master is on the NVMe tier, the master again when it comes back: ``state/nvme_tier.py``);
         a frozen weight held in the shadow alone stays there ([Note: frozen weights])."""
         for slot, param in zip(self.layout.slots, self.params):
-            frozen = slot.group == FROZEN_GROUP and (self.frozen_in_shadow or self.frozen is not None)
+            frozen = slot.group == FROZEN_GROUP and self.placement.frozen_in in ("shadow", "frozen")
             held = self.weights_of(slot) if frozen else flat
             _repoint(param, self.slot_of(slot, held))
 
@@ -307,21 +321,20 @@ def migrate_to_host(
     runtime: DeviceRuntime,
     master_dtype: torch.dtype,
     compute_dtype: torch.dtype,
+    placement: StatePlacement,
     source: TensorSource | None = None,
     shared: NodeSharedMemory | None = None,
-    moments_on_host: bool = True,
-    shadow_on_host: bool = True,
     span_of: SpanOf | None = None,
     share: Callable[[torch.Tensor], None] | None = None,
-    trained_only: bool = False,
-    shard_master: bool = False,
 ) -> HostFlatState:
-    """Move ``named_params`` into a new flat host state, each re-pointed at its slot of the
-    whole weights (the master; the shadow where the master is sharded, below). The master is
-    allocated untouched; each parameter is copied into its slot and re-pointed at once, its
-    old storage freed (a large one's chunk by chunk, :func:`copy_releasing_source`): the peak
-    is the state plus one chunk. With ``source`` each slot is filled from ``source.copy_into``;
-    ``meta`` parameters then become real ones viewing their slot, keeping their identity.
+    """Move ``named_params`` into a new flat host state that keeps what ``placement`` says
+    (``state/placement.py``: [Note: the placement model]), each parameter re-pointed at its
+    slot of the whole weights (the master; the shadow where the master is split, below).
+    The master is allocated untouched; each
+    parameter is copied into its slot and re-pointed at once, its old storage freed (a large
+    one's chunk by chunk, :func:`copy_releasing_source`): the peak is the state plus one
+    chunk. With ``source`` each slot is filled from ``source.copy_into``; ``meta`` parameters
+    then become real ones viewing their slot, keeping their identity.
 
     With ``shared`` the buffers are node-shared (``runtime/node_shared_memory.py``): only the
     node's writer copies values in; the other ranks just re-point their parameters (their
@@ -329,32 +342,29 @@ def migrate_to_host(
     :meth:`NodeSharedMemory.written`. ``share(values)``, on the writer, may replace the
     whole values first (data parallel: the first node's initial weights).
 
-    ``moments_on_host=False``: m and v are placeholders (:func:`absent_on_host`); ``shadow_on_host=False``: no shadow.
-
-    ``span_of``: the moments hold only this node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`);
-    with ``shard_master`` (``StatePlacement.master_split``) the master too (:func:`_fill_sharded`).
-    ``trained_only``: frozen parameters get no moments, gradients or, where they can, master
-    ([Note: frozen weights]); ``span_of`` then divides the trained prefix alone."""
+    Moments not in host memory are placeholders (:func:`absent_on_host`); a shadow is made
+    where the placement has one in host memory. ``span_of``: the moments hold only this
+    node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`), and the master too where
+    the placement splits it (``StatePlacement.master_split``, :func:`_fill_sharded`); of
+    the trained prefix alone where the state is ``trained_only``: frozen parameters get no
+    moments, gradients or, where they can, master ([Note: frozen weights])."""
+    dtypes = (master_dtype, compute_dtype)
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
-    covered = layout.trained_numel if trained_only else layout.numel
+    covered = layout.trained_numel if placement.trained_only else layout.numel
     span = span_of(covered) if span_of is not None else None
     first, last = span if span is not None else (0, covered)
     writes = shared is None or shared.is_writer
-    with_shadow = compute_dtype != master_dtype and shadow_on_host
-    shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if with_shadow else None
-    in_shadow = trained_only and shadow is not None and _frozen_all_in(named_params, layout, compute_dtype)
-    frozen = _frozen_apart(named_params, layout, runtime, (master_dtype, compute_dtype), trained_only, shadow_on_host)
-    assert frozen is None or (span is None and not shard_master), "frozen weights apart: one process"
-    assert not shard_master or span is not None, "a sharded master holds this node's span"
-    assert not (shard_master and trained_only and covered < layout.numel) or in_shadow, "a sharded master: no frozen"
-    if shard_master:
+    _check_placement(placement, named_params, layout, dtypes, span)
+    shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if placement.shadow.where.on_host else None
+    frozen = _frozen_apart(named_params, layout, runtime, dtypes) if placement.frozen_in == "frozen" else None
+    if placement.master_split:
         master = runtime.host_empty(last - first, master_dtype, shared)
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
     else:
-        frozen_in = shadow if in_shadow else frozen  # frozen weights not in the master
+        frozen_in = shadow if placement.frozen_in == "shadow" else frozen  # frozen weights not in the master
         master = runtime.host_empty(layout.numel if frozen_in is None else layout.trained_numel, master_dtype, shared)
         params = _fill_whole(named_params, layout, master, shadow, frozen_in, source, writes, share)
-    held = last - first
+    held, moments_on_host = last - first, placement.exp_avg.where.on_host
     state = HostFlatState(
         layout=layout,
         master=master,
@@ -363,14 +373,35 @@ def migrate_to_host(
         exp_avg_sq=runtime.host_zeros(held, torch.float32, shared) if moments_on_host else absent_on_host(held),
         params=params,
         span=span,
-        master_sharded=shard_master,
-        trained_only=trained_only,
-        frozen_in_shadow=in_shadow,
         frozen=frozen,
+        placement=placement,
     )
-    if shard_master and shadow is None:
+    if placement.master_split and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
+
+
+def _check_placement(
+    placement: StatePlacement,
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    span: tuple[int, int] | None,
+) -> None:
+    """Assert that ``placement`` was computed for these parameters and dtypes, and that
+    ``span`` is where it splits the state (the builders' contract with ``Placement``)."""
+    master_dtype, compute_dtype = dtypes
+    assert placement.numel == layout.numel, (placement.numel, layout.numel)
+    assert placement.frozen_numel == layout.numel - layout.trained_numel, placement
+    assert placement.shadow.where.on_host == (compute_dtype != master_dtype and placement.streamed is Where.HOST)
+    in_compute = _frozen_all_in(named_params, layout, compute_dtype)
+    assert placement.frozen_in != "shadow" or in_compute, "frozen weights in the shadow: in the compute dtype"
+    if placement.frozen_in == "frozen":
+        assert span is None and not placement.master_split, "frozen weights apart: one process"
+        assert placement.frozen.itemsize == (compute_dtype if in_compute else master_dtype).itemsize, placement
+    assert not placement.master_split or span is not None, "a split master holds this node's span"
+    split_frozen = placement.master_split and placement.trained_only and placement.frozen_numel
+    assert not split_frozen or placement.frozen_in == "shadow", "a split master: the frozen weights in the shadow"
 
 
 def _frozen_apart(
@@ -378,15 +409,11 @@ def _frozen_apart(
     layout: FlatLayout,
     runtime: DeviceRuntime,
     dtypes: tuple[torch.dtype, torch.dtype],
-    trained_only: bool,
-    shadow_on_host: bool,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """The buffer of a trained-only state's frozen weights held apart where no shadow is on
     the host to hold them (the weights on the NVMe tier, one process: :attr:`HostFlatState.frozen`),
     in their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
-    the master's (``dtypes[0]``); ``None`` elsewhere, or without frozen weights."""
-    if not trained_only or shadow_on_host or layout.trained_numel == layout.numel:
-        return None
+    the master's (``dtypes[0]``)."""
     master, compute = dtypes
     dtype = compute if _frozen_all_in(named_params, layout, compute) else master
     return runtime.host_empty(layout.numel - layout.trained_numel, dtype)
@@ -441,13 +468,13 @@ def _fill_sharded(
     writes: bool,
     share: Callable[[torch.Tensor], None] | None,
 ) -> list[nn.Parameter]:
-    """Fill a master that holds only ``span``, this node's share (:attr:`HostFlatState.master_sharded`).
+    """Fill a master that holds only ``span``, this node's share (``StatePlacement.master_split``).
 
     Where a shadow is made the master holds only the span (with several nodes an NVMe tier
     is each rank's, of m and v only): the parameters view the whole shadow, and the values
     pass through a whole temporary of the state, freed on return (one state more at the
-    peak). So does a state that keeps only its span and no shadow (``shadow_on_host=False``
-    with ``span_of``: a rank's window of a block whose weights are gathered when used,
+    peak). So does a state that keeps only its span and no shadow (a placement whose
+    weights are gathered when used, with ``span_of`` a rank's window of the block:
     ``distributed/gathered_weights.py``); its parameters view the temporary, and
     :func:`migrate_to_host` parks them (meta tensors)."""
     first, last = span

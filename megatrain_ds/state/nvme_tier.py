@@ -160,7 +160,7 @@ class NvmeTier:
         options: ``nvme_path``, ``nvme_window_blocks``, ``nvme_aio``.
 
     The blocks' states arrive through :meth:`adopt`, in block order (built with
-    ``moments_on_host=False``: placeholders for the moments, no host memory).
+    a placement whose moments are on the tier: placeholders for them, no host memory).
 
     Attributes:
         settle: waits for asynchronous updates of host state (the device placement), set

@@ -19,12 +19,13 @@ of branching on the NVMe level, data parallel, nodes and the master's dtype itse
   the whole weights, which states are gathered, whether the masters go in span files), and
   the weight gather after a data-parallel step (``DataParallel.gather_updated_weights``).
 
-A :class:`~megatrain_ds.state.host_store.HostFlatState` still records which elements each of
-its buffers holds (``span``, ``master_sharded``, ``trained_only``, ``frozen_in_shadow``), for
-its own views; the builders set them from the placement, and ``tests/placement_check.py``
-checks that they agree with it. Pure arithmetic: nothing is allocated here. (Not to be
-confused with ``optimizer/placement.py``, which places the optimizer's arithmetic on the CPU
-or the device.)
+The records (:class:`StatePlacement`, :class:`Buffer`, :class:`Where`) are in
+``state/state_placement.py``, below the host state: each
+:class:`~megatrain_ds.state.host_store.HostFlatState` carries its placement and reads from it
+which elements its buffers hold, so the two cannot disagree; ``tests/placement_check.py``
+checks the buffers the engine allocated against it. Pure arithmetic: nothing is allocated
+here. (Not to be confused with ``optimizer/placement.py``, which places the optimizer's
+arithmetic on the CPU or the device.)
 
 [Note: the placement model]
 The combinations, for a block's state (``W``: a shadow exists, compute dtype != master dtype;
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import nn
@@ -82,49 +82,8 @@ from megatrain_ds.state.flat_layout import FROZEN_GROUP, build_flat_layout
 from megatrain_ds.state.host_store import SpanOf, TierKind
 from megatrain_ds.state.nvme_tier import MOMENTS, WITH_MASTER, swap_file_bytes
 from megatrain_ds.state.nvme_weights import weight_window_buffers
+from megatrain_ds.state.state_placement import NOWHERE, Buffer, StatePlacement, Where
 from megatrain_ds.state.swap_io import DIRECT_ALIGNMENT, aligned_bytes
-
-BUFFERS = ("master", "shadow", "exp_avg", "exp_avg_sq", "grad")
-"""The buffers of a flat state, by the names ``HostFlatState.nbytes_by_kind`` gives them."""
-
-
-class Where(Enum):
-    """Where a buffer of a flat state lives, and which of its elements it holds."""
-
-    HOST = "whole on this host"
-    TRAINED_PREFIX = "the trained prefix on this host (frozen parameters have none)"
-    NODE_SPAN = "this node's span, on this host"
-    RANK_WINDOW = "this rank's window, in its own host memory"
-    TIER = "whole on this process's NVMe tier"
-    TIER_WINDOW = "this rank's window on its NVMe tier"
-    GATHERED = "gathered from the ranks' windows when used"
-    NOWHERE = "not kept"
-
-    @property
-    def on_host(self) -> bool:
-        """Whether the buffer is allocated in host memory for the whole run."""
-        return self in (Where.HOST, Where.TRAINED_PREFIX, Where.NODE_SPAN, Where.RANK_WINDOW)
-
-    @property
-    def on_tier(self) -> bool:
-        return self in (Where.TIER, Where.TIER_WINDOW)
-
-
-@dataclass(frozen=True)
-class Buffer:
-    """One buffer of one state: where it lives, and the elements and element size it holds there."""
-
-    where: Where
-    numel: int = 0
-    itemsize: int = 0
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of the host tensor (``numel * element_size``); 0 where it is not in host memory."""
-        return self.numel * self.itemsize if self.where.on_host else 0
-
-
-NOWHERE = Buffer(Where.NOWHERE)
 
 
 @dataclass(frozen=True)
@@ -201,64 +160,6 @@ class Topology:
         if self.node_windows_of is not None:
             return [end - start for start, end in self.node_windows_of(numel)]
         return [self.window(numel)] * (self.node_ranks or 1)
-
-
-@dataclass(frozen=True)
-class StatePlacement:
-    """Where one flat state's buffers live ([Note: the placement model])."""
-
-    numel: int
-    """Elements of the state's flat layout."""
-    master: Buffer
-    shadow: Buffer
-    exp_avg: Buffer
-    exp_avg_sq: Buffer
-    grad: Buffer
-    streamed: Where
-    """Where forward and backward read the weights from: host memory (the shadow, or the
-    master where there is none), the NVMe tier (the weight window), or gathered."""
-    frozen_numel: int
-    """Elements of frozen parameters (after the trained prefix)."""
-    trained_only: bool
-    """Whether the optimizer state covers the trained prefix alone, frozen parameters having
-    none (the weights in host memory: [Note: the placement model]), frozen parameters or not."""
-    frozen_in: str
-    """The buffer that holds the frozen weights: ``"master"``, ``"shadow"`` where they are
-    held there alone ([Note: frozen weights] in ``state/host_store.py``), or ``"frozen"``
-    where they are a buffer of their own (:attr:`frozen`); ``""`` without any."""
-    frozen: Buffer = NOWHERE
-    """The frozen weights held apart, with the weights on the NVMe tier in one process
-    (``Where.TIER``: a read-only file of their own, in their own dtype); else nowhere: they
-    are in the buffer :attr:`frozen_in` names."""
-
-    def buffers(self) -> dict[str, Buffer]:
-        """Every buffer by its name (:data:`BUFFERS`)."""
-        return {name: getattr(self, name) for name in BUFFERS}
-
-    @property
-    def gathered(self) -> bool:
-        """Whether no whole copy of the weights is kept here: this rank holds its window."""
-        return self.streamed is Where.GATHERED
-
-    @property
-    def master_split(self) -> bool:
-        """Whether the master is split across processes (this node's span, or this rank's
-        window on its tier): its whole value exists only by gathering the parts, and the
-        checkpoint's span files hold the exact masters."""
-        return self.master.where in (Where.NODE_SPAN, Where.TIER_WINDOW)
-
-    @property
-    def master_in_host_memory(self) -> bool:
-        """Whether the whole master (or its trained prefix, the frozen weights being in the
-        shadow alone) is a host buffer of this process: the parameters view it."""
-        return self.master.where in (Where.HOST, Where.TRAINED_PREFIX)
-
-    @property
-    def weights_in(self) -> str:
-        """The buffer that holds every weight on this node: ``"shadow"`` where the master is
-        this node's span (the shadow is streamed whole), else ``"master"`` (for a gathered
-        state, the master of this rank's window: the whole weights are gathered)."""
-        return "shadow" if self.master.where is Where.NODE_SPAN else "master"
 
 
 @dataclass(frozen=True)

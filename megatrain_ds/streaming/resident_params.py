@@ -28,6 +28,7 @@ from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.flat_layout import FROZEN_GROUP
 from megatrain_ds.state.host_store import HostFlatState, SpanOf, TensorSource, migrate_to_host
+from megatrain_ds.state.state_placement import StatePlacement
 
 
 class ResidentParams:
@@ -38,13 +39,13 @@ class ResidentParams:
         group_of: optimizer group of each parameter.
         runtime: device and allocation.
         master_dtype, compute_dtype: as for blocks.
+        placement: where the state's buffers live (the engine's ``Placement.resident``):
+            what ``migrate_to_host`` keeps of them.
         source: where the values come from instead of the parameters (see ``migrate_to_host``).
         shared: node-shared allocation (data parallel); the device copy is valid only after
             the node's writer has filled the state and :meth:`refresh_device` ran.
         span_of: this node's share of the optimizer state (see ``migrate_to_host``).
         share: data parallel: gives the node writer's values the first node's (``migrate_to_host``).
-        trained_only: frozen parameters get no optimizer state (``migrate_to_host``).
-        shard_master: the master too holds only this node's span (``migrate_to_host``).
     """
 
     def __init__(
@@ -54,12 +55,11 @@ class ResidentParams:
         runtime: DeviceRuntime,
         master_dtype: torch.dtype,
         compute_dtype: torch.dtype,
+        placement: StatePlacement,
         source: TensorSource | None = None,
         shared: NodeSharedMemory | None = None,
         span_of: SpanOf | None = None,
         share: Callable[[torch.Tensor], None] | None = None,
-        trained_only: bool = False,
-        shard_master: bool = False,
     ) -> None:
         self.state: HostFlatState = migrate_to_host(
             named_params,
@@ -67,12 +67,11 @@ class ResidentParams:
             runtime,
             master_dtype,
             compute_dtype,
+            placement,
             source=source,
             shared=shared,
             span_of=span_of,
             share=share,
-            trained_only=trained_only,
-            shard_master=shard_master,
         )
         streamed = self.state.streamed
         if runtime.shares_host_memory:
