@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from launching import REPO_ROOT, Run, load_weights, run_side_by_side
+from launching import REPO_ROOT, Run, load_weights, run_side_by_side, skip_if_deepspeed_refused_a_zero_warmup
 from packaging.version import Version
 from tiny_clm import tiny_llama_config
 
@@ -56,16 +56,6 @@ CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resum
 # which DeepSpeed's own engine, the hook disabled, ignores).
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
 ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora")
-
-# Below transformers 5.18.0 the Trainer fills a config's "auto" warmup_num_steps with the
-# run's warm-up steps as they are, 0 for SFTConfig's defaults (5.18.0 fills max(1, ...));
-# DeepSpeed's WarmupLR and WarmupDecayLR refuse 0 from DeepSpeed 0.19.3 on, that is in every
-# release this project supports (CONTRIBUTING.md, "Supported versions"). So TRL's
-# defaults with the shipped configs' WarmupDecayLR stop before the first step on DeepSpeed's
-# own engine as on this one: a transformers-DeepSpeed incompatibility, which a client's
-# test is skipped for only when both of its runs stopped at exactly that error.
-ZERO_WARMUP_FILLED = Version(transformers.__version__) < Version("5.18.0")
-ZERO_WARMUP_REFUSED = "warmup_num_steps must be a positive integer, got 0"
 
 # transformers 4.56 switches average_tokens_across_devices off on one process, so its
 # compute_loss returns the model's own loss tensor (4.57.0 and later multiply it in place by
@@ -113,11 +103,7 @@ def clients(tmp_path_factory: pytest.TempPathFactory):
             for engine, run in done.items()
             if exit_codes[engine][client] != 0
         }
-        if ZERO_WARMUP_FILLED and len(logs) == len(done) and all(ZERO_WARMUP_REFUSED in log for log in logs.values()):
-            pytest.skip(
-                f"transformers {transformers.__version__} fills warmup_num_steps with 0, which DeepSpeed refuses: "
-                f"{ZERO_WARMUP_REFUSED!r} on both engines (transformers >= 5.18.0 fills at least 1)"
-            )
+        skip_if_deepspeed_refused_a_zero_warmup(list(logs.values()), runs=len(done))
         if logs:
             engine, log = next(iter(logs.items()))
             code = exit_codes[engine][client]

@@ -23,8 +23,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MEGATRAIN_LOWEST_VENV:-/tmp/megatrain-lowest}
-python3 -m venv --system-site-packages "$VENV"
-"$VENV/bin/pip" install -q --no-deps deepspeed==0.19.8 accelerate==1.10.0 transformers==4.56.0 \
+# --without-pip: this environment's pip installs into it, and no setuptools of the venv module's
+# own (65 on Python 3.11, below pyproject's build requirement) shadows this environment's when
+# tests/test_deepspeed_hook.py builds the wheels.
+python3 -m venv --system-site-packages --without-pip "$VENV"
+"$VENV/bin/python" -m pip install -q --no-deps deepspeed==0.19.8 accelerate==1.10.0 transformers==4.56.0 \
     tokenizers==0.22.1 huggingface-hub==0.36.0 trl==1.0.0 peft==0.17.0 \
     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 fsspec==2026.2.0 httpx==0.28.1 httpcore==1.0.9
 # This checkout's code; DeepSpeed's ops built for these versions, apart from the shared cache.
