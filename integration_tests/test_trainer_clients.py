@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO_ROOT, Run, load_weights, run_side_by_side
+import transformers
+from launching import REPO_ROOT, Run, load_weights, run_side_by_side, skip_if_deepspeed_refused_a_zero_warmup
+from packaging.version import Version
 from tiny_clm import tiny_llama_config
 
 SCRIPT = Path(__file__).with_name("trainer_clients.py")
@@ -55,6 +57,20 @@ CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resum
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
 ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora")
 
+# transformers 4.56 switches average_tokens_across_devices off on one process, so its
+# compute_loss returns the model's own loss tensor (4.57.0 and later multiply it in place by
+# the process count, 1, first). On that tensor DeepSpeed's engine (0.19.8) has hooked, at
+# forward, its per-output gradient-accumulation scaling, which runs before the hook its
+# backward() adds to tell that scaling the loss came through backward(scale_wrt_gas=False);
+# so DeepSpeed's stage-0 engine trains on the gradients divided by the accumulation steps
+# (measured: half of this engine's, bit for bit, whose gradient norms DeepSpeed's own ZeRO-3
+# engine logs too; the scaling counted: once per micro-batch, never at the current versions).
+# Adam hides a uniform scale except through its eps: the LoRA q_proj weights, whose
+# gradients are tiny at this model's near-uniform attention, end 7e-4 apart, the v_proj
+# ones 2e-6, and the logged losses (4 decimals at 4.56) alike. Clipping hides it in the
+# full-model clients (their gradient norms are over max_grad_norm on both engines).
+HALVED_STAGE0_GRADIENTS = Version(transformers.__version__) < Version("4.57.0")
+
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory: pytest.TempPathFactory):
@@ -81,13 +97,17 @@ def clients(tmp_path_factory: pytest.TempPathFactory):
     exit_codes = {engine: side.result("exit_codes.json") for engine, side in sides.items()}
 
     def runs(client: str) -> dict[str, Run]:
-        done = {}
-        for engine, side in sides.items():
-            run = Run(engine, SCRIPT, side.output_dir / client, accelerate=False)
-            if exit_codes[engine][client] != 0:
-                tail = run.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-                raise AssertionError(f"client {client!r} on {engine} exited with {exit_codes[engine][client]}:\n{tail}")
-            done[engine] = run
+        done = {name: Run(name, SCRIPT, side.output_dir / client, accelerate=False) for name, side in sides.items()}
+        logs = {
+            engine: run.log_path.read_text(encoding="utf-8", errors="replace")
+            for engine, run in done.items()
+            if exit_codes[engine][client] != 0
+        }
+        skip_if_deepspeed_refused_a_zero_warmup(list(logs.values()), runs=len(done))
+        if logs:
+            engine, log = next(iter(logs.items()))
+            code = exit_codes[engine][client]
+            raise AssertionError(f"client {client!r} on {engine} exited with {code}:\n{log[-4000:]}")
         return done
 
     return runs
@@ -144,10 +164,11 @@ def reloaded_eval_loss(out: Path) -> float:
         return sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
 
 
-def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict) -> None:
+def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict, same_as_deepspeed: bool = True) -> None:
     """Only LoRA's matrices trained; the frozen base weights are bit for bit the initial ones;
-    the model directory holds the adapter alone (lora_B starts at zero: it moved), the same
-    adapter as DeepSpeed saved (to the losses' 1e-5, relative Frobenius over all tensors)."""
+    the model directory holds the adapter alone (lora_B starts at zero: it moved), and with
+    ``same_as_deepspeed`` the same adapter as DeepSpeed saved (to the losses' 1e-5, relative
+    Frobenius over all tensors)."""
     assert result["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
     out = runs["megatrain"].output_dir
     initial = load_weights(out / "initial.safetensors")
@@ -158,19 +179,31 @@ def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict) -> None:
     for run in runs.values():
         assert sorted(p.name for p in (run.output_dir / "model").glob("*.safetensors")) == ["adapter_model.safetensors"]
     adapter = load_weights(out / "model" / "adapter_model.safetensors")
+    assert any("lora_B" in name and bool(value.abs().max() > 0) for name, value in adapter.items())
+    if not same_as_deepspeed:
+        return
     reference = load_weights(runs["deepspeed"].output_dir / "model" / "adapter_model.safetensors")
     assert adapter.keys() == reference.keys()
-    assert any("lora_B" in name and bool(value.abs().max() > 0) for name, value in adapter.items())
     diff = sum(float(((adapter[k].double() - reference[k].double()) ** 2).sum()) for k in adapter)
     assert math.sqrt(diff / sum(float((reference[k].double() ** 2).sum()) for k in adapter)) < 1e-5
 
 
 def test_peft_lora_trains_and_reloads_only_the_adapter(clients) -> None:
+    """The stage-0 JSON's LoRA run: as DeepSpeed's stage-0 engine trains it, except where that
+    engine's gradients are off (``HALVED_STAGE0_GRADIENTS``): there every check but the
+    adapter's equality to DeepSpeed's runs, then the test is skipped with the reason (the
+    ZeRO-3 LoRA clients compare the adapter with DeepSpeed's ZeRO-3 engine at every version)."""
     runs = clients("lora")
     result = assert_same_training(runs, steps=6)
-    assert_trained_only_the_adapter(runs, result)
+    assert_trained_only_the_adapter(runs, result, same_as_deepspeed=not HALVED_STAGE0_GRADIENTS)
     # The base model plus the saved adapter, in plain PEFT, gives the Trainer's eval loss.
     assert reloaded_eval_loss(runs["megatrain"].output_dir) == pytest.approx(result["eval_loss"], rel=1e-5)
+    if HALVED_STAGE0_GRADIENTS:
+        pytest.skip(
+            f"transformers {transformers.__version__} on one process hands DeepSpeed's stage-0 engine the model's "
+            "own loss tensor, whose forward hook divides the gradients by the accumulation steps although the "
+            "Trainer passes scale_wrt_gas=False: the reference adapter is not comparable (transformers >= 4.57.0)"
+        )
 
 
 @pytest.mark.parametrize("client", ["lora_zero3", "accelerate_lora"])

@@ -29,7 +29,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO_ROOT, Run, eval_loss_of_saved_model, load_weights, run_side_by_side
+from launching import (
+    REPO_ROOT,
+    Run,
+    eval_loss_of_saved_model,
+    load_weights,
+    run_side_by_side,
+    skip_if_deepspeed_refused_a_zero_warmup,
+)
 from tiny_clm import byte_blocks, corpus
 from trainer_clients import sft_examples
 
@@ -122,10 +129,20 @@ def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
     # too, before `accelerate launch` starts the script with the same environment: port 0
     # lets each of the two one-rank groups bind a free port of its own.
     rendezvous = {"MASTER_PORT": "0"}
-    runs = run_side_by_side(
-        [Run(name, trl_script, tmp_path / name, args, accelerate=False, env={**env, **rendezvous})
-         for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]
-    )  # fmt: skip
+    sides = [Run(name, trl_script, tmp_path / name, args, accelerate=False, env={**env, **rendezvous})
+             for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]  # fmt: skip
+    for run in sides:
+        run.start()
+    failures = []
+    for run in sides:
+        try:
+            run.wait()
+        except AssertionError as failure:
+            failures.append((failure, run.log_path.read_text(encoding="utf-8", errors="replace")))
+    skip_if_deepspeed_refused_a_zero_warmup([log for _, log in failures], runs=len(sides))
+    if failures:
+        raise failures[0][0]
+    runs = {run.name: run for run in sides}
 
     def losses(run: Run) -> list[float]:
         state = json.loads((run.output_dir / f"checkpoint-{steps}" / "trainer_state.json").read_text())

@@ -95,7 +95,9 @@ SUPPORTED: dict[str, tuple[str, str]] = {
     "transformers": ("4.56", "6.0"),
 }
 """``package: (lowest, first unsupported)``, the same bounds as ``pyproject.toml``
-(``tests/test_compat.py`` checks that they agree)."""
+(``tests/test_compat.py`` checks that they agree). ``scripts/test_lowest.sh`` runs the suite
+at the lower bounds; its result, and the third-party incompatibilities inside the ranges
+that its tests skip, are in CONTRIBUTING.md, "Supported versions"."""
 
 
 class IncompatibleVersionError(RuntimeError):
