@@ -29,6 +29,7 @@ from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.config import ConfigError
 from megatrain_ds.distributed.data_parallel import NodeIdentity, group_into_nodes, node_identity
 from megatrain_ds.distributed.ownership import Ownership
+from megatrain_ds.optimizer.journal import AUTO_JOURNAL_BYTES_PER_PARAM
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS, build_flat_layout
 
 WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
@@ -671,7 +672,10 @@ def _assert_bf16_node_shares(ranks: list[dict], held_gradient_bytes: int) -> Non
     numel = sum(numels)
     ownership = Ownership.of([[node] for node in range(nodes)], 0)
     for node, rank in enumerate(ranks):
-        held = rank["host_bytes"]
+        held = dict(rank["host_bytes"])
+        # The speculative step's journal is sized by its budget (optimizer/journal.py), not per parameter.
+        journal = held.pop("journal", 0)
+        assert journal <= AUTO_JOURNAL_BYTES_PER_PARAM * numel
         span = sum(end - start for _, start, end in (ownership.spans(n)[node] for n in numels))
         expected = {"shadow": 2 * numel, "master": 4 * span, "exp_avg": 4 * span, "exp_avg_sq": 4 * span}
         assert held == {**expected, "grad": held_gradient_bytes * span}, held
