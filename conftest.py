@@ -49,3 +49,27 @@ for key, value in {
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+if os.environ.get("MEGATRAIN_TEST_CPU_LOG"):
+    # Where the suite's time goes (CONTRIBUTING.md, "Test time"): each test's CPU seconds,
+    # its own process's and those of the processes it launched and waited for, one JSON line
+    # per test appended to this file. CPU, not wall time: on 2 shared cores wall time mostly
+    # measures the neighbours.
+    import json
+    import resource
+
+    import pytest
+
+    def _cpu_seconds() -> tuple[float, float]:
+        own, launched = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, launched.ru_utime + launched.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        before = _cpu_seconds()
+        yield
+        after = _cpu_seconds()
+        line = {"test": item.nodeid, "own": after[0] - before[0], "launched": after[1] - before[1]}
+        with open(os.environ["MEGATRAIN_TEST_CPU_LOG"], "a", encoding="utf-8") as log:
+            log.write(json.dumps(line) + "\n")
