@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -126,6 +127,23 @@ class SwapIO(Protocol):
         """Free the engine's buffers and threads."""
 
 
+@functools.cache
+def _deepspeed_aio_op() -> Any:
+    """DeepSpeed's async I/O op, loaded once per process and shared by every tier in it.
+    Loading through DeepSpeed's builder checks for libaio by compiling a test program and, even
+    when the op is built already, probes the CPU for its flags in two child interpreters
+    (py-cpuinfo): about a second of CPU that each engine with the tier paid again."""
+    # Only deepspeed.ops below integration/. Its builders are module attributes set in a loop.
+    from deepspeed.ops.op_builder import AsyncIOBuilder  # pyright: ignore[reportAttributeAccessIssue]
+
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise RuntimeError(
+            "DeepSpeed's async_io op is not compatible with this machine (libaio missing: apt-get install libaio-dev)"
+        )
+    return builder.load(verbose=False)
+
+
 @dataclass
 class AioEngine:
     """DeepSpeed's async I/O op (see the module docstring)."""
@@ -135,16 +153,7 @@ class AioEngine:
     name: str = "deepspeed-aio"
 
     def __post_init__(self) -> None:
-        # Only deepspeed.ops below integration/. Its builders are module attributes set in a loop.
-        from deepspeed.ops.op_builder import AsyncIOBuilder  # pyright: ignore[reportAttributeAccessIssue]
-
-        builder = AsyncIOBuilder()
-        if not builder.is_compatible(verbose=False):
-            raise RuntimeError(
-                "DeepSpeed's async_io op is not compatible with this machine "
-                "(libaio missing: apt-get install libaio-dev)"
-            )
-        self._module = builder.load(verbose=False)
+        self._module = _deepspeed_aio_op()
         s = self.settings
         self._handle = self._module.aio_handle(
             s.block_size, s.queue_depth, s.single_submit, s.overlap_events, s.thread_count
