@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, run_side_by_side
-from packaging.version import Version
-from tiny_clm import SEQ_LEN
+from tiny_clm import TRAINER_LOSS_FRACTION
 
 SCRIPT = Path(__file__).with_name("hf_trainer_clm.py")
 LR = 3e-3
 # 96 sequences, 4 per micro-batch, 2 micro-batches per step, one epoch.
 NUM_STEPS = 12
-# The Trainer divides the summed token losses of a step by the label tokens it counts
-# (num_items_in_batch). Since transformers 5.10.1 it counts the shifted labels, the
-# SEQ_LEN - 1 per sequence that carry a loss; before, all SEQ_LEN, so it logs the mean
-# token loss times (SEQ_LEN - 1) / SEQ_LEN (checked in the wheels: 5.9.0 counts
-# labels.ne(-100), 5.10.1 labels[..., 1:]). The Trainer's normalisation, not the engine's.
-LOGGED_FRACTION = 1.0 if Version(transformers.__version__) >= Version("5.10.1") else (SEQ_LEN - 1) / SEQ_LEN
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +43,11 @@ def test_the_engine_is_megatrain_without_an_import(runs) -> None:
 
 def test_loss_falls(runs) -> None:
     """The first step's loss is that of an untrained byte model, log(256) per token (as the
-    Trainer normalises it: ``LOGGED_FRACTION``); the loss then falls."""
+    Trainer normalises it: ``TRAINER_LOSS_FRACTION``); the loss then falls."""
     result = runs["megatrain"].result()
     losses = result["losses"]
     assert len(losses) == NUM_STEPS and all(math.isfinite(loss) for loss in losses)
-    assert losses[0] == pytest.approx(math.log(256) * LOGGED_FRACTION, abs=0.1)
+    assert losses[0] == pytest.approx(math.log(256) * TRAINER_LOSS_FRACTION, abs=0.1)
     assert losses[-1] < losses[0] - 1.0
     assert result["eval_loss"] < math.log(256) - 1.0
     # get_global_grad_norm reaches the Trainer's logs (clipping "auto" -> max_grad_norm 1.0).
@@ -94,8 +86,9 @@ def test_zero_learning_rate_leaves_weights_bit_identical(runs) -> None:
 @pytest.mark.parametrize("name", ["megatrain", "megatrain_lr0"])
 def test_saved_model_reloads_to_the_same_eval_loss(runs, name) -> None:
     """``trainer.save_model`` (through ``accelerator.get_state_dict``) holds the trained fp32
-    weights: plain transformers reproduces ``trainer.evaluate()``'s loss on the same data."""
+    weights: plain transformers reproduces ``trainer.evaluate()``'s loss on the same data (the
+    mean token loss, which the Trainer scales by ``TRAINER_LOSS_FRACTION``)."""
     run = runs[name]
     batches = torch.load(run.output_dir / "eval_batches.pt")
     reloaded = eval_loss_of_saved_model(run.output_dir / "model", batches)
-    assert reloaded == pytest.approx(run.result()["eval_loss"], rel=1e-5)
+    assert reloaded * TRAINER_LOSS_FRACTION == pytest.approx(run.result()["eval_loss"], rel=1e-5)

@@ -21,10 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from launching import REPO_ROOT, Run, load_weights, run_side_by_side, skip_if_deepspeed_refused_a_zero_warmup
-from packaging.version import Version
-from tiny_clm import tiny_llama_config
+from tiny_clm import TRAINER_LOSS_FRACTION, tiny_llama_config
 
 SCRIPT = Path(__file__).with_name("trainer_clients.py")
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
@@ -56,20 +54,6 @@ CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resum
 # which DeepSpeed's own engine, the hook disabled, ignores).
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
 ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora")
-
-# transformers 4.56 switches average_tokens_across_devices off on one process, so its
-# compute_loss returns the model's own loss tensor (4.57.0 and later multiply it in place by
-# the process count, 1, first). On that tensor DeepSpeed's engine (0.19.8) has hooked, at
-# forward, its per-output gradient-accumulation scaling, which runs before the hook its
-# backward() adds to tell that scaling the loss came through backward(scale_wrt_gas=False);
-# so DeepSpeed's stage-0 engine trains on the gradients divided by the accumulation steps
-# (measured: half of this engine's, bit for bit, whose gradient norms DeepSpeed's own ZeRO-3
-# engine logs too; the scaling counted: once per micro-batch, never at the current versions).
-# Adam hides a uniform scale except through its eps: the LoRA q_proj weights, whose
-# gradients are tiny at this model's near-uniform attention, end 7e-4 apart, the v_proj
-# ones 2e-6, and the logged losses (4 decimals at 4.56) alike. Clipping hides it in the
-# full-model clients (their gradient norms are over max_grad_norm on both engines).
-HALVED_STAGE0_GRADIENTS = Version(transformers.__version__) < Version("4.57.0")
 
 
 @pytest.fixture(scope="module")
@@ -164,11 +148,10 @@ def reloaded_eval_loss(out: Path) -> float:
         return sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
 
 
-def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict, same_as_deepspeed: bool = True) -> None:
+def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict) -> None:
     """Only LoRA's matrices trained; the frozen base weights are bit for bit the initial ones;
-    the model directory holds the adapter alone (lora_B starts at zero: it moved), and with
-    ``same_as_deepspeed`` the same adapter as DeepSpeed saved (to the losses' 1e-5, relative
-    Frobenius over all tensors)."""
+    the model directory holds the adapter alone (lora_B starts at zero: it moved), and it is the
+    same adapter as DeepSpeed saved (to the losses' 1e-5, relative Frobenius over all tensors)."""
     assert result["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in result["trainable"])
     out = runs["megatrain"].output_dir
     initial = load_weights(out / "initial.safetensors")
@@ -180,8 +163,6 @@ def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict, same_as_
         assert sorted(p.name for p in (run.output_dir / "model").glob("*.safetensors")) == ["adapter_model.safetensors"]
     adapter = load_weights(out / "model" / "adapter_model.safetensors")
     assert any("lora_B" in name and bool(value.abs().max() > 0) for name, value in adapter.items())
-    if not same_as_deepspeed:
-        return
     reference = load_weights(runs["deepspeed"].output_dir / "model" / "adapter_model.safetensors")
     assert adapter.keys() == reference.keys()
     diff = sum(float(((adapter[k].double() - reference[k].double()) ** 2).sum()) for k in adapter)
@@ -189,32 +170,28 @@ def assert_trained_only_the_adapter(runs: dict[str, Run], result: dict, same_as_
 
 
 def test_peft_lora_trains_and_reloads_only_the_adapter(clients) -> None:
-    """The stage-0 JSON's LoRA run: as DeepSpeed's stage-0 engine trains it, except where that
-    engine's gradients are off (``HALVED_STAGE0_GRADIENTS``): there every check but the
-    adapter's equality to DeepSpeed's runs, then the test is skipped with the reason (the
-    ZeRO-3 LoRA clients compare the adapter with DeepSpeed's ZeRO-3 engine at every version)."""
+    """The stage-0 JSON's LoRA run: as DeepSpeed's stage-0 engine trains it, and the saved
+    adapter on the base model gives the Trainer's evaluation loss."""
     runs = clients("lora")
     result = assert_same_training(runs, steps=6)
-    assert_trained_only_the_adapter(runs, result, same_as_deepspeed=not HALVED_STAGE0_GRADIENTS)
+    assert_trained_only_the_adapter(runs, result)
     # The base model plus the saved adapter, in plain PEFT, gives the Trainer's eval loss.
-    assert reloaded_eval_loss(runs["megatrain"].output_dir) == pytest.approx(result["eval_loss"], rel=1e-5)
-    if HALVED_STAGE0_GRADIENTS:
-        pytest.skip(
-            f"transformers {transformers.__version__} on one process hands DeepSpeed's stage-0 engine the model's "
-            "own loss tensor, whose forward hook divides the gradients by the accumulation steps although the "
-            "Trainer passes scale_wrt_gas=False: the reference adapter is not comparable (transformers >= 4.57.0)"
-        )
+    assert reloaded_eval_loss(runs["megatrain"].output_dir) * TRAINER_LOSS_FRACTION == pytest.approx(
+        result["eval_loss"], rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("client", ["lora_zero3", "accelerate_lora"])
 def test_peft_lora_with_a_zero3_offload_json(clients, client: str) -> None:
     """The Trainer with ``get_peft_model``, and a plain Accelerate loop over a PEFT model, each
     given the ZeRO-3 offload JSON: as DeepSpeed's ZeRO-3 offload engine trains it, and the
-    saved adapter on the base model gives the evaluation loss the run reported."""
+    saved adapter on the base model gives the evaluation loss the run reported (the Trainer's
+    scaled by ``TRAINER_LOSS_FRACTION``; the Accelerate loop's is the mean token loss)."""
     runs = clients(client)
     result = assert_same_training(runs, steps=6)
     assert_trained_only_the_adapter(runs, result)
-    assert reloaded_eval_loss(runs["megatrain"].output_dir) == pytest.approx(result["eval_loss"], rel=1e-5)
+    fraction = TRAINER_LOSS_FRACTION if client == "lora_zero3" else 1.0
+    assert reloaded_eval_loss(runs["megatrain"].output_dir) * fraction == pytest.approx(result["eval_loss"], rel=1e-5)
 
 
 def test_sft_trainer_with_peft_config(clients) -> None:

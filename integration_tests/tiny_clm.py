@@ -11,9 +11,18 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import transformers
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
+TRAINER_LOSS_FRACTION = 1.0 if Version(transformers.__version__) >= Version("5.10.1") else (SEQ_LEN - 1) / SEQ_LEN
+"""The Trainer's loss of full ``SEQ_LEN`` rows over their mean token loss. It divides the
+summed token losses by the label tokens it counts (``num_items_in_batch``), in training and,
+through ``prediction_step``, in ``evaluate()``. Since transformers 5.10.1 it counts the shifted
+labels, the ``SEQ_LEN - 1`` per row that carry a loss; before, all ``SEQ_LEN`` (checked in the
+wheels: 5.2.0, 5.8.0 and 5.9.0 count ``labels.ne(-100)``, 5.10.1 ``labels[..., 1:]``). The
+Trainer's normalisation, not the engine's: plain transformers on the saved model gives the
+mean token loss."""
 
 
 def corpus() -> str:

@@ -15,11 +15,10 @@
 # delete that directory, or the virtualenv, after stopping a run.
 #
 # Pins beyond the bounds, each what the lowest versions need (pip's resolver is off):
-# - tokenizers 0.22.1, huggingface-hub 0.36.0: transformers 4.56 wants <=0.23.0 and <1.0;
-# - datasets 4.7.0, TRL 1.0's lowest (newer ones import huggingface-hub>=1.0 names), with
-#   its dill<0.4.1, multiprocess<0.70.19, fsspec<=2026.2.0 and httpx.
-# TRL 1.0 itself declares transformers>=4.56.2: run at 4.56.0, it is tested as far as these
-# clients use it, not supported by TRL.
+# - tokenizers 0.22.1, huggingface-hub 1.3.0: transformers 5.2 wants >=0.22.0,<=0.23.0 and
+#   >=1.3.0,<2.0 (the hub's own hf-xet, httpx and shellingham come from this environment);
+# - datasets 4.7.0, TRL 1.0's lowest, with its dill<0.4.1, multiprocess<0.70.19,
+#   fsspec<=2026.2.0 and httpx.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MEGATRAIN_LOWEST_VENV:-/tmp/megatrain-lowest}
@@ -27,8 +26,8 @@ VENV=${MEGATRAIN_LOWEST_VENV:-/tmp/megatrain-lowest}
 # own (65 on Python 3.11, below pyproject's build requirement) shadows this environment's when
 # tests/test_deepspeed_hook.py builds the wheels.
 python3 -m venv --system-site-packages --without-pip "$VENV"
-"$VENV/bin/python" -m pip install -q --no-deps deepspeed==0.19.8 accelerate==1.10.0 transformers==4.56.0 \
-    tokenizers==0.22.1 huggingface-hub==0.36.0 trl==1.0.0 peft==0.17.0 \
+"$VENV/bin/python" -m pip install -q --no-deps deepspeed==0.19.8 accelerate==1.10.0 transformers==5.2.0 \
+    tokenizers==0.22.1 huggingface-hub==1.3.0 trl==1.0.0 peft==0.18.0 \
     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 fsspec==2026.2.0 httpx==0.28.1 httpcore==1.0.9
 # This checkout's code; DeepSpeed's ops built for these versions, apart from the shared cache.
 export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR="$VENV/torch_extensions"

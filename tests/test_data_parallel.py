@@ -701,9 +701,11 @@ def _assert_bf16_network(ranks: list[dict], steps: int, accumulation: int) -> No
 
 def _assert_nodes_checkpoint_loads_exactly(tag_dir: Path, ranks: list[dict]) -> None:
     """The nodes' checkpoint: bf16 model files (config.json says so, from_pretrained loads
-    them as the shadow) and span files with the masters, which one process restores exactly."""
+    them as the shadow) and span files with the masters, which one process restores exactly.
+    ``dtype="auto"`` reads the dtype from config.json; it is from_pretrained's default from
+    transformers 5.0, below which the default is fp32 whatever the files hold."""
     assert json.loads((tag_dir / "config.json").read_text())["dtype"] == "bfloat16"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tag_dir)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tag_dir, dtype="auto")
     masters = ranks[0]["state_dict"]  # the fp32 masters: the shadow is them rounded (shadows_match)
     for name, value in loaded.state_dict().items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, masters[name].bfloat16()), name

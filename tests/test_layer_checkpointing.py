@@ -30,7 +30,7 @@ STEPS = 3
 
 def _has_every_n_layers() -> bool:
     """Whether ``gradient_checkpointing_enable`` takes ``every_n_layers`` (a transformers 5
-    release added it: 5.16.0 has it, 5.10.1 not, 4.56, the lowest supported, not)."""
+    release added it: 5.16.0 has it, 5.10.1 not, 5.2.0, the lowest supported, not)."""
     try:
         tiny_models.FAMILIES["qwen2"]().gradient_checkpointing_enable(every_n_layers=2)
     except TypeError:

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import tiny_models
 import torch
+import trl
+from packaging.version import Version
 from side_by_side import ds_config, train_side_by_side
 from test_parity import assert_parity
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -25,6 +27,10 @@ pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 # Rows of 100 tokens, each packing sequences of at most 64 tokens (the tiny models' positions).
 PACKS = [[40, 30, 30], [64, 36]]
+
+TRL_GIVES_VARLEN_KEYWORDS = Version(trl.__version__) >= Version("1.16.0")
+"""TRL's padding-free collator adds ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx``
+from 1.16.0 (checked in the wheels of 1.15.0 and 1.16.0); below it hands ``position_ids`` alone."""
 
 
 def _sequences(seed: int, lengths: list[int]) -> list[torch.Tensor]:
@@ -50,7 +56,8 @@ def hand_packed_batch(seed: int, packs: list[list[int]] = PACKS) -> dict[str, to
 
 def trl_packed_batch(seed: int) -> dict[str, Any]:
     """What TRL's padding-free collator (``SFTTrainer(packing=True)``'s default) hands the
-    model: one row, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``."""
+    model: one row, ``position_ids``, and from TRL 1.16.0 ``cu_seq_lens_q/k``, ``max_length_q/k``
+    and ``seq_idx`` (``TRL_GIVES_VARLEN_KEYWORDS``)."""
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
     batch = collator([{"input_ids": seq.tolist()} for seq in _sequences(seed, [50, 64, 23, 41])])
     return {**batch, "use_cache": False}  # as SFTTrainer.compute_loss adds
@@ -91,7 +98,8 @@ def test_hand_packed_batch_matches_plain_pytorch(family) -> None:
 
 def test_trl_padding_free_collator_output_matches_plain_pytorch() -> None:
     batch = trl_packed_batch(0)
-    assert batch["input_ids"].shape == (1, 178) and "cu_seq_lens_q" in batch and "attention_mask" not in batch
+    assert batch["input_ids"].shape == (1, 178) and "position_ids" in batch and "attention_mask" not in batch
+    assert ("cu_seq_lens_q" in batch) == TRL_GIVES_VARLEN_KEYWORDS
     config = {**ds_config(accumulation=2), "train_micro_batch_size_per_gpu": 1}
     engine, reference, trace = train_side_by_side(tiny_models.llama, config, steps=2, make_batch=trl_packed_batch)
     try:

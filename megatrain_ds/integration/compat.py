@@ -92,7 +92,7 @@ _MARKER = "__megatrain_original__"
 SUPPORTED: dict[str, tuple[str, str]] = {
     "deepspeed": ("0.19.8", "0.20"),
     "accelerate": ("1.10", "2.0"),
-    "transformers": ("4.56", "6.0"),
+    "transformers": ("5.2", "6.0"),
 }
 """``package: (lowest, first unsupported)``, the same bounds as ``pyproject.toml``
 (``tests/test_compat.py`` checks that they agree). ``scripts/test_lowest.sh`` runs the suite
