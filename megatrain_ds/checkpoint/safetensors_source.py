@@ -12,9 +12,7 @@ maps more than one piece of a file (those pages are clean page cache, not a copy
 
 Buffers left on the meta device (``torch.device("meta")`` builds them there too) are
 taken from the files when they are saved there, and otherwise recomputed by the model's
-own ``_init_weights`` (Hugging Face models recompute rotary tables this way from
-transformers 5; a rotary embedding of transformers 4, whose ``_init_weights`` leaves it
-alone, is recomputed from its own ``rope_init_fn``, see ``_recompute_rotary_table``).
+own ``_init_weights`` (Hugging Face models recompute rotary tables this way).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -202,9 +200,9 @@ def materialize_meta_buffers(model: nn.Module, source: SafetensorsSource | None)
             filled.append((full, module, name))
     init = getattr(model, "_init_weights", None)
     for module in to_init:
-        if init is not None:
-            init(module)
-        _recompute_rotary_table(module)
+        if init is None:
+            break
+        init(module)
     for full, module, name in filled:
         value = module._buffers[name]
         assert value is not None  # filled above; _init_weights replaces buffers, never removes them
@@ -214,27 +212,3 @@ def materialize_meta_buffers(model: nn.Module, source: SafetensorsSource | None)
                 "recompute it: build the model with accelerate.init_empty_weights(), which keeps "
                 "buffers real"
             )
-
-
-def _recompute_rotary_table(module: nn.Module) -> None:
-    """Fill a transformers 4 rotary embedding's ``inv_freq`` that ``_init_weights`` left unset.
-
-    transformers 4.x's ``_init_weights`` does not touch rotary embeddings (5.x recomputes
-    them there): their table is computed once in ``__init__``, by ``rope_init_fn(config,
-    device)``, which on the meta device gives a meta table. Called again here on the CPU, it
-    gives what ``from_pretrained`` would have built. ``original_inv_freq`` (a plain
-    attribute, the table dynamic RoPE resets to) is pointed at the same values, as
-    ``__init__`` does. Other modules, and tables already filled, are left as they are.
-    """
-    inv_freq = module._buffers.get("inv_freq")
-    # transformers 4.x: rope_init_fn(config, device) -> (inv_freq, attention_scaling).
-    rope_init_fn: Callable[..., tuple[torch.Tensor, float]] | None = getattr(module, "rope_init_fn", None)
-    config = getattr(module, "config", None)
-    if inv_freq is None or config is None or not callable(rope_init_fn):
-        return
-    if not (inv_freq.is_meta or (inv_freq.is_floating_point() and torch.isnan(inv_freq).any())):
-        return
-    value, _ = rope_init_fn(config, torch.device("cpu"))
-    module._buffers["inv_freq"] = value.to(inv_freq.dtype)
-    if hasattr(module, "original_inv_freq"):
-        module.original_inv_freq = module._buffers["inv_freq"]
