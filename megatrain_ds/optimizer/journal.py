@@ -173,9 +173,6 @@ class Journal:
             for extent in extents
         }
 
-    def __contains__(self, index: int) -> bool:
-        return index in self._slots
-
     @property
     def indices(self) -> list[int]:
         """The journaled blocks, in the order backward finishes them."""
