@@ -22,6 +22,8 @@
 #   compare-optimizer-cpu the engine alone on the same model with "optimizer_device": "cpu"
 #                 (against compare's "auto": does streaming state through the GPU pay?)
 #   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine, ZeRO-3 and ZeRO-2 offload
+#   compare-7b    Llama-2-7B's shape, 8 x 2048 tokens: the engine alone (ZeRO-3 offload's ~25 B/param
+#                 does not fit a 128 GiB host; bench/zero3_estimate.py gives DeepSpeed's own estimate)
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
 #                 Python-busy thread (what set the H200's step: bench/results/gpu_H200)
 #   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
@@ -34,15 +36,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STEPS=(install ops host-contention gpu-tests sanitizer data-parallel compare compare-optimizer-cpu gradient-worker
-       triton-adamw timeline compare-3b)
+       triton-adamw timeline compare-3b compare-7b)
 # Seconds each step may take before it is stopped and recorded as FAIL(124).
 declare -A LIMITS=([install]=120 [ops]=300 [host-contention]=120 [gpu-tests]=600 [sanitizer]=300
                    [data-parallel]=300 [compare]=900 [compare-optimizer-cpu]=300 [gradient-worker]=120
-                   [triton-adamw]=120 [timeline]=120 [compare-3b]=900)
+                   [triton-adamw]=120 [timeline]=120 [compare-3b]=900 [compare-7b]=600)
 # configs/models/llama_940m.json's shape, 3 warm-up and 5 measured steps (compare.py's defaults) per system.
 DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4"
 # The issue's ~3B target: hidden 3072, 28 blocks, 8 x 2048 tokens.
-COMPARE_3B_ARGS="--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 2 --steps 3 --systems megatrain zero3_offload zero2_offload"
+COMPARE_3B_ARGS="--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 3 --steps 5 --no-planner --systems megatrain zero3_offload zero2_offload"
+# Llama-2-7B's shape (hidden 4096, FFN 11008, 32 blocks), 8 x 2048 tokens: does the engine train it, how fast.
+COMPARE_7B_ARGS="--hidden 4096 --intermediate 11008 --layers 32 --seq-len 2048 --micro-batch 8 --warmup 1 --steps 3 --no-planner --systems megatrain"
 
 usage() {
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -198,6 +202,9 @@ step timeline "a traced step of configs/models/llama_940m.json (compare's defaul
 # shellcheck disable=SC2086
 step compare-3b "~3B Llama, 8 x 2048 tokens: $COMPARE_3B_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_3B_ARGS --out "$OUT_DIR/compare_3b.json"
+# shellcheck disable=SC2086
+step compare-7b "Llama-2-7B shape, 8 x 2048 tokens, the engine: $COMPARE_7B_ARGS" -- \
+    "$PYTHON" bench/compare.py $COMPARE_7B_ARGS --out "$OUT_DIR/compare_7b.json"
 
 echo
 printf '%-16s %-10s %8s  %s\n' step result seconds note
