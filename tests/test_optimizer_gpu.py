@@ -36,6 +36,10 @@ def _train_on_device(placement: str, steps: int = 5) -> tuple[list[torch.Tensor]
                 engine.backward(engine(**batch).loss)
                 engine.step()
             norms.append(engine.get_global_grad_norm())
+        # The masters are read directly: the last update may still run behind step() (the
+        # pipelined finish), so it is settled first. Without this the host placement's masters
+        # lagged one update and both cases failed on the H200 (bench/results/gpu_H200/2026-11-27-third).
+        engine.settle_optimizer()
         return [s.master.clone() for s in engine.states], norms
     finally:
         engine.destroy()
