@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import threading
 
 import pytest
 import torch
@@ -240,3 +241,31 @@ def test_an_update_does_not_depend_on_the_steps_before_it():
 def test_block_size_is_a_multiple_of_every_simd_unroll():
     """Blocks start where one whole-range call would be in its 8-way unrolled SIMD loop."""
     assert cpu_adam.BLOCK_ELEMENTS % 128 == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in Linux's /proc")
+def test_a_thread_that_openmp_did_not_start_steps_with_torchs_thread_count(kernel, monkeypatch):
+    """OpenMP keeps ``torch.set_num_threads`` per thread: a thread it did not start (the
+    pipelined finish's worker, the gradient worker) would open every region with the
+    process default, every CPU. The kernel passes torch's count instead. Seen in the
+    OS threads a fresh thread's first region adds: its team's helpers, none for a team of
+    one; a team of two (also asked here) adds one, which shows the count sees teams."""
+    hyper = AdamHyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True)
+    grad = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    added = {}
+
+    def step_on_a_fresh_thread(threads: int) -> None:
+        def work() -> None:
+            before = len(os.listdir("/proc/self/task"))
+            state = _state(N, 7)
+            kernel.step_(state["p"], grad, state["m"], state["v"], None, step=1, hyper=hyper, grad_scale=0.5)
+            added[threads] = len(os.listdir("/proc/self/task")) - before
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        step_on_a_fresh_thread(threads)
+    assert added == {1: 0, 2: 1}

@@ -53,7 +53,12 @@ scale the gradient into a thread-local scratch, run DeepSpeed's serial ``Step_8`
 the fresh master into the shadow while the block is still in cache. Shares and blocks
 start on multiples of every SIMD width times the kernel's unroll, so each element takes the
 code path (hence gets the bits) of one whole-range call of DeepSpeed's op. The team size
-is the calling thread's OpenMP setting, as for DeepSpeed's op. ``Step_8`` opens its own
+is ``torch.get_num_threads()``, passed in: OpenMP keeps ``torch.set_num_threads`` per
+thread, and a thread it did not start (the finish worker of
+``optimizer/pipelined_finish.py``, the gradient worker) has the process default, every
+CPU, instead (on the H200 the pipelined finish's AdamW ran at 2.9 G elements/s against
+3.9 for the same pass on the main thread; whether the team size was the cause is unmeasured
+there). ``Step_8`` opens its own
 ``omp parallel for if (parallel)``: called per block with ``parallel=false`` it still opens
 a one-thread team, 0.7 us per block.
 """
@@ -321,6 +326,9 @@ class DeepSpeedKernel(CpuAdamKernel):
             shadow,
             grad_scale,
             self.block_numel,
+            # torch's setting, also on the finish and gradient workers ([Note: one pass over
+            # DeepSpeed's kernel]): OpenMP gives a thread it did not start the process default.
+            torch.get_num_threads(),
         )
 
     def _update(

@@ -110,7 +110,7 @@ void check_flat(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, con
 void adam_step(int optimizer_id, int64_t step, float lr, float beta1, float beta2, float eps,
                float weight_decay, torch::Tensor params, torch::Tensor grads, torch::Tensor exp_avg,
                torch::Tensor exp_avg_sq, std::optional<torch::Tensor> shadow, float grad_scale,
-               int64_t block)
+               int64_t block, int64_t threads)
 {
     const int64_t n = params.numel();
     check_flat(params, at::kFloat, n, "params");
@@ -120,6 +120,7 @@ void adam_step(int optimizer_id, int64_t step, float lr, float beta1, float beta
     check_flat(grads, bf16_grad ? at::kBFloat16 : at::kFloat, n, "grads");
     if (shadow) check_flat(*shadow, at::kBFloat16, n, "shadow");
     TORCH_CHECK(block > 0 && block % 128 == 0, "block must be a positive multiple of 128");
+    TORCH_CHECK(threads > 0, "threads must be positive");
     auto found = s_optimizers.find(optimizer_id);
     TORCH_CHECK(found != s_optimizers.end(), "no Adam optimizer with id ", optimizer_id);
     auto opt = std::static_pointer_cast<Adam_Optimizer>(found->second);
@@ -141,7 +142,9 @@ void adam_step(int optimizer_id, int64_t step, float lr, float beta1, float beta
     const bool direct = !bf16_grad && grad_scale == 1.0f;  // the kernel reads the gradient itself
 
     pybind11::gil_scoped_release no_gil;
-#pragma omp parallel
+    // The team size is the caller's: a thread that is not Python's main thread would
+    // otherwise get OpenMP's process default (every CPU), not torch.set_num_threads'.
+#pragma omp parallel num_threads(threads)
     {
         // One contiguous share per thread, as DeepSpeed's static split; shares and blocks start
         // on multiples of 128 (every SIMD width times the kernel's 8-way unroll).
