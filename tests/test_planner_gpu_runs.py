@@ -1,9 +1,14 @@
-"""The planner against the GPU runs committed under ``bench/results/gpu_H200/2026-11-27``.
+"""The planner against the GPU runs committed under ``bench/results/gpu_H200/2026-11-27`` (the
+second run) and ``2026-11-27-third`` (the third, the first with the pipelined finish).
 
 Each recorded engine step (one H200, 16 host cores, bf16, clipping 1.0) is predicted from
 the run's model, batch and placement and from hardware figures measured on that machine,
 and must come within :data:`TOLERANCE` of the measured median step (issue 42, item 5). The
-figures and where each comes from:
+steps are the third run's: the second run's ran code since changed in the phases the
+model times (a synchronous finish, and a wait for a checkpoint before each block's
+recompute, 34 ms of its backward at 940M). The figures and where each comes from (the
+second run's host measurements: the same kind of machine, and the third run did not repeat
+them):
 
 - ``flops``, device memory: the ``planner_hardware`` ``bench/compare.py`` recorded (the
   h200 table's 790 TFLOP/s);
@@ -41,9 +46,11 @@ import tiny_models
 import torch
 
 from megatrain_ds import cli
+from megatrain_ds.planning import step_time
 from megatrain_ds.planning.planner import Hardware, ModelShape, RunSettings, plan
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench/results/gpu_H200/2026-11-27"
+SECOND = Path(__file__).resolve().parent.parent / "bench/results/gpu_H200/2026-11-27"
+THIRD = SECOND.with_name("2026-11-27-third")
 
 TOLERANCE = 0.25
 """Issue 42's bar for the predicted step against the measured one."""
@@ -53,8 +60,8 @@ BYTES_PER_ADAM_ELEMENT = 28
 read and written, g read), as the planner's ``adam_bytes_per_s`` does."""
 
 
-def _load(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
+def _load(name: str, results: Path = SECOND) -> dict:
+    return json.loads((results / name).read_text())
 
 
 def _shape(model: dict) -> ModelShape:
@@ -78,10 +85,10 @@ def _shape(model: dict) -> ModelShape:
     return shape
 
 
-def _timeline_block_seconds() -> float:
+def _timeline_block_seconds(results: Path) -> float:
     """Seconds the 940M's blocks computed in the traced run's second step: forward,
     recompute and backward spans of every block (the first step warms up)."""
-    events = _load("timeline.json")["traceEvents"]
+    events = _load("timeline.json", results)["traceEvents"]
     spans = [
         event["dur"]
         for event in events
@@ -93,13 +100,13 @@ def _timeline_block_seconds() -> float:
     return sum(spans) / 1e6  # the trace's microseconds
 
 
-def _hardware(run: dict, shape: ModelShape, tokens: int, block_seconds: float | None) -> Hardware:
+def _hardware(run: dict, shape: ModelShape, tokens: int, block_seconds: float | None, results: Path) -> Hardware:
     """The figures listed in the module's docstring; ``block_seconds`` ``None``: the block
     efficiency the run's ``--probe`` measured on the device (runs from now on record it)."""
     contention = _load("host_contention.json")
     alone = next(entry for entry in contention["threads"] if entry["threads"] == contention["cores"])
     link = contention["copies_gb_per_s_each_way_alone"] * 1e9
-    recorded = run.get("planner_hardware") or _load("compare.json")["results"]["megatrain"]["planner_hardware"]
+    recorded = run.get("planner_hardware") or _load("compare.json", results)["results"]["megatrain"]["planner_hardware"]
     flops = recorded["flops"]
     return Hardware(
         "h200",
@@ -127,27 +134,25 @@ def _device_share(placement: dict, shape: ModelShape) -> float:
     return placement.get("by_kernel", {}).get("DeviceAdamW", 0) * shape.block_params / shape.params
 
 
-RUNS = {  # file: where the block rate comes from ("probe": the run's recorded --probe figure)
-    "940m_auto": ("compare.json", "timeline"),
-    "940m_cpu_optimizer": ("compare_optimizer_cpu.json", "timeline"),
-    "3b_auto": ("compare_3b_megatrain.json", "own trace"),
+RUNS = {  # name: (file, where the block rate comes from)
+    "940m_pipelined": ("compare.json", "timeline"),
+    "3b_pipelined": ("compare_3b.json", "own trace"),
 }
 
 
 @pytest.mark.parametrize("run_name", list(RUNS))
 def test_the_predicted_step_is_within_a_quarter_of_the_measured_gpu_step(run_name):
     file, compute_from = RUNS[run_name]
-    record = _load(file)
+    record = _load(file, THIRD)
     run = record["results"]["megatrain"]
     shape = _shape(record["model"])
     batch = record["batch"]
     tokens = batch["micro_batch"] * batch["seq_len"]
     block_seconds = {
-        "timeline": _timeline_block_seconds,
+        "timeline": lambda: _timeline_block_seconds(THIRD),
         "own trace": lambda: run["trace_split"]["compute"],
-        "probe": lambda: None,
     }[compute_from]()
-    hardware = _hardware(run, shape, tokens, block_seconds)
+    hardware = _hardware(run, shape, tokens, block_seconds, THIRD)
     settings = RunSettings(
         seq_len=batch["seq_len"],
         micro_batch=batch["micro_batch"],
@@ -162,13 +167,12 @@ def test_the_predicted_step_is_within_a_quarter_of_the_measured_gpu_step(run_nam
         run["step_seconds"],
         result.step_seconds_by_phase,
     )
-    # Each phase as the run measured it too, within the same bar where it is more than a
-    # tenth of the step: the optimizer's finish is the step's largest part at both sizes.
+    # The finish as the run measured it too, within the same bar: the step's largest part at
+    # both sizes. It runs behind the next forward, so it is timed by its own spans on the
+    # finish worker (the trace's "optimizer"; step() itself takes a millisecond).
+    assert step_time.finish_pipelines(settings)
     phases = result.step_seconds_by_phase
-    assert phases["optimizer"] == pytest.approx(run["optimizer_seconds"], rel=TOLERANCE)
-    measured_passes = run["forward_seconds"] + run["backward_seconds"]
-    predicted_passes = result.predicted_step_seconds - phases["optimizer"]
-    assert predicted_passes == pytest.approx(measured_passes, rel=TOLERANCE)
+    assert phases["optimizer"] == pytest.approx(run["trace_split"]["optimizer"], rel=TOLERANCE)
 
 
 @pytest.mark.skipif(not Path("/sys/devices/system/cpu").exists(), reason="reads the cache sizes from Linux's sysfs")

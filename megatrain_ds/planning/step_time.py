@@ -28,29 +28,30 @@ H200, 4 x 1024 tokens, clipping: 0.45 s measured, 0.14 s predicted by it):
   link in, checkpoints and stash out)``; the weight copies bound it at 940M (35 ms);
 - backward: ``max(6 P_b T at the block rate + the head's backward, w P_b + checkpoints
   + stash in, w P of gradients out)``, plus the weight pipeline's ends
-  ([Note: the weight pipeline]) and one block's weight copy before each further block's
-  recompute (``backward_block_waits``): the engine's trace on the H200 shows the device
-  idle 2.2-2.5 ms between one block's backward and the next block's recompute, one
-  block's copy (1.85 ms) and a checkpoint's (0.3 ms), on every block. Its cause was found
-  since: the second ``begin_backward`` dropped the checkpoints' prefetch, so each was copied
-  back at its recompute, queued behind the next block's weights (fixed in
-  ``streaming/streamed_blocks.py``, not yet run on a GPU). Drop this term once a GPU run
-  shows the gap gone; until then it predicts the engine the recorded runs measured. The block rate is
-  one real block's forward and backward (``Hardware.block_efficiency``): there a block's
-  backward took 4.4x its forward for 2x the FLOPs, which a rate from forward alone, or the
-  table's matmul rate, misses;
+  ([Note: the weight pipeline]). The block rate is one real block's forward and backward
+  (``Hardware.block_efficiency``): there a block's backward took 4.4x its forward for 2x
+  the FLOPs, which a rate from forward alone, or the table's matmul rate, misses. (The
+  second H200 run's trace showed the device idle 2.2-2.5 ms before each block's recompute,
+  34 ms of its backward: the checkpoints' prefetch was dropped. Fixed in
+  ``streaming/streamed_blocks.py``; the third run's trace has 11 ms of gaps left in all, so
+  the term that modelled the wait is gone);
 - the optimizer's finish (clipping's serialisation, below) at the CPU kernel's rate
-  *alone*: nothing else runs on the host then (the trace: 12 block states at 4.18 G
-  elements/s, ``bench/host_contention.py``'s 4.19 alone at 16 threads). The states are
-  walked one after another, so the device-streamed share adds its link time to the host
-  share's instead of overlapping it.
+  *alone*: little else runs on the host then (the second run's trace: 12 block states at
+  4.18 G elements/s, ``bench/host_contention.py``'s 4.19 alone at 16 threads). The states
+  are walked one after another, so the device-streamed share adds its link time to the
+  host share's instead of overlapping it. Where the finish pipelines
+  (``optimizer/pipelined_finish.py``: one process, the state in host memory) it runs
+  behind the next forward instead of after backward, block by block, each block's forward
+  waiting for its update: forward and finish together take ``max(forward, finish + one
+  block's forward)`` (the third H200 run: a 0.29 s forward for a 35 ms one).
 
 The Adam rate must be measured on states past the last-level cache: the first H200 probe
 timed 16M elements (256 MB, inside that host's L3) at 391 GB/s against 117 GB/s on 100M
 elements, and under-predicted the finish 3.4x (``cli.py``'s probe sizes its arrays from
-the cache now). With measured figures the model comes within 9%, 17% and 5% of the
-committed H200 steps (940M with ``"auto"`` and CPU placement, ~3B; all short:
-``tests/test_planner_gpu_runs.py``), where the all-overlapped bound was 33-40% short.
+the cache now). With measured figures the model comes within 16% and 15% of the third H200
+run's steps (940M and ~3B, the finish pipelined; both short, the finish ran at 2.9-3.1 G
+elements/s behind the forward against the kernel's 4.19 alone: ``tests/test_planner_gpu_runs.py``),
+where the all-overlapped bound was 33-40% short of the second run's.
 
 [Note: clipping's serialisation]
 With clipping (or accumulation, fp16, skipped non-finite steps) the engine holds the
@@ -128,6 +129,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from megatrain_ds.optimizer.journal import choose_journal_extents
+from megatrain_ds.optimizer.pipelined_finish import refusal
 
 GIB = 1 << 30
 
@@ -533,21 +535,11 @@ def weight_fill_seconds(shape: ModelShape, settings: RunSettings, hardware: Hard
     return settings.accumulation * per_pass
 
 
-def backward_block_waits_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """Seconds per optimizer step the device waits between blocks in backward: one block's
-    weight copy before each block's recompute but the first's (the fill covers that one;
-    [Note: a step's phases]); 0 where the device is the host."""
-    if hardware.shares_host_memory or shape.num_blocks < 2:
-        return 0.0
-    copy = settings.weight_bytes * shape.block_params / hardware.h2d_bytes_per_s
-    return settings.accumulation * (shape.num_blocks - 1) * copy
-
-
 def phase_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> dict[str, float]:
     """The step as the engine runs it, per optimizer step: on a GPU machine forward and
-    backward (each the longest of its bounds), the weight pipeline's ends, the waits between
-    backward blocks and the optimizer pass ([Note: a step's phases]); where the device is
-    the host, its parts (:func:`step_seconds`)."""
+    backward (each the longest of its bounds), the weight pipeline's ends and the optimizer
+    pass ([Note: a step's phases]); where the device is the host, its parts
+    (:func:`step_seconds`)."""
     if hardware.shares_host_memory:
         return step_seconds(shape, settings, hardware)
     passes = settings.accumulation
@@ -555,7 +547,6 @@ def phase_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) 
         "forward": passes * max(_pass_bounds(shape, settings, hardware, "forward").values()),
         "backward": passes * max(_pass_bounds(shape, settings, hardware, "backward").values()),
         "weight_fill": weight_fill_seconds(shape, settings, hardware),
-        "backward_block_waits": backward_block_waits_seconds(shape, settings, hardware),
         "optimizer": optimizer_seconds(shape, settings, hardware),
     }
     if settings.nvme:
@@ -571,7 +562,13 @@ def predicted_from_phases(
         # One set of cores does everything in turn; the disk works beside the optimizer.
         cores = {part: t for part, t in phases.items() if part not in ("optimizer", "disk")}
         return sum(cores.values()) + max(phases["optimizer"], phases.get("disk", 0.0))
-    ends = phases["weight_fill"] + phases["backward_block_waits"]
+    ends = phases["weight_fill"]
+    if settings.holds_gradients and finish_pipelines(settings):
+        # The pass runs behind the next forward, which takes each block once its update has
+        # landed: the last block computes after the whole pass ([Note: a step's phases]).
+        last_block = phases["forward"] / max(shape.num_blocks, 1)
+        passes = max(phases["forward"], phases["optimizer"] + last_block) + phases["backward"] + ends
+        return max(passes, phases.get("disk", 0.0))
     if settings.holds_gradients:
         # [Note: clipping's serialisation] The update needs the global norm, known when
         # backward's last gradient has reached the host: the optimizer pass follows.
@@ -581,6 +578,20 @@ def predicted_from_phases(
     behind = optimizer_seconds(shape, settings, hardware, beside_copies=True)
     passes = phases["forward"] + max(phases["backward"], behind) + ends
     return max(passes, phases.get("disk", 0.0)) + behind / shape.num_blocks
+
+
+def finish_pipelines(settings: RunSettings) -> bool:
+    """Whether the engine runs this configuration's optimizer finish behind the next forward
+    (one process; the engine's rule, :func:`~megatrain_ds.optimizer.pipelined_finish.refusal`)."""
+    return (
+        refusal(
+            holds_gradients=settings.holds_gradients,
+            data_parallel=False,
+            nvme_tier=settings.nvme,
+            on_host_only=settings.device_optimizer_share == 0,
+        )
+        is None
+    )
 
 
 def predicted_step_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
