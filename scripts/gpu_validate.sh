@@ -23,7 +23,7 @@
 #                 (against compare's "auto": does streaming state through the GPU pay?)
 #   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine, ZeRO-3 and ZeRO-2 offload
 #   compare-7b    Llama-2-7B's shape, 8 x 2048 tokens: the engine alone (ZeRO-3 offload's ~25 B/param
-#                 does not fit a 128 GiB host; bench/zero3_estimate.py gives DeepSpeed's own estimate)
+#                 does not fit a 128 GiB host: bench/zero3_estimate.py, DeepSpeed's own estimator)
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
 #                 Python-busy thread (what set the H200's step: bench/results/gpu_H200)
 #   triton-adamw  bench/triton_adamw.py: the kernel's bandwidth vs a device copy and fused AdamW
