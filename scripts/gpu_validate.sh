@@ -86,6 +86,11 @@ done
 
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD:$PWD/triton_kernels${PYTHONPATH:+:$PYTHONPATH}"
+# The ops' builds inside the checkout (git ignores it): the device tool keeps ignored files of
+# the working tree between calls on a warm machine, but not ~/.cache. The third H200 run's
+# second call found the first call's builds gone: its ops step was cut at 30 s, and the tests
+# after it compiled them on their own time.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export PYTHONUNBUFFERED=1
 # The device name (file-name safe) and the GPU count, or "none" without CUDA.
 read -r DEVICE NUM_GPUS < <("$PYTHON" - <<'EOF' 2>/dev/null || echo "none 0"
