@@ -87,9 +87,9 @@ done
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD:$PWD/triton_kernels${PYTHONPATH:+:$PYTHONPATH}"
 # The ops' builds inside the checkout (git ignores it): the device tool keeps ignored files of
-# the working tree between calls on a warm machine, but not ~/.cache. The third H200 run's
-# second call found the first call's builds gone: its ops step was cut at 30 s, and the tests
-# after it compiled them on their own time.
+# the working tree between calls on a warm machine; ~/.cache may not be kept (the third H200
+# run's second call, on the same warm machine, was cut at 30 s in the ops step, which takes a
+# few seconds when the first call's builds are found).
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export PYTHONUNBUFFERED=1
 # The device name (file-name safe) and the GPU count, or "none" without CUDA.
