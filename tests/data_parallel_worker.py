@@ -161,6 +161,7 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     planned = engine_preflight(engine)
     return {
         "numels": tier.numels,
+        "frozen_numels": [tier.frozen.numel(index) for index in range(len(tier.numels))],
         "disk": tier.directory.nbytes,
         "window": tier.window_bytes,
         "planned_disk": planned.disk,
@@ -168,7 +169,9 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     }
 
 
-def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
+def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str = "rank") -> None:
+    """Train and report to ``<out>/<report><rank>.pt``; with ``--then-frozen-on-tier`` then
+    again in the same ranks (:func:`frozen_on_tier_args`), to ``frozen<rank>.pt``."""
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
     collectives = count_collective_elements()
     model = tiny_models.llama(num_layers=4)
@@ -186,6 +189,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     if args.bf16:
         settings["bf16"] = {"enabled": True}
     engine = MegatrainEngine(model, parse_engine_config(settings))
+    frozen_files = {"at_start": frozen_file_times(engine)}
     if args.bucket_elements:  # several buckets per block, each a few parameters out of layout order
         engine.blocks.gradient_bucket_elements = args.bucket_elements
     pieces: dict[str, list[int]] = {}
@@ -216,12 +220,44 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     held["transfers"] = sum(engine.streamer.transfers.values())
     if engine.gathered_weights is not None:
         held["gathers"] = engine.gathered_weights.gathers
+    held["frozen_files"] = {**frozen_files, "after_training": frozen_file_times(engine)}
     if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
         engine.load_checkpoint(args.load_after)
         held["loaded_states"] = flat_states(engine)
         held["loaded_state_dict"] = engine.module.state_dict()
-    torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"rank{rank}.pt")
+    torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"{report}{rank}.pt")
     engine.destroy()
+    if args.then_frozen_on_tier:
+        run_parity(frozen_on_tier_args(args), rank, world_size, report="frozen")
+
+
+def frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A second run in the same ranks (no launch of its own): ``freeze_some`` with the weights
+    on the NVMe tier (``"all"``), fp32, from the start, its checkpoint saved after the last
+    step and loaded back after the report."""
+    checkpoint = str(Path(args.out) / "frozen_checkpoint")
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "frozen": True,
+            "nvme_weights": True,
+            "bf16": False,
+            "resume_from": None,
+            "save_to": checkpoint,
+            "save_at": args.steps,
+            "load_after": checkpoint,
+            "then_frozen_on_tier": False,
+        }
+    )
+
+
+def frozen_file_times(engine: MegatrainEngine) -> dict[str, int]:
+    """The modification time of each of this rank's frozen weights' files on its NVMe tier
+    (``state/frozen_files.py``), by file name; empty without any."""
+    tier = engine.nvme_tier
+    if tier is None:
+        return {}
+    return {name: os.stat(path).st_mtime_ns for name, path in tier.directory.files.items() if name.endswith(".frozen")}
 
 
 def _held_report(engine: MegatrainEngine) -> dict:
@@ -347,6 +383,11 @@ def main() -> None:
     parser.add_argument("--poison-at", type=int, default=4, help="fp16: the step whose loss rank 1 makes infinite")
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
     parser.add_argument("--load-after", help="parity: load this checkpoint after the run, report the state")
+    parser.add_argument(
+        "--then-frozen-on-tier",
+        action="store_true",
+        help="parity: then a second run in the same ranks, frozen weights on the tier (frozen_on_tier_args)",
+    )
     parser.add_argument(
         "--one-rank-per-node",
         action="store_true",

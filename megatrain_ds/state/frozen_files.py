@@ -73,6 +73,14 @@ class FrozenFiles:
     def holds(self, index: int) -> bool:
         return index in self._files
 
+    def numel(self, index: int) -> int:
+        """Elements of block ``index``'s frozen weights once adopted (0 without a file)."""
+        file = self._files.get(index)
+        if file is None:
+            return 0
+        assert file.dtype is not None, "adopted before it is counted"
+        return file.nbytes // file.dtype.itemsize
+
     def padded_bytes(self, index: int) -> int:
         return self._files[index].padded
 

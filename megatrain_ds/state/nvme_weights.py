@@ -110,8 +110,9 @@ class NvmeWeights:
         )
 
     def numel(self, block: int) -> int:
-        """Elements of ``block``'s weights (its frozen ones too)."""
-        return self.tier.states[block].layout.numel
+        """Elements of ``block``'s weights (its frozen ones too; with data parallel this rank's
+        windows of both, one after the other)."""
+        return self.tier.weight_numel(block)
 
     def prefetch(self, blocks: Sequence[int]) -> None:
         """The blocks the streamer will take next, in order: read the first ones ahead."""
