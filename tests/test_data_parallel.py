@@ -467,7 +467,8 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     masters, model files gathered a block at a time) resumes on 2 simulated nodes of one
     rank (two nodes as GROUP_RANK names them: the resident state sharded across them too)
     bit-identically to the uninterrupted run, and a one-process checkpoint loads into their
-    windows exactly.
+    windows exactly. The same 2 nodes then train again with frozen weights (issue 44:
+    ``_assert_frozen_apart_on_rank_tiers``).
 
     The first run is under the race checker (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``),
     which copies each gathered block to its device slot as a GPU does; the resumed one is
@@ -510,7 +511,8 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     _save_one_process_checkpoint(one_process)
     resume = ("--resume-from", str(checkpoint), "--load-after", str(one_process))
     monkeypatch.delenv("MEGATRAIN_STREAM_CHECK")
-    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier)
+    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier, "--then-frozen-on-tier")
+    _assert_frozen_apart_on_rank_tiers([torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)])
     expected_loaded = _one_process_weights(one_process)
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
@@ -518,6 +520,38 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
         for key, value in expected.items():
             assert torch.equal(value, report["state_dict"][key]), key
         for key, value in expected_loaded.items():  # the model files read into this rank's windows
+            assert torch.equal(value, report["loaded_state_dict"][key]), key
+
+
+def _assert_frozen_apart_on_rank_tiers(ranks: list[dict]) -> None:
+    """The worker's frozen run (``frozen_on_tier_args``: ``freeze_some``, the weights on the
+    tier, 2 nodes of one rank, in the launch of the resumed run above): plain PyTorch's LoRA-style
+    run with both batches to 2e-6 (``_assert_parity``, whose placement check also holds
+    each rank's buffers, tier files and window to its placement and to preflight's plan of
+    its node), the frozen weights bit for bit as they started. Frozen weights cost their own
+    bytes alone: each rank's swap files hold its window of each block's trained prefix (its
+    master, m and v; no block's master in host memory, the held gradients that window's),
+    its window of the frozen weights a read-only file of their own (``state/frozen_files.py``)
+    written at start-up and never after, and its checkpoint (model files gathered a block at a
+    time, span files of the trained windows) loads back to the same weights."""
+    _assert_parity(ranks, steps=5, accumulation=2, frozen=True)
+    trained, numels = ranks[0]["trained_numels"], ranks[0]["numels"]
+    assert all(t < n for t, n in zip(trained, numels))  # frozen weights in every block and the resident state
+    for rank, report in enumerate(ranks):
+        ownership = Ownership.of([[0], [1]], rank)
+        windows = [ownership.window(t) for t in trained[:-1]]
+        frozen_windows = [ownership.window(n - t) for t, n in zip(trained[:-1], numels[:-1])]
+        assert report["tier"]["numels"] == [end - start for start, end in windows]
+        assert report["tier"]["frozen_numels"] == [end - start for start, end in frozen_windows]
+        assert report["tier"]["disk"] == report["tier"]["planned_disk"]
+        resident = ownership.span(trained[-1])  # the resident state's moments: this node's span, in memory
+        held = report["host_bytes"]
+        assert held["master"] == 4 * numels[-1]  # the resident state's alone
+        assert held["exp_avg"] == held["exp_avg_sq"] == 4 * (resident[1] - resident[0])
+        assert held["grad"] == 4 * (sum(end - start for start, end in windows) + resident[1] - resident[0])
+        files = report["frozen_files"]
+        assert len(files["at_start"]) == len(windows) and files["after_training"] == files["at_start"]
+        for key, value in report["state_dict"].items():
             assert torch.equal(value, report["loaded_state_dict"][key]), key
 
 
