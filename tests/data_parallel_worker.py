@@ -58,6 +58,23 @@ def freeze_some(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
+def freeze_all_but_input_norms(model: torch.nn.Module) -> list[str]:
+    """Freeze every weight but the blocks' input norms and the final norm and head: a block's
+    trained prefix is then one 64-element window, so with more than one rank some ranks'
+    windows of it are empty while their windows of its frozen weights are not. Returns the
+    frozen weights' names."""
+    trained = ("input_layernorm", "model.norm", "lm_head")
+    frozen = [name for name, _ in model.named_parameters() if not any(part in name for part in trained)]
+    parameters = dict(model.named_parameters())
+    for name in frozen:
+        parameters[name].requires_grad_(False)
+    return frozen
+
+
+FREEZERS = {"some": freeze_some, "all-but-input-norms": freeze_all_but_input_norms}
+"""``--frozen``'s choices: which weights a run freezes."""
+
+
 def config(accumulation: int, world_size: int, micro: int = MICRO, **megatrain: object) -> dict:
     return {
         "engine": "megatrain",
@@ -176,7 +193,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     collectives = count_collective_elements()
     model = tiny_models.llama(num_layers=4)
     if args.frozen:
-        freeze_some(model)
+        FREEZERS[args.frozen](model)
     long_context = {
         key: value
         for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens), ("mlp_tile_tokens", args.mlp_tile_tokens))
@@ -232,21 +249,22 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
 
 
 def frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
-    """A second run in the same ranks (no launch of its own): ``freeze_some`` with the weights
-    on the NVMe tier (``"all"``), fp32, from the start, its checkpoint saved after the last
-    step and loaded back after the report."""
+    """A second run in the same ranks (no launch of its own): the weights ``--then-frozen-on-tier``
+    names frozen (``FREEZERS``), the weights on the NVMe tier (``"all"``), fp32, from the
+    start, its checkpoint saved after the last step and loaded back after the report."""
     checkpoint = str(Path(args.out) / "frozen_checkpoint")
     return argparse.Namespace(
         **{
             **vars(args),
-            "frozen": True,
+            "frozen": args.then_frozen_on_tier,
+            "nvme": args.nvme or str(Path(args.out) / "frozen_swap"),
             "nvme_weights": True,
             "bf16": False,
             "resume_from": None,
             "save_to": checkpoint,
             "save_at": args.steps,
             "load_after": checkpoint,
-            "then_frozen_on_tier": False,
+            "then_frozen_on_tier": None,
         }
     )
 
@@ -369,7 +387,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
     parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
-    parser.add_argument("--frozen", action="store_true", help="parity: freeze_some(model) before the engine")
+    parser.add_argument(
+        "--frozen", nargs="?", const="some", choices=FREEZERS, help="parity: freeze these weights (FREEZERS)"
+    )
     parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
     parser.add_argument("--nvme", help="parity: Adam's moments on the NVMe tier, its swap files under this path")
     parser.add_argument("--nvme-weights", action="store_true", help='parity: with --nvme, "nvme_offload": "all"')
@@ -385,8 +405,10 @@ def main() -> None:
     parser.add_argument("--load-after", help="parity: load this checkpoint after the run, report the state")
     parser.add_argument(
         "--then-frozen-on-tier",
-        action="store_true",
-        help="parity: then a second run in the same ranks, frozen weights on the tier (frozen_on_tier_args)",
+        nargs="?",
+        const="some",
+        choices=FREEZERS,
+        help="parity: then a second run in the same ranks, these weights frozen on the tier (frozen_on_tier_args)",
     )
     parser.add_argument(
         "--one-rank-per-node",
