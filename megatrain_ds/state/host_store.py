@@ -83,15 +83,18 @@ class HostFlatState:
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
     (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
-    files then hold the trained prefix). With the weights on the tier too (``"all"``), in one
-    process, there is no shadow: the master, moments and gradients cover the trained prefix
+    files then hold the trained prefix). With the weights on the tier too (``"all"``) there is
+    no shadow: the master, moments and gradients cover the trained prefix
     and the frozen weights are a buffer of their own (:attr:`frozen`), in the compute dtype
     where every frozen weight arrives in it, else the master's, which the tier writes once to
     a read-only file and reads with the master when it streams the block
-    (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not, where the fp32 master
-    is cut (in nodes' spans, or on the tier with ``"optimizer"``), for frozen weights not in
-    the compute dtype, nor with data parallel and ``"all"`` (gathered windows): there every
-    buffer still covers the whole layout (``state/placement.py``: [Note: the placement model]).
+    (``state/frozen_files.py``: [Note: frozen weights on the tier]); with data parallel each
+    rank's window of the trained prefix and its window of the frozen weights
+    (:attr:`frozen_window`), gathered when used (``distributed/gathered_weights.py``). Not,
+    where the fp32 master is cut (in nodes' spans, on the tier with ``"optimizer"``, or in
+    the ranks' windows with ``"all"``), for frozen weights not in the compute dtype: there
+    every buffer still covers the whole layout (``state/placement.py``: [Note: the placement
+    model]).
     """
 
     layout: FlatLayout
@@ -364,11 +367,7 @@ def migrate_to_host(
     writes = shared is None or shared.is_writer
     _check_placement(placement, named_params, layout, dtypes, span)
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if placement.shadow.where.on_host else None
-    frozen_window = None  # all the frozen weights, where they are apart
-    if placement.frozen_in == "frozen" and placement.master_split:  # gathered weights: this rank's window of them
-        window = span_of(layout.numel - layout.trained_numel) if span_of is not None else None
-        assert window is not None, "gathered weights: span_of gives this rank's window"
-        frozen_window = (layout.trained_numel + window[0], layout.trained_numel + window[1])
+    frozen_window = _frozen_window(placement, layout, span_of)
     frozen = None
     if placement.frozen_in == "frozen":
         frozen = _frozen_apart(named_params, layout, runtime, dtypes, frozen_window)
@@ -396,6 +395,18 @@ def migrate_to_host(
     if placement.master_split and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
+
+
+def _frozen_window(placement: StatePlacement, layout: FlatLayout, span_of: SpanOf | None) -> tuple[int, int] | None:
+    """The layout's elements of this rank's window of the frozen weights kept apart, with
+    gathered weights (data parallel, the weights on the tier: ``span_of`` gives the rank's
+    window of a state); ``None`` where the frozen weights held apart are all of them, or
+    none are held apart."""
+    if placement.frozen_in != "frozen" or not placement.master_split:
+        return None
+    window = span_of(layout.numel - layout.trained_numel) if span_of is not None else None
+    assert window is not None, "gathered weights: span_of gives this rank's window"
+    return (layout.trained_numel + window[0], layout.trained_numel + window[1])
 
 
 def _check_placement(

@@ -294,15 +294,6 @@ class NvmeTier:
         """Every block's flat size padded to the I/O engine's alignment (one kind in its file)."""
         return self._pad
 
-    @property
-    def weight_numels(self) -> list[int]:
-        """Every adopted block's weights (:meth:`weight_numel`), each padded to the I/O engine's
-        alignment in fp32."""
-        return [
-            aligned_bytes(self.weight_numel(index) * FP32, self.io.alignment) // FP32
-            for index in range(len(self.states))
-        ]
-
     def weight_numel(self, index: int) -> int:
         """Elements of adopted block ``index``'s weights as :meth:`read_master` reads them: the
         trained prefix in its swap file (or a rank's window of it), the frozen weights (or

@@ -43,7 +43,7 @@ part of the state, ``distributed/ownership.py``)::
                             else whole
   data parallel / "optim."  host: span if W,     host: whole     tier: window      host: span      host
                             else whole
-  data parallel / "all"     tier: window         none            tier: window      host: window    gathered from the
+  data parallel / "all"     tier: window (**)    none            tier: window      host: window    gathered from the
                                                                                    (own memory)    windows
 
 The resident state is always in host memory, as a block's with ``"none"``. (*) Frozen
@@ -54,18 +54,21 @@ and the ranks' windows and nodes' spans cover the trained prefix alone
 (``HostFlatState.stepped_numel``), and so does the master where there is a shadow and every
 frozen weight arrives in the compute dtype: the frozen weights then live in the shadow
 alone (``state/host_store.py``: [Note: frozen weights]). (**) With the weights on the tier
-too (``"all"``), in one process, the blocks are trained-only as well: their swap files hold
-the trained prefix's master, m and v, the only part written back after a step, and the
-frozen weights are a buffer of their own (:attr:`StatePlacement.frozen`, ``Where.TIER``),
-in the compute dtype where every frozen weight arrives in it, else in the master's: written
-once to a read-only file beside the block's swap file and read with the master when the
-block is streamed (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not
-trained-only, every buffer covering the frozen parameters too: a block with nothing trained
-at all with ``"all"`` (the tier makes no empty swap file), the blocks with data parallel
-and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when used),
-and, where the fp32 master is cut (on the tier with ``"optimizer"``, or several nodes'
-spans), a state with a frozen weight that is not in the compute dtype. With data parallel
-the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
+too (``"all"``) the blocks are trained-only as well: their swap files hold the trained
+prefix's master, m and v (with data parallel each rank's window of it), the only part
+written back after a step, and the frozen weights are a buffer of their own
+(:attr:`StatePlacement.frozen`: ``Where.TIER``, or each rank's window of them,
+``Where.TIER_WINDOW``, the trained prefix and the frozen weights each cut in the ranks'
+windows on its own), in the compute dtype where every frozen weight arrives in it, else in
+the master's: written once to a read-only file beside the block's swap file and read with
+the master when the block is streamed (``state/frozen_files.py``: [Note: frozen weights on
+the tier]), with data parallel gathered after the prefix's windows
+(``distributed/gathered_weights.py``). Not trained-only, every buffer covering the frozen
+parameters too: a block with nothing trained at all with ``"all"`` (a path of its own for
+it is not built), and, where the fp32 master is cut (on the tier with ``"optimizer"``,
+several nodes' spans, or the ranks' windows with data parallel and ``"all"``, whose
+gathers are in the compute dtype), a state with a frozen weight that is not in the compute
+dtype. With data parallel the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
 window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
 """
 
@@ -380,7 +383,7 @@ def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: T
     where they are not all in the compute dtype), with data parallel each rank's window of
     them, gathered with the trained prefix's."""
     if nvme == "all" and shape.trained_numel == 0:
-        return False  # a block with nothing trained keeps every buffer: the tier makes no empty swap file
+        return False  # a block with nothing trained keeps every buffer: no path of its own is built for it
     if nvme == "all" and not topology.data_parallel:
         return True
     cut_master = sizes.with_shadow and (topology.span_of is not None or nvme != "none")
