@@ -241,7 +241,11 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
         engine.load_checkpoint(args.load_after)
         held["loaded_states"] = flat_states(engine)
-        held["loaded_state_dict"] = engine.module.state_dict()
+        # Copies: the live masters' views would change with the reload below.
+        held["loaded_state_dict"] = {key: value.clone() for key, value in engine.module.state_dict().items()}
+    if args.reload_saved:  # then the run's own checkpoint again, over what --load-after read
+        engine.load_checkpoint(args.save_to)
+        held["reloaded_state_dict"] = engine.module.state_dict()
     torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"{report}{rank}.pt")
     engine.destroy()
     if args.then_frozen_on_tier:
@@ -251,7 +255,9 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
 def frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
     """A second run in the same ranks (no launch of its own): the weights ``--then-frozen-on-tier``
     names frozen (``FREEZERS``), the weights on the NVMe tier (``"all"``), fp32, from the
-    start, its checkpoint saved after the last step and loaded back after the report."""
+    start, its checkpoint saved after the last step; after the report the first run's
+    ``--load-after`` checkpoint is loaded (other weights, frozen ones too), where it has one,
+    then its own checkpoint again."""
     checkpoint = str(Path(args.out) / "frozen_checkpoint")
     return argparse.Namespace(
         **{
@@ -263,7 +269,8 @@ def frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
             "resume_from": None,
             "save_to": checkpoint,
             "save_at": args.steps,
-            "load_after": checkpoint,
+            "load_after": args.load_after or checkpoint,
+            "reload_saved": bool(args.load_after),
             "then_frozen_on_tier": None,
         }
     )
@@ -403,6 +410,9 @@ def main() -> None:
     parser.add_argument("--poison-at", type=int, default=4, help="fp16: the step whose loss rank 1 makes infinite")
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
     parser.add_argument("--load-after", help="parity: load this checkpoint after the run, report the state")
+    parser.add_argument(
+        "--reload-saved", action="store_true", help="parity: after --load-after, load --save-to's checkpoint again"
+    )
     parser.add_argument(
         "--then-frozen-on-tier",
         nargs="?",

@@ -513,9 +513,9 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     resume = ("--resume-from", str(checkpoint), "--load-after", str(one_process))
     monkeypatch.delenv("MEGATRAIN_STREAM_CHECK")
     launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier, "--then-frozen-on-tier")
-    frozen_run = [torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)]
-    _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2)
     expected_loaded = _one_process_weights(one_process)
+    frozen_run = [torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)]
+    _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2, loaded=expected_loaded)
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
@@ -525,7 +525,9 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
             assert torch.equal(value, report["loaded_state_dict"][key]), key
 
 
-def _assert_frozen_apart_on_rank_tiers(ranks: list[dict], frozen: str, steps: int, accumulation: int) -> None:
+def _assert_frozen_apart_on_rank_tiers(
+    ranks: list[dict], frozen: str, steps: int, accumulation: int, loaded: dict[str, torch.Tensor] | None = None
+) -> None:
     """The worker's frozen run (``frozen_on_tier_args``: ``FREEZERS[frozen]``, the weights on the
     tier, nodes of one rank each, in the launch of another run): plain PyTorch's LoRA-style
     run with the global batch to 2e-6 (``_assert_parity``, whose placement check also holds
@@ -535,7 +537,9 @@ def _assert_frozen_apart_on_rank_tiers(ranks: list[dict], frozen: str, steps: in
     master, m and v; no block's master in host memory, the held gradients that window's),
     its window of the frozen weights a read-only file of their own (``state/frozen_files.py``)
     written at start-up and never after, and its checkpoint (model files gathered a block at a
-    time, span files of the trained windows) loads back to the same weights."""
+    time, span files of the trained windows) loads back to the same weights: right after it
+    is saved, or with ``loaded`` (a one-process checkpoint's weights, the frozen ones other
+    than the run's) after that checkpoint was loaded, every weight exactly, frozen ones too."""
     _assert_parity(ranks, steps, accumulation, frozen=frozen)
     trained, numels = ranks[0]["trained_numels"], ranks[0]["numels"]
     assert all(t < n for t, n in zip(trained, numels))  # frozen weights in every block and the resident state
@@ -553,8 +557,10 @@ def _assert_frozen_apart_on_rank_tiers(ranks: list[dict], frozen: str, steps: in
         assert held["grad"] == 4 * (sum(end - start for start, end in windows) + resident[1] - resident[0])
         files = report["frozen_files"]
         assert len(files["at_start"]) == len(windows) and files["after_training"] == files["at_start"]
-        for key, value in report["state_dict"].items():
+        for key, value in (loaded or report["state_dict"]).items():
             assert torch.equal(value, report["loaded_state_dict"][key]), key
+        for key, value in report["state_dict"].items() if loaded is not None else ():
+            assert torch.equal(value, report["reloaded_state_dict"][key]), key
 
 
 def _save_one_process_checkpoint(directory: Path) -> None:
