@@ -411,16 +411,23 @@ def _open_rank_tier(engine: EngineUnderConstruction) -> None:
     smaller than the ranks' windows) has nothing on the tier."""
     blocks = engine.optimizer_states[: engine._resident_index]
     tier = engine.placement.tier
-    assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if w.layout.numel > 0)
+    assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if _on_rank_tier(w))
     gathered = "master" in tier.kinds  # the windows' masters are on the tier alone
-    engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, engine.config.options)
+    options = engine.config.options
+    engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, options, tier.frozen_bytes)
     for state, window in zip(engine.states, blocks):
-        if window.layout.numel > 0:
-            engine.nvme_tier.adopt(window)  # with the master: written to the file, its buffer freed
+        if _on_rank_tier(window):
+            # With the master: written to the file, its buffer freed; the frozen weights'
+            # window (gathered weights) to a read-only file of its own (state/frozen_files.py).
+            engine.nvme_tier.adopt(window)
         else:  # no placeholder left to trip over: nothing to step, nothing to save
             window.bind({"exp_avg": torch.zeros(0), "exp_avg_sq": torch.zeros(0)})
+            if window.frozen is not None:
+                window.release(["frozen"])
         if gathered:
             state.bind({"master": window.master})  # the state's own reference goes too: on disk only
+            if window.frozen is not None:
+                state.bind({"frozen": window.frozen})
 
 
 def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplate]) -> None:
@@ -474,10 +481,17 @@ def _gather_from_windows(
     tier_index: list[int | None] = []
     on_tier = 0
     for window in engine.optimizer_states[: engine._resident_index]:
-        tier_index.append(on_tier if window.layout.numel > 0 else None)
-        on_tier += window.layout.numel > 0
-    numels = [state.layout.numel for state in engine.states[: engine._resident_index]]
-    return GatheredWeights(windows, tier_index, numels, dp, engine.runtime, capacity)
+        tier_index.append(on_tier if _on_rank_tier(window) else None)
+        on_tier += _on_rank_tier(window)
+    # What each block's windows divide: its stepped part, and its frozen weights where they are apart.
+    parts = [(state.stepped_numel, state.layout.numel - state.stepped_numel) for state in engine.states]
+    return GatheredWeights(windows, tier_index, parts[: engine._resident_index], dp, engine.runtime, capacity)
+
+
+def _on_rank_tier(window: HostFlatState) -> bool:
+    """Whether a rank's window of a block is on its NVMe tier: unless it is empty, and so is
+    its window of the frozen weights where those are apart (gathered weights)."""
+    return window.layout.numel > 0 or (window.frozen is not None and window.frozen.numel() > 0)
 
 
 def _build_streamed_blocks(

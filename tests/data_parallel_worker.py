@@ -58,6 +58,23 @@ def freeze_some(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
+def freeze_all_but_input_norms(model: torch.nn.Module) -> list[str]:
+    """Freeze every weight but the blocks' input norms and the final norm and head: a block's
+    trained prefix is then one 64-element window, so with more than one rank some ranks'
+    windows of it are empty while their windows of its frozen weights are not. Returns the
+    frozen weights' names."""
+    trained = ("input_layernorm", "model.norm", "lm_head")
+    frozen = [name for name, _ in model.named_parameters() if not any(part in name for part in trained)]
+    parameters = dict(model.named_parameters())
+    for name in frozen:
+        parameters[name].requires_grad_(False)
+    return frozen
+
+
+FREEZERS = {"some": freeze_some, "all-but-input-norms": freeze_all_but_input_norms}
+"""``--frozen``'s choices: which weights a run freezes."""
+
+
 def config(accumulation: int, world_size: int, micro: int = MICRO, **megatrain: object) -> dict:
     return {
         "engine": "megatrain",
@@ -161,6 +178,7 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     planned = engine_preflight(engine)
     return {
         "numels": tier.numels,
+        "frozen_numels": [tier.frozen.numel(index) for index in range(len(tier.numels))],
         "disk": tier.directory.nbytes,
         "window": tier.window_bytes,
         "planned_disk": planned.disk,
@@ -168,12 +186,14 @@ def _tier_report(engine: MegatrainEngine) -> dict:
     }
 
 
-def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
+def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str = "rank") -> None:
+    """Train and report to ``<out>/<report><rank>.pt``; with ``--then-frozen-on-tier`` then
+    again in the same ranks (:func:`frozen_on_tier_args`), to ``frozen<rank>.pt``."""
     torch.manual_seed(rank)  # the ranks start differently: the engine must use the writer's weights
     collectives = count_collective_elements()
     model = tiny_models.llama(num_layers=4)
     if args.frozen:
-        freeze_some(model)
+        FREEZERS[args.frozen](model)
     long_context = {
         key: value
         for key, value in (("loss_chunk_tokens", args.loss_chunk_tokens), ("mlp_tile_tokens", args.mlp_tile_tokens))
@@ -186,6 +206,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     if args.bf16:
         settings["bf16"] = {"enabled": True}
     engine = MegatrainEngine(model, parse_engine_config(settings))
+    frozen_files = {"at_start": frozen_file_times(engine)}
     if args.bucket_elements:  # several buckets per block, each a few parameters out of layout order
         engine.blocks.gradient_bucket_elements = args.bucket_elements
     pieces: dict[str, list[int]] = {}
@@ -216,12 +237,52 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int) -> None:
     held["transfers"] = sum(engine.streamer.transfers.values())
     if engine.gathered_weights is not None:
         held["gathers"] = engine.gathered_weights.gathers
+    held["frozen_files"] = {**frozen_files, "after_training": frozen_file_times(engine)}
     if args.load_after:  # a checkpoint loaded once the run is recorded (resharded into this node's spans)
         engine.load_checkpoint(args.load_after)
         held["loaded_states"] = flat_states(engine)
-        held["loaded_state_dict"] = engine.module.state_dict()
-    torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"rank{rank}.pt")
+        # Copies: the live masters' views would change with the reload below.
+        held["loaded_state_dict"] = {key: value.clone() for key, value in engine.module.state_dict().items()}
+    if args.reload_saved:  # then the run's own checkpoint again, over what --load-after read
+        engine.load_checkpoint(args.save_to)
+        held["reloaded_state_dict"] = engine.module.state_dict()
+    torch.save({"state_dict": state, "norms": norms, **pieces, **held}, Path(args.out) / f"{report}{rank}.pt")
     engine.destroy()
+    if args.then_frozen_on_tier:
+        run_parity(frozen_on_tier_args(args), rank, world_size, report="frozen")
+
+
+def frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A second run in the same ranks (no launch of its own): the weights ``--then-frozen-on-tier``
+    names frozen (``FREEZERS``), the weights on the NVMe tier (``"all"``), fp32, from the
+    start, its checkpoint saved after the last step; after the report the first run's
+    ``--load-after`` checkpoint is loaded (other weights, frozen ones too), where it has one,
+    then its own checkpoint again."""
+    checkpoint = str(Path(args.out) / "frozen_checkpoint")
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "frozen": args.then_frozen_on_tier,
+            "nvme": args.nvme or str(Path(args.out) / "frozen_swap"),
+            "nvme_weights": True,
+            "bf16": False,
+            "resume_from": None,
+            "save_to": checkpoint,
+            "save_at": args.steps,
+            "load_after": args.load_after or checkpoint,
+            "reload_saved": bool(args.load_after),
+            "then_frozen_on_tier": None,
+        }
+    )
+
+
+def frozen_file_times(engine: MegatrainEngine) -> dict[str, int]:
+    """The modification time of each of this rank's frozen weights' files on its NVMe tier
+    (``state/frozen_files.py``), by file name; empty without any."""
+    tier = engine.nvme_tier
+    if tier is None:
+        return {}
+    return {name: os.stat(path).st_mtime_ns for name, path in tier.directory.files.items() if name.endswith(".frozen")}
 
 
 def _held_report(engine: MegatrainEngine) -> dict:
@@ -333,7 +394,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--length", type=int, default=LENGTH, help="parity: tokens per sequence")
     parser.add_argument("--bf16", action="store_true", help="parity: bf16 compute, fp32 masters")
-    parser.add_argument("--frozen", action="store_true", help="parity: freeze_some(model) before the engine")
+    parser.add_argument(
+        "--frozen", nargs="?", const="some", choices=FREEZERS, help="parity: freeze these weights (FREEZERS)"
+    )
     parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
     parser.add_argument("--nvme", help="parity: Adam's moments on the NVMe tier, its swap files under this path")
     parser.add_argument("--nvme-weights", action="store_true", help='parity: with --nvme, "nvme_offload": "all"')
@@ -347,6 +410,16 @@ def main() -> None:
     parser.add_argument("--poison-at", type=int, default=4, help="fp16: the step whose loss rank 1 makes infinite")
     parser.add_argument("--resume-from", help="parity: load the latest checkpoint from here first")
     parser.add_argument("--load-after", help="parity: load this checkpoint after the run, report the state")
+    parser.add_argument(
+        "--reload-saved", action="store_true", help="parity: after --load-after, load --save-to's checkpoint again"
+    )
+    parser.add_argument(
+        "--then-frozen-on-tier",
+        nargs="?",
+        const="some",
+        choices=FREEZERS,
+        help="parity: then a second run in the same ranks, these weights frozen on the tier (frozen_on_tier_args)",
+    )
     parser.add_argument(
         "--one-rank-per-node",
         action="store_true",

@@ -22,7 +22,7 @@ import safetensors.torch
 import tiny_models
 import torch
 import transformers
-from data_parallel_worker import CLIPPING, LENGTH, LR, MICRO, WEIGHT_DECAY, freeze_some, global_batch
+from data_parallel_worker import CLIPPING, FREEZERS, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
 from data_parallel_worker import config as worker_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
@@ -66,14 +66,14 @@ def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "fo
 
 @functools.cache  # several tests compare with the same run; callers only read it
 def reference_training(
-    steps: int, accumulation: int, world_size: int, length: int = LENGTH, frozen: bool = False
+    steps: int, accumulation: int, world_size: int, length: int = LENGTH, frozen: str | None = None
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size
-    (``frozen``: the worker's ``freeze_some``, so AdamW and clipping skip those weights)."""
+    (``frozen``: the worker's ``FREEZERS`` of that name, so AdamW and clipping skip those weights)."""
     torch.manual_seed(0)  # rank 0's model: the engine keeps the node writer's weights
     model = tiny_models.llama(num_layers=4)
     if frozen:
-        freeze_some(model)
+        FREEZERS[frozen](model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     norms = []
     for step in range(steps):
@@ -234,10 +234,10 @@ def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, 
     with frozen weights (issue 44; ``freeze_some``) and Adam's moments on each rank's NVMe
     tier: the node holds the frozen weights once, at their own size, and no optimizer state,
     each rank's swap files its windows of the trained prefix (``_assert_frozen_held_once``)."""
-    _two_ranks_on_one_node(tmp_path, "deepspeed", frozen=True)
+    _two_ranks_on_one_node(tmp_path, "deepspeed", frozen="some")
 
 
-def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: bool = False) -> None:
+def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = None) -> None:
     steps, accumulation = 5, 2
     args = ["--steps", str(steps), "--accumulation", str(accumulation)]
     if frozen:
@@ -305,7 +305,7 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
-    _assert_parity(ranks, steps, accumulation, frozen=True)
+    _assert_parity(ranks, steps, accumulation, frozen="some")
     _assert_frozen_held_once(ranks, nodes=2, per_node=1)
     for rank in ranks:  # the saved state, loaded back, is the state it was saved from
         for saved_state, loaded in zip(rank["flat_states"], rank["loaded_states"]):
@@ -382,9 +382,10 @@ def _assert_frozen_held_once(ranks: list[dict], nodes: int, per_node: int, tier:
             assert report["tier"]["numels"] == [end - start for start, end in windows if end > start]
 
 
-def _assert_parity(ranks: list[dict], steps: int, accumulation: int, frozen: bool = False) -> None:
+def _assert_parity(ranks: list[dict], steps: int, accumulation: int, frozen: str | None = None) -> None:
     """Both ranks' weights and norms are plain PyTorch's with both batches in one process
-    (``frozen``: with the worker's frozen weights, which stay bit for bit as they started)."""
+    (``frozen``: with the worker's frozen weights, ``FREEZERS[frozen]``, which stay bit for
+    bit as they started)."""
     _assert_placement_agrees(ranks)
     expected, expected_norms = reference_training(steps, accumulation, world_size=2, frozen=frozen)
     assert min(expected_norms) > CLIPPING  # clipping is active in every step
@@ -394,7 +395,7 @@ def _assert_parity(ranks: list[dict], steps: int, accumulation: int, frozen: boo
     if frozen:
         torch.manual_seed(0)
         initial = tiny_models.llama(num_layers=4).state_dict()
-        names = freeze_some(tiny_models.llama(num_layers=4))
+        names = FREEZERS[frozen](tiny_models.llama(num_layers=4))
         for rank in ranks:
             for name in names:
                 assert torch.equal(rank["state_dict"][name], initial[name]), name
@@ -467,7 +468,8 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     masters, model files gathered a block at a time) resumes on 2 simulated nodes of one
     rank (two nodes as GROUP_RANK names them: the resident state sharded across them too)
     bit-identically to the uninterrupted run, and a one-process checkpoint loads into their
-    windows exactly.
+    windows exactly. The same 2 nodes then train again with frozen weights (issue 44:
+    ``_assert_frozen_apart_on_rank_tiers``).
 
     The first run is under the race checker (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``),
     which copies each gathered block to its device slot as a GPU does; the resumed one is
@@ -510,8 +512,10 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     _save_one_process_checkpoint(one_process)
     resume = ("--resume-from", str(checkpoint), "--load-after", str(one_process))
     monkeypatch.delenv("MEGATRAIN_STREAM_CHECK")
-    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier)
+    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier, "--then-frozen-on-tier")
     expected_loaded = _one_process_weights(one_process)
+    frozen_run = [torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)]
+    _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2, loaded=expected_loaded)
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
@@ -519,6 +523,44 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
             assert torch.equal(value, report["state_dict"][key]), key
         for key, value in expected_loaded.items():  # the model files read into this rank's windows
             assert torch.equal(value, report["loaded_state_dict"][key]), key
+
+
+def _assert_frozen_apart_on_rank_tiers(
+    ranks: list[dict], frozen: str, steps: int, accumulation: int, loaded: dict[str, torch.Tensor] | None = None
+) -> None:
+    """The worker's frozen run (``frozen_on_tier_args``: ``FREEZERS[frozen]``, the weights on the
+    tier, nodes of one rank each, in the launch of another run): plain PyTorch's LoRA-style
+    run with the global batch to 2e-6 (``_assert_parity``, whose placement check also holds
+    each rank's buffers, tier files and window to its placement and to preflight's plan of
+    its node), the frozen weights bit for bit as they started. Frozen weights cost their own
+    bytes alone: each rank's swap files hold its window of each block's trained prefix (its
+    master, m and v; no block's master in host memory, the held gradients that window's),
+    its window of the frozen weights a read-only file of their own (``state/frozen_files.py``)
+    written at start-up and never after, and its checkpoint (model files gathered a block at a
+    time, span files of the trained windows) loads back to the same weights: right after it
+    is saved, or with ``loaded`` (a one-process checkpoint's weights, the frozen ones other
+    than the run's) after that checkpoint was loaded, every weight exactly, frozen ones too."""
+    _assert_parity(ranks, steps, accumulation, frozen=frozen)
+    trained, numels = ranks[0]["trained_numels"], ranks[0]["numels"]
+    assert all(t < n for t, n in zip(trained, numels))  # frozen weights in every block and the resident state
+    for rank, report in enumerate(ranks):
+        ownership = Ownership.of([[node] for node in range(len(ranks))], rank)
+        windows = [ownership.window(t) for t in trained[:-1]]
+        frozen_windows = [ownership.window(n - t) for t, n in zip(trained[:-1], numels[:-1])]
+        assert report["tier"]["numels"] == [end - start for start, end in windows]
+        assert report["tier"]["frozen_numels"] == [end - start for start, end in frozen_windows]
+        assert report["tier"]["disk"] == report["tier"]["planned_disk"]
+        resident = ownership.span(trained[-1])  # the resident state's moments: this node's span, in memory
+        held = report["host_bytes"]
+        assert held["master"] == 4 * numels[-1]  # the resident state's alone
+        assert held["exp_avg"] == held["exp_avg_sq"] == 4 * (resident[1] - resident[0])
+        assert held["grad"] == 4 * (sum(end - start for start, end in windows) + resident[1] - resident[0])
+        files = report["frozen_files"]
+        assert len(files["at_start"]) == len(windows) and files["after_training"] == files["at_start"]
+        for key, value in (loaded or report["state_dict"]).items():
+            assert torch.equal(value, report["loaded_state_dict"][key]), key
+        for key, value in report["state_dict"].items() if loaded is not None else ():
+            assert torch.equal(value, report["reloaded_state_dict"][key]), key
 
 
 def _save_one_process_checkpoint(directory: Path) -> None:
@@ -736,7 +778,11 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
     has loaded it (per parameter, as one node does), and on 4 nodes of one rank, each
     keeping its quarter, its moments on its own NVMe tier. Both continue as the
     uninterrupted run. (Span files read by other partitions: tests/test_optimizer_spans.py;
-    a one-process checkpoint loaded by several nodes: the bf16 test above.)"""
+    a one-process checkpoint loaded by several nodes: the bf16 test above.) The 4 nodes then
+    train from the start with every weight frozen but the blocks' input norms, the weights on
+    the tier (issue 44, ``_assert_frozen_apart_on_rank_tiers``): a block's trained prefix is
+    one window, so 3 of the 4 ranks hold an empty window of it (an empty swap file) beside
+    their windows of its frozen weights."""
     checkpoint, steps, save_at = tmp_path / "checkpoint", 4, 2
     common = ("parity", "--steps", str(steps), "--rows", "4", "--accumulation", "2")
     runs = {name: tmp_path / name for name in ("straight", "on1", "on4")}
@@ -773,10 +819,15 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
     assert sorted(p.name for p in (by_one / f"global_step{save_at}").glob("optimizer*")) == [
         "optimizer-00001-of-00001.safetensors"
     ]
-    # The 4 nodes keep the moments of their spans on the NVMe tier, each on its own disk.
-    launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint), "--nvme", str(tmp_path / "swap"))
+    # The 4 nodes keep the moments of their spans on the NVMe tier, each on its own disk; then
+    # they train again, frozen but for the blocks' input norms, with the weights on the tier.
+    swap = ("--nvme", str(tmp_path / "swap"), "--then-frozen-on-tier", "all-but-input-norms")
+    launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint), *swap)
     on1 = torch.load(runs["on1"] / "rank0.pt")
     on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
+    frozen = [torch.load(runs["on4"] / f"frozen{r}.pt") for r in range(4)]
+    _assert_frozen_apart_on_rank_tiers(frozen, "all-but-input-norms", steps, accumulation=2)
+    assert [any(report["tier"]["numels"]) for report in frozen] == [True, False, False, False]
     _assert_node_shares(on4, nodes=4, per_node=1, tier=True)
     for resumed in (on1, on4[0]):
         assert relative_error(resumed["state_dict"], straight[0]["state_dict"]) < 2e-6

@@ -24,10 +24,22 @@ from placement_check import placement_disagreements, preflight_disagreements
 from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.distributed.ownership import Ownership
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
-from megatrain_ds.optimizer.facade import build_optimizer
+from megatrain_ds.model.block_discovery import find_blocks
+from megatrain_ds.model.frozen_weights import cast_frozen_weights
+from megatrain_ds.optimizer.facade import build_optimizer, group_index_of
 from megatrain_ds.planning import preflight
 from megatrain_ds.planning.planner import ModelShape, RunSettings, host_bytes
+from megatrain_ds.state.placement import (
+    ElementSizes,
+    Placement,
+    StateShape,
+    TierSettings,
+    Topology,
+    flat_state_params,
+    state_shapes,
+)
 from megatrain_ds.state.state_placement import Where
 
 peft = pytest.importorskip("peft")
@@ -212,3 +224,55 @@ def test_a_block_with_nothing_trained_keeps_every_buffer_with_the_weights_on_the
     finally:
         engine.destroy()
         ram.destroy()
+
+
+def _topology(nodes: list[list[int]]) -> Topology:
+    """Rank 0's view of data parallel over ``nodes``, as ``DataParallel.topology`` builds it."""
+    ownership = Ownership.of(nodes, 0)
+    members = set(nodes[ownership.node])
+    return Topology(
+        node_ranks=len(nodes[ownership.node]),
+        span_of=ownership.span if len(nodes) > 1 else None,
+        window_of=ownership.window,
+        node_windows_of=lambda numel: [(s, e) for owner, s, e in ownership.every_window(numel) if owner in members],
+    )
+
+
+def _shapes(model: torch.nn.Module, compute_dtype: str | None) -> list[StateShape]:
+    """The flat states' shapes the engine builds ``model``'s placement from, after the cast
+    ``"frozen_weights": compute_dtype`` makes at ``initialize`` (``engine_build.build``)."""
+    config = parse_engine_config(_config("none", "bf16", None))
+    group_of = group_index_of(model, build_optimizer(model, None, config.optimizer, None))
+    if compute_dtype is not None:
+        cast_frozen_weights(model, group_of, torch.bfloat16)
+    _, blocks = find_blocks(model)
+    return state_shapes(flat_state_params(model, blocks), group_of, torch.bfloat16)
+
+
+def test_frozen_weights_cast_to_the_compute_dtype_take_the_trained_only_path_with_data_parallel():
+    """``"frozen_weights": "compute_dtype"`` (``model/frozen_weights.py``) with data parallel,
+    several nodes and the NVMe tier: its cast turns an fp32 LoRA base under bf16 compute into
+    the states of a base that arrives in bf16 (the same shapes, so the same placement: the
+    placement is a function of them), whose data-parallel placements the multi-rank launches
+    of ``tests/test_data_parallel.py`` check against the engine's buffers. Every state is
+    then trained-only with its frozen weights at 2 B, in the bf16 shadow, or with ``"all"``
+    apart on each rank's tier (its window of them); without the cast the fp32 frozen weights
+    keep every buffer wherever the fp32 master is cut (several nodes' spans, the tier)."""
+    cast = _shapes(_model(torch.float32), "compute_dtype")
+    assert cast == _shapes(_model(torch.bfloat16), None)
+    uncast = _shapes(_model(torch.float32), None)
+    sizes = ElementSizes(master=4, compute=2, grad=4, with_shadow=True)
+    for nodes in ([[0, 1]], [[0], [1]]):
+        topology = _topology(nodes)
+        for nvme in ("none", "optimizer", "all"):
+            placement = Placement.of_sizes(sizes, TierSettings(), nvme, topology, cast)
+            assert placement.trained_only, (nodes, nvme)
+            for state in placement.blocks:
+                if nvme == "all":  # this rank's window of the frozen weights, in a file of bf16 values
+                    assert state.frozen_in == "frozen" and state.frozen.where is Where.TIER_WINDOW
+                    assert state.frozen.itemsize == 2 and state.master.numel < state.numel - state.frozen_numel
+                else:  # in the node's bf16 shadow alone
+                    assert state.frozen_in == "shadow" and state.master.numel < state.numel
+            cut = len(nodes) > 1 or nvme != "none"
+            placed = Placement.of_sizes(sizes, TierSettings(), nvme, topology, uncast)
+            assert all(state.trained_only != cut for state in placed.blocks), (nodes, nvme)

@@ -102,11 +102,13 @@ class Entry:
     def weight(self, whole: torch.Tensor, flat_of: StateTensors) -> torch.Tensor:
         """Its weight in ``whole`` (the state's whole weights), or for a frozen weight held
         alone in the shadow, or apart on the NVMe tier (``flat_of``'s ``"frozen"``), there
-        (``state/host_store.py``: [Note: frozen weights]): written and read once, in its own dtype."""
+        (``state/host_store.py``: [Note: frozen weights]): written and read once, in its own dtype.
+        A gathered state's ``whole`` has them all, in their own dtype there
+        (``distributed/gathered_weights.py``: [Note: gathered weights])."""
         if self.placement.frozen_in == "shadow" and not self.trained:
             assert self.state.shadow is not None
             return self.view(self.state.shadow)
-        if self.placement.frozen_in == "frozen" and not self.trained:
+        if self.placement.frozen_in == "frozen" and not self.trained and not self.placement.gathered:
             return self.state.slot_of(self.slot, flat_of(self.state, "frozen"))
         return self.view(whole)
 

@@ -49,7 +49,7 @@ from megatrain_ds.checkpoint.directories import (
     resolve_tag_dir,
 )
 from megatrain_ds.checkpoint.optimizer_spans import MASTER, SPANS_PREFIX, HeldSpan, SpanFiles, holds_masters
-from megatrain_ds.checkpoint.reshard import reshard
+from megatrain_ds.checkpoint.reshard import WholeTemporaries, reshard
 from megatrain_ds.checkpoint.tensor_files import CheckpointError, FileDigest, SafetensorsFile
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.state.state_placement import Where
@@ -227,7 +227,10 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTenso
 def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTensors) -> None:
     """This rank's window of the master of every block it keeps only as a window (gathered
     weights): from the span files where they hold the masters (exact), else from the model
-    files, each such state read whole into a temporary of which the window is kept."""
+    files, each such state read whole into a temporary of which the window is kept; and its
+    window of the frozen weights kept apart, from the model files, which hold them in their
+    own dtype, into the file of them (``state/frozen_files.py``: a checkpoint load is its one
+    writer)."""
     placements = engine.placement.states
     windows = {
         id(state): window
@@ -239,23 +242,29 @@ def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: Sta
         start, end = state.held
         return HeldSpan(state.layout.numel, start, end, lambda kind: flat_of(windows[id(state)], kind))
 
+    def frozen_of(state: HostFlatState) -> HeldSpan:
+        assert state.frozen_window is not None
+        return HeldSpan(state.layout.numel, *state.frozen_window, lambda kind: flat_of(windows[id(state)], kind))
+
+    def target(entry: Entry, temporaries: WholeTemporaries) -> torch.Tensor | None:
+        state = entry.state
+        if entry.trained or entry.placement.frozen_in != "frozen":  # in the master
+            return None if reads.exact_masters else entry.view(temporaries.whole(id(state), window_of(state), MASTER))
+        window = state.frozen_window
+        if window is None or window[0] == window[1]:  # this rank's window of the frozen weights is empty
+            return None
+        return entry.view(temporaries.whole(id(state), frozen_of(state), "frozen"))
+
     if reads.exact_masters:
         assert reads.span_files is not None
         held = {name: window_of(state) for name, state in states_by_name(engine).items() if id(state) in windows}
         reads.span_files.read_into(held, [MASTER])
         flat_of.release()
-        return
     for file in reads.model_files.values():
         with reshard() as temporaries:
             wanted = reads.model_targets.get(file.path, {})
-            file.read_into(
-                {
-                    name: entry.view(temporaries.whole(id(entry.state), window_of(entry.state), MASTER))
-                    for name, entry in wanted.items()
-                    if entry.placement.gathered
-                },
-                reads.digest(file),
-            )
+            targets = {name: target(entry, temporaries) for name, entry in wanted.items() if entry.placement.gathered}
+            file.read_into({name: view for name, view in targets.items() if view is not None}, reads.digest(file))
         flat_of.release()  # one file's windows mapped at a time
 
 

@@ -20,7 +20,8 @@ Where each state's master is (the engine's ``Placement``, ``state/placement.py``
   (``NvmeTier.file_views``) and copied: no collective.
 - The weights on the NVMe tier with data parallel (gathered states): each rank holds its
   window of the master on its own tier. Each block's master is gathered whole from every
-  rank's window (``GatheredWeights.whole``, an all-gather over the gather group).
+  rank's window (``GatheredWeights.whole``, an all-gather over the gather group), then its
+  frozen weights kept apart, from every rank's window of them (``GatheredWeights.whole_frozen``).
 - Several nodes with bf16/fp16 compute (``Where.NODE_SPAN``): each node
   holds its span of the master, the parameters view the whole shadow. Every node's span is
   broadcast by its leader to every rank (``DataParallel.gather_spans_to_every_rank_``,
@@ -121,11 +122,20 @@ def _whole_masters(engine: MasterHolder) -> Iterator[tuple[HostFlatState, torch.
         if engine.nvme_tier is not None:
             on_tier = stack.enter_context(engine.nvme_tier.file_views())
         for index, state in enumerate(engine.states):
-            mapped = on_tier(state) if on_tier is not None and state.frozen is not None else None
-            frozen = (
-                mapped["frozen"].clone() if mapped is not None else state.frozen
-            )  # the mapping goes with file_views
-            yield state, _whole_master(engine, index, on_tier), frozen
+            yield state, _whole_master(engine, index, on_tier), _frozen_apart(engine, index, on_tier)
+
+
+def _frozen_apart(engine: MasterHolder, index: int, on_tier: OnTier | None) -> torch.Tensor | None:
+    """State ``index``'s frozen weights held apart, all of them (a new tensor unless they are
+    in host memory here); ``None`` where they are not apart."""
+    state = engine.states[index]
+    if state.frozen is None:
+        return None
+    if engine.placement.states[index].gathered:  # every rank's window of them gathered (collective)
+        assert engine.gathered_weights is not None
+        return engine.gathered_weights.whole_frozen(index)
+    mapped = on_tier(state) if on_tier is not None else None
+    return mapped["frozen"].clone() if mapped is not None else state.frozen  # the mapping goes with file_views
 
 
 def _master_is_live(engine: MasterHolder, index: int) -> bool:

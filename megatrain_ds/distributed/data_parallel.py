@@ -327,7 +327,8 @@ class DataParallel:
         members = set(self.ownership.nodes[self.ownership.node])
 
         def node_windows(numel: int) -> list[tuple[int, int]]:
-            return [(start, end) for owner, start, end in self.ownership.windows(numel) if owner in members]
+            # Every rank's, empty ones too: the n-th is the same rank's for every state.
+            return [(start, end) for owner, start, end in self.ownership.every_window(numel) if owner in members]
 
         return Topology(
             node_ranks=self.node_size,

@@ -24,6 +24,15 @@ in host memory on every rank: ZeRO-3's just-in-time gather, from the owners.
   each of the N ranks. A block is taken twice per step (forward, and backward's
   recomputation), as ZeRO-3 gathers twice. Updated weights are never sent: the next take
   gathers them. The gradients' reduce-scatter comes on top (``gradient_reducer.py``).
+- Frozen weights (a LoRA base): where a block's are kept apart (``state/frozen_files.py``),
+  its trained prefix and its frozen weights are each cut in the ranks' windows on their
+  own, so every rank steps an equal share of what is trained; a take gathers the prefix's
+  windows, then the frozen weights' after it (two all-gathers, in that order on every
+  rank). Their files hold them in the compute dtype there (``state/placement.py`` keeps
+  every buffer of a block whose frozen weights are not: a gather in the compute dtype would
+  round them), so the gathered bytes are their exact values, which checkpoints and
+  ``state_dict()`` take from :meth:`GatheredWeights.whole` and
+  :meth:`GatheredWeights.whole_frozen`.
 - The gather runs on the host over gloo (``DataParallel.gather_group``), on GPUs too: there
   every rank's weights still cross PCIe whole. Gathering on the devices over NCCL would cut
   each GPU's PCIe bytes to its window; that is not built yet.
@@ -56,9 +65,12 @@ class GatheredWeights:
 
     Args:
         windows: this rank's windows of the blocks' weights, on its NVMe tier.
-        tier_index: each block's index on that tier; ``None`` where this rank's window of
-            the block is empty (a block smaller than the ranks' windows).
-        numels: each block's flat size.
+        tier_index: each block's index on that tier; ``None`` where this rank's windows of
+            the block are empty (a block smaller than the ranks' windows).
+        parts: each block's ``(stepped, frozen)`` elements: the part its optimizer state
+            covers (its trained prefix where frozen weights are apart, else every element),
+            and its frozen weights kept apart after it (0: none), each cut in the ranks'
+            windows on its own and gathered on its own ([Note: gathered weights]).
         data_parallel: the ranks and their windows (:class:`~megatrain_ds.distributed.ownership.Ownership`).
         runtime: allocates the buffers (pinned on a GPU: the source of the copies).
         capacity: whole-block buffers; more than the streamer's device slots.
@@ -68,7 +80,7 @@ class GatheredWeights:
         self,
         windows: NvmeWeights,
         tier_index: Sequence[int | None],
-        numels: Sequence[int],
+        parts: Sequence[tuple[int, int]],
         data_parallel: DataParallel,
         runtime: DeviceRuntime,
         capacity: int,
@@ -76,18 +88,21 @@ class GatheredWeights:
         self.dtype = windows.dtype
         self._windows = windows
         self._tier_index = list(tier_index)
-        self._numels = list(numels)
+        self._parts = list(parts)
+        self._numels = [stepped + frozen for stepped, frozen in self._parts]
         self._dp = data_parallel
         self._runtime = runtime
-        chunk = max(data_parallel.ownership.chunk(numel) for numel in self._numels)
-        self._mine = torch.zeros(chunk, dtype=self.dtype)
+        ownership, world = data_parallel.ownership, data_parallel.world_size
+        mine = max(ownership.chunk(stepped) + ownership.chunk(frozen) for stepped, frozen in self._parts)
+        self._mine = torch.zeros(mine, dtype=self.dtype)
+        # A whole block: the stepped part's windows gathered from 0, then the frozen part's from
+        # its start (over the stepped gather's padding: stepped is a multiple of the window alignment).
+        whole = max(max(world * ownership.chunk(s), s + world * ownership.chunk(f)) for s, f in self._parts)
         # Free buffers in the order they were given back: the one the device let go of first is reused first.
-        self._free = deque(
-            _Whole(runtime.host_empty(chunk * data_parallel.world_size, self.dtype)) for _ in range(capacity)
-        )
+        self._free = deque(_Whole(runtime.host_empty(whole, self.dtype)) for _ in range(capacity))
         self._taken: dict[int, deque[_Whole]] = {}
         """The buffers taken and not given back, by block."""
-        self._buffer_bytes = capacity * chunk * data_parallel.world_size * self._mine.element_size()
+        self._buffer_bytes = capacity * whole * self._mine.element_size()
         self._lock = threading.Lock()  # the streamer may run on the autograd device thread
         self.gathers = 0
         """Blocks gathered so far (by the streamer and by :meth:`whole`)."""
@@ -122,7 +137,7 @@ class GatheredWeights:
             buffer.device_reads.clear()
             # Host code on host buffers, finished before the copy that reads the buffer is queued.
             with self._runtime.host_work():
-                self._gather(block, buffer.tensor, self._read_window(block))
+                self._gather_block(block, buffer.tensor)
             self._taken.setdefault(block, deque()).append(buffer)
             return buffer.tensor[: self._numels[block]]
 
@@ -135,29 +150,63 @@ class GatheredWeights:
 
     def whole(self, block: int, window: torch.Tensor | None = None) -> torch.Tensor:
         """``block``'s whole weights in a new tensor (collective, like :meth:`take`): every
-        rank's ``window`` of them (its exact fp32 master, for ``state_dict()``), or by default
-        the compute-dtype weights the streamer gets (a checkpoint's model files)."""
+        rank's ``window`` of its stepped part (its exact fp32 master, for ``state_dict()``;
+        frozen weights apart have none: :meth:`whole_frozen`), or by default every weight in
+        the compute dtype, as the streamer gets them (a checkpoint's model files)."""
         with self._lock:
-            if window is None:
-                mine = self._read_window(block)
-            else:
-                mine = torch.zeros(self._dp.ownership.chunk(self._numels[block]), dtype=window.dtype)
+            stepped, frozen = self._parts[block]
+            if window is not None:
+                mine = torch.zeros(self._dp.ownership.chunk(stepped), dtype=window.dtype)
                 mine[: window.numel()].copy_(window)
+                whole = torch.empty(mine.numel() * self._dp.world_size, dtype=mine.dtype)
+                self._gather(block, whole, mine)
+                return whole[:stepped]
+            ownership, world = self._dp.ownership, self._dp.world_size
+            size = max(world * ownership.chunk(stepped), stepped + world * ownership.chunk(frozen))
+            whole = torch.empty(size, dtype=self.dtype)
+            self._gather_block(block, whole)
+            return whole[: stepped + frozen]
+
+    def whole_frozen(self, block: int) -> torch.Tensor:
+        """``block``'s frozen weights kept apart, all of them, in a new tensor of their own
+        dtype (the compute dtype: [Note: gathered weights]); collective, like :meth:`take`."""
+        with self._lock:
+            _, frozen = self._parts[block]
+            mine = self._read_window(block)[1]
             whole = torch.empty(mine.numel() * self._dp.world_size, dtype=mine.dtype)
             self._gather(block, whole, mine)
-            return whole[: self._numels[block]]
+            return whole[:frozen]
 
-    def _read_window(self, block: int) -> torch.Tensor:
-        """This rank's window of ``block`` in the compute dtype, padded to the window size (under the lock)."""
-        mine = self._mine[: self._dp.ownership.chunk(self._numels[block])]
+    def _gather_block(self, block: int, whole: torch.Tensor) -> None:
+        """Every weight of ``block`` into ``whole`` (under the lock): the stepped part's windows
+        from its start, then the frozen weights' windows from theirs, the second gather
+        overwriting the padding of the first's last window."""
+        stepped, frozen = self._parts[block]
+        mine, mine_frozen = self._read_window(block)
+        self._gather(block, whole, mine)
+        if frozen:
+            self._gather(block, whole[stepped:], mine_frozen)
+
+    def _read_window(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's windows of ``block`` in the compute dtype, each padded to the window
+        size: of its stepped part and of its frozen weights apart (under the lock)."""
+        ownership = self._dp.ownership
+        stepped, frozen = self._parts[block]
+        chunk = ownership.chunk(stepped)
+        mine = self._mine[: chunk + ownership.chunk(frozen)]
         index = self._tier_index[block]
         if index is None:
-            return mine.zero_()
-        local = self._windows.take(index)  # waits for the read from disk
-        mine[: local.numel()].copy_(local)
-        mine[local.numel() :].zero_()  # the last window may be short
+            mine.zero_()
+            return mine[:chunk], mine[chunk:]
+        local = self._windows.take(index)  # waits for the read from disk: the stepped window, then the frozen one
+        start, end = ownership.window(stepped)
+        length = end - start
+        mine[:length].copy_(local[:length])
+        mine[length:chunk].zero_()  # the last window may be short
+        mine[chunk : chunk + local.numel() - length].copy_(local[length:])
+        mine[chunk + local.numel() - length :].zero_()
         self._windows.give_back(index, None)  # copied out: the read buffer is free again
-        return mine
+        return mine[:chunk], mine[chunk:]
 
     def _gather(self, block: int, whole: torch.Tensor, mine: torch.Tensor) -> None:
         """Every rank's ``mine`` of ``block`` into ``whole``, in window order."""

@@ -55,12 +55,11 @@ class Ownership:
 
     def windows(self, numel: int) -> list[tuple[int, int, int]]:
         """``(owner rank, start, end)`` of every non-empty window, in position order."""
-        found = []
-        for position, owner in enumerate(self.positions):
-            start, end = self._bounds(position, position + 1, numel)
-            if start < end:
-                found.append((owner, start, end))
-        return found
+        return [(owner, start, end) for owner, start, end in self.every_window(numel) if start < end]
+
+    def every_window(self, numel: int) -> list[tuple[int, int, int]]:
+        """``(owner rank, start, end)`` of every rank's window, empty ones included, in position order."""
+        return [(owner, *self._bounds(position, position + 1, numel)) for position, owner in enumerate(self.positions)]
 
     def window(self, numel: int) -> tuple[int, int]:
         """``[start, end)``: the elements this rank owns (may be empty)."""

@@ -1,13 +1,16 @@
 """Frozen weights on the NVMe tier: each block's in a read-only file, in their own dtype.
 
-With the weights on the tier (``"nvme_offload": "all"``) in one process, a block's frozen
+With the weights on the tier (``"nvme_offload": "all"``), a block's frozen
 parameters (``requires_grad=False``, e.g. a LoRA base) have no master, moments or
 gradients: the block's swap file (``state/nvme_tier.py``) holds its trained prefix alone,
 and the frozen weights ``[trained_numel, numel)`` of its flat layout are a file of their
 own, ``blockNNNNN.frozen`` in the same swap directory, in their own dtype
 (``HostFlatState.frozen``: the compute dtype where every one arrives in it, else the
-master's). :class:`FrozenFiles` is the tier's bookkeeping of those files; the tier moves the
-bytes.
+master's). With data parallel each rank's tier holds its window of the trained prefix in
+the swap file and its window of the frozen weights in the frozen file
+(``HostFlatState.frozen_window``; the swap file is empty where the rank's window of a small
+trained prefix is), gathered whole when used (``distributed/gathered_weights.py``).
+:class:`FrozenFiles` is the tier's bookkeeping of those files; the tier moves the bytes.
 
 [Note: frozen weights on the tier]
 - Written once, when the tier adopts the block (:meth:`FrozenFiles.write`, on the training
@@ -72,6 +75,14 @@ class FrozenFiles:
 
     def holds(self, index: int) -> bool:
         return index in self._files
+
+    def numel(self, index: int) -> int:
+        """Elements of block ``index``'s frozen weights once adopted (0 without a file)."""
+        file = self._files.get(index)
+        if file is None:
+            return 0
+        assert file.dtype is not None, "adopted before it is counted"
+        return file.nbytes // file.dtype.itemsize
 
     def padded_bytes(self, index: int) -> int:
         return self._files[index].padded

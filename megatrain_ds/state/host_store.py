@@ -83,15 +83,18 @@ class HostFlatState:
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
     (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
-    files then hold the trained prefix). With the weights on the tier too (``"all"``), in one
-    process, there is no shadow: the master, moments and gradients cover the trained prefix
+    files then hold the trained prefix). With the weights on the tier too (``"all"``) there is
+    no shadow: the master, moments and gradients cover the trained prefix
     and the frozen weights are a buffer of their own (:attr:`frozen`), in the compute dtype
     where every frozen weight arrives in it, else the master's, which the tier writes once to
     a read-only file and reads with the master when it streams the block
-    (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not, where the fp32 master
-    is cut (in nodes' spans, or on the tier with ``"optimizer"``), for frozen weights not in
-    the compute dtype, nor with data parallel and ``"all"`` (gathered windows): there every
-    buffer still covers the whole layout (``state/placement.py``: [Note: the placement model]).
+    (``state/frozen_files.py``: [Note: frozen weights on the tier]); with data parallel each
+    rank's window of the trained prefix and its window of the frozen weights
+    (:attr:`frozen_window`), gathered when used (``distributed/gathered_weights.py``). Not,
+    where the fp32 master is cut (in nodes' spans, on the tier with ``"optimizer"``, or in
+    the ranks' windows with ``"all"``), for frozen weights not in the compute dtype: there
+    every buffer still covers the whole layout (``state/placement.py``: [Note: the placement
+    model]).
     """
 
     layout: FlatLayout
@@ -105,6 +108,10 @@ class HostFlatState:
     span: tuple[int, int] | None = None
     """``None``: the optimizer state covers every element it steps (:attr:`stepped_numel`)."""
     frozen: torch.Tensor | None = None
+    frozen_window: tuple[int, int] | None = None
+    """``[start, end)`` of the layout's elements :attr:`frozen` holds with data parallel and the
+    weights on the tier (this rank's window of the frozen weights, gathered when used);
+    ``None``: all of them, ``[layout.trained_numel, layout.numel)``."""
     placement: StatePlacement = field(kw_only=True)
 
     @property
@@ -205,6 +212,8 @@ class HostFlatState:
 
         master_first = self.master_held[0]  # a sharded master starts at the span, as the moments do
         shadow, grad = part(self.shadow), part(self.grad, first)
+        # Gathered weights: the frozen weights' window goes with the window the rank's tier adopts.
+        frozen = self.frozen if self.frozen_window is not None else None
         return HostFlatState(
             layout=self.layout.window(start, end),
             master=self.master[start - master_first : end - master_first],
@@ -212,6 +221,8 @@ class HostFlatState:
             exp_avg=self.exp_avg[start - first : end - first],
             exp_avg_sq=self.exp_avg_sq[start - first : end - first],
             grad=grad,
+            frozen=frozen,
+            frozen_window=self.frozen_window if frozen is not None else None,
             placement=whole_in_host_memory(
                 end - start,
                 self.master.element_size(),
@@ -249,7 +260,7 @@ class HostFlatState:
     def _held_by(self, kind: BoundKind) -> tuple[int, int]:
         """``[start, end)`` of the elements the buffer of ``kind`` holds."""
         if kind == "frozen":
-            return (self.layout.trained_numel, self.layout.numel)
+            return self.frozen_window or (self.layout.trained_numel, self.layout.numel)
         return self.master_held if kind == "master" else self.held
 
     def point_params_at(self, flat: torch.Tensor) -> None:
@@ -356,10 +367,14 @@ def migrate_to_host(
     writes = shared is None or shared.is_writer
     _check_placement(placement, named_params, layout, dtypes, span)
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if placement.shadow.where.on_host else None
-    frozen = _frozen_apart(named_params, layout, runtime, dtypes) if placement.frozen_in == "frozen" else None
+    frozen_window = _frozen_window(placement, layout, span_of)
+    frozen = None
+    if placement.frozen_in == "frozen":
+        frozen = _frozen_apart(named_params, layout, runtime, dtypes, frozen_window)
     if placement.master_split:
         master = runtime.host_empty(last - first, master_dtype, shared)
-        params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share)
+        frozen_part = (frozen, frozen_window) if frozen is not None and frozen_window is not None else None
+        params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share, frozen_part)
     else:
         frozen_in = shadow if placement.frozen_in == "shadow" else frozen  # frozen weights not in the master
         master = runtime.host_empty(layout.numel if frozen_in is None else layout.trained_numel, master_dtype, shared)
@@ -374,11 +389,24 @@ def migrate_to_host(
         params=params,
         span=span,
         frozen=frozen,
+        frozen_window=frozen_window,
         placement=placement,
     )
     if placement.master_split and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
     return state
+
+
+def _frozen_window(placement: StatePlacement, layout: FlatLayout, span_of: SpanOf | None) -> tuple[int, int] | None:
+    """The layout's elements of this rank's window of the frozen weights kept apart, with
+    gathered weights (data parallel, the weights on the tier: ``span_of`` gives the rank's
+    window of a state); ``None`` where the frozen weights held apart are all of them, or
+    none are held apart."""
+    if placement.frozen_in != "frozen" or not placement.master_split:
+        return None
+    window = span_of(layout.numel - layout.trained_numel) if span_of is not None else None
+    assert window is not None, "gathered weights: span_of gives this rank's window"
+    return (layout.trained_numel + window[0], layout.trained_numel + window[1])
 
 
 def _check_placement(
@@ -397,11 +425,12 @@ def _check_placement(
     in_compute = _frozen_all_in(named_params, layout, compute_dtype)
     assert placement.frozen_in != "shadow" or in_compute, "frozen weights in the shadow: in the compute dtype"
     if placement.frozen_in == "frozen":
-        assert span is None and not placement.master_split, "frozen weights apart: one process"
+        # All of them in one process; with data parallel (gathered weights) this rank's window.
+        assert placement.master_split == (span is not None), "frozen weights apart: a window where the master is"
         assert placement.frozen.itemsize == (compute_dtype if in_compute else master_dtype).itemsize, placement
     assert not placement.master_split or span is not None, "a split master holds this node's span"
     split_frozen = placement.master_split and placement.trained_only and placement.frozen_numel
-    assert not split_frozen or placement.frozen_in == "shadow", "a split master: the frozen weights in the shadow"
+    assert not split_frozen or placement.frozen_in in ("shadow", "frozen"), "a split master: frozen weights not in it"
 
 
 def _frozen_apart(
@@ -409,14 +438,17 @@ def _frozen_apart(
     layout: FlatLayout,
     runtime: DeviceRuntime,
     dtypes: tuple[torch.dtype, torch.dtype],
+    window: tuple[int, int] | None,
 ) -> torch.Tensor:
     """The buffer of a trained-only state's frozen weights held apart where no shadow is on
-    the host to hold them (the weights on the NVMe tier, one process: :attr:`HostFlatState.frozen`),
-    in their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
-    the master's (``dtypes[0]``)."""
+    the host to hold them (the weights on the NVMe tier: :attr:`HostFlatState.frozen`), in
+    their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
+    the master's (``dtypes[0]``); of all of them, or of the layout's ``window`` of them (a
+    rank's, with data parallel)."""
     master, compute = dtypes
     dtype = compute if _frozen_all_in(named_params, layout, compute) else master
-    return runtime.host_empty(layout.numel - layout.trained_numel, dtype)
+    start, end = window or (layout.trained_numel, layout.numel)
+    return runtime.host_empty(end - start, dtype)
 
 
 def _frozen_all_in(named_params: Sequence[tuple[str, nn.Parameter]], layout: FlatLayout, dtype: torch.dtype) -> bool:
@@ -467,8 +499,11 @@ def _fill_sharded(
     source: TensorSource | None,
     writes: bool,
     share: Callable[[torch.Tensor], None] | None,
+    frozen_part: tuple[torch.Tensor, tuple[int, int]] | None = None,
 ) -> list[nn.Parameter]:
-    """Fill a master that holds only ``span``, this node's share (``StatePlacement.master_split``).
+    """Fill a master that holds only ``span``, this node's share (``StatePlacement.master_split``),
+    and ``frozen_part``'s buffer with its window of the frozen weights (gathered weights
+    with frozen weights apart: the master is the trained prefix's window).
 
     Where a shadow is made the master holds only the span (with several nodes an NVMe tier
     is each rank's, of m and v only): the parameters view the whole shadow, and the values
@@ -488,6 +523,9 @@ def _fill_sharded(
         if shadow is not None:
             shadow.copy_(whole)  # every weight, rounded: what the node streams
         master.copy_(whole[first:last])  # this span, exact
+        if frozen_part is not None:
+            frozen, (start, end) = frozen_part
+            frozen.copy_(whole[start:end])  # exact: their own dtype, or the master's they were filled in
     return params
 
 

@@ -260,10 +260,11 @@ class NvmeTier:
                 state.park_params()
             self.runtime.free_host(state.master)
             state.release(["master"])  # on the tier alone now
-        if self.frozen.holds(index) != (state.frozen is not None):
+        if self.frozen.holds(index) != (state.frozen is not None and state.frozen.numel() > 0):
             raise ValueError(f"block {index}'s frozen weights are not where the tier was made for them")
         if state.frozen is not None:  # written once, never again ([Note: frozen weights on the tier])
-            self.bytes_written += self.frozen.write(index, state.frozen)
+            if self.frozen.holds(index):  # not a rank's empty window of them
+                self.bytes_written += self.frozen.write(index, state.frozen)
             self.runtime.free_host(state.frozen)
             state.release(["frozen"])
         self.states.append(state)
@@ -293,11 +294,11 @@ class NvmeTier:
         """Every block's flat size padded to the I/O engine's alignment (one kind in its file)."""
         return self._pad
 
-    @property
-    def weight_numels(self) -> list[int]:
-        """Every adopted block's weights (its whole layout: the trained prefix in its file,
-        the frozen weights in theirs), each padded to the I/O engine's alignment in fp32."""
-        return [aligned_bytes(state.layout.numel * FP32, self.io.alignment) // FP32 for state in self.states]
+    def weight_numel(self, index: int) -> int:
+        """Elements of adopted block ``index``'s weights as :meth:`read_master` reads them: the
+        trained prefix in its swap file (or a rank's window of it), the frozen weights (or
+        the rank's window of them) in theirs after it."""
+        return self._numels[index] + self.frozen.numel(index)
 
     def version(self, index: int) -> int:
         """How many times block ``index``'s master may have changed (see [Note: the NVMe window])."""
@@ -645,6 +646,8 @@ class NvmeTier:
         if frozen:
             path, file, nbytes = self.frozen.file(index)
             what = "frozen weights"
+        if nbytes == 0:  # a rank's empty window of the trained prefix, beside its frozen weights' window
+            return
         part = buffer[: nbytes // FP32]
         track = "nvme write" if writing else "nvme read"
         try:

@@ -43,6 +43,7 @@ import torch
 
 from megatrain_ds.runtime.device_runtime import Event
 from megatrain_ds.state.nvme_tier import NvmeTier, PendingTransfer
+from megatrain_ds.state.swap_io import aligned_bytes
 
 
 def weight_window_buffers(num_buffers: int, checkpoint_interval: int, nvme_window_blocks: int) -> int:
@@ -81,7 +82,9 @@ class NvmeWeights:
         self.tier = tier
         self.dtype = dtype
         largest = max(tier.padded_numels, default=0)  # a block's master in its file
-        whole = max(tier.weight_numels, default=0)  # a block's weights: its frozen ones too
+        # A block's weights, its frozen ones too, padded as the master's file is.
+        weights = (aligned_bytes(4 * tier.weight_numel(index), tier.io.alignment) for index in range(len(tier.states)))
+        whole = max(weights, default=0) // 4
         frozen = tier.frozen.largest() // 4
         io = tier.io
 
@@ -110,8 +113,9 @@ class NvmeWeights:
         )
 
     def numel(self, block: int) -> int:
-        """Elements of ``block``'s weights (its frozen ones too)."""
-        return self.tier.states[block].layout.numel
+        """Elements of ``block``'s weights (its frozen ones too; with data parallel this rank's
+        windows of both, one after the other)."""
+        return self.tier.weight_numel(block)
 
     def prefetch(self, blocks: Sequence[int]) -> None:
         """The blocks the streamer will take next, in order: read the first ones ahead."""

@@ -43,7 +43,7 @@ part of the state, ``distributed/ownership.py``)::
                             else whole
   data parallel / "optim."  host: span if W,     host: whole     tier: window      host: span      host
                             else whole
-  data parallel / "all"     tier: window         none            tier: window      host: window    gathered from the
+  data parallel / "all"     tier: window (**)    none            tier: window      host: window    gathered from the
                                                                                    (own memory)    windows
 
 The resident state is always in host memory, as a block's with ``"none"``. (*) Frozen
@@ -54,18 +54,21 @@ and the ranks' windows and nodes' spans cover the trained prefix alone
 (``HostFlatState.stepped_numel``), and so does the master where there is a shadow and every
 frozen weight arrives in the compute dtype: the frozen weights then live in the shadow
 alone (``state/host_store.py``: [Note: frozen weights]). (**) With the weights on the tier
-too (``"all"``), in one process, the blocks are trained-only as well: their swap files hold
-the trained prefix's master, m and v, the only part written back after a step, and the
-frozen weights are a buffer of their own (:attr:`StatePlacement.frozen`, ``Where.TIER``),
-in the compute dtype where every frozen weight arrives in it, else in the master's: written
-once to a read-only file beside the block's swap file and read with the master when the
-block is streamed (``state/frozen_files.py``: [Note: frozen weights on the tier]). Not
-trained-only, every buffer covering the frozen parameters too: a block with nothing trained
-at all with ``"all"`` (the tier makes no empty swap file), the blocks with data parallel
-and ``"all"`` (each rank's windows of the whole layout on its tier, gathered when used),
-and, where the fp32 master is cut (on the tier with ``"optimizer"``, or several nodes'
-spans), a state with a frozen weight that is not in the compute dtype. With data parallel
-the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
+too (``"all"``) the blocks are trained-only as well: their swap files hold the trained
+prefix's master, m and v (with data parallel each rank's window of it), the only part
+written back after a step, and the frozen weights are a buffer of their own
+(:attr:`StatePlacement.frozen`: ``Where.TIER``, or each rank's window of them,
+``Where.TIER_WINDOW``, the trained prefix and the frozen weights each cut in the ranks'
+windows on its own), in the compute dtype where every frozen weight arrives in it, else in
+the master's: written once to a read-only file beside the block's swap file and read with
+the master when the block is streamed (``state/frozen_files.py``: [Note: frozen weights on
+the tier]), with data parallel gathered after the prefix's windows
+(``distributed/gathered_weights.py``). Not trained-only, every buffer covering the frozen
+parameters too: a block with nothing trained at all with ``"all"`` (a path of its own for
+it is not built), and, where the fp32 master is cut (on the tier with ``"optimizer"``,
+several nodes' spans, or the ranks' windows with data parallel and ``"all"``, whose
+gathers are in the compute dtype), a state with a frozen weight that is not in the compute
+dtype. With data parallel the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
 window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
 """
 
@@ -177,8 +180,10 @@ class TierPlacement:
     window_blocks: int
     """Blocks the tier's window holds in host memory (``nvme_window_blocks``)."""
     frozen_bytes: tuple[int, ...] = ()
-    """Each block's frozen weights' bytes, in a read-only file of its own (0: none), with
-    the weights on the tier in one process; empty otherwise."""
+    """Each block's frozen weights' bytes (with data parallel this rank's window of them), in a
+    read-only file of its own (0: none), with the weights on the tier; empty without any."""
+    frozen_numels: tuple[int, ...] = ()
+    """The elements of :attr:`frozen_bytes` (empty without any)."""
 
     @property
     def file_bytes(self) -> list[int]:
@@ -236,7 +241,11 @@ class Placement:
         states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
         stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
-        frozen = tuple(state.frozen.numel * state.frozen.itemsize for state in states[:-1])
+        # Frozen weights apart on the tier: every element of them (each rank's tier a window of them).
+        frozen = [
+            (state.frozen_numel, state.frozen.itemsize) if state.frozen.where.on_tier else (0, 0)
+            for state in states[:-1]
+        ]
         mine, node = _tiers(tier, nvme, topology, stepped[:-1], sizes, frozen)
         return cls(nvme, topology, tuple(states), mine, tuple(node), sizes.compute)
 
@@ -293,8 +302,8 @@ class Placement:
         numels: list[int] = []
         for state in self.states:
             buffer = state.buffers()[name]
-            if buffer.where is Where.RANK_WINDOW:
-                numels += self.topology.node_windows(state.numel)
+            if buffer.where is Where.RANK_WINDOW:  # every rank's window of what the optimizer state covers
+                numels += self.topology.node_windows(state.stepped_numel)
             elif buffer.where.on_host:
                 numels.append(buffer.numel)
         return numels
@@ -314,7 +323,8 @@ class Placement:
         total = 0
         for tier in self.node_tiers:
             largest = max(tier.file_bytes, default=0) // len(tier.kinds) // 4  # padded elements
-            apart = [aligned_bytes(4 * state.numel, tier.alignment) // 4 for state in self.blocks if state.frozen.numel]
+            with_frozen = zip(tier.numels, tier.frozen_numels)  # a block's weights: its frozen ones too
+            apart = [aligned_bytes(4 * (numel + f), tier.alignment) // 4 for numel, f in with_frozen if f]
             whole = max([largest, *apart])
             frozen = max(tier.frozen_file_bytes, default=0)
             total += buffers * (whole * compute + (largest * 4 if compute != 4 else 0) + frozen)
@@ -363,16 +373,20 @@ class TierSettings:
 
 def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> bool:
     """Whether the state's optimizer state covers its trained prefix alone, frozen parameters
-    holding their weights and nothing else: with the weights in host memory (no tier, or
-    the tier holding the optimizer state), unless a frozen weight is not in the compute
-    dtype where the fp32 master is cut (several nodes shard it, or it is on the tier): its
-    exact value would need a master of its own beside the trained prefix's. With the weights
-    on the tier too (``"all"``), in one process, a state with a trained parameter: frozen
-    weights not in the compute dtype are kept apart in the master's (:func:`_frozen_apart_on_tier`)."""
-    if nvme == "all":  # one process: the frozen weights apart on the tier; data parallel: gathered windows
-        # A block with nothing trained keeps every buffer: the tier has no empty swap files.
-        return not topology.data_parallel and shape.trained_numel > 0
-    cut_master = sizes.with_shadow and (topology.span_of is not None or nvme == "optimizer")
+    holding their weights and nothing else: wherever the state has a trained parameter,
+    unless a frozen weight is not in the compute dtype where the fp32 master is cut (several
+    nodes shard it, the tier holds it with ``"optimizer"``, or with data parallel and
+    ``"all"`` each rank holds its window of it, the weights gathered in the compute dtype):
+    its exact value would need a master of its own beside the trained prefix's. With the
+    weights on the tier (``"all"``) the frozen weights are kept apart on the tier
+    (:func:`_frozen_apart_on_tier`): in one process whatever their dtype (in the master's
+    where they are not all in the compute dtype), with data parallel each rank's window of
+    them, gathered with the trained prefix's."""
+    if nvme == "all" and shape.trained_numel == 0:
+        return False  # a block with nothing trained keeps every buffer: no path of its own is built for it
+    if nvme == "all" and not topology.data_parallel:
+        return True
+    cut_master = sizes.with_shadow and (topology.span_of is not None or nvme != "none")
     mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
     return not (cut_master and mixed)
 
@@ -383,7 +397,7 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
     numel, trained = shape.numel, shape.trained_numel
     trained_only = _trained_only(shape, sizes, nvme, topology)
     if trained_only and nvme == "all":
-        return _frozen_apart_on_tier(shape, sizes)
+        return _frozen_apart_on_tier(shape, sizes, topology)
     stepped = trained if trained_only else numel  # what windows and spans divide
     shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow and nvme != "all" else NOWHERE
     grad_where, streamed, frozen_in = Where.HOST, Where.HOST, "master"
@@ -442,24 +456,32 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
     )
 
 
-def _frozen_apart_on_tier(shape: StateShape, sizes: ElementSizes) -> StatePlacement:
-    """A block's placement with the weights on the tier in one process: the trained prefix's
-    master, m and v on the tier, its gradients in host memory, the frozen weights apart on the
-    tier in their own dtype (the compute dtype where every one arrives in it, else the
-    master's), read only ([Note: the placement model])."""
+def _frozen_apart_on_tier(shape: StateShape, sizes: ElementSizes, topology: Topology) -> StatePlacement:
+    """A block's placement with the weights on the tier: the trained prefix's master, m and v
+    on the tier, its gradients in host memory, the frozen weights apart on the tier in their
+    own dtype (the compute dtype where every one arrives in it, else the master's), read
+    only ([Note: the placement model]). In one process all of them; with data parallel this
+    rank's window of the trained prefix and its window of the frozen weights, each divided
+    among the ranks on its own, gathered whole when used."""
     numel, trained = shape.numel, shape.trained_numel
     frozen_itemsize = sizes.compute if shape.frozen_in_compute_dtype else sizes.master
-    moments = Buffer(Where.TIER, trained, 4)
-    grad = Buffer(Where.HOST, trained, sizes.grad) if sizes.grad is not None else NOWHERE
-    frozen = Buffer(Where.TIER, numel - trained, frozen_itemsize) if trained < numel else NOWHERE
+    if topology.data_parallel:
+        held, frozen_held = topology.window(trained), topology.window(numel - trained)
+        where, grad_where, streamed = Where.TIER_WINDOW, Where.RANK_WINDOW, Where.GATHERED
+    else:
+        held, frozen_held = trained, numel - trained
+        where, grad_where, streamed = Where.TIER, Where.HOST, Where.TIER
+    moments = Buffer(where, held, 4)
+    grad = Buffer(grad_where, held, sizes.grad) if sizes.grad is not None else NOWHERE
+    frozen = Buffer(where, frozen_held, frozen_itemsize) if trained < numel else NOWHERE
     return StatePlacement(
         numel,
-        Buffer(Where.TIER, trained, sizes.master),
+        Buffer(where, held, sizes.master),
         NOWHERE,
         moments,
         moments,
         grad,
-        Where.TIER,
+        streamed,
         numel - trained,
         True,
         "frozen" if trained < numel else "",
@@ -473,24 +495,39 @@ def _tiers(
     topology: Topology,
     blocks: Sequence[int],
     sizes: ElementSizes,
-    frozen: tuple[int, ...],
+    frozen: Sequence[tuple[int, int]],
 ) -> tuple[TierPlacement | None, list[TierPlacement]]:
     """This process's NVMe tier and those of every rank of its node (none without a tier);
     ``blocks``: the elements each block's optimizer state covers (its trained prefix where
-    frozen parameters have none); ``frozen``: each block's frozen weights' bytes apart."""
+    frozen parameters have none); ``frozen``: each block's frozen weights kept apart on the
+    tier, ``(elements, bytes per element)``, elements 0 where none are."""
     if nvme == "none":
         return None, []
+    apart = any(numel for numel, _ in frozen)
 
-    def tier(kinds: tuple[TierKind, ...], numels: Sequence[int]) -> TierPlacement:
-        return TierPlacement(kinds, tuple(n for n in numels if n > 0), settings.alignment, settings.window_blocks)
+    def tier(kinds: tuple[TierKind, ...], files: Sequence[tuple[int, int, int]]) -> TierPlacement:
+        """A tier of ``(elements, frozen elements, frozen bytes)`` per block it holds."""
+        numels = tuple(numel for numel, _, _ in files)
+        if not apart:
+            return TierPlacement(kinds, numels, settings.alignment, settings.window_blocks)
+        frozen_numels, frozen_bytes = tuple(f for _, f, _ in files), tuple(b for _, _, b in files)
+        return TierPlacement(kinds, numels, settings.alignment, settings.window_blocks, frozen_bytes, frozen_numels)
 
     if not topology.data_parallel:
-        one = tier(WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS, blocks)
-        if any(frozen):
-            one = TierPlacement(one.kinds, one.numels, one.alignment, one.window_blocks, frozen)
+        kinds = WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS
+        files = [(numel, f, f * size) for numel, (f, size) in zip(blocks, frozen) if numel > 0]
+        one = tier(kinds, files)
         return one, [one]
-    # Each rank's tier: its non-empty windows (with "all" their masters too: nothing else holds them).
+    # Each rank's tier: its non-empty windows (with "all" their masters too: nothing else holds
+    # them), a block's window there also where only its window of the frozen weights is not empty.
     kinds = WITH_MASTER if nvme == "all" else MOMENTS
-    mine = tier(kinds, [topology.window(numel) for numel in blocks])
+
+    def windows(numels: Sequence[int], frozen_numels: Sequence[int]) -> list[tuple[int, int, int]]:
+        parts = zip(numels, frozen_numels, (size for _, size in frozen))
+        return [(numel, f, f * size) for numel, f, size in parts if numel > 0 or f > 0]
+
+    mine = tier(kinds, windows([topology.window(n) for n in blocks], [topology.window(f) for f, _ in frozen]))
     per_block = [topology.node_windows(numel) for numel in blocks]
-    return mine, [tier(kinds, numels) for numels in zip(*per_block)] if per_block else [mine]
+    per_frozen = [topology.node_windows(f) for f, _ in frozen]
+    node = [tier(kinds, windows(numels, f)) for numels, f in zip(zip(*per_block), zip(*per_frozen))]
+    return mine, node if per_block else [mine]

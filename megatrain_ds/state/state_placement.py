@@ -83,9 +83,16 @@ class StatePlacement:
     held there alone ([Note: frozen weights] in ``state/host_store.py``), or ``"frozen"``
     where they are a buffer of their own (:attr:`frozen`); ``""`` without any."""
     frozen: Buffer = NOWHERE
-    """The frozen weights held apart, with the weights on the NVMe tier in one process
-    (``Where.TIER``: a read-only file of their own, in their own dtype); else nowhere: they
-    are in the buffer :attr:`frozen_in` names."""
+    """The frozen weights held apart, with the weights on the NVMe tier: in one process all of
+    them (``Where.TIER``), with data parallel this rank's window of them (``Where.TIER_WINDOW``),
+    a read-only file of their own, in their own dtype; else nowhere: they are in the buffer
+    :attr:`frozen_in` names."""
+
+    @property
+    def stepped_numel(self) -> int:
+        """Elements the optimizer state is laid over, which data-parallel windows and node
+        spans divide: the trained prefix where the state is :attr:`trained_only`, else all."""
+        return self.numel - self.frozen_numel if self.trained_only else self.numel
 
     def buffers(self) -> dict[str, Buffer]:
         """Every buffer by its name (:data:`BUFFERS`)."""

@@ -161,7 +161,8 @@ def preallocate(path: str, size: int) -> None:
     """Create ``path`` with ``size`` bytes allocated on disk (reading as zeros)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
+        if size:  # an empty file (a rank's empty window beside frozen weights) has nothing to allocate
+            os.posix_fallocate(fd, 0, size)
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskSpaceError(
