@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FORKED_RUNS = Path(__file__).with_name("forked_runs.py")
 ACCELERATE_CONFIG = REPO_ROOT / "configs" / "accelerate_megatrain.yaml"
 TIMEOUT_S = 600
 
@@ -70,9 +72,17 @@ class Run:
     def log_path(self) -> Path:
         return self.output_dir.with_name(self.output_dir.name + ".log")
 
+    def script_args(self) -> list[str]:
+        """The script's command line, after the script."""
+        return [*self.args, "--output-dir", str(self.output_dir)]
+
+    def script_command(self) -> list[str]:
+        """What the interpreter (or the launcher) is given to run."""
+        return [str(self.script), *self.script_args()]
+
     def start(self) -> None:
         port = free_port()
-        command = [sys.executable, str(self.script), *self.args, "--output-dir", str(self.output_dir)]
+        command = [sys.executable, *self.script_command()]
         if self.accelerate:
             command = [
                 sys.executable,
@@ -101,6 +111,28 @@ class Run:
 
     def result(self, name: str = "result.json") -> dict[str, Any]:
         return json.loads((self.output_dir / name).read_text(encoding="utf-8"))
+
+
+@dataclass
+class SharedLaunch(Run):
+    """``runs`` (one script, launched alike) in one launch: ``forked_runs.py`` imports the
+    script once and forks a child per run. Launched as the first run would be (its launcher,
+    Accelerate config and environment); each run's results are read from its own
+    ``output_dir`` once this has been waited for."""
+
+    runs: Sequence[Run] = ()
+
+    @classmethod
+    def of(cls, name: str, runs: Sequence[Run]) -> SharedLaunch:
+        first = runs[0]
+        launch = ("script", "accelerate", "accelerate_config", "env", "num_processes")
+        for run in runs:  # a run launched otherwise would not be the run it says it is
+            assert all(getattr(run, key) == getattr(first, key) for key in launch), (run.name, first.name)
+        fields = {key: getattr(first, key) for key in launch}
+        return cls(name, output_dir=first.output_dir.with_name(name), runs=runs, **fields)
+
+    def script_command(self) -> list[str]:
+        return [str(FORKED_RUNS), str(self.script), *(shlex.join(run.script_args()) for run in self.runs)]
 
 
 def run_side_by_side(runs: Sequence[Run]) -> dict[str, Run]:

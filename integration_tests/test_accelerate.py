@@ -1,11 +1,13 @@
 """A typical Accelerate script on the megatrain engine, launched as users launch theirs.
 
-``accelerate_clm.py`` never imports ``megatrain_ds``; it is launched with
-``accelerate launch --config_file configs/accelerate_megatrain.yaml`` three times, side by
-side: on the engine (lr 3e-3), on the engine with lr 0, and on DeepSpeed itself (stage 0,
-fp32, the same script and configs with ``MEGATRAIN_DISABLE_HOOK=1``) as the reference; and
-a fourth time with an Accelerate config naming the minimal ``{"engine": "megatrain"}`` JSON,
-compared with the same reference run (one launch of DeepSpeed serves both comparisons).
+``accelerate_clm.py`` never imports ``megatrain_ds``; it is run under ``accelerate launch
+--config_file configs/accelerate_megatrain.yaml`` three times: on the engine (lr 3e-3) and on
+the engine with lr 0, both in one launch (``forked_runs.py``: each run a child forked after
+the script's imports), and on DeepSpeed itself (stage 0, fp32, the same script and configs
+with ``MEGATRAIN_DISABLE_HOOK=1``, which the start-up hook reads at import: a launch of its
+own) as the reference; and a fourth time, in a third launch, with an Accelerate config
+naming the minimal ``{"engine": "megatrain"}`` JSON, compared with the same reference run
+(one launch of DeepSpeed serves both comparisons). The launches run side by side.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from launching import (
     ACCELERATE_CONFIG,
     Run,
+    SharedLaunch,
     assert_zero_lr_kept_weights,
     eval_loss_of_saved_model,
     load_weights,
@@ -49,16 +52,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         "megatrain_minimal", SCRIPT, root / "megatrain_minimal", accelerate_config=minimal_accelerate_config(root)
     )
     minimal.start()  # side by side with the others; a failure of it fails only its own test
-    runs = run_side_by_side(
-        [
-            Run("megatrain", SCRIPT, root / "megatrain"),
-            Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"]),
-            Run("deepspeed", SCRIPT, root / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"}),
-        ]
-    )
+    on_the_engine = [
+        Run("megatrain", SCRIPT, root / "megatrain"),
+        Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"]),
+    ]
+    reference = Run("deepspeed", SCRIPT, root / "deepspeed", env={"MEGATRAIN_DISABLE_HOOK": "1"})
+    run_side_by_side([SharedLaunch.of("megatrain_runs", on_the_engine), reference])
     with contextlib.suppress(AssertionError):
         minimal.wait()
-    return {**runs, minimal.name: minimal}
+    return {run.name: run for run in (*on_the_engine, reference, minimal)}
 
 
 def test_the_engine_is_megatrain_without_an_import(runs) -> None:

@@ -2,8 +2,9 @@
 
 ``hf_trainer_clm.py`` never imports ``megatrain_ds``; the shipped config is full of
 ``"auto"`` values (batch sizes, clipping, precision, the AdamW hyperparameters and the
-WarmupDecayLR steps) that the Trainer fills in. Run twice side by side, in fresh
-processes: lr 3e-3 and lr 0.
+WarmupDecayLR steps) that the Trainer fills in. Run twice, lr 3e-3 and lr 0, in one launch
+(``forked_runs.py``: each run a child forked after the script's imports, as in a fresh
+process).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import Run, assert_zero_lr_kept_weights, eval_loss_of_saved_model, run_side_by_side
+from launching import Run, SharedLaunch, assert_zero_lr_kept_weights, eval_loss_of_saved_model, run_side_by_side
 from tiny_clm import TRAINER_LOSS_FRACTION
 
 SCRIPT = Path(__file__).with_name("hf_trainer_clm.py")
@@ -25,12 +26,12 @@ NUM_STEPS = 12
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("hf_trainer")
-    return run_side_by_side(
-        [
-            Run("megatrain", SCRIPT, root / "megatrain", args=["--learning-rate", str(LR)], accelerate=False),
-            Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"], accelerate=False),
-        ]
-    )
+    runs = [
+        Run("megatrain", SCRIPT, root / "megatrain", args=["--learning-rate", str(LR)], accelerate=False),
+        Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"], accelerate=False),
+    ]
+    run_side_by_side([SharedLaunch.of("megatrain_runs", runs)])
+    return {run.name: run for run in runs}
 
 
 def test_the_engine_is_megatrain_without_an_import(runs) -> None:

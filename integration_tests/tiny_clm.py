@@ -13,6 +13,11 @@ import torch
 import transformers
 from packaging.version import Version
 
+# Named at import, as a script names what it uses: transformers loads a model's module on
+# first use (with the first one much of torch._dynamo, 4.5 s of CPU), and a launch that runs
+# these scripts in children forked after their imports (forked_runs.py) then loads it once.
+from transformers import LlamaConfig, LlamaForCausalLM
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
 TRAINER_LOSS_FRACTION = 1.0 if Version(transformers.__version__) >= Version("5.10.1") else (SEQ_LEN - 1) / SEQ_LEN
@@ -36,8 +41,8 @@ def byte_blocks(text: str, count: int, start: int = 0) -> list[dict[str, torch.T
     return [{"input_ids": block, "labels": block.clone()} for block in blocks]
 
 
-def tiny_llama_config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
+def tiny_llama_config() -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -49,10 +54,10 @@ def tiny_llama_config() -> transformers.LlamaConfig:
     )
 
 
-def tiny_llama(output_dir: Path) -> transformers.LlamaForCausalLM:
+def tiny_llama(output_dir: Path) -> LlamaForCausalLM:
     """A fresh tiny Llama (seeded by the caller); its initial weights are saved to
     ``output_dir/initial.safetensors`` so tests can check what training changed."""
-    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    model = LlamaForCausalLM(tiny_llama_config())
     safetensors.torch.save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()}, output_dir / "initial.safetensors"
     )

@@ -35,6 +35,7 @@ from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
 # Imported by forked_ranks.py before it forks the ranks: what they build is loaded once, here.
 tiny_models.load_eagerly("LlamaConfig", "LlamaForCausalLM")
+tiny_models.load_engine_imports_eagerly()
 
 LR, WEIGHT_DECAY, CLIPPING = 1e-3, 0.1, 0.05  # clipping active in every step of this model
 MICRO, LENGTH = 2, 12

@@ -1,4 +1,4 @@
-"""One rank of a 2-rank run for tests/test_deepspeed_keys.py, launched by ``torchrun``.
+"""One rank of a 2-rank run for tests/test_deepspeed_keys.py, forked by ``forked_ranks.py``.
 
 Builds the engine through ``deepspeed.initialize(training_data=...)`` over a dataset of
 row indices and writes, per rank, the indices its loader yields (two epochs), and the
@@ -19,6 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
 from side_by_side import ds_config
+
+# Imported by forked_ranks.py before it forks the ranks: what they build is loaded once, here.
+tiny_models.load_eagerly("LlamaConfig", "LlamaForCausalLM")
+tiny_models.load_engine_imports_eagerly()
 
 ROWS = 21  # not a multiple of 2 ranks x 2 rows: DistributedSampler pads, drop_last drops
 

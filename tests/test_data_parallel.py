@@ -2,9 +2,9 @@
 
 Each test launches ``tests/data_parallel_worker.py``: its ranks forked after the imports
 with torchrun's variables (``tests/forked_ranks.py``: one interpreter's imports instead of
-one per rank and launcher), under ``torchrun`` and the ``deepspeed`` launcher where the
-launcher is what is tested, or by hand where the launcher must not be the one that notices
-a dead rank.
+one per rank and launcher), or with those of a launch by hand where no launcher may be the
+one that notices a dead rank, and under ``torchrun`` and the ``deepspeed`` launcher where
+the launcher is what is tested.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -849,37 +850,22 @@ def test_gradient_all_reduce_starts_while_backward_runs(tmp_path: Path) -> None:
 def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path, layout: str) -> None:
     """Rank 1 is killed in step 2 (with one rank per node: a whole node dies). The survivor
     stops with ``PeerFailureError`` well within the collective timeout, and the checkpoint
-    saved at step 1 (each node's span of the optimizer state) is intact: it loads."""
-    port = str(free_port())
+    saved at step 1 (each node's span of the optimizer state) is intact: it loads.
+
+    The ranks are forked with the variables a launch by hand sets (``--bare-env``: none
+    names the node, so the hostname does), and nothing stops the survivor but itself
+    (``--no-kill``: a launcher that stopped it would hide whether it notices)."""
     checkpoint = tmp_path / "checkpoint"
-    processes = []
-    for rank in range(2):
-        env = _env(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-        )
-        per_node = ["--one-rank-per-node"] if layout != "one node" else []
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), "die", "--out", str(tmp_path), "--timeout", "60", *per_node]
-                + ["--save-to", str(checkpoint)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    survivor, victim = processes
-    _, victim_stderr = victim.communicate(timeout=TIMEOUT_S)
-    assert (tmp_path / "killed").exists(), victim_stderr[-6000:]  # it died where it was meant to
-    killed_at = float((tmp_path / "killed").read_text())
-    _, stderr = survivor.communicate(timeout=TIMEOUT_S)
-    elapsed = time.time() - killed_at
-    assert survivor.returncode != 0
+    per_node = ["--one-rank-per-node"] if layout != "one node" else []
+    command = [sys.executable, str(FORKED_RANKS), "--per-node", "2", "--port", str(free_port())]
+    command += ["--no-kill", "--bare-env", str(WORKER), "die", "--out", str(tmp_path), "--timeout", "60"]
+    command += [*per_node, "--save-to", str(checkpoint)]
+    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    stderr = result.stderr  # both ranks': the victim's ends where it was killed
+    assert (tmp_path / "killed").exists(), stderr[-6000:]  # it died where it was meant to
+    elapsed = time.time() - float((tmp_path / "killed").read_text())
+    assert f"forked_ranks: rank 1 exited with {-signal.SIGKILL}" in stderr, stderr[-3000:]
+    assert "forked_ranks: rank 0 exited with 1" in stderr, stderr[-3000:]  # the survivor failed
     assert "PeerFailureError" in stderr and "rank 0 of 2" in stderr, stderr[-3000:]
     assert "died or stopped responding" in stderr
     if layout == "one node":

@@ -336,9 +336,10 @@ def test_no_sync_follows_deepspeeds_rules(monkeypatch):
 
 
 def test_training_data_is_sharded_as_deepspeeds_loader(tmp_path):
-    """2 ranks (torchrun, gloo): each rank's batches are DeepSpeed's DistributedSampler shard
-    (seed 0, the same every epoch, drop_last); the shards are disjoint and cover the data.
-    no_sync() with 2 ranks gives the same weights as without it."""
+    """2 ranks (gloo; forked after the imports with torchrun's variables, ``forked_ranks.py``):
+    each rank's batches are DeepSpeed's DistributedSampler shard (seed 0, the same every
+    epoch, drop_last); the shards are disjoint and cover the data. no_sync() with 2 ranks
+    gives the same weights as without it."""
     from keys_worker import ROWS
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
@@ -346,9 +347,9 @@ def test_training_data_is_sharded_as_deepspeeds_loader(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    worker = Path(__file__).resolve().parent / "keys_worker.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(free_port()), str(worker), "--out", str(tmp_path)]
+    tests = Path(__file__).resolve().parent
+    command = [sys.executable, str(tests / "forked_ranks.py"), "--per-node", "2", "--port", str(free_port())]
+    command += [str(tests / "keys_worker.py"), "--out", str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
