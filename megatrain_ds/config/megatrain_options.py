@@ -300,7 +300,8 @@ class MegatrainOptions:
     @property
     def wants_device_state(self) -> bool:
         """Whether any state may go on the device ("auto", or a fraction above 0)."""
-        return self.device_state == "auto" or (_is_fraction(self.device_state) and self.device_state > 0)
+        setting = self.device_state
+        return setting == "auto" or (not isinstance(setting, str) and _is_fraction(setting) and setting > 0)
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any]) -> MegatrainOptions:

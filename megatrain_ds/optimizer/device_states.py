@@ -28,9 +28,18 @@ runs this exact code (the interpreter truncates fp32 -> bf16 where the GPU round
   ``acquire``), and the model's forward pre-hook makes the compute stream wait on the
   resident state's. The next backward's gradient writes (d2h stream, after an event the
   compute stream recorded later than those waits) are ordered after the update's reads.
-- Host code that reads or writes these tensors directly (``state_dict``, checkpoints, the
-  held gradients' zeroing at the next step, a forward outside training) calls
-  :meth:`settle` first: a host wait for every ``updated`` event, at most once per step.
+- Host code that reads or writes these tensors (a user's read of ``engine.module``'s
+  parameters between ``step()`` and the next forward, through ``settle_optimizer()``; the
+  engine's settle points) calls :meth:`settle` first: the compute stream waits for every
+  ``updated`` event, at most once per step, and the host never blocks. On a GPU host code
+  reaches device tensors only through a stream, the current one, the compute stream: so
+  that orders it. The engine's own readers are ordered without it too (the race checker's
+  mutation test finds both waits of this module but ``wait_on_device`` redundant in its
+  runs, ``tests/test_stream_ordering.py``): ``state_dict`` and checkpoints synchronise the
+  device first (``checkpoint/checkpointed_engine.py``'s ``quiesce``), and the next step's
+  host reads follow the sink's drain, whose host wait follows the compute stream's waits.
+  The wait at :meth:`update` orders what the checker sees as host work: the held gradients'
+  zeroing by ``HeldWrites.settle`` at ``step()``, a compute-stream kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -124,10 +133,14 @@ class DeviceStates:
         stream.wait_event(self._updated[index])
 
     def settle(self) -> None:
-        """The host waits until the last update of every device state has landed: host code
-        reads or writes their tensors next ([Note: device state ordering]). Free when settled."""
+        """The compute stream waits (on the device) for the last update of every device state:
+        whatever reads or writes their tensors next from host code does so through the compute
+        stream (a copy to the host, a user's read of a parameter, the held gradients' zeroing)
+        ([Note: device state ordering]). Once per step: free when settled."""
         if not self._unsettled:
             return
+        stream = self._runtime.compute_stream()
         for index in self.indices:
-            self._updated[index].synchronize()
+            # Sync: the next reader of the state's tensors queues on the compute stream.
+            stream.wait_event(self._updated[index])
         self._unsettled = False
