@@ -298,11 +298,14 @@ def _train(system: str, engine, optimizer, args: argparse.Namespace, cuda: bool)
 def _placement_of(engine) -> dict:
     """Where the engine's optimizer ran each state: the ``"auto"`` placement's decision."""
     adamw = engine.adamw
-    where = [type(adamw.placement_of(state)).__name__ for state in engine.optimizer_states]
+    on_device = engine.placement.device_indices  # the GPU tier ("device_state"): stepped in place there
+    where = [
+        "DeviceStates" if index in on_device else type(adamw.placement_of(state)).__name__
+        for index, state in enumerate(engine.optimizer_states)
+    ]
     # Elements per kernel too: the planner's ``device_optimizer_share`` is the device's
     # share of them (planning/step_time.py), which state counts alone do not give.
     numels = [state.layout.numel for state in engine.optimizer_states]
-    on_device = engine.placement.device_indices  # the GPU tier ("device_state")
     return {
         "setting": engine.config.options.optimizer_device,
         "device_state": {

@@ -20,6 +20,7 @@ kernels on the same values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from side_by_side import ds_config, relative_weight_error, train_side_by_side
 
 from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
 from megatrain_ds.engine_build import _device_state_count
+from megatrain_ds.planning.step_time import GPU_HARDWARE, ModelShape, RunSettings, optimizer_seconds
 from megatrain_ds.state.placement import Topology, device_prefix, state_shapes
 from megatrain_ds.state.state_placement import Where
 
@@ -215,3 +217,19 @@ def test_fractions_auto_and_data_parallel():
     with pytest.raises(ConfigError, match="data parallel"):
         _device_state_count(engine, model, "none", Topology(node_ranks=2), shapes)  # type: ignore[arg-type]
     assert Where.DEVICE.on_device and not Where.DEVICE.on_host
+
+
+def test_the_planner_times_the_host_pass_over_the_host_states_only():
+    """``megatrain plan``'s optimizer time: the host kernel's share shrinks by the GPU tier's,
+    which costs its ``24 + g + s`` bytes per parameter at the device's memory bandwidth."""
+    shape = ModelShape(
+        num_blocks=4, block_params=1000, total_block_params=4000, resident_params=1000, hidden=8, vocab=8
+    )
+    hardware = GPU_HARDWARE["h200"]
+    untimed = dataclasses.replace(hardware, device_memory_bytes_per_s=0.0)
+    base, half = RunSettings(seq_len=8), RunSettings(seq_len=8, device_state_share=0.5)
+    assert optimizer_seconds(shape, half, untimed) == pytest.approx(0.5 * optimizer_seconds(shape, base, untimed))
+    on_device = 0.5 * shape.params * (24 + half.grad_bytes + 2) / hardware.device_memory_bytes_per_s
+    assert optimizer_seconds(shape, half, hardware) == pytest.approx(
+        optimizer_seconds(shape, half, untimed) + on_device
+    )
