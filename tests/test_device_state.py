@@ -233,3 +233,29 @@ def test_the_planner_times_the_host_pass_over_the_host_states_only():
     assert optimizer_seconds(shape, half, hardware) == pytest.approx(
         optimizer_seconds(shape, half, untimed) + on_device
     )
+
+
+def test_a_non_finite_step_leaves_the_device_states_untouched():
+    """A NaN in block 0's gradient (on the device): its norm, summed on the device, makes the
+    step skipped; no state is updated, on the device or the host, and training goes on."""
+    config = ds_config(clipping=1.0, megatrain={"device_state": 0.5, "speculative_blocks": 4})
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
+    try:
+        assert 0 in engine.placement.device_indices
+        _train(engine, 1)
+        before = _states(engine)
+        push = engine.sink.push
+        engine.sink.push = lambda index, offset, grad, final: push(
+            index, offset, grad * float("nan") if index == 0 else grad, final
+        )
+        _train(engine, 1)
+        del engine.sink.push  # the instance attribute: the class's method again
+        assert engine.skipped_steps == 1 and not engine.was_step_applied()
+        for index, (ours, theirs) in enumerate(zip(_states(engine), before)):
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours[kind], theirs[kind]), (index, kind)
+        _train(engine, 1)
+        assert engine.was_step_applied() and engine.optimizer_steps == 2
+    finally:
+        engine.destroy()

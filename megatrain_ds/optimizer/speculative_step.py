@@ -51,6 +51,11 @@ the copy back and throws the speculative update away, so the step costs what it 
 cost without speculation plus two copies of the journaled elements. Gradients are held for
 every range until the step is validated, which clipping and accumulation need anyway.
 
+The GPU tier's states (``"device_state"``: ``optimizer/device_states.py``) take no part in
+speculation: their gradients are always held, on the device, and at ``engine.step()`` they
+are updated there with the step's scale in (a) and (b), in none of (c); the journal never
+covers them.
+
 Without clipping, accumulation or ``"non_finite_steps": "skip"`` no gradient is held
 (12 B/param with fp32 compute): each chunk is stepped as it arrives, nothing can be
 undone, and a non-finite norm can only be reported (``StepOutcome.PARTIAL``).
