@@ -23,9 +23,9 @@ runs this exact code (the interpreter truncates fp32 -> bf16 where the GPU round
   ``step()`` waited on the host for the last of them, before this is issued: no device-side
   wait is needed for them (the host's wait orders every launch after it).
 - Each state's ``updated`` event is recorded after its kernels. The next forward's use waits
-  on it on the device, never on the host: the weight streamer makes the h2d stream wait on
-  it before it records the block's ``ready`` (which the compute stream waits on at
-  ``acquire``), and the model's forward pre-hook makes the compute stream wait on the
+  on it on the device, never on the host: the weight streamer makes the compute stream wait
+  on it when it hands the block out (``acquire``; the h2d stream goes on copying the next
+  host blocks), and the model's forward pre-hook makes the compute stream wait on the
   resident state's. The next backward's gradient writes (d2h stream, after an event the
   compute stream recorded later than those waits) are ordered after the update's reads.
 - Host code that reads or writes these tensors (a user's read of ``engine.module``'s

@@ -14,8 +14,8 @@ Each device buffer (a *slot*) carries two events:
   never clobbers weights a queued kernel still reads.
 A block the GPU tier keeps on the device (``"device_state"``, ``optimizer/device_states.py``:
 [Note: device state ordering]) is not copied: its slot points at the block's device weights,
-and the h2d stream waits on the block's ``updated`` event before it records ``ready``, so
-the compute stream's wait at ``acquire`` also orders the block after its last update.
+and at ``acquire`` the compute stream also waits on the block's ``updated`` event (not the
+h2d stream, whose copies of the next host blocks need not wait for the device update).
 No host-side synchronisation happens here, but one: before a block's host weights are
 taken, the host waits until the last optimizer step's update of that block has landed, when
 that update runs behind ``engine.step()`` (``pending_updates``;
@@ -260,6 +260,10 @@ class WeightStreamer:
         slot.waited = set()
         if slot.plan is None:
             self.runtime.compute_stream().wait_event(slot.ready)
+        if self.device_resident is not None and block in self.device_resident:
+            # The block's weights are its device state's: its last update (on the optimizer
+            # stream) lands before the block computes (optimizer/device_states.py).
+            self.device_resident.wait_on_device(block, self.runtime.compute_stream())
         self._held[block] = slot
         self._top_up()
         return slot.buffer[: self.states[block].layout.numel]
@@ -313,11 +317,6 @@ class WeightStreamer:
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
                 self.runtime.h2d_stream.wait_event(slot.free)
-                if on_device:
-                    assert self.device_resident is not None
-                    # The device update of the block's weights lands before ``ready``, which
-                    # the compute stream waits on at ``acquire`` (optimizer/device_states.py).
-                    self.device_resident.wait_on_device(block, self.runtime.h2d_stream)
                 slot.plan = None if on_device else self._fragment_plan(block)
                 with self.runtime.tracer.device_span(f"weights {block}", "h2d", self.runtime.h2d_stream, block=block):
                     self._fill(slot, source, on_device)
