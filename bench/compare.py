@@ -60,10 +60,12 @@ import time
 import zlib
 from pathlib import Path
 
-SYSTEMS = ("megatrain", "megatrain_no_recompute", "zero3_offload", "zero2_offload", "torch")
+# The GPU tier after DeepSpeed's systems: a run cut off by its time limit keeps those.
+SYSTEMS = ("megatrain", "megatrain_no_recompute", "zero3_offload", "zero2_offload", "megatrain_device_state", "torch")
 RESULT_KEY = {
     "megatrain": "megatrain",
     "megatrain_no_recompute": "megatrain_recompute_none",
+    "megatrain_device_state": "megatrain_device_state_auto",
     "zero3_offload": "deepspeed_zero3_offload",
     "zero2_offload": "deepspeed_zero2_offload_optimizer",
     "torch": "torch",
@@ -71,8 +73,11 @@ RESULT_KEY = {
 DEEPSPEED_SYSTEMS = ("zero3_offload", "zero2_offload")
 INIT_STD = 0.02
 """Hugging Face's ``initializer_range`` for Llama: the std of every weight matrix."""
-ENGINE_SYSTEMS = ("megatrain", "megatrain_no_recompute")
-"""The engine with every block recomputed (its default), and with ``"recompute": "none"``."""
+ENGINE_SYSTEMS = ("megatrain", "megatrain_no_recompute", "megatrain_device_state")
+"""The engine with every block recomputed (its default), with ``"recompute": "none"``, and with
+``"device_state": "auto"`` (the GPU tier: a prefix of the optimizer state on the device)."""
+SYSTEM_OPTIONS = {"megatrain_no_recompute": {"recompute": "none"}, "megatrain_device_state": {"device_state": "auto"}}
+"""What each engine system adds to ``--megatrain``'s options."""
 
 
 def _rss_bytes() -> int:
@@ -92,7 +97,7 @@ def _ds_config(system: str, args: argparse.Namespace, cuda: bool, trace: Path | 
         config["engine"] = "megatrain"
         config["megatrain"] = {
             **args.megatrain,
-            **({"recompute": "none"} if system == "megatrain_no_recompute" else {}),
+            **SYSTEM_OPTIONS.get(system, {}),
         }
         if trace is not None:  # every step after the trace's own first warm-up step: the last are the measured
             config["megatrain"].update(trace=str(trace), trace_steps=args.warmup - 1 + args.steps)
@@ -294,12 +299,22 @@ def _train(system: str, engine, optimizer, args: argparse.Namespace, cuda: bool)
 def _placement_of(engine) -> dict:
     """Where the engine's optimizer ran each state: the ``"auto"`` placement's decision."""
     adamw = engine.adamw
-    where = [type(adamw.placement_of(state)).__name__ for state in engine.optimizer_states]
+    on_device = engine.placement.device_indices  # the GPU tier ("device_state"): stepped in place there
+    where = [
+        "DeviceStates" if index in on_device else type(adamw.placement_of(state)).__name__
+        for index, state in enumerate(engine.optimizer_states)
+    ]
     # Elements per kernel too: the planner's ``device_optimizer_share`` is the device's
     # share of them (planning/step_time.py), which state counts alone do not give.
     numels = [state.layout.numel for state in engine.optimizer_states]
     return {
         "setting": engine.config.options.optimizer_device,
+        "device_state": {
+            "setting": engine.config.options.device_state,
+            "states": len(on_device),
+            "elements": sum(engine.states[index].layout.numel for index in on_device),
+            "device_bytes": sum(engine.placement.device_bytes().values()),
+        },
         "states": len(where),
         "by_kernel": {name: where.count(name) for name in sorted(set(where))},
         "elements_by_kernel": {
@@ -671,6 +686,20 @@ def report(args: argparse.Namespace, best: dict[str, dict], rounds: dict[str, li
             f"{stash['predicted_stash_bytes_per_block'] / 2**20:.1f} MiB (planner / held: "
             f"{stash['stash_predicted_over_measured']:.3f})"
         )
+    if "megatrain" in best and "megatrain_device_state" in best:
+        tier = best["megatrain_device_state"]
+        ratio = tier["tokens_per_s"] / best["megatrain"]["tokens_per_s"]
+        comparisons["device_state_auto_over_none_tokens_per_s"] = ratio
+        placed = tier["optimizer_placement"]["device_state"]
+        print(
+            f"device_state auto / none tokens/s: {ratio:.2f}x ({placed['states']} states, "
+            f"{placed['device_bytes'] / 2**30:.1f} GiB on the device)"
+        )
+        for other in ("zero3_offload", "zero2_offload"):
+            if other in best:
+                comparisons[f"device_state_tokens_per_s_over_{RESULT_KEY[other]}"] = (
+                    tier["tokens_per_s"] / best[other]["tokens_per_s"]
+                )
     if "megatrain" in best:
         for other in ("zero3_offload", "zero2_offload", "torch"):
             if other in best:

@@ -534,6 +534,12 @@ def _parser() -> argparse.ArgumentParser:
         help='share of the optimizer state stepped on the device ("optimizer_device": "gpu": 1; "auto": the '
         "share its logged split puts there); default 0, all on the host's CPU kernel",
     )
+    p.add_argument(
+        "--device-state",
+        type=float,
+        default=0.0,
+        help='share of the trained parameters the GPU tier keeps whole on the device ("device_state"); default 0, none',
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -555,9 +561,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvme_window_blocks=args.nvme_window_blocks,
         nvme_weights=args.nvme_weights,
         device_optimizer_share=args.optimizer_device_share,
+        device_state_share=args.device_state,
     )
     if not 0 <= args.optimizer_device_share <= 1:
         parser.error("--optimizer-device-share is a fraction of the optimizer state: between 0 and 1")
+    if not 0 <= args.device_state <= 1 or (args.device_state and args.nvme is not None):
+        parser.error("--device-state is a fraction of the trained parameters, between 0 and 1, without --nvme")
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
     model = load_meta_model(args.model)

@@ -42,6 +42,7 @@ from megatrain_ds.gradients.sink import STAGED, GradientPort, Landing
 from megatrain_ds.model.batch_checks import check_batch
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss
 from megatrain_ds.model.layer_checkpointing import log_if_requested as log_layer_checkpointing
+from megatrain_ds.optimizer.device_states import DeviceStates
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, build_optimizer
 from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
@@ -127,6 +128,8 @@ class MegatrainEngine(nn.Module):
     held_writes: HeldWrites
     pipelined_finish: PipelinedFinish | None
     """The update behind the next forward, where the configuration allows it (optimizer/pipelined_finish.py)."""
+    device_states: DeviceStates | None
+    """The states kept whole on the device (``"device_state"``), updated there (optimizer/device_states.py)."""
     sink: GradientPort
     """Where gradients leave the device (behind the reducer with data parallel)."""
     streamer: WeightStreamer
@@ -276,12 +279,24 @@ class MegatrainEngine(nn.Module):
         ``module``'s parameters directly between ``step()`` and the next forward."""
         if self.pipelined_finish is not None:
             self.pipelined_finish.settle_observed()
+        if self.device_states is not None:
+            with self.runtime.observe():  # host code reads the device states next
+                self.device_states.settle()
 
     def _before_model_forward(self) -> None:
-        """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish])."""
+        """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish];
+        optimizer/device_states.py: [Note: device state ordering])."""
+        training = torch.is_grad_enabled() and self.module.training
         if self.pipelined_finish is not None:
             with self.runtime.observe():
-                self.pipelined_finish.before_forward(training=torch.is_grad_enabled() and self.module.training)
+                self.pipelined_finish.before_forward(training=training)
+        if self.device_states is not None:
+            with self.runtime.observe():
+                if not training:  # eval or generation: host code may read any state
+                    self.device_states.settle()
+                elif self._resident_index in self.device_states:
+                    # The embedding computes first: its device update lands before, on the device.
+                    self.device_states.wait_on_device(self._resident_index, self.runtime.compute_stream())
 
     def _landed(self, index: int) -> None:  # a state's pipelined update, seen by a waiting thread
         if index == self._resident_index:
@@ -391,7 +406,8 @@ class MegatrainEngine(nn.Module):
         return {
             "weight_buffers": self.streamer.device_bytes,
             "checkpoints_peak": self.blocks.peak_checkpoint_bytes,
-            "resident": resident,
+            "resident": 0 if self.placement.resident.on_device else resident,
+            "device_state": sum(self.placement.device_bytes().values()),  # the GPU tier (state/placement.py)
         }
 
     def host_bytes(self) -> dict[str, int]:
@@ -440,6 +456,8 @@ class MegatrainEngine(nn.Module):
     def _land_gradient(self, index: int, offset: int, numel: int, final: bool) -> Landing:
         """Where a chunk of this rank's windows lands (GradientSink, on the pushing thread);
         see ``HeldWrites.land``."""
+        if self.device_states is not None and index in self.device_states:
+            return self._land_on_device(index, offset, numel)
         self.settle_optimizer()  # a write into held gradients the last update still reads
         grad = self.optimizer_states[index].grad
         if grad is None:  # nothing held: the worker steps each chunk as it arrives
@@ -448,6 +466,18 @@ class MegatrainEngine(nn.Module):
         speculative = final and self.stepper.may_speculate(index, start, numel)  # the worker steps it in backward
         with self.runtime.host_work():  # a partly written chunk's zeroing: no write of it in flight
             return self.held_writes.land(index, grad, start, numel, self.config.compute_dtype, speculative)
+
+    def _land_on_device(self, index: int, offset: int, numel: int) -> Landing:
+        """A device state's chunk: copied (its first write this step) or added into its held
+        gradient on the device, whose earlier writes the device orders
+        (optimizer/device_states.py: [Note: device state ordering]); the worker never sees it."""
+        grad = self.optimizer_states[index].grad
+        assert grad is not None, "a device state always holds its gradient"
+        end = offset + numel
+        unwritten = self.held_writes.claim(index, offset, end)
+        fresh = unwritten == [(offset, end)]
+        zero = () if fresh else tuple((lo - offset, hi - offset) for lo, hi in unwritten)
+        return Landing(held=grad[offset:end], fresh=fresh, notify=False, on_device=True, zero=zero)
 
     def _consume_gradient(self, index: int, offset: int, grad: torch.Tensor, final: bool, landing: Landing) -> None:
         """Runs on the gradient worker for every host chunk of this rank's windows that

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
-from megatrain_ds.config import EngineConfig
+from megatrain_ds.config import ConfigError, EngineConfig
+from megatrain_ds.config.megatrain_options import DEVICE_STATE_AUTO_SHARE, DEVICE_STATE_HEADROOM_BYTES
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
@@ -34,6 +35,7 @@ from megatrain_ds.model.block_discovery import check_blocks_own_their_params, fi
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
 from megatrain_ds.model.frozen_weights import cast_frozen_weights
+from megatrain_ds.optimizer.device_states import DeviceStates
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
 from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
 from megatrain_ds.optimizer.host_adamw import HostAdamW
@@ -56,7 +58,15 @@ from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
 from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
-from megatrain_ds.state.placement import Placement, Topology, flat_state_params, state_shapes
+from megatrain_ds.state.placement import (
+    Placement,
+    StateShape,
+    Topology,
+    device_prefix,
+    device_prefix_within,
+    flat_state_params,
+    state_shapes,
+)
 from megatrain_ds.state.state_placement import StatePlacement, Where
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
 from megatrain_ds.streaming.activation_stash import ActivationStash
@@ -97,6 +107,7 @@ class EngineUnderConstruction(Protocol):
     accumulation: HostAccumulation
     held_writes: HeldWrites
     pipelined_finish: PipelinedFinish | None
+    device_states: DeviceStates | None
     sink: GradientPort
     streamer: WeightStreamer
     blocks: StreamedBlocks
@@ -137,7 +148,8 @@ def build(engine: EngineUnderConstruction, model: nn.Module) -> None:
     materialize_meta_buffers(model, source)
     # Where every buffer lives (state/placement.py): what the builders below branch on.
     shapes = state_shapes(flat_state_params(model, blocks), group_of, engine.config.compute_dtype)
-    engine.placement = Placement.of(engine.config, nvme, topology, shapes)
+    device_states = _device_state_count(engine, model, nvme, topology, shapes)
+    engine.placement = Placement.of(engine.config, nvme, topology, shapes, device_states)
     dp = engine.data_parallel
     shared = dp.shared if dp is not None else None  # one host copy per node
     templates = _build_host_state(engine, blocks, group_of, source, shared)
@@ -213,6 +225,8 @@ def _build_host_state(
         # next is copied: the model never exists twice in host memory.
         scoped = source.scoped(f"{engine.block_path}.{index}.") if source is not None else None
         engine.states.append(_migrate_block(engine, block, group_of, scoped, shared, engine.placement.states[index]))
+        if engine.placement.states[index].on_device:  # the GPU tier: filled on the host, then moved
+            engine.states[-1].move_to_device(engine.runtime)
         if engine.nvme_tier is not None:
             engine.nvme_tier.adopt(engine.states[-1])
     engine.num_templates = len(templates_by_key)
@@ -304,10 +318,12 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
     parallel), the host AdamW over it and the stepper (norm, clipping, speculative
     steps), attached to the client optimizer."""
     options, compute, dp = engine.config.options, engine.config.compute_dtype, engine.data_parallel
-    if engine.config.holds_gradients:
-        grad_dtype = engine.config.held_gradient_dtype
-        for state, placement in zip(engine.states, engine.placement.states):
-            first, last = state.held
+    grad_dtype = engine.config.held_gradient_dtype if engine.config.holds_gradients else compute
+    for state, placement in zip(engine.states, engine.placement.states):
+        first, last = state.held
+        if placement.on_device:  # held on the device whatever the run holds on the host
+            state.grad = torch.zeros(last - first, dtype=grad_dtype, device=engine.runtime.device)
+        elif engine.config.holds_gradients:
             # A rank's own window (gathered weights): its gradients are its alone, not the node's.
             own = placement.grad.where is Where.RANK_WINDOW
             state.grad = engine.runtime.host_zeros(last - first, grad_dtype, None if own else shared)
@@ -338,6 +354,7 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         engine.states[0].grad.dtype if engine.states[0].grad is not None else compute,
         finish_pipelines=_finish_can_pipeline(engine),
     )
+    engine.device_states = _device_states(engine)
     engine.stepper = OptimizerStepper(
         engine.optimizer_states,
         engine.adamw,
@@ -346,6 +363,7 @@ def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory |
         holds_gradients=engine.config.holds_gradients,
         sum_over_ranks=dp.world_sum if dp is not None else None,
         runtime=engine.runtime,
+        device_states=engine.device_states,
     )
     if engine.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
         engine.nvme_tier.settle = engine.adamw.flush
@@ -373,6 +391,8 @@ def _journal_extents(engine: EngineUnderConstruction) -> list[JournalExtent]:
     setting = engine.config.options.speculative_blocks
     blocks = engine.optimizer_states[: engine._resident_index]
     extents = journal_extents(engine.optimizer_states, engine._resident_index, setting)
+    # Never a state on the device: its update is cheap at step() (optimizer/device_states.py).
+    extents = [extent for extent in extents if not engine.placement.states[extent.index].on_device]
     element_bytes = journal_element_bytes(blocks[0]) if blocks else 0
     budget = (
         f"at most {AUTO_JOURNAL_BYTES_PER_PARAM} B per parameter"
@@ -386,6 +406,54 @@ def _journal_extents(engine: EngineUnderConstruction) -> list[JournalExtent]:
         budget,
     )
     return extents
+
+
+def _device_state_count(
+    engine: EngineUnderConstruction, model: nn.Module, nvme: str, topology: Topology, shapes: list[StateShape]
+) -> int:
+    """How many states (the resident state, then blocks 0, 1, ...) the GPU tier keeps on the
+    device (``state/placement.py``: [Note: the GPU tier]): ``device_state``'s fraction of the
+    trained elements, or with ``"auto"`` as many as fit in ``DEVICE_STATE_AUTO_SHARE`` of the
+    device memory free after the engine's own planned peak and a headroom (none without CUDA)."""
+    options = engine.config.options
+    if not options.wants_device_state:
+        return 0
+    if topology.data_parallel:
+        raise ConfigError(
+            f"megatrain.device_state {options.device_state!r} does not support data parallel yet (each rank "
+            'would step its windows on its device); set it to "none" (offload_optimizer.ratio 1.0)'
+        )
+    assert nvme == "none", "engine_config.py refuses the NVMe tier with device_state"
+    if options.device_state != "auto":
+        return device_prefix(options.device_state, shapes)
+    free = available_memory(engine.runtime.device).device
+    if free is None:  # no CUDA: the CPU is the device, and host memory is where states live anyway
+        return 0
+    run = PreflightInputs(
+        model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology
+    )
+    planned_peak = preflight(run, nvme=nvme).device_total  # the engine's own device memory, no state on it
+    budget = int(DEVICE_STATE_AUTO_SHARE * max(free - planned_peak - DEVICE_STATE_HEADROOM_BYTES, 0))
+    return device_prefix_within(Placement.of(engine.config, nvme, topology, shapes, len(shapes)), budget)
+
+
+def _device_states(engine: EngineUnderConstruction) -> DeviceStates | None:
+    """The GPU tier's states and their update (``optimizer/device_states.py``), logged once."""
+    indices = engine.placement.device_indices
+    if not indices:
+        return None
+    device_states = DeviceStates(engine.runtime, engine.states, indices)
+    nbytes = sum(engine.placement.device_bytes().values())
+    blocks = [index for index in indices if index != engine._resident_index]
+    logger.info(
+        "megatrain: device_state %r: %s on the device (%d of %d elements, %.1f MiB), updated there",
+        engine.config.options.device_state,
+        f"the resident state and blocks {blocks[0]}-{blocks[-1]}" if blocks else "the resident state",
+        device_states.numel,
+        sum(state.layout.numel for state in engine.states),
+        nbytes / 2**20,
+    )
+    return device_states
 
 
 def _finish_can_pipeline(engine: EngineUnderConstruction) -> bool:
@@ -470,6 +538,7 @@ def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplat
         // compute.itemsize,
         parts_of=lambda block: templates[block].parts_in_use(),
         pending_updates=engine.pipelined_finish,
+        device_resident=engine.device_states,
     )
 
 

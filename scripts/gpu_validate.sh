@@ -18,10 +18,12 @@
 #                 (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
 #   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 and ZeRO-2 offload and megatrain side by side
+#                 (megatrain also with "recompute": "none" and with "device_state": "auto", the GPU tier)
 #                 (--compare-args, default the 940M Llama of configs/models/llama_940m.json)
 #   compare-optimizer-cpu the engine alone on the same model with "optimizer_device": "cpu"
 #                 (against compare's "auto": does streaming state through the GPU pay?)
-#   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine, ZeRO-3 and ZeRO-2 offload
+#   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine (and with "device_state":
+#                 "auto"), ZeRO-3 and ZeRO-2 offload
 #   compare-7b    Llama-2-7B's shape, 8 x 2048 tokens: the engine alone (ZeRO-3 offload's ~25 B/param
 #                 does not fit a 128 GiB host: bench/zero3_estimate.py, DeepSpeed's own estimator)
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
@@ -44,7 +46,7 @@ declare -A LIMITS=([install]=120 [ops]=300 [host-contention]=120 [gpu-tests]=600
 # configs/models/llama_940m.json's shape, 3 warm-up and 5 measured steps (compare.py's defaults) per system.
 DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4"
 # The issue's ~3B target: hidden 3072, 28 blocks, 8 x 2048 tokens.
-COMPARE_3B_ARGS="--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 3 --steps 5 --no-planner --systems megatrain zero3_offload zero2_offload"
+COMPARE_3B_ARGS="--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 3 --steps 5 --no-planner --systems megatrain megatrain_device_state zero3_offload zero2_offload"
 # Llama-2-7B's shape (hidden 4096, FFN 11008, 32 blocks), 8 x 2048 tokens: does the engine train it, how fast.
 COMPARE_7B_ARGS="--hidden 4096 --intermediate 11008 --layers 32 --seq-len 2048 --micro-batch 8 --warmup 1 --steps 3 --no-planner --systems megatrain"
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from megatrain_ds import MegatrainEngine
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
+from megatrain_ds.planning.planner import ModelShape, RunSettings, gpu_bytes, host_bytes
 from megatrain_ds.planning.preflight import AvailableMemory, MemoryNeed, PreflightInputs, preflight
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.placement import ElementSizes, Placement, TierSettings, Topology, state_shapes
@@ -55,7 +56,23 @@ def allocated_host_tensors(engine: MegatrainEngine) -> dict[str, list[int]]:
         on_tier = tier.kinds if tier is not None and tier.holds(state) else ()
         for name in BUFFERS:
             tensor = getattr(state, name)
+            if state.placement.buffers()[name].where.on_device:
+                continue  # the GPU tier's: allocated_device_tensors
             if isinstance(tensor, torch.Tensor) and not tensor.is_meta and name not in on_tier:
+                found[name].append(tensor.numel() * tensor.element_size())
+    return found
+
+
+def allocated_device_tensors(engine: MegatrainEngine) -> dict[str, list[int]]:
+    """Bytes of every tensor of the states the GPU tier keeps on the device, by buffer name
+    (on the CPU the device is the host: told apart by the placement the state was built on,
+    and checked to be on the engine's device)."""
+    found: dict[str, list[int]] = {name: [] for name in BUFFERS}
+    for state in engine.states:
+        for name in BUFFERS:
+            tensor = getattr(state, name)
+            if state.placement.buffers()[name].where.on_device and isinstance(tensor, torch.Tensor):
+                assert tensor.device == engine.runtime.device, (name, tensor.device)
                 found[name].append(tensor.numel() * tensor.element_size())
     return found
 
@@ -72,6 +89,11 @@ def placement_disagreements(engine: MegatrainEngine) -> list[str]:
             problems.append(f"state {index}: {state.layout.numel} elements, planned {planned.numel}")
         for name, buffer in planned.buffers().items():
             tensor = getattr(state, name)
+            if buffer.where.on_device:
+                sizes = (tensor.numel(), tensor.element_size()) if isinstance(tensor, torch.Tensor) else None
+                if sizes != (buffer.numel, buffer.itemsize) or tensor.device != engine.runtime.device:
+                    problems.append(f"state {index} {name}: {sizes} on the device, planned {buffer}")
+                continue
             held = isinstance(tensor, torch.Tensor) and not tensor.is_meta and name not in on_tier
             if held != buffer.where.on_host:
                 problems.append(f"state {index} {name}: in host memory {held}, planned {buffer.where}")
@@ -90,6 +112,11 @@ def placement_disagreements(engine: MegatrainEngine) -> list[str]:
     host = engine.host_bytes()
     if {name: host[name] for name in BUFFERS if name in host} != actual:
         problems.append(f"engine.host_bytes() {host}, allocated {actual}")
+    on_device = {name: sum(sizes) for name, sizes in allocated_device_tensors(engine).items() if sizes}
+    if on_device != placement.device_bytes():
+        problems.append(f"device bytes {on_device}, planned {placement.device_bytes()}")
+    if engine.device_bytes()["device_state"] != sum(on_device.values()):
+        problems.append(f"engine.device_bytes() {engine.device_bytes()}, allocated on the device {on_device}")
     problems += _tier_disagreements(engine)
     return problems
 
@@ -173,3 +200,53 @@ def preflight_disagreements(engine: MegatrainEngine, need: MemoryNeed | None = N
     if engine.gathered_weights is None and need.host.get("nvme_weights", 0) != (weights.nbytes if weights else 0):
         problems.append(f"preflight weight window {need.host.get('nvme_weights', 0)}, engine {weights}")
     return problems
+
+
+def planner_disagreements(engine: MegatrainEngine) -> list[str]:
+    """Every way the planner (``megatrain plan``), given the engine's flat sizes (padding
+    included: a model's parameter counts lack it) and its settings, counts other bytes than
+    ``host_bytes()`` reports kind by kind (the NVMe tier's window and the weight window too)
+    and ``device_bytes()`` for the GPU tier: it reads the same :class:`Placement` arithmetic
+    (``planning/planner.py``: ``placement_of``). Empty when they agree."""
+    config, states = engine.config, engine.states
+    blocks, resident = states[:-1], states[-1]
+    frozen = [state.layout.numel - state.layout.trained_numel for state in states]
+    # Parked parameters (the weights on the tier) are meta tensors: their dtypes are not what the planner asks.
+    frozen_dtypes = {p.dtype for p in engine.module.parameters() if not p.requires_grad and not p.is_meta}
+    shape = ModelShape(
+        num_blocks=len(blocks),
+        block_params=max(state.layout.numel for state in blocks),
+        total_block_params=sum(state.layout.numel for state in blocks),
+        resident_params=resident.layout.numel,
+        hidden=0,
+        vocab=0,
+        frozen_params=sum(frozen),
+        frozen_block_params=max(frozen[:-1]),
+        frozen_in_bf16=frozen_dtypes == {torch.bfloat16},
+    )
+    options = config.options
+    share = options.device_state if not isinstance(options.device_state, str) else 0.0
+    settings = RunSettings(
+        seq_len=1,
+        accumulation=config.gradient_accumulation_steps,
+        bf16=config.compute_dtype.itemsize == 2,
+        clipping=config.gradient_clipping > 0,
+        master_bytes=config.master_dtype.itemsize,
+        checkpoint_interval=options.checkpoint_interval,
+        num_buffers=options.num_buffers,
+        nvme=engine.placement.nvme != "none",
+        nvme_weights=engine.placement.nvme == "all",
+        nvme_window_blocks=options.nvme_window_blocks,
+        device_state_share=share,
+    )
+    planned, host = host_bytes(shape, settings), engine.host_bytes()
+    pairs = {
+        "master": (planned["master"], host.get("master", 0)),
+        "adam_m_v": (planned["adam_m_v"], host.get("exp_avg", 0) + host.get("exp_avg_sq", 0)),
+        "shadow": (planned.get("bf16_shadow", 0), host.get("shadow", 0)),
+        "gradients": (planned.get("gradients", 0), host.get("grad", 0)),
+        "nvme_window": (planned.get("nvme_window", 0), host.get("nvme_window", 0)),
+        "nvme_weights": (planned.get("nvme_weights", 0), host.get("nvme_weights", 0)),
+        "device_state": (gpu_bytes(shape, settings).get("device_state", 0), engine.device_bytes()["device_state"]),
+    }
+    return [f"planner {kind} {ours}, engine {theirs}" for kind, (ours, theirs) in pairs.items() if ours != theirs]

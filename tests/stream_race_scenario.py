@@ -18,6 +18,8 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama t
   backward drops what it read);
 - ``fragments``: ``"fragment_bytes"``, each block's weights copied in pieces, each module
   of a recomputed block waiting for its own, a stashed block's backward for all of them;
+- ``device-state``: ``"device_state": 0.5``, the resident state and the first block kept on
+  the device (``optimizer/device_states.py``), with clipping, accumulation 2 and a checkpoint;
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
   read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
   checkpoint saved from and loaded into the swap files and one more step.
@@ -80,6 +82,9 @@ SCENARIOS = {
     "fragments": dict(
         accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu", "fragment_bytes": 4096, "recompute": 1}
     ),
+    # The GPU tier: the resident state and the first block on the device (updated there on the
+    # optimizer stream, their gradients added on the device), the rest on the host.
+    "device-state": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "device_state": 0.5}),
     # nvme_path: a temporary directory, set by run().
     "nvme": dict(
         accumulation=2,
@@ -92,13 +97,16 @@ SCENARIOS = {
         megatrain={"optimizer_device": "cpu", "nvme_offload": "all", "nvme_window_blocks": 2},
     ),
 }
-WITH_CHECKPOINT = ("host", "nvme", "nvme-all")
+WITH_CHECKPOINT = ("host", "nvme", "nvme-all", "device-state")
 LAYERS = {"nvme-all": 5}
 """Blocks of the scenarios' Llama where three would not do: five blocks through a
 three-buffer weight window reuse buffers within a pass, and blocks leave the tier's
 window while their write is still in flight."""
 NVME_SCENARIOS = ("nvme", "nvme-all")
 """The scenarios of the NVMe tier, whose handoffs only its own I/O threads and windows use."""
+DEVICE_STATE_SCENARIOS = ("device-state",)
+"""The GPU tier's scenario: its mutants (``optimizer/device_states.py``) run it alone, the
+others the rest (the paths it shares with them, the sink and the streamer, run there)."""
 
 
 class UserCheckpointed(torch.nn.Module):

@@ -217,3 +217,73 @@ def test_checkpoint_save_and_resume_on_cuda(tmp_path):
             assert torch.equal(ours, theirs)
     finally:
         engine.destroy()
+
+
+# -- the GPU tier ("device_state"; its CPU side is tests/test_device_state.py) -------------------
+
+
+def test_device_state_parity_on_cuda():
+    """Half the states kept on the GPU (the resident state and the first blocks: their events,
+    the optimizer stream, the Triton kernel in place, the gradients added on the device), the
+    rest on the host: the CPU parity suite's tolerances (the kernel rounds < 1 ulp per step).
+    Named for the sanitizer step of scripts/gpu_validate.sh ("parity")."""
+    config = ds_config(clipping=1.0, megatrain={"device_state": 0.5})
+    engine, reference, ours, theirs = _train_on_cuda(tiny_models.llama, config, autocast_reference=False)
+    try:
+        on_device = engine.placement.device_indices
+        assert 0 < len(on_device) < len(engine.states)
+        assert all(engine.states[index].master.is_cuda for index in on_device)
+        assert all(engine.streamer.transfers[index] == 0 for index in on_device if index != engine._resident_index)
+        for a, b in zip(ours, theirs):
+            assert math.isclose(a, b, rel_tol=1e-5)
+        assert relative_weight_error(engine, reference) < 2e-6
+    finally:
+        engine.destroy()
+
+
+def test_device_state_checkpoint_on_cuda(tmp_path):
+    """Saved from device tensors and loaded into them (through host copies,
+    checkpoint/tensor_files.py), inside an accumulation window: a fresh engine with the same
+    setting, and one with "none", hold the saved masters, moments and gradients bit for bit."""
+    kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
+    engines = []
+
+    def build(seed: int, setting: float | str) -> MegatrainEngine:
+        torch.manual_seed(seed)
+        config = ds_config(accumulation=2, clipping=1.0, megatrain={"device_state": setting})
+        engines.append(MegatrainEngine(tiny_models.llama(), parse_engine_config(config)))
+        return engines[-1]
+
+    try:
+        engine = build(0, 0.5)
+        for micro in range(3):
+            batch = {k: v.cuda() for k, v in tiny_models.make_batch(micro).items()}
+            engine.backward(engine(**batch).loss)
+            engine.step()
+        engine.save_checkpoint(str(tmp_path), tag="middle")
+        engine.settle_optimizer()  # the states are read directly
+        saved = [{kind: getattr(state, kind).cpu().clone() for kind in kinds} for state in engine.states]
+        for setting in (0.5, "none"):
+            other = build(1, setting)
+            other.load_checkpoint(str(tmp_path), tag="middle")
+            other.settle_optimizer()
+            for index, (state, expected) in enumerate(zip(other.states, saved)):
+                for kind in kinds:
+                    assert torch.equal(getattr(state, kind).cpu(), expected[kind]), (setting, index, kind)
+    finally:
+        for one in engines:
+            one.destroy()
+
+
+def test_device_state_auto_keeps_a_small_model_whole_on_the_gpu(caplog):
+    """ "auto" on a GPU with room: every state of a tiny model fits, and the decision is logged."""
+    torch.manual_seed(0)
+    config = parse_engine_config(ds_config(megatrain={"device_state": "auto"}))
+    with caplog.at_level("INFO", logger="megatrain_ds.engine_build"):
+        engine = MegatrainEngine(tiny_models.llama(), config)
+    try:
+        assert len(engine.placement.device_indices) == len(engine.states)
+        assert "megatrain: device_state 'auto'" in caplog.text
+        assert engine.device_bytes()["device_state"] == sum(engine.placement.device_bytes().values()) > 0
+    finally:
+        engine.destroy()

@@ -27,7 +27,7 @@ import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config
-from stream_race_scenario import NVME_SCENARIOS, RACE_EXIT, SCENARIOS
+from stream_race_scenario import DEVICE_STATE_SCENARIOS, NVME_SCENARIOS, RACE_EXIT, SCENARIOS
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.stream_check import CheckedStream
@@ -56,6 +56,20 @@ EXPECTED_SURVIVORS: dict[str, str] = {
         "no staging buffer, so backward waits for the copy num_staging direct chunks back to "
         "keep the device memory of gradients waiting for the link bounded. What reads the "
         "held gradients and the device norm is ordered by drain()'s wait for the last copy."
+    ),
+    "optimizer/device_states.py:update:stream.wait_event": (
+        "The GPU tier's update waits for backward's compute stream. What it orders on a GPU "
+        "is the held gradients' zeroing by HeldWrites.settle at step() (a compute-stream kernel "
+        "there, host work for the checker) besides backward's reads of the device weights; the "
+        "reads come before the last gradient's produced event, which the sink's drain waits "
+        "for on the host before the update is issued, so the checker sees them ordered."
+    ),
+    "optimizer/device_states.py:settle:stream.wait_event": (
+        "settle_optimizer()'s wait for the GPU tier's update, for a user's read of the "
+        "parameters between step() and the next forward (a compute-stream op on a GPU). The "
+        "engine's own readers are ordered without it: state_dict and checkpoints synchronise "
+        "the device (quiesce), forward waits per state (wait_on_device, caught), and the next "
+        "step's host reads follow the sink's drain (optimizer/device_states.py's Note)."
     ),
     "optimizer/pipelined_finish.py:before_forward:self.synchronize": (
         "Not visible as a race: a training forward through the engine plans the blocks "
@@ -197,10 +211,13 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
     else:
         device_optimizer = site is not None and site.path.name == "device_adamw.py"
         scenarios = ["device-optimizer", "device-optimizer-no-clipping"] if device_optimizer else []
-        if site is not None and site.path.parts[0] == "state":
+        if site is not None and site.path.name == "device_states.py":
+            scenarios = list(DEVICE_STATE_SCENARIOS)  # the GPU tier's events: only its states use them
+        elif site is not None and site.path.parts[0] == "state":
             scenarios = list(NVME_SCENARIOS)  # the NVMe tier's handoffs: only its own threads and windows use them
         elif site is not None and not scenarios:
-            scenarios = [name for name in SCENARIOS if name not in NVME_SCENARIOS]  # nor do the others need the tier
+            apart = NVME_SCENARIOS + DEVICE_STATE_SCENARIOS
+            scenarios = [name for name in SCENARIOS if name not in apart]  # nor do the others need the tier
         command = [sys.executable, str(SCENARIO), *scenarios]
     return subprocess.run(command, env=_env(root), cwd=root, capture_output=True, text=True, timeout=600)
 

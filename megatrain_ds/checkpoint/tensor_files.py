@@ -82,7 +82,8 @@ def write_safetensors(
     path: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None
 ) -> FileDigest:
     """Write ``tensors`` (contiguous CPU tensors, e.g. views of a flat buffer) to ``path``,
-    fsync it, and return its digest. Nothing is copied: each view's bytes go to the file."""
+    fsync it, and return its digest. Nothing is copied: each view's bytes go to the file (a
+    device tensor's through a host copy)."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {})}
     offset = 0
     for name, tensor in tensors:
@@ -101,7 +102,8 @@ def write_safetensors(
         handle.write(prefix)
         for _, tensor in tensors:
             declare_access(reads=(tensor,), what=f"writing {path}")  # file I/O bypasses aten
-            data = tensor_bytes(tensor)
+            # A state the GPU tier keeps on the device (state/placement.py): through a host copy.
+            data = tensor_bytes(tensor if tensor.device.type == "cpu" else tensor.to("cpu"))
             handle.write(data)
             crc = zlib.crc32(data, crc)
         handle.flush()
@@ -177,7 +179,9 @@ class SafetensorsFile:
             handle.seek(len(self.prefix))
             for record in self.records.values():
                 target = destinations.get(record.name)
-                if target is not None and target.dtype == record.dtype and target.is_contiguous():
+                # A device target (the GPU tier's states) takes the pieces through the scratch buffer.
+                direct = target is not None and target.device.type == "cpu" and target.is_contiguous()
+                if target is not None and direct and target.dtype == record.dtype:
                     declare_access(writes=(target,), what=f"reading {self.path}")  # file I/O bypasses aten
                     data = tensor_bytes(target)
                     self._read_exactly(handle, data, record)

@@ -172,6 +172,9 @@ def _whole_master(engine: MasterHolder, index: int, on_tier: OnTier | None) -> t
         declare_access(reads=[state.master], writes=[whole], what="the master gather for state_dict")
         dp.gather_spans_to_every_rank_(whole, f"the master gather of state {index} for state_dict")
         return whole
+    if where is Where.DEVICE:  # the GPU tier (one process): a host copy, as every other master here
+        # Settled: the engine waited for the device update before it asked (settle_optimizer).
+        return state.master.to("cpu", copy=True)
     # One process, the master on the NVMe tier (the parameters view the shadow, or are meta).
     assert where is Where.TIER, (index, where)
     mapped = on_tier(state) if on_tier is not None else None

@@ -182,6 +182,8 @@ class ZeroOffload:
     pin_memory: bool | None = None
     nvme: dict[str, Any] = field(default_factory=dict)
     """``megatrain`` options implied by ``offload_*.device: "nvme"`` (the NVMe tier)."""
+    device_state: float | None = None
+    """``1 - offload_optimizer.ratio`` (the share DeepSpeed keeps on the GPU): ``megatrain.device_state``."""
     ignored: tuple[str, ...] = ()
 
 
@@ -194,6 +196,8 @@ def zero_optimization(block: Any) -> ZeroOffload:
     ``offload_optimizer.device: "nvme"`` puts the optimizer state on the NVMe tier
     (``nvme_offload: "optimizer"``, its ``nvme_path`` and ``buffer_count``);
     ``offload_param.device: "nvme"`` puts the blocks' weights there too (``nvme_offload: "all"``).
+    ``offload_optimizer.ratio`` (the share of the optimizer state on the CPU) keeps the rest on
+    the GPU: ``device_state = 1 - ratio`` (``state/placement.py``: [Note: the GPU tier]).
     """
     if not isinstance(block, Mapping):
         raise ConfigError(f'"zero_optimization" must be a JSON object, got {block!r}')
@@ -203,6 +207,7 @@ def zero_optimization(block: Any) -> ZeroOffload:
     pins: list[bool] = []
     ignored: list[str] = []
     nvme: dict[str, Any] = {}
+    device_state: float | None = None
     for key, value in block.items():
         if key in _ZERO_UNDERSTOOD:
             continue
@@ -222,6 +227,10 @@ def zero_optimization(block: Any) -> ZeroOffload:
                 nvme.setdefault("nvme_path", sub_value)  # offload_optimizer's, when both say one
             elif on_nvme and sub == "buffer_count" and key == "offload_optimizer":
                 nvme["nvme_window_blocks"] = sub_value
+            elif sub == "ratio" and key == "offload_optimizer":
+                if isinstance(sub_value, bool) or not isinstance(sub_value, (int, float)) or not 0 <= sub_value <= 1:
+                    raise ConfigError(f"{name} must be a number from 0 to 1 (the share offloaded), got {sub_value!r}")
+                device_state = 1.0 - float(sub_value)
             else:
                 ignored.append(name)
         if on_nvme:
@@ -234,4 +243,6 @@ def zero_optimization(block: Any) -> ZeroOffload:
             f'zero_optimization.{device}.device is "nvme" but no nvme_path is given: '
             'add "nvme_path": "/local_nvme/..." (a directory on a local disk)'
         )
-    return ZeroOffload(pin_memory=(any(pins) if pins else None), nvme=nvme, ignored=tuple(ignored))
+    return ZeroOffload(
+        pin_memory=(any(pins) if pins else None), nvme=nvme, device_state=device_state, ignored=tuple(ignored)
+    )

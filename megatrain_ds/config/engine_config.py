@@ -209,6 +209,8 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         implied: dict[str, Any] = dict(zero.nvme)
         if zero.pin_memory is not None:
             implied["pin_memory"] = zero.pin_memory
+        if zero.device_state is not None:
+            implied["device_state"] = zero.device_state
         if config.get("aio") is not None:
             implied["nvme_aio"] = AioSettings.from_dict(config["aio"], "aio")
         options = {**implied, **options}
@@ -217,6 +219,7 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
     engine_options = MegatrainOptions.from_dict(options)
     if fp16 is not None:
         _check_fp16_options(engine_options)
+    _check_device_state(engine_options, fp16 is not None)
     return EngineConfig(
         options=engine_options,
         bf16=bool(bf16_enabled),
@@ -265,3 +268,26 @@ def _check_fp16_options(options: MegatrainOptions) -> None:
         )
     if options.master_dtype != "fp32":
         raise ConfigError('megatrain.master_dtype must be "fp32" with fp16 compute')
+
+
+def _check_device_state(options: MegatrainOptions, fp16: bool) -> None:
+    """What ``megatrain.device_state`` (the GPU tier) does not support yet, refused before
+    anything is built (data parallel is refused at the build, which knows the ranks)."""
+    if not options.wants_device_state:
+        return
+    fix = 'or set megatrain.device_state to "none" (zero_optimization.offload_optimizer.ratio 1.0)'
+    if fp16:
+        raise ConfigError(
+            f"megatrain.device_state {options.device_state!r} does not support fp16 (loss scaling) yet: "
+            f"its device update has no unscaling; use bf16 {fix}"
+        )
+    if options.master_dtype != "fp32":
+        raise ConfigError(
+            f'megatrain.device_state {options.device_state!r} needs megatrain.master_dtype "fp32" (the '
+            f"device kernel updates fp32 masters); set it {fix}"
+        )
+    if options.nvme_offload != "none":
+        raise ConfigError(
+            f"megatrain.device_state {options.device_state!r} cannot go with megatrain.nvme_offload "
+            f'{options.nvme_offload!r} yet: set nvme_offload "none" {fix}'
+        )

@@ -161,6 +161,14 @@ class MegatrainOptions:
     state streamed through the device and a fused Triton kernel), or "auto": measured at
     start-up (cached per machine), possibly splitting blocks between the two; "cpu"
     without CUDA. See ``optimizer/placement.py``."""
+    device_state: str | float = "none"
+    """The GPU tier: keep a prefix of the optimizer states (the resident parameters', then
+    blocks 0, 1, ... whole) on the compute device, updated there by the Triton kernel, their
+    weights never copied and their gradients never leaving it: "none", a fraction 0..1 of the
+    trained elements, or "auto" (as much as fits in ``DEVICE_STATE_AUTO_SHARE`` of the free
+    device memory left after the engine's own planned peak; none without CUDA). DeepSpeed's
+    ``offload_optimizer.ratio`` sets ``1 - ratio``. One process, no NVMe tier, fp32 masters,
+    no fp16. See ``state/placement.py``: [Note: the GPU tier]."""
     cpu_adam_kernel: str = "auto"
     """The CPU AdamW kernel: "deepspeed" (DeepSpeed's CPU Adam kernel, JIT-built on first
     use), "torch_fused" (ATen's fused kernel), "torch" (op by op), or "auto" (the first that
@@ -242,6 +250,11 @@ class MegatrainOptions:
         for name in ("pin_memory", "offload_checkpoints", "preflight"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"megatrain.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.device_state not in ("none", "auto") and not _is_fraction(self.device_state):
+            raise ConfigError(
+                'megatrain.device_state must be "none", "auto" or a fraction of the trained elements '
+                f"from 0 to 1 (kept on the GPU); got {self.device_state!r}"
+            )
         if self.speculative_blocks != "auto" and not is_integer_at_least(self.speculative_blocks, 0):
             raise ConfigError(
                 f'megatrain.speculative_blocks must be "auto" or an integer >= 0, got {self.speculative_blocks!r}'
@@ -284,6 +297,12 @@ class MegatrainOptions:
                 f"megatrain.collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}"
             )
 
+    @property
+    def wants_device_state(self) -> bool:
+        """Whether any state may go on the device ("auto", or a fraction above 0)."""
+        setting = self.device_state
+        return setting == "auto" or (not isinstance(setting, str) and _is_fraction(setting) and setting > 0)
+
     @classmethod
     def from_dict(cls, block: Mapping[str, Any]) -> MegatrainOptions:
         if not isinstance(block, Mapping):
@@ -295,3 +314,15 @@ class MegatrainOptions:
                 f"unknown key(s) in megatrain config: {', '.join(unknown)}; valid keys: {', '.join(sorted(valid))}"
             )
         return cls(**block)
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+DEVICE_STATE_AUTO_SHARE = 0.8
+"""``device_state: "auto"`` keeps states on the device within this share of the device memory
+free after the engine's own planned peak and ``DEVICE_STATE_HEADROOM_BYTES``: the rest is the
+allocator's fragmentation and the activations' variation between batches."""
+DEVICE_STATE_HEADROOM_BYTES = 4 << 30
+"""Device memory ``"auto"`` leaves free before its share (CUDA context, allocator caches)."""

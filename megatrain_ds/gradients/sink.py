@@ -9,6 +9,9 @@ the device. Each chunk of it lands one of two ways, as ``land`` (the engine) say
   (``squared_norm.py``). No staging buffer, no host pass, no worker hop -- unless the
   optimizer steps the chunk speculatively (``optimizer/speculative_step.py``), when the
   worker gets the held view to update from.
+- **on the device**: a device state's (``state/placement.py``: [Note: the GPU tier]) is
+  copied or added on the d2h stream into its held gradient, which is on the device too,
+  its squared norm summed there on the final micro-batch: it never leaves the device.
 - **staged**: copied into a pinned staging buffer and queued; the worker thread waits for
   the copy and hands the host chunk to ``consume`` (add into the held gradients, unscale,
   or without held gradients run the optimizer on it).
@@ -68,6 +71,13 @@ class Landing:
     notify: bool = True
     """Whether ``consume`` sees the chunk (always when staged; a held chunk only when the
     optimizer updates it speculatively)."""
+    on_device: bool = False
+    """``held`` is a device state's gradient (``state/placement.py``: [Note: the GPU tier]):
+    the chunk is copied into it (``fresh``) or added to it on the device, in its dtype, and on
+    the final micro-batch the held sum's squared norm is added there; it never leaves."""
+    zero: tuple[tuple[int, int], ...] = ()
+    """A device landing's ranges of ``held`` (chunk offsets) written by no earlier piece of
+    this step: zeroed on the d2h stream before the chunk is added (``gradients/held_writes.py``)."""
 
 
 STAGED = Landing()
@@ -159,7 +169,8 @@ class GradientSink:
         for start in range(0, grad.numel(), self._staging_numel):
             piece = grad[start : start + self._staging_numel]
             landing = self._land(state_index, offset + start, piece.numel(), final) if self._land else STAGED
-            if landing.held is not None and landing.held.dtype != piece.dtype:  # needs the worker's conversion
+            converts = landing.held is not None and landing.held.dtype != piece.dtype and not landing.on_device
+            if converts:  # needs the worker's conversion (a device landing converts on the device)
                 landing = dataclasses.replace(landing, held=None, notify=True)
             if landing.held is not None:
                 self._push_direct(state_index, offset + start, piece, final, landing, produced)
@@ -190,7 +201,7 @@ class GradientSink:
         """Copy ``piece`` straight into ``landing.held`` (and add its squared norm on the
         device on the final micro-batch); the worker sees it only if ``landing.notify``."""
         held = landing.held
-        assert held is not None and held.dtype == piece.dtype and landing.fresh
+        assert held is not None and (landing.on_device or (held.dtype == piece.dtype and landing.fresh))
         if len(self._direct_in_flight) >= self._num_staging:
             oldest = self._direct_in_flight.popleft()
             oldest.synchronize()  # back-pressure: device memory waiting for the link stays bounded
@@ -198,10 +209,16 @@ class GradientSink:
         with self._runtime.on(self._runtime.d2h_stream):
             self._runtime.d2h_stream.wait_event(produced)
             with self._copy_span(state_index, offset, piece):
-                held.copy_(piece, non_blocking=True)
+                if landing.fresh:
+                    held.copy_(piece, non_blocking=True)
+                else:  # a device state's later micro-batch: added where it is held
+                    for lo, hi in landing.zero:
+                        held[lo:hi].zero_()
+                    held.add_(piece)
                 if final:
                     assert self._norm is not None, "a direct final chunk needs the step's SquaredNorm"
-                    self._norm.add_on_device(piece)
+                    # The held sum's: a device state's accumulated gradient (else the piece itself).
+                    self._norm.add_on_device(held if landing.on_device else piece)
             done.record(self._runtime.d2h_stream)
         self._runtime.used_on(piece, self._runtime.d2h_stream)  # backward may drop it first
         self._direct_in_flight.append(done)

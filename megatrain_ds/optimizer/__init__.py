@@ -3,6 +3,8 @@
 - ``adamw_math``: the hyperparameters of one update and the op-by-op reference.
 - ``cpu_adam``: CPU kernels (DeepSpeed's, ATen's fused, op by op) and the choice among them.
 - ``device_adamw``: the update on the compute device, state streamed in and out.
+- ``device_states``: the GPU tier's update (``"device_state"``): states kept whole on the
+  device, stepped there in place at ``step()``, ordered before the next forward by events.
 - ``placement``: which state's update runs where (``"optimizer_device"``), calibrated once.
 - ``host_adamw``: walks a state's optimizer-group runs and hands each to its placement.
 - ``speculative_step``: global norm, speculative updates during backward, clipping, skips.

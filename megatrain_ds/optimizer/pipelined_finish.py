@@ -53,6 +53,10 @@ reads the updated weights one state at a time, so the update runs behind it inst
   since ``"auto"`` keeps every state on the CPU where the finish can pipeline
   (``optimizer/placement.py``: ``build_host_adamw``).
 
+The GPU tier's states (``"device_state"``, ``optimizer/device_states.py``) are no part of it:
+they are updated on the device at ``step()`` and the worker's turn for them does nothing,
+while the next forward waits for their update on the device, not for the worker.
+
 An update that raises on the worker is re-raised by the next wait for it, and logged (the
 states after it were never updated: the run cannot go on from them).
 """

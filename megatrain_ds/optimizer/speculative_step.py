@@ -51,6 +51,11 @@ the copy back and throws the speculative update away, so the step costs what it 
 cost without speculation plus two copies of the journaled elements. Gradients are held for
 every range until the step is validated, which clipping and accumulation need anyway.
 
+The GPU tier's states (``"device_state"``: ``optimizer/device_states.py``) take no part in
+speculation: their gradients are always held, on the device, and at ``engine.step()`` they
+are updated there with the step's scale in (a) and (b), in none of (c); the journal never
+covers them.
+
 Without clipping, accumulation or ``"non_finite_steps": "skip"`` no gradient is held
 (12 B/param with fp32 compute): each chunk is stepped as it arrives, nothing can be
 undone, and a non-finite norm can only be reported (``StepOutcome.PARTIAL``).
@@ -70,6 +75,7 @@ import torch
 
 from megatrain_ds.gradients.squared_norm import SquaredNorm
 from megatrain_ds.optimizer.adamw_math import AdamHyper
+from megatrain_ds.optimizer.device_states import DeviceStates
 from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.journal import Journal, JournalExtent
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
@@ -123,6 +129,7 @@ class OptimizerStepper:
         sum_over_ranks: with data parallel ``states`` are this rank's windows, and this
             sums the squared norm over the ranks that hold the other windows.
         runtime: whose tracer times each range update (``runtime/trace.py``); none: untraced.
+        device_states: the states kept on the device, updated there (none: every state on the host).
     """
 
     def __init__(
@@ -135,8 +142,12 @@ class OptimizerStepper:
         holds_gradients: bool,
         sum_over_ranks: Callable[[float], float] | None = None,
         runtime: DeviceRuntime | None = None,
+        device_states: DeviceStates | None = None,
     ) -> None:
         self.states = states
+        self.device_states = device_states
+        """The states kept on the device (``optimizer/device_states.py``): updated there at
+        :meth:`finish`, never journaled, deferred or handed to the host pass."""
         self._runtime = runtime
         self.adamw = adamw
         self.clipping = clipping
@@ -248,6 +259,11 @@ class OptimizerStepper:
         else:
             work = {index: _unstepped(state, self.journal.ranges(index)) for index, state in enumerate(self.states)}
             outcome = StepOutcome.APPLIED
+        if self.device_states:  # updated on the device now, the host pass covers the rest
+            for index in self.device_states.indices:
+                work[index] = []
+            if outcome in (StepOutcome.APPLIED, StepOutcome.CLIPPED):
+                self.device_states.update(step, scale, self.adamw.snapshot())
         self._update(work, step, scale, pipeline)
         self.journal.clear()
         # No zeroing pass: the next step's first write of each held element copies over it

@@ -53,7 +53,7 @@ from megatrain_ds.planning.step_time import (
     step_seconds,
     weight_fill_seconds,
 )
-from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology
+from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology, device_prefix
 
 __all__ = [  # the step-time model's names, for callers of the planner
     "ADAM_HOST_BYTES_PER_PARAM",
@@ -206,7 +206,9 @@ def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
     )
     nvme = ("all" if settings.nvme_weights else "optimizer") if settings.nvme else "none"
     tier = TierSettings(window_blocks=settings.nvme_window_blocks)
-    return Placement.of_sizes(element_sizes, tier, nvme, Topology(), states)
+    # The GPU tier's prefix, by the engine's rule; it goes with no NVMe tier (the config refuses both).
+    on_device = device_prefix(settings.device_state_share, states) if nvme == "none" else 0
+    return Placement.of_sizes(element_sizes, tier, nvme, Topology(), states, on_device)
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
@@ -226,6 +228,10 @@ def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | Non
         "block_grads": shape.block_params * w,
         "checkpoints": checkpoints_on_device * checkpoint_bytes(shape, settings),
     }
+    if settings.device_state_share:  # the GPU tier's states (state/placement.py: [Note: the GPU tier])
+        result["device_state"] = sum(placement_of(shape, settings).device_bytes().values())
+        if not in_place and placement_of(shape, settings).resident.on_device:
+            result["resident_params"] = 0  # its device copy is the state's own shadow
     return {**result, **_activation_bytes(shape, settings, hardware)}
 
 

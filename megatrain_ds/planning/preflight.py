@@ -195,6 +195,9 @@ def estimate_from_shapes(
         # The CPU is its own device: blocks and resident parameters are computed on in place
         # (streaming/weight_streamer.py: [Note: the host as the device]), so no weight buffer is allocated.
         host["weight_buffers"] = 0
+    on_device = sum(placement.device_bytes().values())  # the GPU tier (state/placement.py)
+    if on_device:  # on the CPU the device is the host: there its states take host memory
+        (device if device_type == "cuda" else host)["device_state"] = on_device
     pinned = sum(host.values()) if device_type == "cuda" and options.pin_memory else 0
     return MemoryNeed(host=host, device=device, host_freed=shapes.host_freed, pinned=pinned, disk=disk)
 

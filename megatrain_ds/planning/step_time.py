@@ -188,14 +188,17 @@ class Hardware:
     disk_read_bytes_per_s: float = 0.0
     """Sequential O_DIRECT read bandwidth of the NVMe tier's disk (``megatrain plan --nvme``)."""
     disk_write_bytes_per_s: float = 0.0
+    device_memory_bytes_per_s: float = 0.0
+    """Achievable device memory bandwidth (the GPU tier's update, ``RunSettings.device_state_share``);
+    0: its update is not timed (no figure for the device)."""
 
 
 # Achievable (not peak) figures: ~80% of dense bf16 peak, measured PCIe Gen5 x16 copy
 # rates, typical dual-socket DDR5 host bandwidth; GH200 uses NVLink-C2C and LPDDR5X.
 GPU_HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", 790e12, 50e9, 50e9, 200e9, 80 * GIB),
-    "h200": Hardware("h200", 790e12, 50e9, 50e9, 200e9, 141 * GIB),
-    "gh200": Hardware("gh200", 790e12, 400e9, 400e9, 450e9, 96 * GIB),
+    "h100": Hardware("h100", 790e12, 50e9, 50e9, 200e9, 80 * GIB, device_memory_bytes_per_s=2.7e12),
+    "h200": Hardware("h200", 790e12, 50e9, 50e9, 200e9, 141 * GIB, device_memory_bytes_per_s=3.8e12),
+    "gh200": Hardware("gh200", 790e12, 400e9, 400e9, 450e9, 96 * GIB, device_memory_bytes_per_s=3.2e12),
 }
 
 
@@ -299,6 +302,11 @@ class RunSettings:
     """Fraction of the parameters whose AdamW state streams through the device and is
     updated there (``"optimizer_device": "gpu"``: 1; ``"auto"``: its split, which the engine
     logs and ``bench/compare.py`` records); the rest steps on the host's CPU kernel."""
+    device_state_share: float = 0.0
+    """Fraction of the trained parameters the GPU tier keeps whole on the device
+    (``"device_state"``; the longest prefix of the states within it, the resident state first:
+    ``state/placement.py``: [Note: the GPU tier]): updated there at the device's memory
+    bandwidth, no host pass and no gradient copy for them; one process without the NVMe tier."""
     frozen_weights: str = "exact"
     """``megatrain.frozen_weights``: "compute_dtype" casts every frozen weight to the compute
     dtype at ``initialize``, so with 2-byte compute each is held in it whatever dtype the
@@ -497,10 +505,16 @@ def optimizer_seconds(
     where it runs behind backward), else at the host's memory bandwidth at
     :data:`ADAM_HOST_BYTES_PER_PARAM`; the device share over the link, ``12 + g`` bytes in
     and ``12 + s`` out at once. The engine walks the states one after another, so the two
-    add ([Note: a step's phases])."""
+    add ([Note: a step's phases]). The GPU tier's share (``device_state_share``) is no part
+    of either: updated in the device's memory, ``24 + g + s`` bytes per parameter at its
+    bandwidth, where the hardware gives one."""
     g, shadow = settings.grad_bytes, 2 if settings.bf16 else 0
-    on_device = settings.device_optimizer_share * shape.params
-    on_host = shape.params - on_device
+    resident = settings.device_state_share * shape.params
+    on_device = settings.device_optimizer_share * (shape.params - resident)
+    on_host = shape.params - resident - on_device
+    in_device_memory = (
+        (24 + g + shadow) * resident / hardware.device_memory_bytes_per_s if hardware.device_memory_bytes_per_s else 0.0
+    )
     if hardware.adam_bytes_per_s:
         alone = hardware.adam_bytes_per_s
         rate = (hardware.adam_beside_copies_bytes_per_s or alone) if beside_copies else alone
@@ -508,7 +522,7 @@ def optimizer_seconds(
     else:
         host = ADAM_HOST_BYTES_PER_PARAM * on_host / hardware.host_memory_bytes_per_s
     device = on_device * max((12 + g) / hardware.h2d_bytes_per_s, (12 + shadow) / hardware.d2h_bytes_per_s)
-    return host + device
+    return host + device + in_device_memory
 
 
 def _pieces_per_block(shape: ModelShape, settings: RunSettings) -> int:

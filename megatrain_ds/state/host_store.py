@@ -195,9 +195,12 @@ class HostFlatState:
             "grad": self.grad,
             "frozen": self.frozen,
         }
+        on_device = {name for name, buffer in self.placement.buffers().items() if buffer.where.on_device}
         return {
-            kind: t.numel() * t.element_size() for kind, t in tensors.items() if t is not None and not t.is_meta
-        }  # meta: a moment on the NVMe tier
+            kind: t.numel() * t.element_size()
+            for kind, t in tensors.items()
+            if t is not None and not t.is_meta and kind not in on_device
+        }  # meta: a moment on the NVMe tier; on the device: the GPU tier's
 
     def window(self, start: int, end: int) -> HostFlatState:
         """Views of elements ``[start, end)`` of every buffer, with the matching layout
@@ -280,6 +283,27 @@ class HostFlatState:
         for slot, param in zip(self.layout.slots, self.params):
             dtype = self.weights_of(slot).dtype  # a frozen weight held apart: its own
             _repoint(param, torch.empty(slot.shape, dtype=dtype, device="meta"))
+
+    def move_to_device(self, runtime: DeviceRuntime) -> None:
+        """Move every buffer to the compute device, where the placement keeps the state whole
+        (``state/placement.py``: [Note: the GPU tier]), and re-point the parameters at the
+        device weights; the host buffers are unpinned and freed. Once, at build, after the
+        migration filled them (the same values, copied exactly)."""
+        assert self.placement.on_device and self.span is None and self.frozen is None, self.placement
+
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            device = runtime.device_empty(tensor.numel(), tensor.dtype)
+            device.copy_(tensor)  # synchronous from pageable or pinned memory: done before it is freed
+            runtime.free_host(tensor)
+            return device
+
+        master, exp_avg, exp_avg_sq = moved(self.master), moved(self.exp_avg), moved(self.exp_avg_sq)
+        assert master is not None and exp_avg is not None and exp_avg_sq is not None
+        self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
+        self.shadow, self.grad = moved(self.shadow), moved(self.grad)
+        self.point_params_at(self.weights)
 
     def refresh_shadow(self, start: int | None = None, end: int | None = None) -> None:
         """Round the updated master into the streamed shadow over ``[start, end)`` (state
@@ -366,7 +390,8 @@ def migrate_to_host(
     first, last = span if span is not None else (0, covered)
     writes = shared is None or shared.is_writer
     _check_placement(placement, named_params, layout, dtypes, span)
-    shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if placement.shadow.where.on_host else None
+    # A state the placement keeps on the device is filled here too, then moved (``move_to_device``).
+    shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if _kept(placement.shadow.where) else None
     frozen_window = _frozen_window(placement, layout, span_of)
     frozen = None
     if placement.frozen_in == "frozen":
@@ -379,7 +404,7 @@ def migrate_to_host(
         frozen_in = shadow if placement.frozen_in == "shadow" else frozen  # frozen weights not in the master
         master = runtime.host_empty(layout.numel if frozen_in is None else layout.trained_numel, master_dtype, shared)
         params = _fill_whole(named_params, layout, master, shadow, frozen_in, source, writes, share)
-    held, moments_on_host = last - first, placement.exp_avg.where.on_host
+    held, moments_on_host = last - first, _kept(placement.exp_avg.where)
     state = HostFlatState(
         layout=layout,
         master=master,
@@ -409,6 +434,11 @@ def _frozen_window(placement: StatePlacement, layout: FlatLayout, span_of: SpanO
     return (layout.trained_numel + window[0], layout.trained_numel + window[1])
 
 
+def _kept(where: Where) -> bool:
+    """Whether the migration fills a buffer: kept in host memory, or moved to the device after."""
+    return where.on_host or where.on_device
+
+
 def _check_placement(
     placement: StatePlacement,
     named_params: Sequence[tuple[str, nn.Parameter]],
@@ -421,7 +451,8 @@ def _check_placement(
     master_dtype, compute_dtype = dtypes
     assert placement.numel == layout.numel, (placement.numel, layout.numel)
     assert placement.frozen_numel == layout.numel - layout.trained_numel, placement
-    assert placement.shadow.where.on_host == (compute_dtype != master_dtype and placement.streamed is Where.HOST)
+    streamed_here = placement.streamed in (Where.HOST, Where.DEVICE)
+    assert _kept(placement.shadow.where) == (compute_dtype != master_dtype and streamed_here)
     in_compute = _frozen_all_in(named_params, layout, compute_dtype)
     assert placement.frozen_in != "shadow" or in_compute, "frozen weights in the shadow: in the compute dtype"
     if placement.frozen_in == "frozen":

@@ -70,10 +70,27 @@ several nodes' spans, or the ranks' windows with data parallel and ``"all"``, wh
 gathers are in the compute dtype), a state with a frozen weight that is not in the compute
 dtype. With data parallel the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
 window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
+
+[Note: the GPU tier]
+With ``"device_state"`` (``"auto"`` or a fraction of the trained elements; DeepSpeed's
+``offload_optimizer.ratio`` is ``1 - fraction``) a prefix of the states, in the order the
+next forward reads them -- the resident state, then blocks 0, 1, ... -- is kept whole on the
+compute device (``Where.DEVICE``): master, shadow, m, v and a held gradient (in the compute
+dtype where the run holds none on the host). Their weights are never copied (the streamer
+points a slot at the shadow), their gradients never leave the device (the sink copies or
+adds them into the held gradient there, its squared norm summed there), and they are
+updated at ``step()`` by the Triton kernel in place, on the optimizer stream
+(``optimizer/device_states.py``: [Note: device state ordering]); the host pass covers the
+other states only. Prefix, not any subset: the next forward needs the resident state and
+block 0 first, exactly the states whose host update it would otherwise wait for. One
+process, no NVMe tier, fp32 masters and no fp16 loss scaling (``config/engine_config.py``
+refuses the rest). Nothing of them is in host memory: ``host_bytes()`` leaves them out,
+``device_bytes()`` counts them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -226,20 +243,40 @@ class Placement:
     compute_itemsize: int
 
     @classmethod
-    def of(cls, config: EngineConfig, nvme: str, topology: Topology, shapes: Sequence[StateShape]) -> Placement:
+    def of(
+        cls,
+        config: EngineConfig,
+        nvme: str,
+        topology: Topology,
+        shapes: Sequence[StateShape],
+        device_states: int | None = None,
+    ) -> Placement:
         """The placement of states of these shapes (the resident state's last) under ``config``,
-        with the NVMe tier holding ``nvme``."""
-        return cls.of_sizes(ElementSizes.of(config), TierSettings.of(config), nvme, topology, shapes)
+        with the NVMe tier holding ``nvme`` and ``device_states`` states on the compute device
+        ([Note: the GPU tier]; ``None``: what ``device_state``'s fraction gives, none for
+        ``"auto"``, which the engine resolves from the free device memory itself)."""
+        if device_states is None:
+            device_states = device_prefix(config.options.device_state, shapes)
+        return cls.of_sizes(ElementSizes.of(config), TierSettings.of(config), nvme, topology, shapes, device_states)
 
     @classmethod
     def of_sizes(
-        cls, sizes: ElementSizes, tier: TierSettings, nvme: str, topology: Topology, shapes: Sequence[StateShape]
+        cls,
+        sizes: ElementSizes,
+        tier: TierSettings,
+        nvme: str,
+        topology: Topology,
+        shapes: Sequence[StateShape],
+        device_states: int = 0,
     ) -> Placement:
         """:meth:`of` from the element sizes and tier settings alone (the planner's
         ``planning/planner.py`` plans runs it has no config of)."""
         assert nvme in ("none", "optimizer", "all"), nvme
+        assert device_states == 0 or (nvme == "none" and not topology.data_parallel), "the GPU tier: one process"
         states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
+        for index in device_state_indices(len(states), device_states):
+            states[index] = _on_device(states[index], sizes)
         stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
         # Frozen weights apart on the tier: every element of them (each rank's tier a window of them).
         frozen = [
@@ -294,6 +331,21 @@ class Placement:
                 if buffer.where.on_host:
                     totals[name] = totals.get(name, 0) + buffer.host_bytes
         return totals
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device bytes of the states kept on the compute device ([Note: the GPU tier]), by kind."""
+        totals: dict[str, int] = {}
+        for state in self.states:
+            for name, buffer in state.buffers().items():
+                if buffer.where.on_device:
+                    totals[name] = totals.get(name, 0) + buffer.device_bytes
+        return totals
+
+    @property
+    def device_indices(self) -> tuple[int, ...]:
+        """The states on the compute device, in the order the next forward reads them: the
+        resident state, then blocks 0, 1, ..."""
+        return tuple(index for index in _forward_order(len(self.states)) if self.states[index].on_device)
 
     def node_host_buffers(self, name: str) -> list[int]:
         """Elements of every host tensor called ``name`` on this node, state by state: a
@@ -369,6 +421,67 @@ class TierSettings:
         # The configured I/O engine's alignment: DeepSpeed's op aligns to a block per thread.
         alignment = DIRECT_ALIGNMENT * (aio.thread_count if aio.engine != "threads" else 1)
         return cls(alignment, config.options.nvme_window_blocks)
+
+
+def _forward_order(num_states: int) -> list[int]:
+    """The resident state (the last), then the blocks in order: what the next forward reads first."""
+    return [num_states - 1, *range(num_states - 1)]
+
+
+def device_state_indices(num_states: int, count: int) -> list[int]:
+    """The ``count`` states kept on the compute device: the first ``count`` of the forward's
+    order (the resident state, then blocks 0, 1, ...)."""
+    return _forward_order(num_states)[:count]
+
+
+def device_prefix(setting: str | float, shapes: Sequence[StateShape]) -> int:
+    """How many states (in the forward's order) ``device_state``'s fraction of the trained
+    elements takes whole; ``"none"`` and ``"auto"`` (resolved by the engine from its free
+    device memory: :func:`device_prefix_within`) take none."""
+    if isinstance(setting, str) or setting <= 0:
+        return 0
+    budget = setting * sum(shape.trained_numel for shape in shapes)
+    return _prefix([shapes[index].trained_numel for index in _forward_order(len(shapes))], budget)
+
+
+def device_prefix_within(all_on_device: Placement, budget_bytes: int) -> int:
+    """How many states (in the forward's order) fit whole in ``budget_bytes`` of device
+    memory, from the placement with every state on the device (``device_state: "auto"``)."""
+    states = all_on_device.states
+    costs = [sum(b.device_bytes for b in states[index].buffers().values()) for index in _forward_order(len(states))]
+    return _prefix(costs, budget_bytes)
+
+
+def _prefix(costs: Sequence[float], budget: float) -> int:
+    """The longest prefix of ``costs`` whose sum is at most ``budget``."""
+    used, count = 0.0, 0
+    for cost in costs:
+        used += cost
+        if used > budget * (1 + 1e-9):  # a fraction's rounding must not drop the last state
+            break
+        count += 1
+    return count
+
+
+def _on_device(state: StatePlacement, sizes: ElementSizes) -> StatePlacement:
+    """``state`` kept whole on the compute device ([Note: the GPU tier]): every buffer the
+    host would have held, there, and a held gradient even where the run holds none on the
+    host (the device update runs at ``step()``, once the global norm is known)."""
+
+    def moved(buffer: Buffer) -> Buffer:
+        return Buffer(Where.DEVICE, buffer.numel, buffer.itemsize) if buffer.where.on_host else buffer
+
+    held = state.exp_avg.numel
+    grad = moved(state.grad) if state.grad.where.on_host else Buffer(Where.DEVICE, held, sizes.compute)
+    return dataclasses.replace(
+        state,
+        master=moved(state.master),
+        shadow=moved(state.shadow),
+        exp_avg=moved(state.exp_avg),
+        exp_avg_sq=moved(state.exp_avg_sq),
+        grad=grad,
+        streamed=Where.DEVICE,
+    )
 
 
 def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> bool:

@@ -29,6 +29,7 @@ class Where(Enum):
     TIER = "whole on this process's NVMe tier"
     TIER_WINDOW = "this rank's window on its NVMe tier"
     GATHERED = "gathered from the ranks' windows when used"
+    DEVICE = "whole on the compute device (``device_state``: the GPU tier)"
     NOWHERE = "not kept"
 
     @property
@@ -39,6 +40,12 @@ class Where(Enum):
     @property
     def on_tier(self) -> bool:
         return self in (Where.TIER, Where.TIER_WINDOW)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the buffer is allocated on the compute device for the whole run
+        (``"device_state"``: ``state/placement.py``, [Note: the GPU tier])."""
+        return self is Where.DEVICE
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,11 @@ class Buffer:
     def host_bytes(self) -> int:
         """Bytes of the host tensor (``numel * element_size``); 0 where it is not in host memory."""
         return self.numel * self.itemsize if self.where.on_host else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the device tensor; 0 where it is not on the compute device."""
+        return self.numel * self.itemsize if self.where.on_device else 0
 
 
 NOWHERE = Buffer(Where.NOWHERE)
@@ -93,6 +105,12 @@ class StatePlacement:
         """Elements the optimizer state is laid over, which data-parallel windows and node
         spans divide: the trained prefix where the state is :attr:`trained_only`, else all."""
         return self.numel - self.frozen_numel if self.trained_only else self.numel
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the whole state lives on the compute device (``"device_state"``: its
+        update runs there, its gradients never leave it, its weights are never copied)."""
+        return self.master.where.on_device
 
     def buffers(self) -> dict[str, Buffer]:
         """Every buffer by its name (:data:`BUFFERS`)."""

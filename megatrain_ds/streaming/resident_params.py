@@ -73,9 +73,12 @@ class ResidentParams:
             span_of=span_of,
             share=share,
         )
+        if placement.on_device:  # the GPU tier: the state lives on the device, its shadow is the copy
+            self.state.move_to_device(runtime)
         streamed = self.state.streamed
-        if runtime.shares_host_memory:
-            # The CPU is its own device: the streamed host buffer is the device copy.
+        if runtime.shares_host_memory or placement.on_device:
+            # The CPU is its own device: the streamed host buffer is the device copy. A state
+            # on the device: its streamed buffer is (``state/placement.py``: [Note: the GPU tier]).
             self.device_flat = streamed
         else:
             self.device_flat = runtime.device_empty(self.state.layout.numel, streamed.dtype)

@@ -12,6 +12,10 @@ Each device buffer (a *slot*) carries two events:
 - ``free``: recorded on the compute stream when the engine is done with the slot
   (``release``). The h2d stream waits on it before overwriting the slot, so a prefetch
   never clobbers weights a queued kernel still reads.
+A block the GPU tier keeps on the device (``"device_state"``, ``optimizer/device_states.py``:
+[Note: device state ordering]) is not copied: its slot points at the block's device weights,
+and at ``acquire`` the compute stream also waits on the block's ``updated`` event (not the
+h2d stream, whose copies of the next host blocks need not wait for the device update).
 No host-side synchronisation happens here, but one: before a block's host weights are
 taken, the host waits until the last optimizer step's update of that block has landed, when
 that update runs behind ``engine.step()`` (``pending_updates``;
@@ -53,7 +57,7 @@ from typing import Protocol
 
 import torch
 
-from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
+from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event, Stream
 from megatrain_ds.state.host_store import HostFlatState
 from megatrain_ds.streaming.weight_fragments import FragmentPlan, plan_fragments
 
@@ -63,6 +67,16 @@ class PendingUpdates(Protocol):
 
     def synchronize(self, index: int) -> None:
         """The calling thread waits until state ``index``'s update has landed."""
+
+
+class DeviceResident(Protocol):
+    """The blocks kept whole on the device (``optimizer/device_states.py``): their weights
+    are never copied, the slot points at them once their last update has landed."""
+
+    def __contains__(self, index: object) -> bool: ...
+
+    def wait_on_device(self, index: int, stream: Stream) -> None:
+        """``stream`` waits on the device for state ``index``'s last update."""
 
 
 class WeightSource(Protocol):
@@ -118,6 +132,9 @@ class _Slot:
     """Pieces the compute stream already waits on since ``acquire``."""
     reads_host: int | None = None
     """The block whose host weights the slot is (the CPU's in-place slots), until given back."""
+    own: torch.Tensor | None = None
+    """The slot's own device buffer, which ``buffer`` leaves while it points at a device
+    block's weights (on a GPU; ``None`` on the CPU, whose slots are never copied into)."""
 
 
 @dataclass
@@ -150,6 +167,9 @@ class WeightStreamer:
     pending_updates: PendingUpdates | None = None
     """The last step's update, when it runs behind ``engine.step()``: a block's host weights
     are read only once its update has landed ([Note: buffer ordering])."""
+    device_resident: DeviceResident | None = None
+    """The blocks whose weights live on the device (``"device_state"``): a slot points at
+    them, after the device waited for their last update ([Note: buffer ordering])."""
 
     def __post_init__(self) -> None:
         if self.source is None:
@@ -163,6 +183,8 @@ class WeightStreamer:
             _Slot(self.runtime.device_empty(numel, dtype), self.runtime.event(), self.runtime.event())
             for _ in range(self.num_slots)
         ]
+        for slot in self._slots:
+            slot.own = None if self._in_place else slot.buffer
         self._free: deque[_Slot] = deque(self._slots)
         self._plan: deque[int] = deque()
         self._in_flight: deque[tuple[int, _Slot]] = deque()
@@ -177,7 +199,7 @@ class WeightStreamer:
         """Device memory of the buffer pool: independent of model depth (none on the CPU)."""
         if self._in_place:
             return 0
-        return sum(slot.buffer.numel() * slot.buffer.element_size() for slot in self._slots)
+        return sum(slot.own.numel() * slot.own.element_size() for slot in self._slots if slot.own is not None)
 
     def begin(self, plan: Iterable[int]) -> None:
         """Start a pass that will acquire blocks in the order of ``plan``.
@@ -238,6 +260,10 @@ class WeightStreamer:
         slot.waited = set()
         if slot.plan is None:
             self.runtime.compute_stream().wait_event(slot.ready)
+        if self.device_resident is not None and block in self.device_resident:
+            # The block's weights are its device state's: its last update (on the optimizer
+            # stream) lands before the block computes (optimizer/device_states.py).
+            self.device_resident.wait_on_device(block, self.runtime.compute_stream())
         self._held[block] = slot
         self._top_up()
         return slot.buffer[: self.states[block].layout.numel]
@@ -281,7 +307,8 @@ class WeightStreamer:
         while self._free and self._plan:
             block = self._plan.popleft()
             slot = self._free.popleft()
-            if self.pending_updates is not None:
+            on_device = self.device_resident is not None and block in self.device_resident
+            if self.pending_updates is not None and not on_device:
                 # Sync: the optimizer's finish worker may still be writing this block's host
                 # weights (the last step's update, pipelined into this forward): the copy, or
                 # on the CPU the compute reading them in place, comes after it has landed.
@@ -290,24 +317,32 @@ class WeightStreamer:
             with self.runtime.on(self.runtime.h2d_stream):
                 # Do not overwrite the slot before kernels that read its last block finish.
                 self.runtime.h2d_stream.wait_event(slot.free)
-                slot.plan = self._fragment_plan(block)
+                slot.plan = None if on_device else self._fragment_plan(block)
                 with self.runtime.tracer.device_span(f"weights {block}", "h2d", self.runtime.h2d_stream, block=block):
-                    if self._in_place:
-                        slot.buffer = source  # nothing to copy: the device reads the host buffer
-                    elif slot.plan is None:
-                        slot.buffer[: source.numel()].copy_(source, non_blocking=True)
-                    else:
-                        self._copy_fragments(slot, source)
+                    self._fill(slot, source, on_device)
                 slot.ready.record(self.runtime.h2d_stream)
             if self._in_place:
                 slot.reads_host = block  # given back when the slot is released
             else:
                 self._source.give_back(block, slot.ready)  # the copy is the host buffer's last reader
-            self.transfers[block] += 1
-            self.bytes_copied += source.numel() * source.element_size()
+            if not on_device:  # a device block crosses nothing
+                self.transfers[block] += 1
+                self.bytes_copied += source.numel() * source.element_size()
             self._in_flight.append((block, slot))
             if self.on_issue is not None:
                 self.on_issue(block)
+
+    def _fill(self, slot: _Slot, source: torch.Tensor, on_device: bool) -> None:
+        """Make ``slot`` hold ``source``'s weights (on the h2d stream, after ``free``)."""
+        if self._in_place or on_device:
+            slot.buffer = source  # nothing to copy: the device reads the block where it lives
+            return
+        assert slot.own is not None
+        slot.buffer = slot.own  # back from a device block's weights
+        if slot.plan is None:
+            slot.buffer[: source.numel()].copy_(source, non_blocking=True)
+        else:
+            self._copy_fragments(slot, source)
 
     def _copy_fragments(self, slot: _Slot, source: torch.Tensor) -> None:
         """Issue ``source`` into ``slot`` piece by piece (on the h2d stream, after ``free``)."""

@@ -1,0 +1,261 @@
+"""The GPU tier (``"device_state"``): a prefix of the states kept whole on the device.
+
+Without CUDA the "device" is the CPU and the Triton kernel runs through its interpreter
+(``TRITON_INTERPRET=1``, the root ``conftest.py``), so these runs take the exact code a GPU
+runs: the device update, the gradients added on the device, the streamer's slots pointing at
+the device weights, the events.
+
+Tolerances. fp32 parity with ``torch.optim.AdamW`` + ``clip_grad_norm_``: the engine-core
+figures of ``test_parity.py`` and ``test_optimizer_placement.py`` (1e-5 relative per-step
+loss and norm, 2e-6 global relative weight error after 5 steps): the Triton kernel rounds a
+few multiply-adds differently from torch's single-tensor AdamW (< 1 ulp of a parameter per
+step, ``test_optimizer_placement.py`` measured 1.4e-8 for it), and the norm sums the same
+per-chunk fp32 norms in fp64. bf16 compute against the same run with ``"none"``: each is
+within ``test_bf16.py``'s bound of the fp32 reference (5e-3 relative weight error, the bf16
+shadow's rounding fed back through 3 steps of bf16 matmuls), so the two are within 1e-2 of
+each other (the triangle inequality); measured 4e-4, the device shadow truncated by the
+interpreter where the host rounds it. Checkpoints are compared bit for bit: the same
+kernels on the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import tiny_models
+import torch
+from placement_check import engine_preflight, placement_disagreements, planner_disagreements, preflight_disagreements
+from side_by_side import ds_config, relative_weight_error, train_side_by_side
+
+from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
+from megatrain_ds.engine_build import _device_state_count
+from megatrain_ds.planning.step_time import GPU_HARDWARE, ModelShape, RunSettings, optimizer_seconds
+from megatrain_ds.state.placement import Topology, device_prefix, state_shapes
+from megatrain_ds.state.state_placement import Where
+
+pytestmark = pytest.mark.usefixtures("cpu_single_thread")
+
+# Reference norms of the llama below with accumulation 2: 1.676, 1.626, 1.624, 1.525, 1.484;
+# a threshold of 1.6 clips the first three steps and not the last two (test_optimizer_placement.py).
+CLIP = 1.6
+
+
+@pytest.mark.parametrize(
+    "accumulation, fraction, clipping", [(1, 1.0, CLIP), (2, 0.5, CLIP), (1, 0.5, 0.0)], ids=["all", "half", "unheld"]
+)
+def test_fp32_matches_torch_adamw(accumulation, fraction, clipping):
+    """Every state on the device (no accumulation, clipping on every step); the resident
+    state and the first blocks with the rest on the host (accumulation 2, clipping that fires
+    in the first three steps only, the host blocks speculating); the same without clipping
+    (the host holds no gradient and steps its blocks during backward, the device states hold
+    theirs until ``step()``): PyTorch's numbers."""
+    config = ds_config(
+        accumulation=accumulation, clipping=clipping, megatrain={"device_state": fraction, "speculative_blocks": 4}
+    )
+    engine, reference, trace = train_side_by_side(tiny_models.llama, config)
+    try:
+        if accumulation == 2:
+            clipped = [norm > CLIP for norm in trace.reference_norms]
+            assert any(clipped) and not all(clipped), trace.reference_norms
+        for ours, theirs in zip(trace.engine_losses, trace.reference_losses):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        for ours, theirs in zip(trace.engine_norms, trace.reference_norms):
+            assert math.isclose(ours, theirs, rel_tol=1e-5)
+        assert relative_weight_error(engine, reference) < 2e-6
+        _check_device_placement(engine, fraction)
+    finally:
+        engine.destroy()
+
+
+def _check_device_placement(engine: MegatrainEngine, fraction: float) -> None:
+    """The prefix the fraction asks for is on the device, and nothing of it ever crossed:
+    no weight copy, no journal; the rest is the host's as with ``"none"``."""
+    placement, resident = engine.placement, engine._resident_index
+    on_device = placement.device_indices
+    assert on_device[0] == resident and list(on_device[1:]) == list(range(len(on_device) - 1))
+    trained = [state.layout.trained_numel for state in engine.states]
+    assert sum(trained[index] for index in on_device) <= fraction * sum(trained)
+    assert (len(on_device) == len(engine.states)) == (fraction == 1.0)
+    for block in range(resident):
+        assert (engine.streamer.transfers[block] == 0) == (block in on_device), block
+    assert not any(extent.index in on_device for extent in engine.stepper.journal.extents)
+    if fraction < 1.0 and engine.config.holds_gradients:
+        assert engine.stepper.journal.extents  # the host blocks still speculate
+    assert placement_disagreements(engine) == []
+    assert preflight_disagreements(engine) == []
+    assert planner_disagreements(engine) == []
+    assert engine_preflight(engine).host["device_state"] == engine.device_bytes()["device_state"] > 0
+
+
+def test_bf16_against_the_same_run_without_device_states():
+    """bf16 compute, every state on the device, against the run with ``"none"`` and the fp32
+    reference (the module docstring's tolerances); the device kernel wrote each shadow."""
+    runs = {}
+    for setting in ("none", 1.0):
+        config = ds_config(bf16=True, clipping=CLIP, megatrain={"device_state": setting})
+        runs[setting] = train_side_by_side(tiny_models.llama, config, steps=3)
+    (host, reference, host_trace), (device, _, device_trace) = runs["none"], runs[1.0]
+    try:
+        assert relative_weight_error(device, reference) < 5e-3
+        assert relative_weight_error(device, host.module) < 1e-2  # the masters of both, by the hook
+        for a, b in zip(device_trace.engine_losses, host_trace.engine_losses):
+            assert math.isclose(a, b, rel_tol=1e-2)
+        device.settle_optimizer()
+        for state in device.states:
+            assert state.placement.on_device and state.shadow is not None
+            truncated = (state.master.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+            assert bool(((state.shadow == truncated) | (state.shadow == state.master.to(torch.bfloat16))).all())
+    finally:
+        host.destroy()
+        device.destroy()
+
+
+def _engine(seed: int, device_state: float | str) -> MegatrainEngine:
+    torch.manual_seed(seed)
+    config = ds_config(accumulation=2, megatrain={"device_state": device_state})
+    engine = MegatrainEngine(tiny_models.gpt2(), parse_engine_config(config))
+    engine.train()
+    return engine
+
+
+def _train(engine: MegatrainEngine, micro_steps: int) -> list[float]:
+    losses = []
+    for _ in range(micro_steps):
+        torch.manual_seed(1000 + engine.micro_steps)  # the same dropout masks in every engine
+        loss = engine(**tiny_models.make_batch(engine.micro_steps)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _states(engine: MegatrainEngine) -> list[dict[str, torch.Tensor]]:
+    engine.settle_optimizer()  # the states are read directly
+    kinds = ("master", "exp_avg", "exp_avg_sq", "grad")
+    return [{kind: getattr(state, kind).clone() for kind in kinds} for state in engine.states]
+
+
+def test_checkpoint_resumes_bit_exactly_and_loads_into_none(tmp_path):
+    """Saved inside an accumulation window (the device states' held gradients are saved),
+    loaded into a fresh engine with the same setting: it trains on bit for bit as the saved
+    one; loaded into one with ``"none"``: the same masters, moments and held gradients."""
+    engine, resumed, plain = _engine(0, 0.6), _engine(1, 0.6), _engine(2, "none")
+    try:
+        assert 0 < len(engine.placement.device_indices) < len(engine.states)
+        _train(engine, 3)  # one step and a half
+        engine.save_checkpoint(tmp_path, tag="middle")
+        saved = _states(engine)
+        losses = _train(engine, 3)
+        for other in (resumed, plain):
+            other.load_checkpoint(tmp_path)
+            for index, (ours, theirs) in enumerate(zip(_states(other), saved)):
+                for kind in ours:
+                    assert torch.equal(ours[kind], theirs[kind]), (other.config.options.device_state, index, kind)
+        assert _train(resumed, 3) == losses
+        for index, (ours, theirs) in enumerate(zip(_states(resumed), _states(engine))):
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours[kind], theirs[kind]), (index, kind)
+    finally:
+        for one in (engine, resumed, plain):
+            one.destroy()
+
+
+@pytest.mark.parametrize(
+    "block, words",
+    [
+        ({"megatrain": {"device_state": 1.5}}, ["megatrain.device_state", "fraction"]),
+        ({"megatrain": {"device_state": True}}, ["megatrain.device_state"]),
+        ({"megatrain": {"device_state": "gpu"}}, ["megatrain.device_state", '"auto"']),
+        ({"megatrain": {"device_state": 0.5, "master_dtype": "bf16"}}, ["master_dtype", '"none"']),
+        (
+            {"megatrain": {"device_state": "auto", "nvme_offload": "optimizer", "nvme_path": "/tmp"}},
+            ["nvme_offload", '"none"'],
+        ),
+        ({"megatrain": {"device_state": 0.5}, "fp16": {"enabled": True}}, ["fp16", '"none"']),
+        ({"zero_optimization": {"offload_optimizer": {"ratio": 2}}}, ["offload_optimizer.ratio", "0 to 1"]),
+    ],
+)
+def test_unsupported_settings_name_the_key_and_the_fix(block, words):
+    config = {**ds_config(), **block, "megatrain": {**ds_config()["megatrain"], **block.get("megatrain", {})}}
+    with pytest.raises(ConfigError) as error:
+        parse_engine_config(config)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_deepspeed_ratio_maps_to_device_state_and_the_megatrain_key_wins():
+    zero = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}}
+    assert parse_engine_config({**ds_config(), **zero}).options.device_state == 0.75
+    config = {**ds_config(), **zero, "megatrain": {"device_state": "none"}}
+    assert parse_engine_config(config).options.device_state == "none"
+    assert parse_engine_config(ds_config()).options.device_state == "none"
+
+
+def test_fractions_auto_and_data_parallel():
+    """A fraction takes the longest prefix (resident state first) within its share of the
+    trained elements; ``"auto"`` without CUDA takes none; data parallel is refused."""
+    model = tiny_models.llama()
+    named = [list(block.named_parameters()) for block in model.model.layers]
+    blocks = {id(p) for group in named for _, p in group}
+    named.append([(n, p) for n, p in model.named_parameters() if id(p) not in blocks])
+    shapes = state_shapes(named, {p: 0 for _, p in model.named_parameters()}, torch.float32)
+    trained = [shape.trained_numel for shape in shapes]
+    total, resident, block = sum(trained), trained[-1], trained[0]
+    assert device_prefix("none", shapes) == device_prefix("auto", shapes) == device_prefix(0.0, shapes) == 0
+    assert device_prefix(resident / total, shapes) == 1
+    assert device_prefix((resident + 2 * block) / total, shapes) == 3
+    assert device_prefix((resident + 2 * block - 1) / total, shapes) == 2
+    assert device_prefix(1.0, shapes) == len(shapes)
+    engine = SimpleNamespace(
+        config=parse_engine_config(ds_config(megatrain={"device_state": "auto"})),
+        runtime=SimpleNamespace(device=torch.device("cpu")),
+    )
+    assert _device_state_count(engine, model, "none", Topology(), shapes) == 0  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="data parallel"):
+        _device_state_count(engine, model, "none", Topology(node_ranks=2), shapes)  # type: ignore[arg-type]
+    assert Where.DEVICE.on_device and not Where.DEVICE.on_host
+
+
+def test_the_planner_times_the_host_pass_over_the_host_states_only():
+    """``megatrain plan``'s optimizer time: the host kernel's share shrinks by the GPU tier's,
+    which costs its ``24 + g + s`` bytes per parameter at the device's memory bandwidth."""
+    shape = ModelShape(
+        num_blocks=4, block_params=1000, total_block_params=4000, resident_params=1000, hidden=8, vocab=8
+    )
+    hardware = GPU_HARDWARE["h200"]
+    untimed = dataclasses.replace(hardware, device_memory_bytes_per_s=0.0)
+    base, half = RunSettings(seq_len=8), RunSettings(seq_len=8, device_state_share=0.5)
+    assert optimizer_seconds(shape, half, untimed) == pytest.approx(0.5 * optimizer_seconds(shape, base, untimed))
+    on_device = 0.5 * shape.params * (24 + half.grad_bytes + 2) / hardware.device_memory_bytes_per_s
+    assert optimizer_seconds(shape, half, hardware) == pytest.approx(
+        optimizer_seconds(shape, half, untimed) + on_device
+    )
+
+
+def test_a_non_finite_step_leaves_the_device_states_untouched():
+    """A NaN in block 0's gradient (on the device): its norm, summed on the device, makes the
+    step skipped; no state is updated, on the device or the host, and training goes on."""
+    config = ds_config(clipping=1.0, megatrain={"device_state": 0.5, "speculative_blocks": 4})
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
+    try:
+        assert 0 in engine.placement.device_indices
+        _train(engine, 1)
+        before = _states(engine)
+        push = engine.sink.push
+        engine.sink.push = lambda index, offset, grad, final: push(
+            index, offset, grad * float("nan") if index == 0 else grad, final
+        )
+        _train(engine, 1)
+        del engine.sink.push  # the instance attribute: the class's method again
+        assert engine.skipped_steps == 1 and not engine.was_step_applied()
+        for index, (ours, theirs) in enumerate(zip(_states(engine), before)):
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours[kind], theirs[kind]), (index, kind)
+        _train(engine, 1)
+        assert engine.was_step_applied() and engine.optimizer_steps == 2
+    finally:
+        engine.destroy()
