@@ -22,6 +22,7 @@ import os
 import shlex
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -38,16 +39,16 @@ def _import_script(path: Path) -> ModuleType:
     return module
 
 
-def _run(script: ModuleType, argv: list[str]) -> int:
-    """One run in a forked child; its exit code."""
+def run_forked(body: Callable[[], None]) -> int:
+    """``body()`` in a forked child, which ends as the module docstring says; its exit code
+    (a ``SystemExit``'s own, 1 for any other exception, whose traceback it prints)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            sys.argv = argv
-            script.main()
+            body()
             code = 0
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -60,6 +61,16 @@ def _run(script: ModuleType, argv: list[str]) -> int:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def _run(script: ModuleType, argv: list[str]) -> int:
+    """One run in a forked child; its exit code."""
+
+    def body() -> None:
+        sys.argv = argv
+        script.main()
+
+    return run_forked(body)
 
 
 def main() -> None:

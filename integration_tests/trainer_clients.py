@@ -45,15 +45,13 @@ the evaluation loss, and what each client reports), ``initial.safetensors``,
 from __future__ import annotations
 
 import argparse
-import atexit
 import functools
 import json
 import os
-import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
+import forked_runs
 import safetensors.torch
 import torch
 import transformers
@@ -422,28 +420,14 @@ def run_client(args: argparse.Namespace) -> None:
 
 def run_in_child(args: argparse.Namespace) -> int:
     """:func:`run_client` in a forked child, its output in ``<output-dir>.log``; its exit code."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            with open(args.output_dir.with_name(args.output_dir.name + ".log"), "w", encoding="utf-8") as log:
-                os.dup2(log.fileno(), 1)
-                os.dup2(log.fileno(), 2)
-            run_client(args)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            # The exit handlers a process end runs (process groups, DeepSpeed's), then out
-            # without tearing the interpreter down (the parent does that once).
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+
+    def body() -> None:
+        with open(args.output_dir.with_name(args.output_dir.name + ".log"), "w", encoding="utf-8") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        run_client(args)
+
+    return forked_runs.run_forked(body)
 
 
 def main() -> None:

@@ -47,6 +47,41 @@ NUM_SETS = 2
 """Device buffer sets in the ring (18 MiB each at ``CHUNK_ELEMENTS``)."""
 
 
+def triton_adamw_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    shadow: torch.Tensor | None,
+    step: int,
+    hyper: AdamHyper,
+    grad_scale: float,
+    what: str,
+) -> None:
+    """The fused Triton AdamW (``megatrain_triton.adamw_step_``) on device tensors, on the
+    current stream, declared to the race checker first: Triton launches (and its CPU
+    interpreter) bypass aten, so the checker would not see them. ``what`` names the caller."""
+    from megatrain_triton import adamw_step_  # imports triton: only when a device update runs
+
+    declare_access(
+        reads=(grad,), writes=(param, exp_avg, exp_avg_sq, *((shadow,) if shadow is not None else ())), what=what
+    )
+    adamw_step_(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        lr=hyper.lr,
+        betas=hyper.betas,
+        eps=hyper.eps,
+        weight_decay=hyper.weight_decay,
+        step=step,
+        grad_scale=grad_scale,
+        decoupled=hyper.decoupled,
+        shadow=shadow,
+    )
+
+
 @dataclass
 class _BufferSet:
     param: torch.Tensor  # fp32 [CHUNK]
@@ -73,9 +108,8 @@ class DeviceAdamW:
         chunk_numel: int = CHUNK_ELEMENTS,
         num_sets: int = NUM_SETS,
     ) -> None:
-        from megatrain_triton import adamw_step_  # imports triton: only when this placement is used
+        import megatrain_triton  # noqa: F401  (fails here, at build, where Triton is missing)
 
-        self._kernel = adamw_step_
         self.runtime = runtime
         self.chunk_numel = chunk_numel
 
@@ -137,25 +171,9 @@ class DeviceAdamW:
                 runtime.optimizer_stream.wait_event(buffers.free)  # see [Note: device optimizer ordering]
                 for device_tensor, host_tensor in zip((dev_p, dev_m, dev_v, dev_g), (*host, grad[start:end])):
                     device_tensor.copy_(host_tensor, non_blocking=True)
-                # Triton launches (and its CPU interpreter) bypass aten: tell the race checker.
-                declare_access(
-                    reads=(dev_g,),
-                    writes=(dev_p, dev_m, dev_v, *((dev_s,) if shadow is not None else ())),
-                    what="the Triton AdamW kernel",
-                )
-                self._kernel(
-                    dev_p,
-                    dev_g,
-                    dev_m,
-                    dev_v,
-                    lr=hyper.lr,
-                    betas=hyper.betas,
-                    eps=hyper.eps,
-                    weight_decay=hyper.weight_decay,
-                    step=step,
-                    grad_scale=grad_scale,
-                    decoupled=hyper.decoupled,
-                    shadow=dev_s if shadow is not None else None,
+                dev_shadow = dev_s if shadow is not None else None
+                triton_adamw_step(
+                    dev_p, dev_g, dev_m, dev_v, dev_shadow, step, hyper, grad_scale, "the Triton AdamW kernel"
                 )
                 buffers.computed.record(runtime.optimizer_stream)
             with runtime.on(runtime.d2h_stream):

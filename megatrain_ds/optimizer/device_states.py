@@ -47,8 +47,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper
+from megatrain_ds.optimizer.device_adamw import triton_adamw_step
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Stream
-from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.host_store import HostFlatState
 
 
@@ -62,9 +62,8 @@ class DeviceStates:
     """
 
     def __init__(self, runtime: DeviceRuntime, states: Sequence[HostFlatState], indices: Sequence[int]) -> None:
-        from megatrain_triton import adamw_step_  # imports triton: only when the GPU tier is used
+        import megatrain_triton  # noqa: F401  (fails here, at build, where Triton is missing)
 
-        self._kernel = adamw_step_
         self._runtime = runtime
         self._states = states
         self.indices = tuple(indices)
@@ -108,24 +107,8 @@ class DeviceStates:
             lo, hi = run.start, run.end
             master, exp_avg, exp_avg_sq = state.master[lo:hi], state.exp_avg[lo:hi], state.exp_avg_sq[lo:hi]
             shadow = state.shadow[lo:hi] if state.shadow is not None else None
-            # Triton launches (and its CPU interpreter) bypass aten: tell the race checker.
-            written = (master, exp_avg, exp_avg_sq, *((shadow,) if shadow is not None else ()))
-            declare_access(reads=(grad[lo:hi],), writes=written, what="the Triton AdamW kernel on a device state")
-            hyper = hypers[run.group]
-            self._kernel(
-                master,
-                grad[lo:hi],
-                exp_avg,
-                exp_avg_sq,
-                lr=hyper.lr,
-                betas=hyper.betas,
-                eps=hyper.eps,
-                weight_decay=hyper.weight_decay,
-                step=step,
-                grad_scale=scale,
-                decoupled=hyper.decoupled,
-                shadow=shadow,
-            )
+            what = "the Triton AdamW kernel on a device state"
+            triton_adamw_step(master, grad[lo:hi], exp_avg, exp_avg_sq, shadow, step, hypers[run.group], scale, what)
 
     def wait_on_device(self, index: int, stream: Stream) -> None:
         """``stream`` waits (on the device, the host goes on) for state ``index``'s last update."""
