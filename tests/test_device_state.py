@@ -21,6 +21,7 @@ kernels on the same values.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from types import SimpleNamespace
 
@@ -192,6 +193,32 @@ def test_deepspeed_ratio_maps_to_device_state_and_the_megatrain_key_wins():
     config = {**ds_config(), **zero, "megatrain": {"device_state": "none"}}
     assert parse_engine_config(config).options.device_state == "none"
     assert parse_engine_config(ds_config()).options.device_state == "none"
+
+
+@pytest.mark.parametrize(
+    "block, world_size, reason",
+    [
+        ({"fp16": {"enabled": True}}, 1, "fp16"),
+        ({"megatrain": {"master_dtype": "bf16"}}, 1, "master_dtype"),
+        ({}, 2, "data parallel"),
+    ],
+)
+def test_a_deepspeed_ratio_the_gpu_tier_cannot_honour_is_ignored_with_a_warning(block, world_size, reason, caplog):
+    """DeepSpeed's ``offload_optimizer.ratio`` was ignored (with a warning) before the GPU
+    tier existed: a JSON that trained then still trains where the tier cannot run, the key
+    ignored with a warning naming why; ``megatrain.device_state`` itself is refused there."""
+    zero = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}}
+    megatrain = {**ds_config()["megatrain"], **block.get("megatrain", {})}
+    config = {**ds_config(), **zero, **block, "megatrain": megatrain}
+    if world_size > 1:
+        config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * world_size
+    with caplog.at_level(logging.WARNING, logger="megatrain_ds.config.engine_config"):
+        options = parse_engine_config(config, world_size=world_size).options
+    assert options.device_state == "none"
+    assert "offload_optimizer.ratio" in caplog.text and reason in caplog.text
+    if world_size == 1:  # data parallel with the megatrain key is refused at the build (below)
+        with pytest.raises(ConfigError, match=reason):
+            parse_engine_config({**config, "megatrain": {**megatrain, "device_state": 0.75}}, world_size=world_size)
 
 
 def test_fractions_auto_and_data_parallel():

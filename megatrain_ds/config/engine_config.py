@@ -6,7 +6,9 @@ here; each block is read by its own module, and this one puts them together.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ from megatrain_ds.config.deepspeed_blocks import Fp16Options, OptimizerSpec, Sch
 from megatrain_ds.config.deepspeed_keys import MONITOR_KEYS, refuse_unsupported, warn_ignored, zero_optimization
 from megatrain_ds.config.megatrain_options import AioSettings, MegatrainOptions
 from megatrain_ds.config.values import AUTO, AUTO_HELP, ConfigError, is_integer_at_least, reject_auto
+
+logger = logging.getLogger(__name__)
 
 ENGINE_NAME = "megatrain"
 """The ``"engine"`` value that routes ``deepspeed.initialize`` to this engine."""
@@ -205,6 +209,7 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
         raise ConfigError(f"wall_clock_breakdown must be true or false, got {wall_clock_breakdown!r}")
     options = config.get("megatrain", {})
     zero = zero_optimization(config.get("zero_optimization", {}))
+    from_ratio = zero.device_state is not None and not (isinstance(options, Mapping) and "device_state" in options)
     if isinstance(options, Mapping):  # the megatrain block has the last word
         implied: dict[str, Any] = dict(zero.nvme)
         if zero.pin_memory is not None:
@@ -219,7 +224,7 @@ def parse_engine_config(config: Mapping[str, Any], world_size: int | None = None
     engine_options = MegatrainOptions.from_dict(options)
     if fp16 is not None:
         _check_fp16_options(engine_options)
-    _check_device_state(engine_options, fp16 is not None)
+    engine_options = _device_state_checked(engine_options, fp16 is not None, from_ratio, world_size > 1)
     return EngineConfig(
         options=engine_options,
         bf16=bool(bf16_enabled),
@@ -268,6 +273,26 @@ def _check_fp16_options(options: MegatrainOptions) -> None:
         )
     if options.master_dtype != "fp32":
         raise ConfigError('megatrain.master_dtype must be "fp32" with fp16 compute')
+
+
+def _device_state_checked(
+    options: MegatrainOptions, fp16: bool, from_ratio: bool, data_parallel: bool
+) -> MegatrainOptions:
+    """``options``, or with ``device_state`` "none" where it came from DeepSpeed's
+    ``offload_optimizer.ratio`` (``from_ratio``) and the GPU tier cannot run here: the key is
+    then ignored with a warning, as it was before the tier existed, so a JSON that trained
+    before still trains. A ``megatrain.device_state`` it cannot run is refused
+    (:func:`_check_device_state`; data parallel at the build, ``engine_build.py``)."""
+    try:
+        _check_device_state(options, fp16)
+        if from_ratio and data_parallel and options.wants_device_state:
+            raise ConfigError("the GPU tier does not support data parallel yet")
+    except ConfigError as why:
+        if not from_ratio:
+            raise
+        logger.warning("megatrain: ignoring zero_optimization.offload_optimizer.ratio here: %s", why)
+        return dataclasses.replace(options, device_state="none")
+    return options
 
 
 def _check_device_state(options: MegatrainOptions, fp16: bool) -> None:
