@@ -424,6 +424,13 @@ def _device_state_count(
             'would step its windows on its device); set it to "none" (offload_optimizer.ratio 1.0)'
         )
     assert nvme == "none", "engine_config.py refuses the NVMe tier with device_state"
+    if not engine.runtime.is_cuda and not _triton_interpreted():
+        # No GPU: the "device" is the host, where the states live anyway, and the tier's
+        # kernel could only run in Triton's interpreter (which the tests turn on).
+        logger.warning(
+            "megatrain: device_state %r: no CUDA device, every state stays in host memory", options.device_state
+        )
+        return 0
     if options.device_state != "auto":
         return device_prefix(options.device_state, shapes)
     free = available_memory(engine.runtime.device).device
@@ -435,6 +442,13 @@ def _device_state_count(
     planned_peak = preflight(run, nvme=nvme).device_total  # the engine's own device memory, no state on it
     budget = int(DEVICE_STATE_AUTO_SHARE * max(free - planned_peak - DEVICE_STATE_HEADROOM_BYTES, 0))
     return device_prefix_within(Placement.of(engine.config, nvme, topology, shapes, len(shapes)), budget)
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter here (``TRITON_INTERPRET=1``)."""
+    from megatrain_triton import INTERPRETED  # imports triton: only when device_state asks
+
+    return INTERPRETED
 
 
 def _device_states(engine: EngineUnderConstruction) -> DeviceStates | None:

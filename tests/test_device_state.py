@@ -238,7 +238,7 @@ def test_fractions_auto_and_data_parallel():
     assert device_prefix(1.0, shapes) == len(shapes)
     engine = SimpleNamespace(
         config=parse_engine_config(ds_config(megatrain={"device_state": "auto"})),
-        runtime=SimpleNamespace(device=torch.device("cpu")),
+        runtime=SimpleNamespace(device=torch.device("cpu"), is_cuda=False),
     )
     assert _device_state_count(engine, model, "none", Topology(), shapes) == 0  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="data parallel"):
@@ -284,5 +284,24 @@ def test_a_non_finite_step_leaves_the_device_states_untouched():
                 assert torch.equal(ours[kind], theirs[kind]), (index, kind)
         _train(engine, 1)
         assert engine.was_step_applied() and engine.optimizer_steps == 2
+    finally:
+        engine.destroy()
+
+
+def test_without_cuda_or_triton_s_interpreter_every_state_stays_in_host_memory(monkeypatch, caplog):
+    """On a CPU-only machine the "device" is the host, where the states live anyway, and the
+    tier's kernel runs only in Triton's interpreter (which these tests turn on): without it a
+    ``device_state`` (or a DeepSpeed ``ratio``) keeps nothing apart, with a warning, instead
+    of failing in the kernel."""
+    monkeypatch.setattr("megatrain_ds.engine_build._triton_interpreted", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="megatrain_ds.engine_build"):
+        engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"device_state": 0.5})))
+    try:
+        assert engine.device_states is None
+        assert all(state.master.device.type == "cpu" for state in engine.states)
+        assert "no CUDA device" in caplog.text
+        batch = tiny_models.make_batch(0)
+        engine.backward(engine(**batch).loss)
+        engine.step()
     finally:
         engine.destroy()
