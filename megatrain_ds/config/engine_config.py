@@ -281,38 +281,38 @@ def _device_state_checked(
     """``options``, or with ``device_state`` "none" where it came from DeepSpeed's
     ``offload_optimizer.ratio`` (``from_ratio``) and the GPU tier cannot run here: the key is
     then ignored with a warning, as it was before the tier existed, so a JSON that trained
-    before still trains. A ``megatrain.device_state`` it cannot run is refused
-    (:func:`_check_device_state`; data parallel at the build, ``engine_build.py``)."""
-    try:
-        _check_device_state(options, fp16)
-        if from_ratio and data_parallel and options.wants_device_state:
-            raise ConfigError("the GPU tier does not support data parallel yet")
-    except ConfigError as why:
-        if not from_ratio:
-            raise
-        logger.warning("megatrain: ignoring zero_optimization.offload_optimizer.ratio here: %s", why)
-        return dataclasses.replace(options, device_state="none")
-    return options
+    before still trains. A ``megatrain.device_state`` it cannot run is refused (data
+    parallel at the build, ``engine_build.py``, which knows the ranks)."""
+    why = _device_state_refusal(options, fp16)
+    if why is None and from_ratio and data_parallel and options.wants_device_state:
+        why = "the GPU tier does not support data parallel yet"
+    if why is None:
+        return options
+    if not from_ratio:
+        raise ConfigError(why)
+    logger.warning("megatrain: ignoring zero_optimization.offload_optimizer.ratio here: %s", why)
+    return dataclasses.replace(options, device_state="none")
 
 
-def _check_device_state(options: MegatrainOptions, fp16: bool) -> None:
-    """What ``megatrain.device_state`` (the GPU tier) does not support yet, refused before
-    anything is built (data parallel is refused at the build, which knows the ranks)."""
+def _device_state_refusal(options: MegatrainOptions, fp16: bool) -> str | None:
+    """Why ``megatrain.device_state`` (the GPU tier) cannot run with these options, naming the
+    fix; ``None`` where it can (or is off)."""
     if not options.wants_device_state:
-        return
+        return None
     fix = 'or set megatrain.device_state to "none" (zero_optimization.offload_optimizer.ratio 1.0)'
     if fp16:
-        raise ConfigError(
+        return (
             f"megatrain.device_state {options.device_state!r} does not support fp16 (loss scaling) yet: "
             f"its device update has no unscaling; use bf16 {fix}"
         )
     if options.master_dtype != "fp32":
-        raise ConfigError(
+        return (
             f'megatrain.device_state {options.device_state!r} needs megatrain.master_dtype "fp32" (the '
             f"device kernel updates fp32 masters); set it {fix}"
         )
     if options.nvme_offload != "none":
-        raise ConfigError(
+        return (
             f"megatrain.device_state {options.device_state!r} cannot go with megatrain.nvme_offload "
             f'{options.nvme_offload!r} yet: set nvme_offload "none" {fix}'
         )
+    return None
