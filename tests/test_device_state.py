@@ -172,7 +172,7 @@ def test_checkpoint_resumes_bit_exactly_and_loads_into_none(tmp_path):
         ({"megatrain": {"device_state": "gpu"}}, ["megatrain.device_state", '"auto"']),
         ({"megatrain": {"device_state": 0.5, "master_dtype": "bf16"}}, ["master_dtype", '"none"']),
         (
-            {"megatrain": {"device_state": "auto", "nvme_offload": "optimizer", "nvme_path": "/tmp"}},
+            {"megatrain": {"device_state": 0.5, "nvme_offload": "optimizer", "nvme_path": "/tmp"}},
             ["nvme_offload", '"none"'],
         ),
         ({"megatrain": {"device_state": 0.5}, "fp16": {"enabled": True}}, ["fp16", '"none"']),
@@ -188,11 +188,38 @@ def test_unsupported_settings_name_the_key_and_the_fix(block, words):
 
 
 def test_deepspeed_ratio_maps_to_device_state_and_the_megatrain_key_wins():
+    """The default is "auto"; DeepSpeed's ratio sets ``1 - ratio`` (1.0, DeepSpeed's "all on
+    the host", keeps every state in host memory); the megatrain key has the last word."""
     zero = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}}
     assert parse_engine_config({**ds_config(), **zero}).options.device_state == 0.75
     config = {**ds_config(), **zero, "megatrain": {"device_state": "none"}}
     assert parse_engine_config(config).options.device_state == "none"
-    assert parse_engine_config(ds_config()).options.device_state == "none"
+    assert parse_engine_config(ds_config()).options.device_state == "auto"
+    all_on_host = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}}
+    options = parse_engine_config({**ds_config(), **all_on_host}).options
+    assert options.device_state == 0.0 and not options.wants_device_state
+
+
+@pytest.mark.parametrize(
+    "block, reason",
+    [
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"megatrain": {"master_dtype": "bf16"}}, "master_dtype"),
+        ({"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/tmp"}}, "nvme_offload"),
+    ],
+)
+def test_the_default_auto_keeps_every_state_on_the_host_where_the_tier_cannot_run(block, reason, caplog):
+    """``"auto"`` (the default, or written) becomes "none" where the tier cannot run, with
+    the reason at INFO (no warning: nothing the user asked for is dropped); a fraction
+    written there is still refused (``test_unsupported_settings_name_the_key_and_the_fix``)."""
+    for megatrain in (block.get("megatrain", {}), {**block.get("megatrain", {}), "device_state": "auto"}):
+        config = {**ds_config(), **block, "megatrain": megatrain}
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatrain_ds.config.engine_config"):
+            options = parse_engine_config(config).options
+        assert options.device_state == "none" and not options.wants_device_state
+        [record] = [record for record in caplog.records if "device_state" in record.getMessage()]
+        assert record.levelno == logging.INFO and reason in record.getMessage()
 
 
 @pytest.mark.parametrize(
@@ -221,9 +248,10 @@ def test_a_deepspeed_ratio_the_gpu_tier_cannot_honour_is_ignored_with_a_warning(
             parse_engine_config({**config, "megatrain": {**megatrain, "device_state": 0.75}}, world_size=world_size)
 
 
-def test_fractions_auto_and_data_parallel():
+def test_fractions_auto_and_data_parallel(caplog):
     """A fraction takes the longest prefix (resident state first) within its share of the
-    trained elements; ``"auto"`` without CUDA takes none; data parallel is refused."""
+    trained elements; ``"auto"`` takes none without CUDA or with data parallel (logged at
+    INFO), where a fraction is refused."""
     model = tiny_models.llama()
     named = [list(block.named_parameters()) for block in model.model.layers]
     blocks = {id(p) for group in named for _, p in group}
@@ -241,6 +269,10 @@ def test_fractions_auto_and_data_parallel():
         runtime=SimpleNamespace(device=torch.device("cpu"), is_cuda=False),
     )
     assert _device_state_count(engine, model, "none", Topology(), shapes) == 0  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="megatrain_ds.engine_build"):
+        assert _device_state_count(engine, model, "none", Topology(node_ranks=2), shapes) == 0  # type: ignore[arg-type]
+    assert [record.levelno for record in caplog.records if "data parallel" in record.getMessage()] == [logging.INFO]
+    engine.config = parse_engine_config(ds_config(megatrain={"device_state": 0.5}))
     with pytest.raises(ConfigError, match="data parallel"):
         _device_state_count(engine, model, "none", Topology(node_ranks=2), shapes)  # type: ignore[arg-type]
     assert Where.DEVICE.on_device and not Where.DEVICE.on_host
@@ -303,5 +335,21 @@ def test_without_cuda_or_triton_s_interpreter_every_state_stays_in_host_memory(m
         batch = tiny_models.make_batch(0)
         engine.backward(engine(**batch).loss)
         engine.step()
+    finally:
+        engine.destroy()
+
+
+def test_the_default_keeps_every_state_in_host_memory_without_cuda(caplog):
+    """The default ``"auto"`` on a CPU-only machine, with Triton's interpreter on (these
+    tests' setting, under which a fraction would put states on the "device"): no state apart,
+    the CPU path as it always was, the reason at INFO."""
+    with caplog.at_level(logging.INFO, logger="megatrain_ds.engine_build"):
+        engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config()))
+    try:
+        assert engine.config.options.device_state == "auto"
+        assert engine.device_states is None and list(engine.placement.device_indices) == []
+        assert engine.device_bytes()["device_state"] == 0
+        [record] = [record for record in caplog.records if "no CUDA device" in record.getMessage()]
+        assert record.levelno == logging.INFO
     finally:
         engine.destroy()

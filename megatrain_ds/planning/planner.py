@@ -53,7 +53,17 @@ from megatrain_ds.planning.step_time import (
     step_seconds,
     weight_fill_seconds,
 )
-from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology, device_prefix
+from megatrain_ds.config.megatrain_options import DEVICE_STATE_AUTO_SHARE, DEVICE_STATE_HEADROOM_BYTES
+from megatrain_ds.state.placement import (
+    ElementSizes,
+    Placement,
+    StateShape,
+    TierSettings,
+    Topology,
+    device_prefix,
+    device_prefix_within,
+    device_state_indices,
+)
 
 __all__ = [  # the step-time model's names, for callers of the planner
     "ADAM_HOST_BYTES_PER_PARAM",
@@ -141,6 +151,9 @@ class Plan:
     fragments: dict[str, dict[str, float]] = field(default_factory=dict)
     """``"whole"`` and ``"fragments"`` (the best fragment size): bytes per piece and the
     predicted step; ``"chosen"``: what ``"fragment_bytes": "auto"`` picks (:func:`fragment_policies`)."""
+    device_state_share: float = 0.0
+    """The share of the trained parameters the GPU tier keeps on the device (``"device_state"``;
+    with "auto" what it takes at these settings)."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -185,19 +198,9 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
 
 
 def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
-    """Where the planned run's buffers live (one process), from the model's sizes alone:
-    ``num_blocks`` blocks, the largest of ``block_params`` and the others sharing the rest
-    evenly, each with ``frozen_block_params`` frozen (at most its size), and the resident
-    state with the frozen parameters left (exact for the usual model of identical blocks).
-    Flat layouts' alignment padding is not counted: a model's sizes are its parameters'."""
-    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
-    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
-    frozen = [min(shape.frozen_block_params, size) for size in sizes]
-    resident = shape.resident_params
-    frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
-    # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
-    in_compute = frozen_in_compute_dtype(shape, settings)
-    states = [StateShape(size, size - f, bool(f) and in_compute) for size, f in zip([*sizes, resident], frozen)]
+    """Where the planned run's buffers live (one process), from the model's sizes alone
+    (:func:`_state_shapes`)."""
+    states = _state_shapes(shape, settings)
     element_sizes = ElementSizes(
         master=settings.master_bytes,
         compute=settings.weight_bytes,
@@ -209,6 +212,39 @@ def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
     # The GPU tier's prefix, by the engine's rule; it goes with no NVMe tier (the config refuses both).
     on_device = device_prefix(settings.device_state_share, states) if nvme == "none" else 0
     return Placement.of_sizes(element_sizes, tier, nvme, Topology(), states, on_device)
+
+
+def _state_shapes(shape: ModelShape, settings: RunSettings) -> list[StateShape]:
+    """The planned run's states: ``num_blocks`` blocks, the largest of ``block_params`` and
+    the others sharing the rest evenly, each with ``frozen_block_params`` frozen (at most its
+    size), and the resident state with the frozen parameters left (exact for the usual model
+    of identical blocks). Flat layouts' alignment padding is not counted: a model's sizes
+    are its parameters'."""
+    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
+    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
+    frozen = [min(shape.frozen_block_params, size) for size in sizes]
+    resident = shape.resident_params
+    frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
+    # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
+    in_compute = frozen_in_compute_dtype(shape, settings)
+    return [StateShape(size, size - f, bool(f) and in_compute) for size, f in zip([*sizes, resident], frozen)]
+
+
+def auto_device_state_share(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
+    """``device_state: "auto"`` (the engine's default) as the engine resolves it
+    (``engine_build.py``), with the device's whole memory for the free memory it asks CUDA
+    for: the share of the trained parameters in the longest prefix of the states (resident
+    state first) that fits in ``DEVICE_STATE_AUTO_SHARE`` of the device memory left after the
+    run's own (:func:`gpu_bytes`, no state on the device) and ``DEVICE_STATE_HEADROOM_BYTES``.
+    0 where the tier cannot run: the device is the host, the NVMe tier, a bf16 master."""
+    if hardware.shares_host_memory or settings.nvme or settings.master_bytes != 4:
+        return 0.0
+    own = sum(gpu_bytes(shape, _with(settings, device_state_share=0.0), hardware).values())
+    budget = int(DEVICE_STATE_AUTO_SHARE * max(hardware.device_memory_bytes - own - DEVICE_STATE_HEADROOM_BYTES, 0))
+    count = device_prefix_within(placement_of(shape, _with(settings, device_state_share=1.0)), budget)
+    trained = [state.trained_numel for state in _state_shapes(shape, settings)]
+    on_device = sum(trained[index] for index in device_state_indices(len(trained), count))
+    return on_device / sum(trained) if sum(trained) else 0.0
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:
@@ -343,8 +379,18 @@ def recompute_policies(
     return result
 
 
-def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> Plan:
-    """Memory, speed and recommendations for ``settings`` on ``hardware``."""
+def plan(
+    shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int, device_state_auto: bool = False
+) -> Plan:
+    """Memory, speed and recommendations for ``settings`` on ``hardware``. With
+    ``device_state_auto`` (``"device_state": "auto"``, the engine's default) the GPU tier's
+    share is what "auto" takes at these settings (:func:`auto_device_state_share`), and the
+    limits (largest micro-batch, longest sequence, memory per token) are those without it:
+    "auto" gives the device's memory to a larger batch first, keeping fewer states."""
+    limits = settings
+    if device_state_auto:
+        limits = _with(settings, device_state_share=0.0)
+        settings = _with(settings, device_state_share=auto_device_state_share(shape, limits, hardware))
     by_bound = step_seconds(shape, settings, hardware)
     phases = phase_seconds(shape, settings, hardware)
     step = predicted_from_phases(phases, shape, settings, hardware)
@@ -352,7 +398,7 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
     state_bytes = sum(host_bytes(shape, _with(settings, stashed_blocks=0)).values())
     policies = recompute_policies(shape, settings, hardware, host_memory_bytes - state_bytes)
     hide = min_tokens_to_hide_transfer(hardware, settings.bf16)
-    max_micro = _max_micro_batch(shape, settings, hardware, host_memory_bytes)
+    max_micro = _max_micro_batch(shape, limits, hardware, host_memory_bytes)
     wanted_micro = max(1, -(-hide // settings.seq_len))
     host = host_bytes(shape, settings)
     device = gpu_bytes(shape, settings, hardware)
@@ -369,15 +415,16 @@ def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memo
         if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s and not hardware.shares_host_memory
         else "cpu",
     }
-    per_token = _total_bytes(shape, _with(settings, seq_len=2 * settings.seq_len), hardware) - _total_bytes(
-        shape, settings, hardware
+    per_token = _total_bytes(shape, _with(limits, seq_len=2 * limits.seq_len), hardware) - _total_bytes(
+        shape, limits, hardware
     )
     if disk > DISK_BOUND_SHARE * step:
         recommended["bottleneck"] = "disk"
         recommended["gradient_accumulation_steps"] = _accumulation_hiding_disk(shape, settings, hardware)
     return Plan(
         bytes_per_token=per_token // settings.tokens_per_pass,
-        max_seq_len=max_sequence_length(shape, settings, hardware, host_memory_bytes),
+        max_seq_len=max_sequence_length(shape, limits, hardware, host_memory_bytes),
+        device_state_share=settings.device_state_share,
         params=shape.params,
         host_bytes=host,
         gpu_bytes=device,
