@@ -451,19 +451,23 @@ def run_guarded(command: list[str], min_free: int) -> tuple[subprocess.Completed
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr), lowest[0]
 
 
-def _device_optimizer_share(result: dict) -> float:
-    """The share of the optimizer state's elements the round's engine stepped on the
-    device (its ``"auto"`` or ``"gpu"`` placement), for the planner's
-    ``--optimizer-device-share``."""
+def _device_shares(result: dict) -> tuple[float, float]:
+    """Of the round's optimizer state elements: the share the GPU tier kept on the device
+    (``"device_state"``, the planner's ``--device-state``), and of the rest the share the
+    engine streamed through the device (its ``"auto"`` or ``"gpu"`` placement, the planner's
+    ``--optimizer-device-share``)."""
     elements = result.get("optimizer_placement", {}).get("elements_by_kernel", {})
     total = sum(elements.values())
-    return elements.get("DeviceAdamW", 0) / total if total else 0.0
+    tier = elements.get("DeviceStates", 0)
+    rest = total - tier
+    return (tier / total if total else 0.0), (elements.get("DeviceAdamW", 0) / rest if rest else 0.0)
 
 
-def run_planner(args: argparse.Namespace, device_share: float = 0.0) -> dict | None:
+def run_planner(args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.0)) -> dict | None:
     """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
-    ``None`` where the planner has no figures for this device. ``device_share``: of the
-    optimizer state, the share the engine steps on the device."""
+    ``None`` where the planner has no figures for this device. ``shares``: of the optimizer
+    state, the GPU tier's share and, of the rest, the share the engine steps on the device
+    (:func:`_device_shares`)."""
     import torch
 
     if torch.cuda.is_available():
@@ -503,8 +507,10 @@ def run_planner(args: argparse.Namespace, device_share: float = 0.0) -> dict | N
             str(args.micro_batch),
             "--json",
             "--recalibrate",
+            "--device-state",
+            str(shares[0]),
             "--optimizer-device-share",
-            str(device_share),
+            str(shares[1]),
         ]
         if not args.clip:
             command.append("--no-clipping")
@@ -646,7 +652,7 @@ def main() -> None:
             rounds[system].append(result)
             if system == "megatrain" and not args.no_planner:
                 # Calibrated now, as the machine is for this round, with the round's placement.
-                prediction = run_planner(args, _device_optimizer_share(result))
+                prediction = run_planner(args, _device_shares(result))
                 if prediction is not None:
                     _add_prediction(result, prediction)
             # The median round (the upper one of two): no system is credited with its luckiest round.

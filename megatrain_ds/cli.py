@@ -35,7 +35,16 @@ import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning.long_context import ffn_width
-from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan, sizes_from_config
+from megatrain_ds.planning.planner import (
+    GIB,
+    GPU_HARDWARE,
+    Hardware,
+    ModelShape,
+    RunSettings,
+    auto_device_state_share,
+    plan,
+    sizes_from_config,
+)
 from megatrain_ds.runtime.measurement_cache import cached_measurement
 from megatrain_ds.state.swap_io import cached_disk_bandwidth
 
@@ -450,8 +459,8 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     for kind, value in result.gpu_bytes.items():
         print(f"  {kind:18s} {_format_bytes(value)}")
     print(f"  {'total':18s} {_format_bytes(result.gpu_bytes_total)}")
-    if result.device_state_share:
-        print(f"GPU tier (device_state): {result.device_state_share:.1%} of the trained parameters' state on the GPU")
+    if settings.device_state_share:
+        print(f"GPU tier (device_state): {settings.device_state_share:.1%} of the trained parameters' state on the GPU")
     if hardware.shares_host_memory:
         print(
             f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
@@ -608,8 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
-    result = plan(shape, settings, hardware, host_memory, device_state_auto=args.device_state == "auto")
-    settings = dataclasses.replace(settings, device_state_share=result.device_state_share)
+    if args.device_state == "auto":  # the engine's default, resolved as the engine does
+        settings = dataclasses.replace(settings, device_state_share=auto_device_state_share(shape, settings, hardware))
+    result = plan(shape, settings, hardware, host_memory)
     if args.json:
         data = result.to_json()
         data["hardware"] = asdict(hardware)

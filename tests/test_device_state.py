@@ -21,6 +21,7 @@ kernels on the same values.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from types import SimpleNamespace
@@ -31,8 +32,9 @@ import torch
 from placement_check import engine_preflight, placement_disagreements, planner_disagreements, preflight_disagreements
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
 
-from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
+from megatrain_ds import ConfigError, MegatrainEngine, cli, parse_engine_config
 from megatrain_ds.engine_build import _device_state_count
+from megatrain_ds.planning.planner import auto_device_state_share
 from megatrain_ds.planning.step_time import GPU_HARDWARE, ModelShape, RunSettings, optimizer_seconds
 from megatrain_ds.state.placement import Topology, device_prefix, state_shapes
 from megatrain_ds.state.state_placement import Where
@@ -292,6 +294,46 @@ def test_the_planner_times_the_host_pass_over_the_host_states_only():
     assert optimizer_seconds(shape, half, hardware) == pytest.approx(
         optimizer_seconds(shape, half, untimed) + on_device
     )
+
+
+def test_the_planner_resolves_auto_as_the_engine_does():
+    """``auto_device_state_share``: the engine's rule on the planned sizes. A bf16 run with
+    clipping keeps 16 B per parameter of a state on the device (master 4, m and v 8, shadow 2,
+    held bf16 gradient 2): the resident state (2e8 parameters) 3.2 GB, each block (1e8) 1.6
+    GB. The engine's own peak is two weight buffers of a block and the resident copy, 0.8 GB.
+    On 16 GiB the budget is 0.8 * (17.18 - 0.8 - 4.29) GB = 9.67 GB: the resident state and 4
+    blocks (9.6 GB), 6e8 of 1e9 parameters; on 8 GiB 2.8 GB, not even the resident state."""
+    shape = ModelShape(
+        num_blocks=8,
+        block_params=10**8,
+        total_block_params=8 * 10**8,
+        resident_params=2 * 10**8,
+        hidden=4096,
+        vocab=32000,
+    )
+    settings = RunSettings(seq_len=1024)
+    for gib, share in ((8, 0.0), (16, 0.6), (4096, 1.0)):
+        hardware = dataclasses.replace(GPU_HARDWARE["h100"], device_memory_bytes=gib << 30)
+        assert auto_device_state_share(shape, settings, hardware) == pytest.approx(share), gib
+    h100 = GPU_HARDWARE["h100"]
+    assert auto_device_state_share(shape, dataclasses.replace(settings, nvme=True), h100) == 0.0
+    assert auto_device_state_share(shape, dataclasses.replace(settings, master_bytes=2), h100) == 0.0
+    assert auto_device_state_share(shape, settings, dataclasses.replace(h100, shares_host_memory=True)) == 0.0
+
+
+def test_megatrain_plan_defaults_to_auto(capsys):
+    """``megatrain plan`` without ``--device-state`` plans the engine's default: a tiny model's
+    states all on an H200, none of them in host memory; ``--device-state none`` keeps them
+    there."""
+    argv = ["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h200", "--seq-len", "256", "--json"]
+    plans = {}
+    for extra in ([], ["--device-state", "none"]):
+        assert cli.main([*argv, *extra]) == 0
+        plans[bool(extra)] = json.loads(capsys.readouterr().out)
+    default, host_only = plans[False], plans[True]
+    assert default["settings"]["device_state_share"] == 1.0 and default["gpu_bytes"]["device_state"] > 0
+    assert host_only["settings"]["device_state_share"] == 0.0 and "device_state" not in host_only["gpu_bytes"]
+    assert default["host_bytes"]["master"] == 0 < host_only["host_bytes"]["master"]
 
 
 def test_a_non_finite_step_leaves_the_device_states_untouched():

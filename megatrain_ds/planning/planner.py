@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatrain_ds.config.megatrain_options import DEVICE_STATE_AUTO_SHARE, DEVICE_STATE_HEADROOM_BYTES
 from megatrain_ds.planning.long_context import (
     choose_loss_chunk_tokens,
     choose_mlp_tile_tokens,
@@ -53,7 +54,6 @@ from megatrain_ds.planning.step_time import (
     step_seconds,
     weight_fill_seconds,
 )
-from megatrain_ds.config.megatrain_options import DEVICE_STATE_AUTO_SHARE, DEVICE_STATE_HEADROOM_BYTES
 from megatrain_ds.state.placement import (
     ElementSizes,
     Placement,
@@ -151,9 +151,6 @@ class Plan:
     fragments: dict[str, dict[str, float]] = field(default_factory=dict)
     """``"whole"`` and ``"fragments"`` (the best fragment size): bytes per piece and the
     predicted step; ``"chosen"``: what ``"fragment_bytes": "auto"`` picks (:func:`fragment_policies`)."""
-    device_state_share: float = 0.0
-    """The share of the trained parameters the GPU tier keeps on the device (``"device_state"``;
-    with "auto" what it takes at these settings)."""
 
     @property
     def host_bytes_total(self) -> int:
@@ -231,15 +228,18 @@ def _state_shapes(shape: ModelShape, settings: RunSettings) -> list[StateShape]:
 
 
 def auto_device_state_share(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
-    """``device_state: "auto"`` (the engine's default) as the engine resolves it
-    (``engine_build.py``), with the device's whole memory for the free memory it asks CUDA
-    for: the share of the trained parameters in the longest prefix of the states (resident
-    state first) that fits in ``DEVICE_STATE_AUTO_SHARE`` of the device memory left after the
-    run's own (:func:`gpu_bytes`, no state on the device) and ``DEVICE_STATE_HEADROOM_BYTES``.
+    """``device_state: "auto"`` (the engine's default) as the engine resolves it at start-up
+    (``engine_build.py``), the device's whole memory standing for the free memory it asks
+    CUDA for: the share of the trained parameters in the longest prefix of the states
+    (resident state first) that fits in ``DEVICE_STATE_AUTO_SHARE`` of the device memory left
+    after ``DEVICE_STATE_HEADROOM_BYTES`` and the engine's own planned peak -- preflight's,
+    the weight buffers and the resident copy: like the engine, it does not know the batch,
+    so the activations must fit in what is left (the plan's limits show whether they do).
     0 where the tier cannot run: the device is the host, the NVMe tier, a bf16 master."""
     if hardware.shares_host_memory or settings.nvme or settings.master_bytes != 4:
         return 0.0
-    own = sum(gpu_bytes(shape, _with(settings, device_state_share=0.0), hardware).values())
+    device = gpu_bytes(shape, _with(settings, device_state_share=0.0), hardware)
+    own = device["weight_buffers"] + device["resident_params"]
     budget = int(DEVICE_STATE_AUTO_SHARE * max(hardware.device_memory_bytes - own - DEVICE_STATE_HEADROOM_BYTES, 0))
     count = device_prefix_within(placement_of(shape, _with(settings, device_state_share=1.0)), budget)
     trained = [state.trained_numel for state in _state_shapes(shape, settings)]
@@ -379,18 +379,8 @@ def recompute_policies(
     return result
 
 
-def plan(
-    shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int, device_state_auto: bool = False
-) -> Plan:
-    """Memory, speed and recommendations for ``settings`` on ``hardware``. With
-    ``device_state_auto`` (``"device_state": "auto"``, the engine's default) the GPU tier's
-    share is what "auto" takes at these settings (:func:`auto_device_state_share`), and the
-    limits (largest micro-batch, longest sequence, memory per token) are those without it:
-    "auto" gives the device's memory to a larger batch first, keeping fewer states."""
-    limits = settings
-    if device_state_auto:
-        limits = _with(settings, device_state_share=0.0)
-        settings = _with(settings, device_state_share=auto_device_state_share(shape, limits, hardware))
+def plan(shape: ModelShape, settings: RunSettings, hardware: Hardware, host_memory_bytes: int) -> Plan:
+    """Memory, speed and recommendations for ``settings`` on ``hardware``."""
     by_bound = step_seconds(shape, settings, hardware)
     phases = phase_seconds(shape, settings, hardware)
     step = predicted_from_phases(phases, shape, settings, hardware)
@@ -398,7 +388,7 @@ def plan(
     state_bytes = sum(host_bytes(shape, _with(settings, stashed_blocks=0)).values())
     policies = recompute_policies(shape, settings, hardware, host_memory_bytes - state_bytes)
     hide = min_tokens_to_hide_transfer(hardware, settings.bf16)
-    max_micro = _max_micro_batch(shape, limits, hardware, host_memory_bytes)
+    max_micro = _max_micro_batch(shape, settings, hardware, host_memory_bytes)
     wanted_micro = max(1, -(-hide // settings.seq_len))
     host = host_bytes(shape, settings)
     device = gpu_bytes(shape, settings, hardware)
@@ -415,16 +405,15 @@ def plan(
         if by_bound["optimizer"] > 24 * shape.params / hardware.h2d_bytes_per_s and not hardware.shares_host_memory
         else "cpu",
     }
-    per_token = _total_bytes(shape, _with(limits, seq_len=2 * limits.seq_len), hardware) - _total_bytes(
-        shape, limits, hardware
+    per_token = _total_bytes(shape, _with(settings, seq_len=2 * settings.seq_len), hardware) - _total_bytes(
+        shape, settings, hardware
     )
     if disk > DISK_BOUND_SHARE * step:
         recommended["bottleneck"] = "disk"
         recommended["gradient_accumulation_steps"] = _accumulation_hiding_disk(shape, settings, hardware)
     return Plan(
         bytes_per_token=per_token // settings.tokens_per_pass,
-        max_seq_len=max_sequence_length(shape, limits, hardware, host_memory_bytes),
-        device_state_share=settings.device_state_share,
+        max_seq_len=max_sequence_length(shape, settings, hardware, host_memory_bytes),
         params=shape.params,
         host_bytes=host,
         gpu_bytes=device,
