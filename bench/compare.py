@@ -584,7 +584,8 @@ def _git_rev() -> str:
         return "unknown"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The benchmark's arguments (``--child`` is the round a fresh process runs)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--intermediate", type=int, default=4096)
@@ -629,6 +630,11 @@ def main() -> None:
         help='more of the engine\'s "megatrain" block, as JSON (e.g. \'{"optimizer_device": "cpu"}\')',
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the issue's fair comparison: 3 and 5 or more)")
