@@ -35,7 +35,16 @@ import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning.long_context import ffn_width
-from megatrain_ds.planning.planner import GIB, GPU_HARDWARE, Hardware, ModelShape, RunSettings, plan, sizes_from_config
+from megatrain_ds.planning.planner import (
+    GIB,
+    GPU_HARDWARE,
+    Hardware,
+    ModelShape,
+    RunSettings,
+    auto_device_state_share,
+    plan,
+    sizes_from_config,
+)
 from megatrain_ds.runtime.measurement_cache import cached_measurement
 from megatrain_ds.state.swap_io import cached_disk_bandwidth
 
@@ -450,6 +459,8 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     for kind, value in result.gpu_bytes.items():
         print(f"  {kind:18s} {_format_bytes(value)}")
     print(f"  {'total':18s} {_format_bytes(result.gpu_bytes_total)}")
+    if settings.device_state_share:
+        print(f"GPU tier (device_state): {settings.device_state_share:.1%} of the trained parameters' state on the GPU")
     if hardware.shares_host_memory:
         print(
             f"peak host memory: {_format_bytes(result.predicted_peak_host_bytes)} "
@@ -483,6 +494,21 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
     print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
     print("recommended: " + json.dumps(result.recommended))
+
+
+def _device_state_argument(value: str) -> str | float:
+    """``--device-state``: "auto", "none" (a share of 0), or a share between 0 and 1."""
+    if value == "auto":
+        return value
+    if value == "none":
+        return 0.0
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f'"auto", "none" or a share between 0 and 1, not {value!r}')
+    return share
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -536,9 +562,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device-state",
-        type=float,
-        default=0.0,
-        help='share of the trained parameters the GPU tier keeps whole on the device ("device_state"); default 0, none',
+        type=_device_state_argument,
+        default="auto",
+        help='the GPU tier ("device_state"): "auto" (the engine\'s default: as many states as fit in the GPU\'s '
+        'memory left by the run; none with --nvme or --gpu cpu), "none", or the share of the trained parameters '
+        "kept whole on the device",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -561,12 +589,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvme_window_blocks=args.nvme_window_blocks,
         nvme_weights=args.nvme_weights,
         device_optimizer_share=args.optimizer_device_share,
-        device_state_share=args.device_state,
+        device_state_share=args.device_state if isinstance(args.device_state, float) else 0.0,
     )
     if not 0 <= args.optimizer_device_share <= 1:
         parser.error("--optimizer-device-share is a fraction of the optimizer state: between 0 and 1")
-    if not 0 <= args.device_state <= 1 or (args.device_state and args.nvme is not None):
-        parser.error("--device-state is a fraction of the trained parameters, between 0 and 1, without --nvme")
+    if settings.device_state_share and args.nvme is not None:
+        parser.error('--device-state takes no share of the trained parameters with --nvme: "auto" or "none"')
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
     model = load_meta_model(args.model)
@@ -589,6 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
+    if args.device_state == "auto":  # the engine's default, resolved as the engine does
+        settings = dataclasses.replace(settings, device_state_share=auto_device_state_share(shape, settings, hardware))
     result = plan(shape, settings, hardware, host_memory)
     if args.json:
         data = result.to_json()

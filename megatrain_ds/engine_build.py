@@ -414,10 +414,13 @@ def _device_state_count(
     """How many states (the resident state, then blocks 0, 1, ...) the GPU tier keeps on the
     device (``state/placement.py``: [Note: the GPU tier]): ``device_state``'s fraction of the
     trained elements, or with ``"auto"`` as many as fit in ``DEVICE_STATE_AUTO_SHARE`` of the
-    device memory free after the engine's own planned peak and a headroom (none without CUDA)."""
+    device memory free after the engine's own planned peak and a headroom (none, logged at
+    INFO, without CUDA or with data parallel)."""
     options = engine.config.options
     if not options.wants_device_state:
         return 0
+    if options.device_state == "auto":
+        return _auto_device_state_count(engine, model, nvme, topology, shapes)
     if topology.data_parallel:
         raise ConfigError(
             f"megatrain.device_state {options.device_state!r} does not support data parallel yet (each rank "
@@ -431,10 +434,24 @@ def _device_state_count(
             "megatrain: device_state %r: no CUDA device, every state stays in host memory", options.device_state
         )
         return 0
-    if options.device_state != "auto":
-        return device_prefix(options.device_state, shapes)
+    return device_prefix(options.device_state, shapes)
+
+
+def _auto_device_state_count(
+    engine: EngineUnderConstruction, model: nn.Module, nvme: str, topology: Topology, shapes: list[StateShape]
+) -> int:
+    """``device_state: "auto"`` (the default): the longest prefix of the states that fits in
+    ``DEVICE_STATE_AUTO_SHARE`` of the CUDA memory free after the engine's own planned peak
+    and ``DEVICE_STATE_HEADROOM_BYTES``; none, logged at INFO, where the tier cannot run."""
+    if topology.data_parallel:
+        logger.info('megatrain: device_state "auto": data parallel, every optimizer state stays in host memory')
+        return 0
+    assert nvme == "none", 'engine_config.py turns "auto" into "none" with the NVMe tier'
     free = available_memory(engine.runtime.device).device
-    if free is None:  # no CUDA: the CPU is the device, and host memory is where states live anyway
+    if free is None:
+        # No CUDA (Triton's interpreter or not): the "device" is the host, where the states
+        # live anyway, so the CPU path stays the one it always was.
+        logger.info('megatrain: device_state "auto": no CUDA device, every optimizer state stays in host memory')
         return 0
     run = PreflightInputs(
         model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology

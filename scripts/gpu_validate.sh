@@ -18,12 +18,14 @@
 #                 (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
 #   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 and ZeRO-2 offload and megatrain side by side
-#                 (megatrain also with "recompute": "none" and with "device_state": "auto", the GPU tier)
+#                 (megatrain with its defaults, the GPU tier's "device_state": "auto" among them; also
+#                 with "recompute": "none", and with "device_state": "none": every optimizer state on the host)
 #                 (--compare-args, default the 940M Llama of configs/models/llama_940m.json)
-#   compare-optimizer-cpu the engine alone on the same model with "optimizer_device": "cpu"
-#                 (against compare's "auto": does streaming state through the GPU pay?)
+#   compare-optimizer-cpu the engine alone on the same model with every optimizer state on the host
+#                 ("device_state": "none") and "optimizer_device": "cpu" (against compare's
+#                 megatrain_host_state, "optimizer_device": "auto": does streaming state through the GPU pay?)
 #   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine (and with "device_state":
-#                 "auto"), ZeRO-3 and ZeRO-2 offload
+#                 "none"), ZeRO-3 and ZeRO-2 offload
 #   compare-7b    Llama-2-7B's shape, 8 x 2048 tokens: the engine alone (ZeRO-3 offload's ~25 B/param
 #                 does not fit a 128 GiB host: bench/zero3_estimate.py, DeepSpeed's own estimator)
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
@@ -47,7 +49,7 @@ declare -A LIMITS=([install]=120 [ops]=300 [host-contention]=120 [gpu-tests]=600
 DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4"
 # The issue's ~3B target: hidden 3072, 28 blocks, 8 x 2048 tokens.
 # Each of COMPARE_3B_ARGS and COMPARE_7B_ARGS may be set in the environment instead (a shorter list of systems).
-COMPARE_3B_ARGS=${COMPARE_3B_ARGS:-"--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 3 --steps 5 --no-planner --systems megatrain megatrain_device_state zero3_offload zero2_offload"}
+COMPARE_3B_ARGS=${COMPARE_3B_ARGS:-"--hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 --warmup 3 --steps 5 --no-planner --systems megatrain megatrain_host_state zero3_offload zero2_offload"}
 # Llama-2-7B's shape (hidden 4096, FFN 11008, 32 blocks), 8 x 2048 tokens: does the engine train it, how fast.
 COMPARE_7B_ARGS=${COMPARE_7B_ARGS:-"--hidden 4096 --intermediate 11008 --layers 32 --seq-len 2048 --micro-batch 8 --warmup 1 --steps 3 --no-planner --systems megatrain"}
 
@@ -197,8 +199,8 @@ fi
 # shellcheck disable=SC2086  # COMPARE_ARGS is a list of arguments
 step compare "torch / ZeRO-3 offload / megatrain: $COMPARE_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_ARGS --out "$OUT_DIR/compare.json"
-step compare-optimizer-cpu "the engine with optimizer_device cpu: $COMPARE_ARGS" -- \
-    "$PYTHON" bench/compare.py $COMPARE_ARGS --systems megatrain --megatrain '{"optimizer_device": "cpu"}' \
+step compare-optimizer-cpu "the engine, host state, optimizer_device cpu: $COMPARE_ARGS" -- \
+    "$PYTHON" bench/compare.py $COMPARE_ARGS --systems megatrain_host_state --megatrain '{"optimizer_device": "cpu"}' \
     --out "$OUT_DIR/compare_optimizer_cpu.json"
 step gradient-worker "the gradient worker's rate: alone, beside Python, one thread, the kernels alone" -- \
     "$PYTHON" bench/gradient_worker.py --out "$OUT_DIR/gradient_worker.json"

@@ -23,13 +23,14 @@ CLIENT_STATE = {"epoch": 2, "ids": [1, 2], "pair": (3, 0.5), "by_id": {7: "x", "
 """Saved with the engine by the ``saved`` fixture (``conftest.py``): values JSON cannot hold as they are."""
 
 
-def build(seed: int, device: torch.device | None = None) -> MegatrainEngine:
+def build(seed: int, device: torch.device | None = None, megatrain: dict | None = None) -> MegatrainEngine:
     """GPT-2 (dropout on: resuming exactly needs the RNG state), accumulation 2, clipping,
-    and a warm-up scheduler; on the CPU unless told (bitwise comparisons need one device)."""
+    and a warm-up scheduler, with ``megatrain`` as the engine's options; on the CPU unless
+    told (bitwise comparisons need one device)."""
     torch.manual_seed(seed)
     engine = MegatrainEngine(
         tiny_models.gpt2(),
-        parse_engine_config(ds_config(accumulation=ACCUMULATION)),
+        parse_engine_config(ds_config(accumulation=ACCUMULATION, megatrain=megatrain)),
         device=device if device is not None else torch.device("cpu"),
     )
     engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: min(1.0, (step + 1) / 4))

@@ -362,10 +362,13 @@ def test_sigkill_at_a_random_moment_of_a_save(tmp_path, one_thread):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_save_and_load_on_cuda(tmp_path):
     """Pinned host state is written and read in place; the resident device copy and the
-    CUDA RNG state come back with it."""
+    CUDA RNG state come back with it. Every state in host memory ("device_state": "none"):
+    the default would keep the tiny model's states on the GPU, whose checkpoints
+    tests/test_gpu.py checks."""
     cuda = torch.device("cuda", torch.cuda.current_device())
-    engine = checkpoint_worker.build(seed=0, device=cuda)
-    fresh = checkpoint_worker.build(seed=1, device=cuda)
+    host_state = {"device_state": "none"}
+    engine = checkpoint_worker.build(seed=0, device=cuda, megatrain=host_state)
+    fresh = checkpoint_worker.build(seed=1, device=cuda, megatrain=host_state)
     try:
         checkpoint_worker.train(engine, 2)
         engine.save_checkpoint(tmp_path)

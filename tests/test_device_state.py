@@ -21,6 +21,7 @@ kernels on the same values.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from types import SimpleNamespace
@@ -31,8 +32,9 @@ import torch
 from placement_check import engine_preflight, placement_disagreements, planner_disagreements, preflight_disagreements
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
 
-from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
+from megatrain_ds import ConfigError, MegatrainEngine, cli, parse_engine_config
 from megatrain_ds.engine_build import _device_state_count
+from megatrain_ds.planning.planner import auto_device_state_share
 from megatrain_ds.planning.step_time import GPU_HARDWARE, ModelShape, RunSettings, optimizer_seconds
 from megatrain_ds.state.placement import Topology, device_prefix, state_shapes
 from megatrain_ds.state.state_placement import Where
@@ -172,7 +174,7 @@ def test_checkpoint_resumes_bit_exactly_and_loads_into_none(tmp_path):
         ({"megatrain": {"device_state": "gpu"}}, ["megatrain.device_state", '"auto"']),
         ({"megatrain": {"device_state": 0.5, "master_dtype": "bf16"}}, ["master_dtype", '"none"']),
         (
-            {"megatrain": {"device_state": "auto", "nvme_offload": "optimizer", "nvme_path": "/tmp"}},
+            {"megatrain": {"device_state": 0.5, "nvme_offload": "optimizer", "nvme_path": "/tmp"}},
             ["nvme_offload", '"none"'],
         ),
         ({"megatrain": {"device_state": 0.5}, "fp16": {"enabled": True}}, ["fp16", '"none"']),
@@ -188,11 +190,38 @@ def test_unsupported_settings_name_the_key_and_the_fix(block, words):
 
 
 def test_deepspeed_ratio_maps_to_device_state_and_the_megatrain_key_wins():
+    """The default is "auto"; DeepSpeed's ratio sets ``1 - ratio`` (1.0, DeepSpeed's "all on
+    the host", keeps every state in host memory); the megatrain key has the last word."""
     zero = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}}
     assert parse_engine_config({**ds_config(), **zero}).options.device_state == 0.75
     config = {**ds_config(), **zero, "megatrain": {"device_state": "none"}}
     assert parse_engine_config(config).options.device_state == "none"
-    assert parse_engine_config(ds_config()).options.device_state == "none"
+    assert parse_engine_config(ds_config()).options.device_state == "auto"
+    all_on_host = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}}
+    options = parse_engine_config({**ds_config(), **all_on_host}).options
+    assert options.device_state == 0.0 and not options.wants_device_state
+
+
+@pytest.mark.parametrize(
+    "block, reason",
+    [
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"megatrain": {"master_dtype": "bf16"}}, "master_dtype"),
+        ({"megatrain": {"nvme_offload": "optimizer", "nvme_path": "/tmp"}}, "nvme_offload"),
+    ],
+)
+def test_the_default_auto_keeps_every_state_on_the_host_where_the_tier_cannot_run(block, reason, caplog):
+    """``"auto"`` (the default, or written) becomes "none" where the tier cannot run, with
+    the reason at INFO (no warning: nothing the user asked for is dropped); a fraction
+    written there is still refused (``test_unsupported_settings_name_the_key_and_the_fix``)."""
+    for megatrain in (block.get("megatrain", {}), {**block.get("megatrain", {}), "device_state": "auto"}):
+        config = {**ds_config(), **block, "megatrain": megatrain}
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatrain_ds.config.engine_config"):
+            options = parse_engine_config(config).options
+        assert options.device_state == "none" and not options.wants_device_state
+        [record] = [record for record in caplog.records if "device_state" in record.getMessage()]
+        assert record.levelno == logging.INFO and reason in record.getMessage()
 
 
 @pytest.mark.parametrize(
@@ -221,9 +250,10 @@ def test_a_deepspeed_ratio_the_gpu_tier_cannot_honour_is_ignored_with_a_warning(
             parse_engine_config({**config, "megatrain": {**megatrain, "device_state": 0.75}}, world_size=world_size)
 
 
-def test_fractions_auto_and_data_parallel():
+def test_fractions_auto_and_data_parallel(caplog):
     """A fraction takes the longest prefix (resident state first) within its share of the
-    trained elements; ``"auto"`` without CUDA takes none; data parallel is refused."""
+    trained elements; ``"auto"`` takes none without CUDA or with data parallel (logged at
+    INFO), where a fraction is refused."""
     model = tiny_models.llama()
     named = [list(block.named_parameters()) for block in model.model.layers]
     blocks = {id(p) for group in named for _, p in group}
@@ -241,6 +271,10 @@ def test_fractions_auto_and_data_parallel():
         runtime=SimpleNamespace(device=torch.device("cpu"), is_cuda=False),
     )
     assert _device_state_count(engine, model, "none", Topology(), shapes) == 0  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="megatrain_ds.engine_build"):
+        assert _device_state_count(engine, model, "none", Topology(node_ranks=2), shapes) == 0  # type: ignore[arg-type]
+    assert [record.levelno for record in caplog.records if "data parallel" in record.getMessage()] == [logging.INFO]
+    engine.config = parse_engine_config(ds_config(megatrain={"device_state": 0.5}))
     with pytest.raises(ConfigError, match="data parallel"):
         _device_state_count(engine, model, "none", Topology(node_ranks=2), shapes)  # type: ignore[arg-type]
     assert Where.DEVICE.on_device and not Where.DEVICE.on_host
@@ -260,6 +294,46 @@ def test_the_planner_times_the_host_pass_over_the_host_states_only():
     assert optimizer_seconds(shape, half, hardware) == pytest.approx(
         optimizer_seconds(shape, half, untimed) + on_device
     )
+
+
+def test_the_planner_resolves_auto_as_the_engine_does():
+    """``auto_device_state_share``: the engine's rule on the planned sizes. A bf16 run with
+    clipping keeps 16 B per parameter of a state on the device (master 4, m and v 8, shadow 2,
+    held bf16 gradient 2): the resident state (2e8 parameters) 3.2 GB, each block (1e8) 1.6
+    GB. The engine's own peak is two weight buffers of a block and the resident copy, 0.8 GB.
+    On 16 GiB the budget is 0.8 * (17.18 - 0.8 - 4.29) GB = 9.67 GB: the resident state and 4
+    blocks (9.6 GB), 6e8 of 1e9 parameters; on 8 GiB 2.8 GB, not even the resident state."""
+    shape = ModelShape(
+        num_blocks=8,
+        block_params=10**8,
+        total_block_params=8 * 10**8,
+        resident_params=2 * 10**8,
+        hidden=4096,
+        vocab=32000,
+    )
+    settings = RunSettings(seq_len=1024)
+    for gib, share in ((8, 0.0), (16, 0.6), (4096, 1.0)):
+        hardware = dataclasses.replace(GPU_HARDWARE["h100"], device_memory_bytes=gib << 30)
+        assert auto_device_state_share(shape, settings, hardware) == pytest.approx(share), gib
+    h100 = GPU_HARDWARE["h100"]
+    assert auto_device_state_share(shape, dataclasses.replace(settings, nvme=True), h100) == 0.0
+    assert auto_device_state_share(shape, dataclasses.replace(settings, master_bytes=2), h100) == 0.0
+    assert auto_device_state_share(shape, settings, dataclasses.replace(h100, shares_host_memory=True)) == 0.0
+
+
+def test_megatrain_plan_defaults_to_auto(capsys):
+    """``megatrain plan`` without ``--device-state`` plans the engine's default: a tiny model's
+    states all on an H200, none of them in host memory; ``--device-state none`` keeps them
+    there."""
+    argv = ["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h200", "--seq-len", "256", "--json"]
+    plans = {}
+    for extra in ([], ["--device-state", "none"]):
+        assert cli.main([*argv, *extra]) == 0
+        plans[bool(extra)] = json.loads(capsys.readouterr().out)
+    default, host_only = plans[False], plans[True]
+    assert default["settings"]["device_state_share"] == 1.0 and default["gpu_bytes"]["device_state"] > 0
+    assert host_only["settings"]["device_state_share"] == 0.0 and "device_state" not in host_only["gpu_bytes"]
+    assert default["host_bytes"]["master"] == 0 < host_only["host_bytes"]["master"]
 
 
 def test_a_non_finite_step_leaves_the_device_states_untouched():
@@ -303,5 +377,21 @@ def test_without_cuda_or_triton_s_interpreter_every_state_stays_in_host_memory(m
         batch = tiny_models.make_batch(0)
         engine.backward(engine(**batch).loss)
         engine.step()
+    finally:
+        engine.destroy()
+
+
+def test_the_default_keeps_every_state_in_host_memory_without_cuda(caplog):
+    """The default ``"auto"`` on a CPU-only machine, with Triton's interpreter on (these
+    tests' setting, under which a fraction would put states on the "device"): no state apart,
+    the CPU path as it always was, the reason at INFO."""
+    with caplog.at_level(logging.INFO, logger="megatrain_ds.engine_build"):
+        engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config()))
+    try:
+        assert engine.config.options.device_state == "auto"
+        assert engine.device_states is None and list(engine.placement.device_indices) == []
+        assert engine.device_bytes()["device_state"] == 0
+        [record] = [record for record in caplog.records if "no CUDA device" in record.getMessage()]
+        assert record.levelno == logging.INFO
     finally:
         engine.destroy()

@@ -24,6 +24,11 @@ from megatrain_ds.model.block_template import BlockTemplate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+HOST_STATE = {"device_state": "none"}
+"""The streaming path's tests keep every optimizer state in host memory: the default ("auto",
+the GPU tier) would keep a tiny model's states whole on the GPU, and these would then test
+the tier (below) instead of the weight copies, the gradients' way to the host and host AdamW."""
+
 
 def _train_on_cuda(make_model, config, autocast_reference, steps=5):
     torch.manual_seed(0)
@@ -54,7 +59,7 @@ def _train_on_cuda(make_model, config, autocast_reference, steps=5):
 def test_fp32_parity_on_cuda(family):
     """fp32 on CUDA: same tolerances as the CPU parity suite (TF32 disabled by default)."""
     engine, reference, ours, theirs = _train_on_cuda(
-        tiny_models.FAMILIES[family], ds_config(clipping=1.0), autocast_reference=False
+        tiny_models.FAMILIES[family], ds_config(clipping=1.0, megatrain=HOST_STATE), autocast_reference=False
     )
     try:
         for a, b in zip(ours, theirs):
@@ -70,7 +75,7 @@ def test_bf16_compute_against_bf16_autocast_reference(family):
     residual adds in bf16 too (autocast keeps some in fp32), so agreement is at bf16
     resolution: per-step loss 1e-2 relative, weights 1e-2 global relative after 5 steps."""
     engine, reference, ours, theirs = _train_on_cuda(
-        tiny_models.FAMILIES[family], ds_config(clipping=1.0, bf16=True), autocast_reference=True
+        tiny_models.FAMILIES[family], ds_config(clipping=1.0, bf16=True, megatrain=HOST_STATE), autocast_reference=True
     )
     try:
         for a, b in zip(ours, theirs):
@@ -118,7 +123,8 @@ def test_weight_copies_overlap_block_compute(monkeypatch):
     sleeps) an H200 machine took 9.4 ms for the 8 blocks, 1.2 ms a block: the host's pace
     at 16 tokens, since device timestamps there showed each copy overlapping the block
     before it (tests/test_trace.py; bench/results/gpu_H200/timeline.png at 4096 tokens)."""
-    engine = MegatrainEngine(_wide_llama(8, hidden=2048, intermediate=8192), parse_engine_config(ds_config(bf16=True)))
+    config = parse_engine_config(ds_config(bf16=True, megatrain=HOST_STATE))  # every block's weights copied
+    engine = MegatrainEngine(_wide_llama(8, hidden=2048, intermediate=8192), config)
     try:
         state = engine.states[0]
         buffer = torch.empty_like(state.streamed, device="cuda")
@@ -157,7 +163,8 @@ def peak_bytes_of_two_steps(depth: int) -> tuple[int, dict[str, int]]:
     allocated before the engine, and what the engine itself accounts for."""
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    engine = MegatrainEngine(_wide_llama(depth), parse_engine_config(ds_config(bf16=True)))
+    # The streamed engine's memory: states kept on the GPU ("auto") would grow with depth.
+    engine = MegatrainEngine(_wide_llama(depth), parse_engine_config(ds_config(bf16=True, megatrain=HOST_STATE)))
     try:
         for _step in range(2):
             ids = torch.randint(0, 256, (2, 128), device="cuda")
@@ -192,7 +199,8 @@ def test_checkpoint_save_and_resume_on_cuda(tmp_path):
     """Save after 2 steps, train 2 more, load, train the same 2 again: the same losses and
     masters bit for bit (pinned host state, device resident copies and streams on CUDA)."""
     torch.manual_seed(0)
-    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(accumulation=2, clipping=1.0)))
+    config = ds_config(accumulation=2, clipping=1.0, megatrain=HOST_STATE)  # the GPU tier's: further down
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
 
     def train(first_step: int, steps: int) -> list[float]:
         losses = []
@@ -276,9 +284,11 @@ def test_device_state_checkpoint_on_cuda(tmp_path):
 
 
 def test_device_state_auto_keeps_a_small_model_whole_on_the_gpu(caplog):
-    """ "auto" on a GPU with room: every state of a tiny model fits, and the decision is logged."""
+    """The default ("auto") on a GPU with room: every state of a tiny model fits, and the
+    decision is logged."""
     torch.manual_seed(0)
-    config = parse_engine_config(ds_config(megatrain={"device_state": "auto"}))
+    config = parse_engine_config(ds_config())
+    assert config.options.device_state == "auto"
     with caplog.at_level("INFO", logger="megatrain_ds.engine_build"):
         engine = MegatrainEngine(tiny_models.llama(), config)
     try:

@@ -104,6 +104,24 @@ def test_fp32_lora_matches_plain_pytorch_with_accumulation_and_clipping(nvme, tm
         engine.destroy()
 
 
+def test_fp32_lora_with_states_on_the_device_matches_plain_pytorch():
+    """The GPU tier (the default on a GPU, ``"auto"``) with frozen weights: the resident state
+    and the first blocks on the "device" (Triton's interpreter here), their moments and held
+    gradients the trained prefix's alone, the frozen weights untouched; test_parity.py's
+    tolerances (the tier's kernel rounds < 1 ulp per step: tests/test_device_state.py)."""
+    frozen = _frozen(lora_llama())
+    config = ds_config(accumulation=2, clipping=1.0, megatrain={"device_state": 0.6})
+    engine, reference, trace = train_side_by_side(lora_llama, config, steps=3)
+    try:
+        on_device = engine.placement.device_indices
+        assert 0 < len(on_device) < len(engine.states)
+        _assert_matches_reference(engine, reference, trace)
+        _assert_frozen_unchanged(engine, frozen)
+        _assert_trained_only_buffers(engine)
+    finally:
+        engine.destroy()
+
+
 def _assert_frozen_apart_on_the_tier(
     engine: MegatrainEngine, dtype: torch.dtype, written: dict[str, int] | None = None
 ) -> dict[str, int]:

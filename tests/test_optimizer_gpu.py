@@ -23,9 +23,10 @@ WEIGHT_RTOL = 2e-6
 
 
 def _train_on_device(placement: str, steps: int = 5) -> tuple[list[torch.Tensor], list[float]]:
-    config = ds_config(
-        accumulation=2, clipping=CLIP, megatrain={"optimizer_device": placement, "speculative_blocks": 4}
-    )
+    # Every state in host memory ("device_state": "none"): the default ("auto") would keep
+    # the tiny model's states whole on the GPU, where "optimizer_device" places nothing.
+    megatrain = {"optimizer_device": placement, "speculative_blocks": 4, "device_state": "none"}
+    config = ds_config(accumulation=2, clipping=CLIP, megatrain=megatrain)
     torch.manual_seed(0)
     engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(config))
     norms = []

@@ -491,9 +491,11 @@ def test_the_optimizer_share_on_the_device_crosses_the_link_after_the_hosts():
 
 def test_probe_measures_the_host_of_a_gpu_machine(capsys):
     """``--probe``: the optimizer bound comes from the AdamW kernel measured here (28 bytes
-    of state per element), at ``24 + g + s`` bytes per parameter, as on the CPU target."""
+    of state per element), at ``24 + g + s`` bytes per parameter, as on the CPU target. Every
+    state on the host (``--device-state none``): by default the tiny model's would all be on
+    the GPU tier, stepped there."""
     argv = ["plan", "--model", "configs/models/tiny_llama.json", "--gpu", "h200", "--seq-len", "256", "--json"]
-    assert cli.main([*argv, "--probe"]) == 0
+    assert cli.main([*argv, "--probe", "--device-state", "none"]) == 0
     data = json.loads(capsys.readouterr().out)
     hardware = data["hardware"]
     assert hardware["adam_bytes_per_s"] > 0

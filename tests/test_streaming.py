@@ -11,7 +11,9 @@ from megatrain_ds import MegatrainEngine, parse_engine_config
 
 
 def _engine(model, **megatrain):
-    return MegatrainEngine(model, parse_engine_config(ds_config(megatrain=megatrain)))
+    # Every state in host memory: on a CUDA machine the default ("auto") would keep the tiny
+    # models' blocks on the GPU, never streamed (on the CPU it keeps them on the host anyway).
+    return MegatrainEngine(model, parse_engine_config(ds_config(megatrain={"device_state": "none", **megatrain})))
 
 
 def _train_steps(engine, steps):

@@ -382,11 +382,14 @@ def test_tokens_are_counted_from_ids_or_embeddings():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trace_shows_weight_copies_overlapping_compute(tmp_path):
     """Device spans come from CUDA events: one stream's spans do not overlap, and the copy
-    of block i+1 runs during block i's forward (the prefetch), by device time."""
+    of block i+1 runs during block i's forward (the prefetch), by device time. Every state
+    in host memory: with the default ("auto") the tiny model's blocks would stay on the GPU,
+    and no weight would be copied."""
     path = tmp_path / "cuda.json"
+    megatrain = {"trace": str(path), "trace_steps": 1, "device_state": "none"}
     engine = MegatrainEngine(
         tiny_models.llama(num_layers=NUM_BLOCKS),
-        parse_engine_config(ds_config(megatrain={"trace": str(path), "trace_steps": 1})),
+        parse_engine_config(ds_config(megatrain=megatrain)),
         device=torch.device("cuda"),
     )
     try:

@@ -278,19 +278,23 @@ def _check_fp16_options(options: MegatrainOptions) -> None:
 def _device_state_checked(
     options: MegatrainOptions, fp16: bool, from_ratio: bool, data_parallel: bool
 ) -> MegatrainOptions:
-    """``options``, or with ``device_state`` "none" where it came from DeepSpeed's
-    ``offload_optimizer.ratio`` (``from_ratio``) and the GPU tier cannot run here: the key is
-    then ignored with a warning, as it was before the tier existed, so a JSON that trained
-    before still trains. A ``megatrain.device_state`` it cannot run is refused (data
-    parallel at the build, ``engine_build.py``, which knows the ranks)."""
+    """``options``, or with ``device_state`` "none" where the GPU tier cannot run here and
+    the setting allows it: ``"auto"`` (the default) then keeps every state in host memory,
+    the reason logged at INFO; DeepSpeed's ``offload_optimizer.ratio`` (``from_ratio``) is
+    ignored with a warning, as it was before the tier existed, so a JSON that trained before
+    still trains. A fraction in ``megatrain.device_state`` it cannot run is refused (data
+    parallel at the build, ``engine_build.py``, which knows the ranks and resolves "auto")."""
     why = _device_state_refusal(options, fp16)
     if why is None and from_ratio and data_parallel and options.wants_device_state:
         why = "the GPU tier does not support data parallel yet"
     if why is None:
         return options
-    if not from_ratio:
+    if options.device_state == "auto":
+        logger.info('megatrain: device_state "auto": every optimizer state stays in host memory: %s', why)
+    elif from_ratio:
+        logger.warning("megatrain: ignoring zero_optimization.offload_optimizer.ratio here: %s", why)
+    else:
         raise ConfigError(why)
-    logger.warning("megatrain: ignoring zero_optimization.offload_optimizer.ratio here: %s", why)
     return dataclasses.replace(options, device_state="none")
 
 

@@ -161,14 +161,17 @@ class MegatrainOptions:
     state streamed through the device and a fused Triton kernel), or "auto": measured at
     start-up (cached per machine), possibly splitting blocks between the two; "cpu"
     without CUDA. See ``optimizer/placement.py``."""
-    device_state: str | float = "none"
+    device_state: str | float = "auto"
     """The GPU tier: keep a prefix of the optimizer states (the resident parameters', then
     blocks 0, 1, ... whole) on the compute device, updated there by the Triton kernel, their
-    weights never copied and their gradients never leaving it: "none", a fraction 0..1 of the
-    trained elements, or "auto" (as much as fits in ``DEVICE_STATE_AUTO_SHARE`` of the free
-    device memory left after the engine's own planned peak; none without CUDA). DeepSpeed's
-    ``offload_optimizer.ratio`` sets ``1 - ratio``. One process, no NVMe tier, fp32 masters,
-    no fp16. See ``state/placement.py``: [Note: the GPU tier]."""
+    weights never copied and their gradients never leaving it: "auto" (the default: as much
+    as fits in ``DEVICE_STATE_AUTO_SHARE`` of the free device memory left after the engine's
+    own planned peak, and none, with the reason logged at INFO, where the tier cannot run:
+    no CUDA, fp16, a bf16 master, the NVMe tier, data parallel), "none" (every state in host
+    memory), or a fraction 0..1 of the trained elements (refused where the tier cannot run).
+    DeepSpeed's ``offload_optimizer.ratio`` sets ``1 - ratio`` (ignored with a warning where
+    the tier cannot run; 1.0 keeps every state in host memory). See ``state/placement.py``:
+    [Note: the GPU tier]."""
     cpu_adam_kernel: str = "auto"
     """The CPU AdamW kernel: "deepspeed" (DeepSpeed's CPU Adam kernel, JIT-built on first
     use), "torch_fused" (ATen's fused kernel), "torch" (op by op), or "auto" (the first that

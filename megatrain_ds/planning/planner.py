@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatrain_ds.config.megatrain_options import DEVICE_STATE_AUTO_SHARE, DEVICE_STATE_HEADROOM_BYTES
 from megatrain_ds.planning.long_context import (
     choose_loss_chunk_tokens,
     choose_mlp_tile_tokens,
@@ -53,7 +54,16 @@ from megatrain_ds.planning.step_time import (
     step_seconds,
     weight_fill_seconds,
 )
-from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology, device_prefix
+from megatrain_ds.state.placement import (
+    ElementSizes,
+    Placement,
+    StateShape,
+    TierSettings,
+    Topology,
+    device_prefix,
+    device_prefix_within,
+    device_state_indices,
+)
 
 __all__ = [  # the step-time model's names, for callers of the planner
     "ADAM_HOST_BYTES_PER_PARAM",
@@ -185,19 +195,9 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
 
 
 def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
-    """Where the planned run's buffers live (one process), from the model's sizes alone:
-    ``num_blocks`` blocks, the largest of ``block_params`` and the others sharing the rest
-    evenly, each with ``frozen_block_params`` frozen (at most its size), and the resident
-    state with the frozen parameters left (exact for the usual model of identical blocks).
-    Flat layouts' alignment padding is not counted: a model's sizes are its parameters'."""
-    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
-    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
-    frozen = [min(shape.frozen_block_params, size) for size in sizes]
-    resident = shape.resident_params
-    frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
-    # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
-    in_compute = frozen_in_compute_dtype(shape, settings)
-    states = [StateShape(size, size - f, bool(f) and in_compute) for size, f in zip([*sizes, resident], frozen)]
+    """Where the planned run's buffers live (one process), from the model's sizes alone
+    (:func:`_state_shapes`)."""
+    states = _state_shapes(shape, settings)
     element_sizes = ElementSizes(
         master=settings.master_bytes,
         compute=settings.weight_bytes,
@@ -209,6 +209,42 @@ def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
     # The GPU tier's prefix, by the engine's rule; it goes with no NVMe tier (the config refuses both).
     on_device = device_prefix(settings.device_state_share, states) if nvme == "none" else 0
     return Placement.of_sizes(element_sizes, tier, nvme, Topology(), states, on_device)
+
+
+def _state_shapes(shape: ModelShape, settings: RunSettings) -> list[StateShape]:
+    """The planned run's states: ``num_blocks`` blocks, the largest of ``block_params`` and
+    the others sharing the rest evenly, each with ``frozen_block_params`` frozen (at most its
+    size), and the resident state with the frozen parameters left (exact for the usual model
+    of identical blocks). Flat layouts' alignment padding is not counted: a model's sizes
+    are its parameters'."""
+    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
+    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
+    frozen = [min(shape.frozen_block_params, size) for size in sizes]
+    resident = shape.resident_params
+    frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
+    # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
+    in_compute = frozen_in_compute_dtype(shape, settings)
+    return [StateShape(size, size - f, bool(f) and in_compute) for size, f in zip([*sizes, resident], frozen)]
+
+
+def auto_device_state_share(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
+    """``device_state: "auto"`` (the engine's default) as the engine resolves it at start-up
+    (``engine_build.py``), the device's whole memory standing for the free memory it asks
+    CUDA for: the share of the trained parameters in the longest prefix of the states
+    (resident state first) that fits in ``DEVICE_STATE_AUTO_SHARE`` of the device memory left
+    after ``DEVICE_STATE_HEADROOM_BYTES`` and the engine's own planned peak -- preflight's,
+    the weight buffers and the resident copy: like the engine, it does not know the batch,
+    so the activations must fit in what is left (the plan's limits show whether they do).
+    0 where the tier cannot run: the device is the host, the NVMe tier, a bf16 master."""
+    if hardware.shares_host_memory or settings.nvme or settings.master_bytes != 4:
+        return 0.0
+    device = gpu_bytes(shape, _with(settings, device_state_share=0.0), hardware)
+    own = device["weight_buffers"] + device["resident_params"]
+    budget = int(DEVICE_STATE_AUTO_SHARE * max(hardware.device_memory_bytes - own - DEVICE_STATE_HEADROOM_BYTES, 0))
+    count = device_prefix_within(placement_of(shape, _with(settings, device_state_share=1.0)), budget)
+    trained = [state.trained_numel for state in _state_shapes(shape, settings)]
+    on_device = sum(trained[index] for index in device_state_indices(len(trained), count))
+    return on_device / sum(trained) if sum(trained) else 0.0
 
 
 def gpu_bytes(shape: ModelShape, settings: RunSettings, hardware: Hardware | None = None) -> dict[str, int]:

@@ -72,9 +72,9 @@ dtype. With data parallel the host buffers of the node (master, shadow, m, v and
 window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
 
 [Note: the GPU tier]
-With ``"device_state"`` (``"auto"`` or a fraction of the trained elements; DeepSpeed's
-``offload_optimizer.ratio`` is ``1 - fraction``) a prefix of the states, in the order the
-next forward reads them -- the resident state, then blocks 0, 1, ... -- is kept whole on the
+With ``"device_state"`` (``"auto"``, the default, or a fraction of the trained elements;
+DeepSpeed's ``offload_optimizer.ratio`` is ``1 - fraction``) a prefix of the states, in the
+order the next forward reads them -- the resident state, then blocks 0, 1, ... -- is kept whole on the
 compute device (``Where.DEVICE``): master, shadow, m, v and a held gradient (in the compute
 dtype where the run holds none on the host). Their weights are never copied (the streamer
 points a slot at the shadow), their gradients never leave the device (the sink copies or
@@ -83,9 +83,10 @@ updated at ``step()`` by the Triton kernel in place, on the optimizer stream
 (``optimizer/device_states.py``: [Note: device state ordering]); the host pass covers the
 other states only. Prefix, not any subset: the next forward needs the resident state and
 block 0 first, exactly the states whose host update it would otherwise wait for. One
-process, no NVMe tier, fp32 masters and no fp16 loss scaling (``config/engine_config.py``
-refuses the rest). Nothing of them is in host memory: ``host_bytes()`` leaves them out,
-``device_bytes()`` counts them.
+process, no NVMe tier, fp32 masters and no fp16 loss scaling: elsewhere ``"auto"`` keeps
+every state on the host, logged at INFO, and a fraction is refused
+(``config/engine_config.py``; data parallel at the build, ``engine_build.py``). Nothing of
+them is in host memory: ``host_bytes()`` leaves them out, ``device_bytes()`` counts them.
 """
 
 from __future__ import annotations
