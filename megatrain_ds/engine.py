@@ -21,6 +21,7 @@ is ``engine_build.py``'s: ``__init__`` runs its :func:`~megatrain_ds.engine_buil
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import weakref
@@ -266,11 +267,18 @@ class MegatrainEngine(nn.Module):
             )
             self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
-        with self.runtime.observe():
+        with self.runtime.observe(), self._out_of_memory_explained():
             self.blocks.begin_forward()
             if self.causal_loss is not None and self.causal_loss.applies(kwargs):
                 return self.causal_loss(self.module, args, kwargs)  # model/causal_lm_loss.py
             return self.module(*args, **kwargs)
+
+    def _out_of_memory_explained(self) -> contextlib.AbstractContextManager[None]:
+        """A device out-of-memory error inside names the GPU tier's share and its fix, where
+        the tier holds states (optimizer/device_states.py)."""
+        if self.device_states is None:
+            return contextlib.nullcontext()
+        return self.device_states.out_of_memory_explained()
 
     def settle_optimizer(self) -> None:
         """Wait until the last optimizer step's update, when it runs behind :meth:`step`, has
@@ -334,7 +342,7 @@ class MegatrainEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` divided by the accumulation steps, and with fp16 times the
         loss scale (DeepSpeed semantics: the scale multiplies the divided loss)."""
-        with self.runtime.observe():
+        with self.runtime.observe(), self._out_of_memory_explained():
             self.settle_optimizer()  # the gradients land in the held ones the update reads
             self.blocks.begin_backward()
             scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss

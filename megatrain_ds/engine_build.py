@@ -473,8 +473,8 @@ def _device_states(engine: EngineUnderConstruction) -> DeviceStates | None:
     indices = engine.placement.device_indices
     if not indices:
         return None
-    device_states = DeviceStates(engine.runtime, engine.states, indices)
     nbytes = sum(engine.placement.device_bytes().values())
+    device_states = DeviceStates(engine.runtime, engine.states, indices, engine.config.options.device_state, nbytes)
     blocks = [index for index in indices if index != engine._resident_index]
     logger.info(
         "megatrain: device_state %r: %s on the device (%d of %d elements, %.1f MiB), updated there",

@@ -395,3 +395,37 @@ def test_the_default_keeps_every_state_in_host_memory_without_cuda(caplog):
         assert record.levelno == logging.INFO
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("setting", [0.5, "none"])
+def test_a_device_out_of_memory_error_names_the_gpu_tier_and_its_fix(setting):
+    """``"auto"`` sizes the tier at start-up, before any batch: a device out-of-memory error
+    in forward (a block's) or in backward (from the loss's gradient hook, as autograd runs it)
+    says what the tier holds and how to give it back to activations. Without states on the
+    device the error is left as it was."""
+    torch.manual_seed(0)
+    engine = MegatrainEngine(tiny_models.llama(), parse_engine_config(ds_config(megatrain={"device_state": setting})))
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = engine.blocks.blocks[0].register_forward_pre_hook(out_of_memory)
+    try:
+        engine.train()
+        batch = tiny_models.make_batch(0)
+        with pytest.raises(torch.OutOfMemoryError) as in_forward:
+            engine(**batch)
+        hook.remove()
+        loss = engine(**batch).loss
+        loss.register_hook(out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError) as in_backward:
+            engine.backward(loss)
+        for raised in (in_forward.value, in_backward.value):
+            message = str(raised)
+            assert message.startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
+            explained = 'set "megatrain": {"device_state": "none"}' in message
+            assert explained == (setting != "none"), message
+            if explained:
+                assert f"device_state {setting!r}" in message and "GiB) on the device" in message
+    finally:
+        engine.destroy()

@@ -44,7 +44,10 @@ runs this exact code (the interpreter truncates fp32 -> bf16 where the GPU round
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
 
 from megatrain_ds.optimizer.adamw_math import AdamHyper
 from megatrain_ds.optimizer.device_adamw import triton_adamw_step
@@ -59,14 +62,27 @@ class DeviceStates:
         runtime: the streams and events ([Note: device state ordering]).
         states: every flat state (blocks, then the resident state).
         indices: those on the device, in the order the next forward reads them.
+        setting: ``megatrain.device_state`` as configured.
+        device_bytes: the device memory they take.
     """
 
-    def __init__(self, runtime: DeviceRuntime, states: Sequence[HostFlatState], indices: Sequence[int]) -> None:
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        states: Sequence[HostFlatState],
+        indices: Sequence[int],
+        setting: str | float,
+        device_bytes: int,
+    ) -> None:
         import megatrain_triton  # noqa: F401  (fails here, at build, where Triton is missing)
 
         self._runtime = runtime
         self._states = states
         self.indices = tuple(indices)
+        self.setting = setting
+        """``megatrain.device_state`` as configured (named in :meth:`out_of_memory_explained`)."""
+        self.device_bytes = device_bytes
+        """Device memory the states take (the placement's count)."""
         self._updated = {index: runtime.event() for index in self.indices}
         self._unsettled = False
         """An update has been issued that the host has not waited for (:meth:`settle`)."""
@@ -109,6 +125,25 @@ class DeviceStates:
             shadow = state.shadow[lo:hi] if state.shadow is not None else None
             what = "the Triton AdamW kernel on a device state"
             triton_adamw_step(master, grad[lo:hi], exp_avg, exp_avg_sq, shadow, step, hypers[run.group], scale, what)
+
+    @contextlib.contextmanager
+    def out_of_memory_explained(self) -> Iterator[None]:
+        """Add to a device out-of-memory error raised inside what the GPU tier holds, and the
+        fix: ``"auto"`` sized the tier at start-up, before any batch was seen, so a batch whose
+        activations need more than the memory it left (``DEVICE_STATE_AUTO_SHARE``'s rest and
+        ``DEVICE_STATE_HEADROOM_BYTES``) runs out where the same script with ``"none"`` fits."""
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            message = error.args[0] if error.args else ""
+            error.args = (
+                f"{message}\nmegatrain: the GPU tier holds {len(self.indices)} optimizer states "
+                f"({self.device_bytes / 2**30:.1f} GiB) on the device (megatrain.device_state {self.setting!r}, "
+                'sized at start-up); to leave that memory to activations set "megatrain": '
+                '{"device_state": "none"} or a smaller fraction of the trained elements',
+                *error.args[1:],
+            )
+            raise
 
     def wait_on_device(self, index: int, stream: Stream) -> None:
         """``stream`` waits (on the device, the host goes on) for state ``index``'s last update."""
