@@ -186,13 +186,17 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
 
 def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
     """Where the planned run's buffers live (one process), from the model's sizes alone:
-    ``num_blocks`` blocks, the largest of ``block_params`` and the others sharing the rest
-    evenly, each with ``frozen_block_params`` frozen (at most its size), and the resident
+    ``num_blocks`` blocks, each of ``block_sizes`` where the shape has them, else the largest
+    of ``block_params`` and the others sharing the rest evenly, each with
+    ``frozen_block_params`` frozen (at most its size), and the resident
     state with the frozen parameters left (exact for the usual model of identical blocks).
     Flat layouts' alignment padding is not counted: a model's sizes are its parameters'."""
-    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
-    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
-    frozen = [min(shape.frozen_block_params, size) for size in sizes]
+    if shape.block_sizes:  # blocks that differ (LoRA on some layers, blocks frozen whole): each as it is
+        sizes, frozen = [size for size, _ in shape.block_sizes], [f for _, f in shape.block_sizes]
+    else:
+        rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
+        sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
+        frozen = [min(shape.frozen_block_params, size) for size in sizes]
     resident = shape.resident_params
     frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
     # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
