@@ -26,8 +26,8 @@ import math
 import pytest
 import tiny_models
 import torch
-from safetensors import safe_open
 from placement_check import placement_disagreements, planner_disagreements, preflight_disagreements
+from safetensors import safe_open
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error, train_side_by_side
 from test_lora import _assert_frozen_unchanged, _assert_same_state, _frozen, _swap, _train
 
@@ -145,7 +145,7 @@ def test_lora_on_some_layers_trains_as_plain_pytorch_and_resumes_exactly(precisi
     finally:
         engine.destroy()
     with safe_open(str(tmp_path / "adapters" / "model-00001-of-00001.safetensors"), "pt") as adapters:
-        saved = set(adapters.keys())  # noqa: SIM118 (not a dict)
+        saved = set(adapters.keys())
     assert saved == {name for name, p in reference.named_parameters() if p.requires_grad}
 
 
@@ -201,4 +201,3 @@ def test_lora_with_device_state_trains_as_plain_pytorch_and_keeps_frozen_weights
         assert engine.streamer.transfers[1] == 0 and all(engine.streamer.transfers[b] > 0 for b in (0, 2, 3))
     finally:
         engine.destroy()
-

@@ -63,13 +63,19 @@ windows on its own), in the compute dtype where every frozen weight arrives in i
 the master's: written once to a read-only file beside the block's swap file and read with
 the master when the block is streamed (``state/frozen_files.py``: [Note: frozen weights on
 the tier]), with data parallel gathered after the prefix's windows
-(``distributed/gathered_weights.py``). Not trained-only, every buffer covering the frozen
-parameters too: a block with nothing trained at all with ``"all"`` (a path of its own for
-it is not built), and, where the fp32 master is cut (on the tier with ``"optimizer"``,
-several nodes' spans, or the ranks' windows with data parallel and ``"all"``, whose
-gathers are in the compute dtype), a state with a frozen weight that is not in the compute
-dtype. With data parallel the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
-window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
+(``distributed/gathered_weights.py``). A block with nothing trained at all (LoRA on some
+layers, blocks frozen whole) is a trained-only state whose trained prefix is empty: its
+weights alone, in the master (where that streams, or its frozen weights are not in the
+compute dtype) or the shadow; in one process it has nothing on the tier beside them, so no
+swap file (:func:`_optimizer_on_tier`), and with ``"all"`` its frozen weights apart and an
+empty swap file. Not trained-only, every buffer covering the frozen parameters too: where
+the fp32 master is cut (on the tier with ``"optimizer"``, several nodes' spans, or the
+ranks' windows with data parallel and ``"all"``, whose gathers are in the compute dtype),
+a state with trained parameters and a frozen weight that is not in the compute dtype (with
+several nodes, or data parallel and the tier, one with nothing trained too). With data
+parallel the host buffers of the node (master, shadow, m, v and gradients but those of a
+rank's own window) are node-shared: one copy per node; the NVMe tier is each rank's own, of
+its windows.
 
 [Note: the GPU tier]
 With ``"device_state"`` (``"auto"`` or a fraction of the trained elements; DeepSpeed's
@@ -82,7 +88,11 @@ adds them into the held gradient there, its squared norm summed there), and they
 updated at ``step()`` by the Triton kernel in place, on the optimizer stream
 (``optimizer/device_states.py``: [Note: device state ordering]); the host pass covers the
 other states only. Prefix, not any subset: the next forward needs the resident state and
-block 0 first, exactly the states whose host update it would otherwise wait for. One
+block 0 first, exactly the states whose host update it would otherwise wait for. States
+with nothing trained are skipped (:func:`device_candidates`): they have no host update to
+wait for, and their frozen weights get no device state (a LoRA model's embeddings and head,
+blocks LoRA leaves alone); the device states' moments and gradients cover their trained
+prefix alone, as on the host. One
 process, no NVMe tier, fp32 masters and no fp16 loss scaling (``config/engine_config.py``
 refuses the rest). Nothing of them is in host memory: ``host_bytes()`` leaves them out,
 ``device_bytes()`` counts them.
