@@ -59,20 +59,25 @@ def freeze_some(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
-def freeze_all_but_input_norms(model: torch.nn.Module) -> list[str]:
-    """Freeze every weight but the blocks' input norms and the final norm and head: a block's
-    trained prefix is then one 64-element window, so with more than one rank some ranks'
-    windows of it are empty while their windows of its frozen weights are not. Returns the
-    frozen weights' names."""
+def freeze_all_but_later_input_norms(model: torch.nn.Module) -> list[str]:
+    """Freeze every weight but the input norms of the blocks after the first and the final
+    norm and head: a block's trained prefix is then one 64-element window, so with more than
+    one rank some ranks' windows of it are empty while their windows of its frozen weights are
+    not, and the first block has nothing trained at all (every rank's window of its trained
+    prefix empty: its frozen weights alone, issue 44). Returns the frozen weights' names."""
     trained = ("input_layernorm", "model.norm", "lm_head")
-    frozen = [name for name, _ in model.named_parameters() if not any(part in name for part in trained)]
+    frozen = [
+        name
+        for name, _ in model.named_parameters()
+        if not any(part in name for part in trained) or name.endswith("layers.0.input_layernorm.weight")
+    ]
     parameters = dict(model.named_parameters())
     for name in frozen:
         parameters[name].requires_grad_(False)
     return frozen
 
 
-FREEZERS = {"some": freeze_some, "all-but-input-norms": freeze_all_but_input_norms}
+FREEZERS = {"some": freeze_some, "all-but-later-input-norms": freeze_all_but_later_input_norms}
 """``--frozen``'s choices: which weights a run freezes."""
 
 

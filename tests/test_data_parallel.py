@@ -821,14 +821,16 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
         "optimizer-00001-of-00001.safetensors"
     ]
     # The 4 nodes keep the moments of their spans on the NVMe tier, each on its own disk; then
-    # they train again, frozen but for the blocks' input norms, with the weights on the tier.
-    swap = ("--nvme", str(tmp_path / "swap"), "--then-frozen-on-tier", "all-but-input-norms")
+    # they train again, frozen but for the input norms of blocks 1-3, with the weights on the
+    # tier: block 0 has nothing trained, its frozen weights alone on the ranks' tiers.
+    swap = ("--nvme", str(tmp_path / "swap"), "--then-frozen-on-tier", "all-but-later-input-norms")
     launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint), *swap)
     on1 = torch.load(runs["on1"] / "rank0.pt")
     on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
     frozen = [torch.load(runs["on4"] / f"frozen{r}.pt") for r in range(4)]
-    _assert_frozen_apart_on_rank_tiers(frozen, "all-but-input-norms", steps, accumulation=2)
+    _assert_frozen_apart_on_rank_tiers(frozen, "all-but-later-input-norms", steps, accumulation=2)
     assert [any(report["tier"]["numels"]) for report in frozen] == [True, False, False, False]
+    assert frozen[0]["trained_numels"][0] == 0 and all(t > 0 for t in frozen[0]["trained_numels"][1:])
     _assert_node_shares(on4, nodes=4, per_node=1, tier=True)
     for resumed in (on1, on4[0]):
         assert relative_error(resumed["state_dict"], straight[0]["state_dict"]) < 2e-6
