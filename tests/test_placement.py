@@ -171,10 +171,11 @@ def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, t
         # The second block's frozen fp32 MLP beside a master cut on the tier keeps every buffer (above).
         assert first.trained_only and second.trained_only != (nvme == "optimizer" and precision == "bf16")
         assert first.numel == first.frozen_numel and first.exp_avg.numel == first.grad.numel == 0
-        assert engine.states[0].exp_avg.numel() == engine.states[0].grad.numel() == 0
+        untrained = engine.states[0]
+        assert untrained.grad is not None and untrained.exp_avg.numel() == untrained.grad.numel() == 0
         if nvme == "all":
             assert first.frozen.where is second.frozen.where is Where.TIER and first.master.numel == 0
-            assert engine.states[0].frozen is not None and engine.states[0].frozen.numel() == first.numel
+            assert untrained.frozen is not None and untrained.frozen.numel() == first.numel
         else:  # the weights in the master (fp32 frozen weights, exact), which streams or beside the shadow
             assert first.master.where is Where.HOST and first.master.numel == first.numel
         tier = engine.nvme_tier
