@@ -558,8 +558,8 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
             master = Buffer(Where.HOST, numel, sizes.master)
         moments, grad_where = Buffer(where, held, 4), where
         if on_tier:  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
-            on_tier = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
-            moments = on_tier or Buffer(Where.TIER, trained, 4)
+            windowed = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
+            moments = windowed or Buffer(Where.TIER, trained, 4)
         frozen_in = "shadow" if in_shadow else "master"
     elif not topology.data_parallel:  # one process with the NVMe tier
         held = numel
