@@ -32,6 +32,17 @@ from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error, tra
 from test_lora import _assert_frozen_unchanged, _assert_same_state, _frozen, _swap, _train
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.state.placement import (
+    ElementSizes,
+    Placement,
+    StateShape,
+    TierSettings,
+    Topology,
+    device_candidates,
+    device_prefix,
+    device_prefix_within,
+    device_state_indices,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -202,3 +213,19 @@ def test_lora_with_device_state_trains_as_plain_pytorch_and_keeps_frozen_weights
         assert engine.streamer.transfers[1] == 0 and all(engine.streamer.transfers[b] > 0 for b in (0, 2, 3))
     finally:
         engine.destroy()
+
+
+def test_the_gpu_tier_takes_only_states_with_something_to_train():
+    """The GPU tier's prefix (``state/placement.py``: ``device_candidates``) skips the states with
+    nothing trained, by a fraction of the trained elements and by device bytes (``"auto"``): a
+    LoRA-on-some-layers model's resident state and blocks 0 and 2 are never among them."""
+    shapes = [StateShape(128, 0, True), StateShape(192, 64, True), StateShape(128, 0, True), StateShape(192, 64, True)]
+    shapes.append(StateShape(256, 0, True))  # the resident state: embeddings and head, frozen
+    assert device_candidates(shapes) == [1, 3]
+    assert device_prefix(0.5, shapes) == 1 and device_prefix(1.0, shapes) == 2
+    assert device_state_indices(shapes, 2) == [1, 3]
+    sizes = ElementSizes(master=4, compute=2, grad=4, with_shadow=True)
+    every = Placement.of_sizes(sizes, TierSettings(), "none", Topology(), shapes, len(shapes))
+    assert every.device_indices == (1, 3)
+    per_state = sum(buffer.device_bytes for buffer in every.states[1].buffers().values())
+    assert device_prefix_within(every, per_state) == 1 and device_prefix_within(every, 2 * per_state) == 2
