@@ -65,6 +65,7 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
     """The planner's view of ``model`` (meta tensors are fine: only sizes are read)."""
     _, blocks = find_blocks(model, block_path)
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    frozen_sizes = [sum(p.numel() for p in block.parameters() if not p.requires_grad) for block in blocks]
     block_ids = {id(p) for block in blocks for p in block.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
     frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -78,6 +79,8 @@ def shape_of(model: torch.nn.Module, block_path: str | None = None) -> ModelShap
         frozen_block_params=sum(p.numel() for p in largest.parameters() if not p.requires_grad),
         frozen_resident_params=sum(p.numel() for p in frozen if id(p) not in block_ids),
         frozen_in_bf16=bool(frozen) and all(p.dtype == torch.bfloat16 for p in frozen),
+        # Blocks that differ (LoRA on some layers, blocks frozen whole) are planned one by one.
+        block_sizes=tuple(zip(block_sizes, frozen_sizes)) if len(set(zip(block_sizes, frozen_sizes))) > 1 else (),
         **{
             **sizes_from_config(getattr(model, "config", None)),
             # the blocks' own MLP width (one expert's, for stacked experts)

@@ -227,7 +227,7 @@ def _build_host_state(
         engine.states.append(_migrate_block(engine, block, group_of, scoped, shared, engine.placement.states[index]))
         if engine.placement.states[index].on_device:  # the GPU tier: filled on the host, then moved
             engine.states[-1].move_to_device(engine.runtime)
-        if engine.nvme_tier is not None:
+        if engine.nvme_tier is not None and _on_tier(engine.states[-1]):
             engine.nvme_tier.adopt(engine.states[-1])
     engine.num_templates = len(templates_by_key)
     return templates
@@ -475,11 +475,15 @@ def _device_states(engine: EngineUnderConstruction) -> DeviceStates | None:
         return None
     nbytes = sum(engine.placement.device_bytes().values())
     device_states = DeviceStates(engine.runtime, engine.states, indices, engine.config.options.device_state, nbytes)
-    blocks = [index for index in indices if index != engine._resident_index]
+    blocks = [str(index) for index in indices if index != engine._resident_index]
+    # A state with nothing trained is never one of them (state/placement.py: device_candidates).
+    named = (["the resident state"] if engine._resident_index in indices else []) + (
+        [f"blocks {', '.join(blocks)}"] if blocks else []
+    )
     logger.info(
         "megatrain: device_state %r: %s on the device (%d of %d elements, %.1f MiB), updated there",
         engine.config.options.device_state,
-        f"the resident state and blocks {blocks[0]}-{blocks[-1]}" if blocks else "the resident state",
+        " and ".join(named),
         device_states.numel,
         sum(state.layout.numel for state in engine.states),
         nbytes / 2**20,
@@ -510,12 +514,12 @@ def _open_rank_tier(engine: EngineUnderConstruction) -> None:
     smaller than the ranks' windows) has nothing on the tier."""
     blocks = engine.optimizer_states[: engine._resident_index]
     tier = engine.placement.tier
-    assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if _on_rank_tier(w))
+    assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if _on_tier(w))
     gathered = "master" in tier.kinds  # the windows' masters are on the tier alone
     options = engine.config.options
     engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, options, tier.frozen_bytes)
     for state, window in zip(engine.states, blocks):
-        if _on_rank_tier(window):
+        if _on_tier(window):
             # With the master: written to the file, its buffer freed; the frozen weights'
             # window (gathered weights) to a read-only file of its own (state/frozen_files.py).
             engine.nvme_tier.adopt(window)
@@ -581,17 +585,19 @@ def _gather_from_windows(
     tier_index: list[int | None] = []
     on_tier = 0
     for window in engine.optimizer_states[: engine._resident_index]:
-        tier_index.append(on_tier if _on_rank_tier(window) else None)
-        on_tier += _on_rank_tier(window)
+        tier_index.append(on_tier if _on_tier(window) else None)
+        on_tier += _on_tier(window)
     # What each block's windows divide: its stepped part, and its frozen weights where they are apart.
     parts = [(state.stepped_numel, state.layout.numel - state.stepped_numel) for state in engine.states]
     return GatheredWeights(windows, tier_index, parts[: engine._resident_index], dp, engine.runtime, capacity)
 
 
-def _on_rank_tier(window: HostFlatState) -> bool:
-    """Whether a rank's window of a block is on its NVMe tier: unless it is empty, and so is
-    its window of the frozen weights where those are apart (gathered weights)."""
-    return window.layout.numel > 0 or (window.frozen is not None and window.frozen.numel() > 0)
+def _on_tier(state: HostFlatState) -> bool:
+    """Whether a block's state (with data parallel a rank's window of it) is on the NVMe
+    tier: unless what its optimizer state covers is empty (a block with nothing trained, a
+    rank's empty window), and so are its frozen weights, or its window of them, where those
+    are apart (``state/placement.py``: the tier has files for the others alone)."""
+    return state.stepped_numel > 0 or (state.frozen is not None and state.frozen.numel() > 0)
 
 
 def _build_streamed_blocks(

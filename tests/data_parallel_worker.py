@@ -59,20 +59,28 @@ def freeze_some(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
-def freeze_all_but_input_norms(model: torch.nn.Module) -> list[str]:
-    """Freeze every weight but the blocks' input norms and the final norm and head: a block's
-    trained prefix is then one 64-element window, so with more than one rank some ranks'
-    windows of it are empty while their windows of its frozen weights are not. Returns the
-    frozen weights' names."""
+def freeze_all_but_later_input_norms(model: torch.nn.Module) -> list[str]:
+    """Freeze every weight but the input norms of the blocks after the first and the final
+    norm and head: a block's trained prefix is then one 64-element window, so with more than
+    one rank some ranks' windows of it are empty while their windows of its frozen weights are
+    not, and the first block has nothing trained at all (every rank's window of its trained
+    prefix empty: its frozen weights alone, issue 44). Returns the frozen weights' names."""
     trained = ("input_layernorm", "model.norm", "lm_head")
-    frozen = [name for name, _ in model.named_parameters() if not any(part in name for part in trained)]
+    frozen = [
+        name
+        for name, _ in model.named_parameters()
+        if not any(part in name for part in trained) or name.endswith("layers.0.input_layernorm.weight")
+    ]
     parameters = dict(model.named_parameters())
     for name in frozen:
         parameters[name].requires_grad_(False)
     return frozen
 
 
-FREEZERS = {"some": freeze_some, "all-but-input-norms": freeze_all_but_input_norms}
+BF16_FROZEN_STEPS = 2
+"""Steps of ``--then-bf16-frozen-on-tier``'s run."""
+
+FREEZERS = {"some": freeze_some, "all-but-later-input-norms": freeze_all_but_later_input_norms}
 """``--frozen``'s choices: which weights a run freezes."""
 
 
@@ -203,7 +211,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     rows = args.rows or MICRO * world_size  # one micro-batch of every rank
     micro = rows // world_size
     tier = {"nvme_offload": "all" if args.nvme_weights else "optimizer", "nvme_path": args.nvme} if args.nvme else {}
-    settings = config(args.accumulation, world_size, micro, **long_context, **tier)
+    cast = {"frozen_weights": args.frozen_weights} if args.frozen_weights else {}
+    settings = config(args.accumulation, world_size, micro, **long_context, **tier, **cast)
     if args.bf16:
         settings["bf16"] = {"enabled": True}
     engine = MegatrainEngine(model, parse_engine_config(settings))
@@ -251,6 +260,27 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     engine.destroy()
     if args.then_frozen_on_tier:
         run_parity(frozen_on_tier_args(args), rank, world_size, report="frozen")
+    elif args.then_bf16_frozen_on_tier:  # after the frozen run (frozen_on_tier_args keeps the flag)
+        run_parity(bf16_frozen_on_tier_args(args), rank, world_size, report="frozen_bf16")
+
+
+def bf16_frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A third run in the same ranks (no launch of its own), after the frozen one: the same
+    weights frozen on the tier (``"all"``), bf16 compute with the fp32 frozen weights cast to
+    it (``"frozen_weights": "compute_dtype"``: each rank's frozen windows in bf16 files), 2
+    steps from the start, no checkpoint."""
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "bf16": True,
+            "frozen_weights": "compute_dtype",
+            "steps": BF16_FROZEN_STEPS,
+            "save_to": None,
+            "load_after": None,
+            "reload_saved": False,
+            "then_bf16_frozen_on_tier": False,
+        }
+    )
 
 
 def frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -295,6 +325,8 @@ def _held_report(engine: MegatrainEngine) -> dict:
         held = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
     held.update(host_bytes=engine.host_bytes(), numels=[flat.layout.numel for flat in engine.states])
     held["trained_numels"] = [flat.layout.trained_numel for flat in engine.states]
+    held["frozen_in"] = [(flat.placement.trained_only, flat.placement.frozen_in) for flat in engine.states]
+    held["frozen_dtypes"] = sorted({str(flat.frozen.dtype) for flat in engine.states if flat.frozen is not None})
     # This rank's buffers against its placement (tests/test_placement.py: one process's combinations),
     # and against preflight's estimate where every host buffer is its node's.
     held["placement_disagreements"] = placement_disagreements(engine)
@@ -421,6 +453,12 @@ def main() -> None:
         choices=FREEZERS,
         help="parity: then a second run in the same ranks, these weights frozen on the tier (frozen_on_tier_args)",
     )
+    parser.add_argument(
+        "--then-bf16-frozen-on-tier",
+        action="store_true",
+        help="parity: after --then-frozen-on-tier's run, a third: bf16, frozen weights cast (bf16_frozen_on_tier_args)",
+    )
+    parser.add_argument("--frozen-weights", choices=["exact", "compute_dtype"], help="parity: megatrain.frozen_weights")
     parser.add_argument(
         "--one-rank-per-node",
         action="store_true",

@@ -223,6 +223,8 @@ def planner_disagreements(engine: MegatrainEngine) -> list[str]:
         frozen_params=sum(frozen),
         frozen_block_params=max(frozen[:-1]),
         frozen_in_bf16=frozen_dtypes == {torch.bfloat16},
+        # Each block as it is: blocks may differ (LoRA on some layers, blocks frozen whole).
+        block_sizes=tuple((state.layout.numel, f) for state, f in zip(blocks, frozen)),
     )
     options = config.options
     share = options.device_state if not isinstance(options.device_state, str) else 0.0

@@ -23,7 +23,7 @@ import safetensors.torch
 import tiny_models
 import torch
 import transformers
-from data_parallel_worker import CLIPPING, FREEZERS, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
+from data_parallel_worker import BF16_FROZEN_STEPS, CLIPPING, FREEZERS, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
 from data_parallel_worker import config as worker_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
@@ -67,14 +67,22 @@ def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "fo
 
 @functools.cache  # several tests compare with the same run; callers only read it
 def reference_training(
-    steps: int, accumulation: int, world_size: int, length: int = LENGTH, frozen: str | None = None
+    steps: int,
+    accumulation: int,
+    world_size: int,
+    length: int = LENGTH,
+    frozen: str | None = None,
+    frozen_dtype: torch.dtype = torch.float32,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch, one process, every rank's rows in one batch of MICRO * world_size
-    (``frozen``: the worker's ``FREEZERS`` of that name, so AdamW and clipping skip those weights)."""
+    (``frozen``: the worker's ``FREEZERS`` of that name, so AdamW and clipping skip those
+    weights, their values rounded to ``frozen_dtype`` and kept in fp32)."""
     torch.manual_seed(0)  # rank 0's model: the engine keeps the node writer's weights
     model = tiny_models.llama(num_layers=4)
     if frozen:
-        FREEZERS[frozen](model)
+        parameters = dict(model.named_parameters())
+        for name in FREEZERS[frozen](model):
+            parameters[name].data = parameters[name].data.to(frozen_dtype).float()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     norms = []
     for step in range(steps):
@@ -513,10 +521,12 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     _save_one_process_checkpoint(one_process)
     resume = ("--resume-from", str(checkpoint), "--load-after", str(one_process))
     monkeypatch.delenv("MEGATRAIN_STREAM_CHECK")
-    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier, "--then-frozen-on-tier")
+    frozen_runs = ("--then-frozen-on-tier", "--then-bf16-frozen-on-tier")
+    launch_nodes(2, resumed, "parity", "--steps", "5", *resume, *on_tier, *frozen_runs)
     expected_loaded = _one_process_weights(one_process)
     frozen_run = [torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)]
     _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2, loaded=expected_loaded)
+    _assert_bf16_frozen_apart_on_rank_tiers([torch.load(resumed / f"frozen_bf16{rank}.pt") for rank in range(2)])
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
@@ -562,6 +572,39 @@ def _assert_frozen_apart_on_rank_tiers(
             assert torch.equal(value, report["loaded_state_dict"][key]), key
         for key, value in report["state_dict"].items() if loaded is not None else ():
             assert torch.equal(value, report["reloaded_state_dict"][key]), key
+
+
+def _assert_bf16_frozen_apart_on_rank_tiers(ranks: list[dict], frozen: str = "some") -> None:
+    """The worker's third run (``bf16_frozen_on_tier_args``: ``FREEZERS[frozen]``, the weights
+    on the tier, nodes of one rank each, bf16 compute, the fp32 frozen weights cast to bf16 by
+    ``"frozen_weights": "compute_dtype"``): every state trained-only, each block's frozen
+    weights apart in each rank's bf16 files (its window of them), written at start-up only,
+    the resident state's in the bf16 shadow; each rank's buffers, tier files and window as
+    its placement and preflight say. The frozen weights stay the rounded originals bit for
+    bit. Against fp32 plain PyTorch whose frozen weights are those rounded values, with both
+    batches: ``tests/test_bf16.py``'s bound, 5e-3 relative weight error (bf16 forward and
+    backward round relatively 2^-9 per value; after 2 steps ~1e-3), and the per-step
+    norms, of the same gradients computed in bf16, to 1e-2 (measured on the CPU: 5.4e-4
+    and 9.2e-4)."""
+    _assert_placement_agrees(ranks)
+    expected, expected_norms = reference_training(
+        BF16_FROZEN_STEPS, 2, world_size=2, frozen=frozen, frozen_dtype=torch.bfloat16
+    )
+    torch.manual_seed(0)
+    initial = tiny_models.llama(num_layers=4).state_dict()
+    names = FREEZERS[frozen](tiny_models.llama(num_layers=4))
+    for report in ranks:
+        assert relative_error(report["state_dict"], expected) < 5e-3
+        assert report["norms"] == pytest.approx(expected_norms, rel=1e-2)
+        for name in names:
+            assert torch.equal(report["state_dict"][name], initial[name].bfloat16()), name
+        assert report["frozen_in"] == [(True, "frozen")] * (len(report["numels"]) - 1) + [(True, "shadow")]
+        assert report["frozen_dtypes"] == ["torch.bfloat16"]
+        assert report["tier"]["disk"] == report["tier"]["planned_disk"]
+        files = report["frozen_files"]
+        assert files["at_start"] and files["after_training"] == files["at_start"]
+    for key, value in ranks[0]["state_dict"].items():
+        assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 
 def _save_one_process_checkpoint(directory: Path) -> None:
@@ -821,14 +864,16 @@ def test_nodes_shard_the_optimizer_state_and_a_checkpoint_reshards(tmp_path: Pat
         "optimizer-00001-of-00001.safetensors"
     ]
     # The 4 nodes keep the moments of their spans on the NVMe tier, each on its own disk; then
-    # they train again, frozen but for the blocks' input norms, with the weights on the tier.
-    swap = ("--nvme", str(tmp_path / "swap"), "--then-frozen-on-tier", "all-but-input-norms")
+    # they train again, frozen but for the input norms of blocks 1-3, with the weights on the
+    # tier: block 0 has nothing trained, its frozen weights alone on the ranks' tiers.
+    swap = ("--nvme", str(tmp_path / "swap"), "--then-frozen-on-tier", "all-but-later-input-norms")
     launch_nodes(4, runs["on4"], *common, "--resume-from", str(checkpoint), *swap)
     on1 = torch.load(runs["on1"] / "rank0.pt")
     on4 = [torch.load(runs["on4"] / f"rank{r}.pt") for r in range(4)]
     frozen = [torch.load(runs["on4"] / f"frozen{r}.pt") for r in range(4)]
-    _assert_frozen_apart_on_rank_tiers(frozen, "all-but-input-norms", steps, accumulation=2)
+    _assert_frozen_apart_on_rank_tiers(frozen, "all-but-later-input-norms", steps, accumulation=2)
     assert [any(report["tier"]["numels"]) for report in frozen] == [True, False, False, False]
+    assert frozen[0]["trained_numels"][0] == 0 and all(t > 0 for t in frozen[0]["trained_numels"][1:])
     _assert_node_shares(on4, nodes=4, per_node=1, tier=True)
     for resumed in (on1, on4[0]):
         assert relative_error(resumed["state_dict"], straight[0]["state_dict"]) < 2e-6

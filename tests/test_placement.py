@@ -146,27 +146,52 @@ def _partly_frozen() -> torch.nn.Module:
     return model
 
 
-def test_a_block_with_nothing_trained_keeps_every_buffer_with_the_weights_on_the_tier(tmp_path):
-    """With the weights on the tier a block with trained parameters keeps its frozen weights
-    apart (``StatePlacement.frozen``, fp32 here: the master's dtype, rounded to bf16 as they
-    are streamed); one with none at all (the first block) keeps every buffer, as the tier
-    makes no empty swap file; the engine, preflight and the planner agree on both. Two
-    steps train it bit for bit as the state in host memory does: the same rounding of the
-    same fp32 values (the shadow's, or the tier's as it is read), the same AdamW."""
-    config = parse_engine_config(_config("all", "bf16", tmp_path / "swap"))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
+def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, tmp_path):
+    """A block frozen whole (the first; the second's MLP frozen) holds its weights and nothing
+    else at every NVMe level: no moment, no held gradient, no journal, a master only where
+    the master is its weights (fp32, or the frozen fp32 weights under bf16 compute, which
+    keep an exact master); with ``"optimizer"`` no swap file, with ``"all"`` its frozen
+    weights apart on the tier (fp32 here, the master's dtype, rounded to bf16 as they are
+    streamed) and an empty swap file. The engine, preflight and the planner agree. Two steps
+    (bf16, ``"all"``) train it bit for bit as the state in host memory does: the same
+    rounding of the same fp32 values (the shadow's, or the tier's as it is read), the same AdamW."""
+    config = parse_engine_config(_config(nvme, precision, tmp_path / "swap"))
     model = _partly_frozen()
     optimizer = build_optimizer(model, None, config.optimizer, None)
     run = preflight.PreflightInputs(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
-    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme="all")
+    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme=nvme)
     engine = MegatrainEngine(model, config)
-    ram = MegatrainEngine(_partly_frozen(), parse_engine_config(_config("none", "bf16", tmp_path)))
     try:
         assert placement_disagreements(engine) == []
         assert preflight_disagreements(engine, need) == []
+        assert planner_disagreements(engine) == []
         first, second = engine.placement.blocks
-        assert not first.trained_only and first.frozen.where is Where.NOWHERE and first.master.numel == first.numel
-        assert second.trained_only and second.frozen.where is Where.TIER and second.frozen.itemsize == 4
-        assert engine.states[1].frozen is not None and engine.states[0].frozen is None
+        # The second block's frozen fp32 MLP beside a master cut on the tier keeps every buffer (above).
+        assert first.trained_only and second.trained_only != (nvme == "optimizer" and precision == "bf16")
+        assert first.numel == first.frozen_numel and first.exp_avg.numel == first.grad.numel == 0
+        untrained = engine.states[0]
+        assert untrained.grad is not None and untrained.exp_avg.numel() == untrained.grad.numel() == 0
+        if nvme == "all":
+            assert first.frozen.where is second.frozen.where is Where.TIER and first.master.numel == 0
+            assert untrained.frozen is not None and untrained.frozen.numel() == first.numel
+        else:  # the weights in the master (fp32 frozen weights, exact), which streams or beside the shadow
+            assert first.master.where is Where.HOST and first.master.numel == first.numel
+        tier = engine.nvme_tier
+        if tier is not None:
+            assert tier.holds(engine.states[0]) == (nvme == "all") and tier.holds(engine.states[1])
+        if nvme == "all" and precision == "bf16":
+            _assert_trains_as_in_host_memory(engine, _partly_frozen, parse_engine_config(_config("none", "bf16", None)))
+    finally:
+        engine.destroy()
+
+
+def _assert_trains_as_in_host_memory(engine: MegatrainEngine, make_model, config) -> None:
+    """Four micro-batches of ``engine`` and of an engine on ``config`` over the same model: the
+    same losses and weights, bit for bit."""
+    ram = MegatrainEngine(make_model(), config)
+    try:
         for micro in range(4):
             losses = []
             for trained in (engine, ram):
@@ -178,7 +203,6 @@ def test_a_block_with_nothing_trained_keeps_every_buffer_with_the_weights_on_the
         ours, theirs = engine.module.state_dict(), ram.module.state_dict()
         assert all(torch.equal(value, theirs[name]) for name, value in ours.items())
     finally:
-        engine.destroy()
         ram.destroy()
 
 

@@ -212,14 +212,17 @@ def placement_of(shape: ModelShape, settings: RunSettings) -> Placement:
 
 
 def _state_shapes(shape: ModelShape, settings: RunSettings) -> list[StateShape]:
-    """The planned run's states: ``num_blocks`` blocks, the largest of ``block_params`` and
-    the others sharing the rest evenly, each with ``frozen_block_params`` frozen (at most its
-    size), and the resident state with the frozen parameters left (exact for the usual model
-    of identical blocks). Flat layouts' alignment padding is not counted: a model's sizes
-    are its parameters'."""
-    rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
-    sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
-    frozen = [min(shape.frozen_block_params, size) for size in sizes]
+    """The planned run's states: ``num_blocks`` blocks, each of ``block_sizes`` where the
+    shape has them, else the largest of ``block_params`` and the others sharing the rest
+    evenly, each with ``frozen_block_params`` frozen (at most its size), and the resident
+    state with the frozen parameters left (exact for the usual model of identical blocks).
+    Flat layouts' alignment padding is not counted: a model's sizes are its parameters'."""
+    if shape.block_sizes:  # blocks that differ (LoRA on some layers, blocks frozen whole): each as it is
+        sizes, frozen = [size for size, _ in shape.block_sizes], [f for _, f in shape.block_sizes]
+    else:
+        rest, others = shape.num_blocks - 1, shape.total_block_params - shape.block_params
+        sizes = [shape.block_params] + [others // rest + (i < others % rest) for i in range(rest)]
+        frozen = [min(shape.frozen_block_params, size) for size in sizes]
     resident = shape.resident_params
     frozen.append(min(max(shape.frozen_params - sum(frozen), 0), resident))
     # Only a shadow can hold frozen weights alone, and only in its (2-byte) compute dtype.
@@ -242,8 +245,9 @@ def auto_device_state_share(shape: ModelShape, settings: RunSettings, hardware: 
     own = device["weight_buffers"] + device["resident_params"]
     budget = int(DEVICE_STATE_AUTO_SHARE * max(hardware.device_memory_bytes - own - DEVICE_STATE_HEADROOM_BYTES, 0))
     count = device_prefix_within(placement_of(shape, _with(settings, device_state_share=1.0)), budget)
-    trained = [state.trained_numel for state in _state_shapes(shape, settings)]
-    on_device = sum(trained[index] for index in device_state_indices(len(trained), count))
+    states = _state_shapes(shape, settings)
+    trained = [state.trained_numel for state in states]
+    on_device = sum(trained[index] for index in device_state_indices(states, count))
     return on_device / sum(trained) if sum(trained) else 0.0
 
 

@@ -230,6 +230,11 @@ class ModelShape:
     frozen_in_bf16: bool = False
     """Whether every frozen parameter is bf16: with bf16 compute held in the shadow alone (or
     cast to it: ``RunSettings.frozen_weights``)."""
+    block_sizes: tuple[tuple[int, int], ...] = ()
+    """Each block's ``(parameters, frozen parameters)``, in order, where the blocks differ
+    (LoRA on some layers only, blocks frozen whole): the memory model places each as it is
+    (``planning/planner.py``: ``placement_of``). Empty: the largest block's sizes, the
+    others sharing the rest evenly."""
 
     @property
     def params(self) -> int:
@@ -366,7 +371,7 @@ def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
     own), or in host memory (no tier, or the optimizer state on it) where, with the fp32
     master on the tier (bf16 compute), every frozen weight is in bf16 (:func:`frozen_in_compute_dtype`)."""
     if settings.nvme and settings.nvme_weights:
-        return shape.frozen_block_params < shape.block_params  # a block with nothing trained: every buffer
+        return True  # a block with nothing trained too: its frozen weights apart, nothing else
     return not (
         settings.nvme and settings.bf16 and shape.frozen_block_params and not frozen_in_compute_dtype(shape, settings)
     )

@@ -63,13 +63,19 @@ windows on its own), in the compute dtype where every frozen weight arrives in i
 the master's: written once to a read-only file beside the block's swap file and read with
 the master when the block is streamed (``state/frozen_files.py``: [Note: frozen weights on
 the tier]), with data parallel gathered after the prefix's windows
-(``distributed/gathered_weights.py``). Not trained-only, every buffer covering the frozen
-parameters too: a block with nothing trained at all with ``"all"`` (a path of its own for
-it is not built), and, where the fp32 master is cut (on the tier with ``"optimizer"``,
-several nodes' spans, or the ranks' windows with data parallel and ``"all"``, whose
-gathers are in the compute dtype), a state with a frozen weight that is not in the compute
-dtype. With data parallel the host buffers of the node (master, shadow, m, v and gradients but those of a rank's own
-window) are node-shared: one copy per node; the NVMe tier is each rank's own, of its windows.
+(``distributed/gathered_weights.py``). A block with nothing trained at all (LoRA on some
+layers, blocks frozen whole) is a trained-only state whose trained prefix is empty: its
+weights alone, in the master (where that streams, or its frozen weights are not in the
+compute dtype) or the shadow; in one process it has nothing on the tier beside them, so no
+swap file (:func:`_optimizer_on_tier`), and with ``"all"`` its frozen weights apart and an
+empty swap file. Not trained-only, every buffer covering the frozen parameters too: where
+the fp32 master is cut (on the tier with ``"optimizer"``, several nodes' spans, or the
+ranks' windows with data parallel and ``"all"``, whose gathers are in the compute dtype),
+a state with trained parameters and a frozen weight that is not in the compute dtype (with
+several nodes, or data parallel and the tier, one with nothing trained too). With data
+parallel the host buffers of the node (master, shadow, m, v and gradients but those of a
+rank's own window) are node-shared: one copy per node; the NVMe tier is each rank's own, of
+its windows.
 
 [Note: the GPU tier]
 With ``"device_state"`` (``"auto"``, the default, or a fraction of the trained elements;
@@ -82,11 +88,15 @@ adds them into the held gradient there, its squared norm summed there), and they
 updated at ``step()`` by the Triton kernel in place, on the optimizer stream
 (``optimizer/device_states.py``: [Note: device state ordering]); the host pass covers the
 other states only. Prefix, not any subset: the next forward needs the resident state and
-block 0 first, exactly the states whose host update it would otherwise wait for. One
-process, no NVMe tier, fp32 masters and no fp16 loss scaling: elsewhere ``"auto"`` keeps
-every state on the host, logged at INFO, and a fraction is refused
-(``config/engine_config.py``; data parallel at the build, ``engine_build.py``). Nothing of
-them is in host memory: ``host_bytes()`` leaves them out, ``device_bytes()`` counts them.
+block 0 first, exactly the states whose host update it would otherwise wait for. States
+with nothing trained are skipped (:func:`device_candidates`): they have no host update to
+wait for, and their frozen weights get no device state (a LoRA model's embeddings and head,
+blocks LoRA leaves alone); the device states' moments and gradients cover their trained
+prefix alone, as on the host. One process, no NVMe tier, fp32 masters and no fp16 loss
+scaling: elsewhere ``"auto"`` keeps every state on the host, logged at INFO, and a fraction
+is refused (``config/engine_config.py``; data parallel at the build, ``engine_build.py``).
+Nothing of them is in host memory: ``host_bytes()`` leaves them out, ``device_bytes()``
+counts them.
 """
 
 from __future__ import annotations
@@ -276,7 +286,7 @@ class Placement:
         assert device_states == 0 or (nvme == "none" and not topology.data_parallel), "the GPU tier: one process"
         states = [_state(shape, sizes, nvme, topology) for shape in shapes[:-1]]
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
-        for index in device_state_indices(len(states), device_states):
+        for index in device_state_indices(shapes, device_states):
             states[index] = _on_device(states[index], sizes)
         stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
         # Frozen weights apart on the tier: every element of them (each rank's tier a window of them).
@@ -429,27 +439,37 @@ def _forward_order(num_states: int) -> list[int]:
     return [num_states - 1, *range(num_states - 1)]
 
 
-def device_state_indices(num_states: int, count: int) -> list[int]:
-    """The ``count`` states kept on the compute device: the first ``count`` of the forward's
-    order (the resident state, then blocks 0, 1, ...)."""
-    return _forward_order(num_states)[:count]
+def device_candidates(shapes: Sequence[StateShape]) -> list[int]:
+    """The states the GPU tier may keep, in the forward's order: those with something to
+    train. A state with nothing trained (a block LoRA leaves alone, one frozen whole, a
+    LoRA model's resident embeddings and head) has no update for the next forward to wait
+    for, and no optimizer state: frozen weights get no device state, and stream as the host
+    holds them ([Note: the GPU tier])."""
+    return [index for index in _forward_order(len(shapes)) if shapes[index].trained_numel > 0]
+
+
+def device_state_indices(shapes: Sequence[StateShape], count: int) -> list[int]:
+    """The ``count`` states kept on the compute device: the first ``count`` of
+    :func:`device_candidates` (the resident state, then blocks 0, 1, ..., those with
+    something to train)."""
+    return device_candidates(shapes)[:count]
 
 
 def device_prefix(setting: str | float, shapes: Sequence[StateShape]) -> int:
-    """How many states (in the forward's order) ``device_state``'s fraction of the trained
-    elements takes whole; ``"none"`` and ``"auto"`` (resolved by the engine from its free
-    device memory: :func:`device_prefix_within`) take none."""
+    """How many states (of :func:`device_candidates`) ``device_state``'s fraction of the
+    trained elements takes whole; ``"none"`` and ``"auto"`` (resolved by the engine from its
+    free device memory: :func:`device_prefix_within`) take none."""
     if isinstance(setting, str) or setting <= 0:
         return 0
     budget = setting * sum(shape.trained_numel for shape in shapes)
-    return _prefix([shapes[index].trained_numel for index in _forward_order(len(shapes))], budget)
+    return _prefix([shapes[index].trained_numel for index in device_candidates(shapes)], budget)
 
 
 def device_prefix_within(all_on_device: Placement, budget_bytes: int) -> int:
-    """How many states (in the forward's order) fit whole in ``budget_bytes`` of device
-    memory, from the placement with every state on the device (``device_state: "auto"``)."""
+    """How many states (of :func:`device_candidates`) fit whole in ``budget_bytes`` of device
+    memory, from the placement with every candidate on the device (``device_state: "auto"``)."""
     states = all_on_device.states
-    costs = [sum(b.device_bytes for b in states[index].buffers().values()) for index in _forward_order(len(states))]
+    costs = [sum(b.device_bytes for b in states[index].buffers().values()) for index in all_on_device.device_indices]
     return _prefix(costs, budget_bytes)
 
 
@@ -496,13 +516,19 @@ def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: T
     (:func:`_frozen_apart_on_tier`): in one process whatever their dtype (in the master's
     where they are not all in the compute dtype), with data parallel each rank's window of
     them, gathered with the trained prefix's."""
-    if nvme == "all" and shape.trained_numel == 0:
-        return False  # a block with nothing trained keeps every buffer: no path of its own is built for it
     if nvme == "all" and not topology.data_parallel:
         return True
-    cut_master = sizes.with_shadow and (topology.span_of is not None or nvme != "none")
+    cut_master = sizes.with_shadow and (topology.span_of is not None or _optimizer_on_tier(shape, nvme, topology))
     mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
     return not (cut_master and mixed)
+
+
+def _optimizer_on_tier(shape: StateShape, nvme: str, topology: Topology) -> bool:
+    """Whether the tier holds a trained-only state's optimizer state (the moments, and the
+    master beside a shadow in one process): not in one process for a block with nothing
+    trained, which has no swap file (``_tiers``), so that its master, the weights when they
+    are not all in the compute dtype, stays whole and exact in host memory."""
+    return nvme != "none" and (shape.trained_numel > 0 or topology.data_parallel)
 
 
 def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> StatePlacement:
@@ -522,7 +548,8 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
         nodes = topology.span_of is not None
         where = Where.NODE_SPAN if nodes else Where.TRAINED_PREFIX if trained < numel else Where.HOST
         in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
-        if sizes.with_shadow and nvme != "none" and not topology.data_parallel:  # one process: on the tier
+        on_tier = _optimizer_on_tier(shape, nvme, topology)
+        if sizes.with_shadow and on_tier and not topology.data_parallel:  # one process: on the tier
             master = Buffer(Where.TIER, trained if in_shadow else numel, sizes.master)
         elif sizes.with_shadow and nodes:  # several nodes: the master's span too
             master = Buffer(Where.NODE_SPAN, held, sizes.master)
@@ -531,9 +558,9 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
         else:
             master = Buffer(Where.HOST, numel, sizes.master)
         moments, grad_where = Buffer(where, held, 4), where
-        if nvme != "none":  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
-            on_tier = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
-            moments = on_tier or Buffer(Where.TIER, trained, 4)
+        if on_tier:  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
+            windowed = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
+            moments = windowed or Buffer(Where.TIER, trained, 4)
         frozen_in = "shadow" if in_shadow else "master"
     elif not topology.data_parallel:  # one process with the NVMe tier
         held = numel
@@ -629,7 +656,8 @@ def _tiers(
 
     if not topology.data_parallel:
         kinds = WITH_MASTER if nvme == "all" or sizes.with_shadow else MOMENTS
-        files = [(numel, f, f * size) for numel, (f, size) in zip(blocks, frozen) if numel > 0]
+        # A block with nothing on the tier (nothing trained, its weights in host memory) has no files.
+        files = [(numel, f, f * size) for numel, (f, size) in zip(blocks, frozen) if numel > 0 or f > 0]
         one = tier(kinds, files)
         return one, [one]
     # Each rank's tier: its non-empty windows (with "all" their masters too: nothing else holds
