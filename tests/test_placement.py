@@ -206,9 +206,9 @@ def _assert_trains_as_in_host_memory(engine: MegatrainEngine, make_model, config
         ram.destroy()
 
 
-def _topology(nodes: list[list[int]]) -> Topology:
-    """Rank 0's view of data parallel over ``nodes``, as ``DataParallel.topology`` builds it."""
-    ownership = Ownership.of(nodes, 0)
+def _topology(nodes: list[list[int]], rank: int = 0) -> Topology:
+    """``rank``'s view of data parallel over ``nodes``, as ``DataParallel.topology`` builds it."""
+    ownership = Ownership.of(nodes, rank)
     members = set(nodes[ownership.node])
     return Topology(
         node_ranks=len(nodes[ownership.node]),

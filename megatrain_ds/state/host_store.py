@@ -92,9 +92,10 @@ class HostFlatState:
     rank's window of the trained prefix and its window of the frozen weights
     (:attr:`frozen_window`), gathered when used (``distributed/gathered_weights.py``). Not,
     where the fp32 master is cut (in nodes' spans, on the tier with ``"optimizer"``, or in
-    the ranks' windows with ``"all"``), for frozen weights not in the compute dtype: there
-    every buffer still covers the whole layout (``state/placement.py``: [Note: the placement
-    model]).
+    the ranks' windows with ``"all"``), for frozen weights not in the compute dtype beside
+    trained ones (or, with ``"all"`` and data parallel, in a state with nothing trained):
+    there every buffer still covers the whole layout (``state/placement.py``: [Note: the
+    placement model]); a state with nothing trained has nothing of its master cut elsewhere.
     """
 
     layout: FlatLayout

@@ -68,11 +68,16 @@ layers, blocks frozen whole) is a trained-only state whose trained prefix is emp
 weights alone, in the master (where that streams, or its frozen weights are not in the
 compute dtype) or the shadow; in one process it has nothing on the tier beside them, so no
 swap file (:func:`_optimizer_on_tier`), and with ``"all"`` its frozen weights apart and an
-empty swap file. Not trained-only, every buffer covering the frozen parameters too: where
-the fp32 master is cut (on the tier with ``"optimizer"``, several nodes' spans, or the
-ranks' windows with data parallel and ``"all"``, whose gathers are in the compute dtype),
-a state with trained parameters and a frozen weight that is not in the compute dtype (with
-several nodes, or data parallel and the tier, one with nothing trained too). With data
+empty swap file; with data parallel and ``"none"`` or ``"optimizer"`` (one node or several)
+no rank updates any of it, every window and span of its empty trained prefix being empty,
+so nothing of its master is cut: every node holds its weights whole, in the master where
+they are not in the compute dtype (exact, beside the other states' spans of a master cut in
+nodes), and no rank has a swap file of it (:func:`_trained_only_master`). Not trained-only,
+every buffer covering the frozen parameters too: where the fp32 master is cut (on the tier
+with ``"optimizer"``, several nodes' spans, or the ranks' windows with data parallel and
+``"all"``, whose gathers are in the compute dtype), a state with trained parameters and a
+frozen weight that is not in the compute dtype (with data parallel and ``"all"``, one with
+nothing trained too: ``"frozen_weights": "compute_dtype"`` casts them). With data
 parallel the host buffers of the node (master, shadow, m, v and gradients but those of a
 rank's own window) are node-shared: one copy per node; the NVMe tier is each rank's own, of
 its windows.
@@ -515,9 +520,12 @@ def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: T
     weights on the tier (``"all"``) the frozen weights are kept apart on the tier
     (:func:`_frozen_apart_on_tier`): in one process whatever their dtype (in the master's
     where they are not all in the compute dtype), with data parallel each rank's window of
-    them, gathered with the trained prefix's."""
+    them, gathered with the trained prefix's. A state with nothing trained has nothing of its
+    master cut wherever its weights are in host memory (:func:`_trained_only_master`)."""
     if nvme == "all" and not topology.data_parallel:
         return True
+    if shape.trained_numel == 0 and nvme != "all":
+        return True  # nothing trained: nothing of the master is cut, its weights stay whole (_trained_only_master)
     cut_master = sizes.with_shadow and (topology.span_of is not None or _optimizer_on_tier(shape, nvme, topology))
     mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
     return not (cut_master and mixed)
@@ -529,6 +537,28 @@ def _optimizer_on_tier(shape: StateShape, nvme: str, topology: Topology) -> bool
     trained, which has no swap file (``_tiers``), so that its master, the weights when they
     are not all in the compute dtype, stays whole and exact in host memory."""
     return nvme != "none" and (shape.trained_numel > 0 or topology.data_parallel)
+
+
+def _trained_only_master(
+    shape: StateShape, sizes: ElementSizes, topology: Topology, on_tier: bool, held: int
+) -> Buffer:
+    """The master of a trained-only state whose weights are in host memory (``held``: this
+    node's span of its trained prefix): on the tier in one process beside a shadow, this
+    node's span with several nodes beside a shadow, the trained prefix where the frozen
+    weights are in the shadow alone, else whole. A state with nothing trained whose frozen
+    weights are not in the compute dtype keeps its master whole with several nodes too: it
+    is their exact value, and no node updates any of it (every span of its empty trained
+    prefix is empty)."""
+    numel, trained = shape.numel, shape.trained_numel
+    in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
+    if sizes.with_shadow and on_tier and not topology.data_parallel:  # one process: on the tier
+        return Buffer(Where.TIER, trained if in_shadow else numel, sizes.master)
+    weights_in_master = trained == 0 < numel and not in_shadow
+    if sizes.with_shadow and topology.span_of is not None and not weights_in_master:  # the master's span too
+        return Buffer(Where.NODE_SPAN, held, sizes.master)
+    if in_shadow:
+        return Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
+    return Buffer(Where.HOST, numel, sizes.master)
 
 
 def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> StatePlacement:
@@ -549,14 +579,7 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
         where = Where.NODE_SPAN if nodes else Where.TRAINED_PREFIX if trained < numel else Where.HOST
         in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
         on_tier = _optimizer_on_tier(shape, nvme, topology)
-        if sizes.with_shadow and on_tier and not topology.data_parallel:  # one process: on the tier
-            master = Buffer(Where.TIER, trained if in_shadow else numel, sizes.master)
-        elif sizes.with_shadow and nodes:  # several nodes: the master's span too
-            master = Buffer(Where.NODE_SPAN, held, sizes.master)
-        elif in_shadow:
-            master = Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
-        else:
-            master = Buffer(Where.HOST, numel, sizes.master)
+        master = _trained_only_master(shape, sizes, topology, on_tier, held)
         moments, grad_where = Buffer(where, held, 4), where
         if on_tier:  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
             windowed = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
