@@ -17,6 +17,8 @@ nodes in host memory, with "optimizer" and with "all"), at no extra launch.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import tiny_models
 import torch
@@ -148,7 +150,7 @@ def _partly_frozen() -> torch.nn.Module:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
-def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, tmp_path):
+def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, tmp_path, caplog):
     """A block frozen whole (the first; the second's MLP frozen) holds its weights and nothing
     else at every NVMe level: no moment, no held gradient, no journal, a master only where
     the master is its weights (fp32, or the frozen fp32 weights under bf16 compute, which
@@ -162,14 +164,18 @@ def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, t
     optimizer = build_optimizer(model, None, config.optimizer, None)
     run = preflight.PreflightInputs(model, config, optimizer, torch.device("cpu"), STAGING_CHUNK_ELEMENTS)
     need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme=nvme)
-    engine = MegatrainEngine(model, config)
+    with caplog.at_level(logging.WARNING, logger="megatrain_ds"):
+        engine = MegatrainEngine(model, config)
     try:
         assert placement_disagreements(engine) == []
         assert preflight_disagreements(engine, need) == []
         assert planner_disagreements(engine) == []
         first, second = engine.placement.blocks
-        # The second block's frozen fp32 MLP beside a master cut on the tier keeps every buffer (above).
+        # The second block's frozen fp32 MLP beside a master cut on the tier keeps every buffer
+        # (above), and the build says so, with the fix.
         assert first.trained_only and second.trained_only != (nvme == "optimizer" and precision == "bf16")
+        warned = f"megatrain: {second.frozen_numel} frozen parameter elements carry optimizer state"
+        assert (warned in caplog.text) == (not second.trained_only), caplog.text
         assert first.numel == first.frozen_numel and first.exp_avg.numel == first.grad.numel == 0
         untrained = engine.states[0]
         assert untrained.grad is not None and untrained.exp_avg.numel() == untrained.grad.numel() == 0
