@@ -1,4 +1,10 @@
-"""Running scripts the way users run them: fresh processes, ``accelerate launch``, shipped configs.
+"""Running scripts the way users run them: processes of their own, ``accelerate launch``,
+shipped configs.
+
+A process of its own is forked from ``tests/fork_server.py``'s server where nothing it
+imports reads what its environment changes (that module's docstring: not a DeepSpeed
+reference run, for one), else fresh: a child of a server that imported torch, DeepSpeed,
+transformers and ``megatrain_ds`` is what a fresh interpreter is once it has imported them.
 
 Each run gets its own rendezvous port (runs may go side by side) and one CPU thread
 (two cores shared by parallel runs; and a run and its reference must use the same thread
@@ -23,6 +29,9 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO_ROOT / "tests"))
+import fork_server  # noqa: E402  # pyright: ignore[reportMissingImports]  (tests/fork_server.py)
+
 FORKED_RUNS = Path(__file__).with_name("forked_runs.py")
 ACCELERATE_CONFIG = REPO_ROOT / "configs" / "accelerate_megatrain.yaml"
 TIMEOUT_S = 600
@@ -49,12 +58,12 @@ def child_env(port: int, **extra: str) -> dict[str, str]:
     )
     env.pop("MEGATRAIN_DISABLE_HOOK", None)
     env.update(extra)
-    return env
+    return fork_server.with_this_checkout(env)
 
 
 @dataclass
 class Run:
-    """One script run in a fresh process, writing into ``output_dir`` (its ``--output-dir``)."""
+    """One script run in a process of its own, writing into ``output_dir`` (its ``--output-dir``)."""
 
     name: str
     script: Path
@@ -66,7 +75,7 @@ class Run:
     env: dict[str, str] = field(default_factory=dict)
     num_processes: int = 1
     """Data-parallel ranks (``accelerate launch --num_processes``)."""
-    _process: subprocess.Popen | None = None
+    _process: subprocess.Popen[str] | fork_server.ServedProcess | None = None
 
     @property
     def log_path(self) -> Path:
@@ -96,9 +105,11 @@ class Run:
                 str(self.num_processes),
                 *command[1:],
             ]
-        # The Accelerate config names its DeepSpeed JSON relative to the repository root.
+        # The Accelerate config names its DeepSpeed JSON relative to the repository root. The
+        # process is forked from tests/fork_server.py's server where its imports allow (the
+        # launcher's own; a script's without a launcher), else fresh.
         with open(self.log_path, "w", encoding="utf-8") as log:
-            self._process = subprocess.Popen(
+            self._process = fork_server.popen(
                 command, cwd=REPO_ROOT, env=child_env(port, **self.env), stdout=log, stderr=subprocess.STDOUT
             )
 
