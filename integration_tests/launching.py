@@ -14,13 +14,15 @@ launched process must not depend on what the test process happens to have.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,30 @@ class SharedLaunch(Run):
 
     def script_command(self) -> list[str]:
         return [str(FORKED_RUNS), str(self.script), *(shlex.join(run.script_args()) for run in self.runs)]
+
+
+@contextlib.contextmanager
+def launched_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Path, bool]]:
+    """``(directory, done)`` for a module-scoped fixture's launches, run once per test session:
+    pytest-xdist's workers steal single tests, so a module's tests may run on both workers,
+    and each would run the fixture's launches (the Trainer clients': 50 s of CPU). The first
+    worker gets a directory of its own (``done`` False) and launches into it; the other waits
+    for it here (a lock in the session's temporary directory, which the workers share) and
+    gets the same directory with ``done`` True: the runs are there to read. A fixture that
+    failed leaves ``done`` unset, and the next worker launches anew into its own directory."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: nothing to share
+        yield tmp_path_factory.mktemp(name), False
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # the session's, above each worker's own
+    with open(shared / f"{name}.lock", "w", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes, a failure included
+        done = shared / f"{name}.done"
+        if done.exists():
+            yield Path(done.read_text(encoding="utf-8")), True
+            return
+        directory = tmp_path_factory.mktemp(name)
+        yield directory, False
+        done.write_text(str(directory), encoding="utf-8")  # not reached when the launches failed
 
 
 def run_side_by_side(runs: Sequence[Run]) -> dict[str, Run]:
