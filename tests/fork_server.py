@@ -37,6 +37,7 @@ dies), and a child dies with the server (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -141,9 +142,25 @@ def _child(request: dict, streams: list[int], inherited: list[int]) -> None:
     os._exit(code)
 
 
+def _tell(connection: socket.socket, message: dict) -> None:
+    """``message`` to a launch's client; a client gone (its test failed before it waited, or
+    it died) is no reason for the server to stop serving the others."""
+    with contextlib.suppress(OSError):
+        connection.sendall(json.dumps(message).encode())
+
+
 def _accept(listener: socket.socket, waiting: dict[int, socket.socket]) -> None:
     connection, _ = listener.accept()
-    message, streams, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 3)
+    try:
+        message, streams, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 3)
+    except OSError:
+        connection.close()
+        return
+    if len(streams) != 3:  # a client that died while sending
+        for fd in streams:
+            os.close(fd)
+        connection.close()
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -152,7 +169,7 @@ def _accept(listener: socket.socket, waiting: dict[int, socket.socket]) -> None:
         _child(json.loads(message), streams, inherited)
     for fd in streams:
         os.close(fd)
-    connection.sendall(json.dumps({"pid": pid}).encode())
+    _tell(connection, {"pid": pid})
     waiting[pid] = connection
 
 
@@ -164,7 +181,7 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
             return
         connection = waiting.pop(pid)
         cpu = usage.ru_utime + usage.ru_stime
-        connection.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status), "cpu": cpu}).encode())
+        _tell(connection, {"code": os.waitstatus_to_exitcode(status), "cpu": cpu})
         connection.close()
 
 
@@ -283,9 +300,12 @@ class ServedProcess:
         if self.returncode is None:
             self._connection.settimeout(timeout)
             try:
-                ended = json.loads(self._connection.recv(_MESSAGE_BYTES))
+                message = self._connection.recv(_MESSAGE_BYTES)
             except TimeoutError:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+            if not message:
+                raise RuntimeError(f"tests/fork_server.py's server ended while {self.args} ran")
+            ended = json.loads(message)
             self._connection.close()
             self.returncode = ended["code"]
             _served_cpu[0] += ended["cpu"]
@@ -346,16 +366,30 @@ def popen(
     a file (``stderr``: ``subprocess.STDOUT`` too)."""
     env = dict(os.environ if env is None else env)
     server = _server_for(command, env)
-    if server is None:
-        return subprocess.Popen(
-            list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True
-        )
-    pipes: list[int] = []
-    out = _stream(stdout, sys.stdout.fileno(), pipes)
-    err = out if stderr == subprocess.STDOUT else _stream(stderr, sys.stderr.fileno(), pipes)
-    request = {"command": list(command[1:]), "env": env, "cwd": os.fspath(cwd or os.getcwd())}
-    with open(os.devnull, "rb") as stdin:
-        process = ServedProcess(server, command, request, [stdin.fileno(), out, err])
+    if server is not None:
+        pipes: list[int] = []
+        out = _stream(stdout, sys.stdout.fileno(), pipes)
+        err = out if stderr == subprocess.STDOUT else _stream(stderr, sys.stderr.fileno(), pipes)
+        request = {"command": list(command[1:]), "env": env, "cwd": os.fspath(cwd or os.getcwd())}
+        try:
+            with open(os.devnull, "rb") as stdin:
+                process = ServedProcess(server, command, request, [stdin.fileno(), out, err])
+        except OSError:  # the server is gone: this launch and the next go fresh
+            server.ready = False
+            for fd in {*pipes, *(fd for target, fd in ((stdout, out), (stderr, err)) if target == subprocess.PIPE)}:
+                os.close(fd)
+        else:
+            return _with_pipes(process, stdout, stderr, out, err, pipes)
+    return subprocess.Popen(
+        list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True
+    )
+
+
+def _with_pipes(
+    process: ServedProcess, stdout: int | IO | None, stderr: int | IO | None, out: int, err: int, pipes: list[int]
+) -> ServedProcess:
+    """``process`` given the read ends of its piped streams; the write ends, the child's
+    now, closed here (so that reading ends when the child's output does)."""
     for target, fd in ((stdout, out), (stderr, err)):
         if target == subprocess.PIPE:
             os.close(fd)  # the child has its own: end of file when it ends
