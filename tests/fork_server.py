@@ -56,7 +56,9 @@ from typing import IO
 
 PRELOADED = ("torch", "torch.distributed", "transformers", "deepspeed", "megatrain_ds", "safetensors.torch")
 """What the server imports (with the model classes and engine modules of ``tiny_models``'s
-``load_eagerly`` and ``load_engine_imports_eagerly``): what the workers of the tests import."""
+``load_eagerly`` and ``load_engine_imports_eagerly``, and DeepSpeed's async I/O op): what
+the workers of the tests import. Only modules and a loaded library: nothing of an engine
+exists before a fork."""
 
 READ_AT_RUN_TIME = frozenset(
     {
@@ -95,6 +97,13 @@ def _preload() -> None:
 
     tiny_models.load_eagerly("LlamaConfig", "LlamaForCausalLM")
     tiny_models.load_engine_imports_eagerly()
+    # DeepSpeed's async I/O op, which every process with the NVMe tier loads once: its builder
+    # probes the CPU in two child interpreters each time (2.3 s of CPU). Loaded here, the
+    # children share it. Without libaio it cannot load; each child then finds that out itself.
+    from megatrain_ds.state import swap_io
+
+    with contextlib.suppress(RuntimeError):
+        swap_io._deepspeed_aio_op()
 
 
 def _run_as_main(command: list[str]) -> int:
