@@ -63,7 +63,10 @@ if os.environ.get("MEGATRAIN_TEST_CPU_LOG"):
 
     def _cpu_seconds() -> tuple[float, float]:
         own, launched = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime, launched.ru_utime + launched.ru_stime
+        # Launches forked by tests/fork_server.py's server are its children, not this process's.
+        fork_server = sys.modules.get("fork_server")
+        served = fork_server.served_cpu_seconds() if fork_server is not None else 0.0
+        return own.ru_utime + own.ru_stime, launched.ru_utime + launched.ru_stime + served
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
@@ -73,3 +76,11 @@ if os.environ.get("MEGATRAIN_TEST_CPU_LOG"):
         line = {"test": item.nodeid, "own": after[0] - before[0], "launched": after[1] - before[1]}
         with open(os.environ["MEGATRAIN_TEST_CPU_LOG"], "a", encoding="utf-8") as log:
             log.write(json.dumps(line) + "\n")
+
+
+def pytest_unconfigure(config) -> None:
+    """The launch servers (``tests/fork_server.py``) stop and are waited for before pytest
+    ends, so that their CPU is the pytest process's, as a fresh launch's is."""
+    fork_server = sys.modules.get("fork_server")
+    if fork_server is not None:
+        fork_server.close_servers()

@@ -1,4 +1,10 @@
-"""Running scripts the way users run them: fresh processes, ``accelerate launch``, shipped configs.
+"""Running scripts the way users run them: processes of their own, ``accelerate launch``,
+shipped configs.
+
+A process of its own is forked from ``tests/fork_server.py``'s server where nothing it
+imports reads what its environment changes (that module's docstring: not a DeepSpeed
+reference run, for one), else fresh: a child of a server that imported torch, DeepSpeed,
+transformers and ``megatrain_ds`` is what a fresh interpreter is once it has imported them.
 
 Each run gets its own rendezvous port (runs may go side by side) and one CPU thread
 (two cores shared by parallel runs; and a run and its reference must use the same thread
@@ -8,13 +14,15 @@ launched process must not depend on what the test process happens to have.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +31,9 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO_ROOT / "tests"))
+import fork_server  # noqa: E402  # pyright: ignore[reportMissingImports]  (tests/fork_server.py)
+
 FORKED_RUNS = Path(__file__).with_name("forked_runs.py")
 ACCELERATE_CONFIG = REPO_ROOT / "configs" / "accelerate_megatrain.yaml"
 TIMEOUT_S = 600
@@ -49,12 +60,12 @@ def child_env(port: int, **extra: str) -> dict[str, str]:
     )
     env.pop("MEGATRAIN_DISABLE_HOOK", None)
     env.update(extra)
-    return env
+    return fork_server.with_this_checkout(env)
 
 
 @dataclass
 class Run:
-    """One script run in a fresh process, writing into ``output_dir`` (its ``--output-dir``)."""
+    """One script run in a process of its own, writing into ``output_dir`` (its ``--output-dir``)."""
 
     name: str
     script: Path
@@ -66,7 +77,7 @@ class Run:
     env: dict[str, str] = field(default_factory=dict)
     num_processes: int = 1
     """Data-parallel ranks (``accelerate launch --num_processes``)."""
-    _process: subprocess.Popen | None = None
+    _process: subprocess.Popen[str] | fork_server.ServedProcess | None = None
 
     @property
     def log_path(self) -> Path:
@@ -96,9 +107,11 @@ class Run:
                 str(self.num_processes),
                 *command[1:],
             ]
-        # The Accelerate config names its DeepSpeed JSON relative to the repository root.
+        # The Accelerate config names its DeepSpeed JSON relative to the repository root. The
+        # process is forked from tests/fork_server.py's server where its imports allow (the
+        # launcher's own; a script's without a launcher), else fresh.
         with open(self.log_path, "w", encoding="utf-8") as log:
-            self._process = subprocess.Popen(
+            self._process = fork_server.popen(
                 command, cwd=REPO_ROOT, env=child_env(port, **self.env), stdout=log, stderr=subprocess.STDOUT
             )
 
@@ -133,6 +146,30 @@ class SharedLaunch(Run):
 
     def script_command(self) -> list[str]:
         return [str(FORKED_RUNS), str(self.script), *(shlex.join(run.script_args()) for run in self.runs)]
+
+
+@contextlib.contextmanager
+def launched_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Path, bool]]:
+    """``(directory, done)`` for a module-scoped fixture's launches, run once per test session:
+    pytest-xdist's workers steal single tests, so a module's tests may run on both workers,
+    and each would run the fixture's launches (the Trainer clients': 50 s of CPU). The first
+    worker gets a directory of its own (``done`` False) and launches into it; the other waits
+    for it here (a lock in the session's temporary directory, which the workers share) and
+    gets the same directory with ``done`` True: the runs are there to read. A fixture that
+    failed leaves ``done`` unset, and the next worker launches anew into its own directory."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: nothing to share
+        yield tmp_path_factory.mktemp(name), False
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # the session's, above each worker's own
+    with open(shared / f"{name}.lock", "w", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes, a failure included
+        done = shared / f"{name}.done"
+        if done.exists():
+            yield Path(done.read_text(encoding="utf-8")), True
+            return
+        directory = tmp_path_factory.mktemp(name)
+        yield directory, False
+        done.write_text(str(directory), encoding="utf-8")  # not reached when the launches failed
 
 
 def run_side_by_side(runs: Sequence[Run]) -> dict[str, Run]:

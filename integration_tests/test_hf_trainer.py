@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import Run, SharedLaunch, assert_zero_lr_kept_weights, eval_loss_of_saved_model, run_side_by_side
+from launching import (
+    Run,
+    SharedLaunch,
+    assert_zero_lr_kept_weights,
+    eval_loss_of_saved_model,
+    launched_once,
+    run_side_by_side,
+)
 from tiny_clm import TRAINER_LOSS_FRACTION
 
 SCRIPT = Path(__file__).with_name("hf_trainer_clm.py")
@@ -25,12 +32,13 @@ NUM_STEPS = 12
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    root = tmp_path_factory.mktemp("hf_trainer")
-    runs = [
-        Run("megatrain", SCRIPT, root / "megatrain", args=["--learning-rate", str(LR)], accelerate=False),
-        Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"], accelerate=False),
-    ]
-    run_side_by_side([SharedLaunch.of("megatrain_runs", runs)])
+    with launched_once(tmp_path_factory, "hf_trainer") as (root, done):  # once, whichever worker asks first
+        runs = [
+            Run("megatrain", SCRIPT, root / "megatrain", args=["--learning-rate", str(LR)], accelerate=False),
+            Run("megatrain_lr0", SCRIPT, root / "megatrain_lr0", args=["--learning-rate", "0"], accelerate=False),
+        ]
+        if not done:
+            run_side_by_side([SharedLaunch.of("megatrain_runs", runs)])
     return {run.name: run for run in runs}
 
 

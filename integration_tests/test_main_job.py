@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from launching import REPO_ROOT, Run, run_side_by_side
+from launching import REPO_ROOT, Run, launched_once, run_side_by_side
 from matplotlib.colors import to_rgb
 
 SCRIPT = REPO_ROOT / "examples" / "train_clm.py"
@@ -52,9 +52,11 @@ def _load_script():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory):
-    output_dir = tmp_path_factory.mktemp("train_clm") / "out"
-    job = run_side_by_side([Run("main_job", SCRIPT, output_dir, args=ARGS)])
-    return job["main_job"].result("metrics.json")
+    with launched_once(tmp_path_factory, "train_clm") as (root, done):  # once, whichever worker asks first
+        job = Run("main_job", SCRIPT, root / "out", args=ARGS)
+        if not done:
+            run_side_by_side([job])
+    return job.result("metrics.json")
 
 
 def test_uses_megatrain_engine(run) -> None:

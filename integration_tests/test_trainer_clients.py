@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO_ROOT, Run, load_weights, run_side_by_side, skip_if_deepspeed_refused_a_zero_warmup
+from launching import (
+    REPO_ROOT,
+    Run,
+    launched_once,
+    load_weights,
+    run_side_by_side,
+    skip_if_deepspeed_refused_a_zero_warmup,
+)
 from tiny_clm import TRAINER_LOSS_FRACTION, tiny_llama_config
 
 SCRIPT = Path(__file__).with_name("trainer_clients.py")
@@ -62,22 +69,24 @@ def clients(tmp_path_factory: pytest.TempPathFactory):
     side, runs every client, each in a child forked after the imports (``trainer_clients.py``):
     two launches instead of twelve, each of which spent most of its time importing torch,
     transformers, TRL and PEFT. A client that failed fails its own test, with its log."""
-    root = tmp_path_factory.mktemp("clients")
-    sides = {}
-    for engine, minimal, env in (
-        ("megatrain", MINIMAL, {}),
-        ("deepspeed", MINIMAL_SPELLED_OUT, {"MEGATRAIN_DISABLE_HOOK": "1"}),
-    ):
-        path = root / f"{engine}_minimal.json"
-        path.write_text(json.dumps(minimal), encoding="utf-8")
-        configs = {"minimal": path} | dict.fromkeys(ZERO3_CLIENT_NAMES, ZERO3_CONFIG)
-        args = [
-            arg
-            for client in CLIENT_NAMES + ZERO3_CLIENT_NAMES
-            for arg in ("--client", f"{client}={configs[client]}" if client in configs else client)
-        ]
-        sides[engine] = Run(engine, SCRIPT, root / engine, accelerate=False, args=args, env=env)
-    run_side_by_side(list(sides.values()))
+    with launched_once(tmp_path_factory, "clients") as (root, done):  # once, whichever worker asks first
+        sides = {}
+        for engine, minimal, env in (
+            ("megatrain", MINIMAL, {}),
+            ("deepspeed", MINIMAL_SPELLED_OUT, {"MEGATRAIN_DISABLE_HOOK": "1"}),
+        ):
+            path = root / f"{engine}_minimal.json"
+            configs = {"minimal": path} | dict.fromkeys(ZERO3_CLIENT_NAMES, ZERO3_CONFIG)
+            args = [
+                arg
+                for client in CLIENT_NAMES + ZERO3_CLIENT_NAMES
+                for arg in ("--client", f"{client}={configs[client]}" if client in configs else client)
+            ]
+            sides[engine] = Run(engine, SCRIPT, root / engine, accelerate=False, args=args, env=env)
+            if not done:
+                path.write_text(json.dumps(minimal), encoding="utf-8")
+        if not done:
+            run_side_by_side(list(sides.values()))
     exit_codes = {engine: side.result("exit_codes.json") for engine, side in sides.items()}
 
     def runs(client: str) -> dict[str, Run]:

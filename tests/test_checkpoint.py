@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import checkpoint_worker
+import fork_server
 import pytest
 import tiny_models
 import torch
@@ -46,14 +47,8 @@ def assert_same_host_state(a, b):
 
 
 def run_worker(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, str(TESTS / "checkpoint_worker.py"), *map(str, args)],
-        cwd=TESTS,
-        env=WORKER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, str(TESTS / "checkpoint_worker.py"), *map(str, args)]
+    return fork_server.run(command, cwd=TESTS, env=WORKER_ENV, timeout=timeout)
 
 
 @pytest.fixture
@@ -329,14 +324,9 @@ def test_a_crash_at_any_point_of_a_save_keeps_the_previous_checkpoint(tmp_path, 
 def test_sigkill_at_a_random_moment_of_a_save(tmp_path, one_thread):
     """A process saving over and over is killed at a random moment: the checkpoint
     ``latest`` names loads, equals the one saved before, and resumes identically."""
-    process = subprocess.Popen(
-        [sys.executable, str(TESTS / "checkpoint_worker.py"), "save-loop", str(tmp_path), str(one_thread)],
-        cwd=TESTS,
-        env=WORKER_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    command = [sys.executable, str(TESTS / "checkpoint_worker.py"), "save-loop", str(tmp_path), str(one_thread)]
+    process = fork_server.popen(command, cwd=TESTS, env=WORKER_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
     try:
         assert process.stdout.readline().strip() == "READY", process.stderr.read()[-3000:]
         time.sleep(random.uniform(0.0, 0.5))

@@ -14,9 +14,10 @@ disk (a later run removes those of dead runs, so the last run's is the one left)
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import fork_server
 
 WORKER = Path(__file__).resolve().parent / "clean_exit_worker.py"
 REPEATS = 2
@@ -31,7 +32,9 @@ def test_scripts_that_return_without_destroy_exit_cleanly(tmp_path: Path) -> Non
     }
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, str(WORKER), str(tmp_path), str(REPEATS)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    # The worker's imports once, in tests/fork_server.py's server; its children, forked after
+    # them as before, keep the whole interpreter exit this test is about.
+    result = fork_server.run(command, env=fork_server.with_this_checkout(env), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [
         line.split()

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import fork_server
 import pytest
 import safetensors.torch
 import tiny_models
@@ -48,7 +49,7 @@ def _env(**extra: str) -> dict[str, str]:
         if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
     }
     env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, **extra)
-    return env
+    return fork_server.with_this_checkout(env)
 
 
 def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "fork") -> None:
@@ -61,7 +62,7 @@ def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "fo
     }[launcher]
     port = ("--port" if launcher == "fork" else "--master_port", str(free_port()))
     command = [*prefix, str(nproc), *port, str(WORKER), mode, "--out", str(out), *args]
-    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = fork_server.run(command, env=_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
@@ -266,12 +267,12 @@ def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1, launcher:
     if launcher == "fork":
         command = [sys.executable, str(FORKED_RANKS), "--nodes", str(nodes), "--per-node", str(per_node)]
         command += ["--port", str(free_port()), str(WORKER), "--out", str(out), *args]
-        result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        result = fork_server.run(command, env=_env(), timeout=TIMEOUT_S)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
         return
     endpoint = f"127.0.0.1:{free_port()}"
     launches = [
-        subprocess.Popen(
+        fork_server.popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node)]
             + ["--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
             + ["--rdzv-conf", f"is_host={int(node == 0)}"]  # node 0 hosts the rendezvous store
@@ -279,7 +280,6 @@ def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1, launcher:
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
         )
         for node in range(nodes)
     ]
@@ -905,7 +905,7 @@ def test_a_dead_rank_stops_the_survivor_with_a_clear_error(tmp_path: Path, layou
     command = [sys.executable, str(FORKED_RANKS), "--per-node", "2", "--port", str(free_port())]
     command += ["--no-kill", "--bare-env", str(WORKER), "die", "--out", str(tmp_path), "--timeout", "60"]
     command += [*per_node, "--save-to", str(checkpoint)]
-    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = fork_server.run(command, env=_env(), timeout=TIMEOUT_S)
     stderr = result.stderr  # both ranks': the victim's ends where it was killed
     assert (tmp_path / "killed").exists(), stderr[-6000:]  # it died where it was meant to
     elapsed = time.time() - float((tmp_path / "killed").read_text())

@@ -15,12 +15,12 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 from collections.abc import KeysView
 from pathlib import Path
 from typing import Any
 
+import fork_server
 import pytest
 import tiny_models
 import torch
@@ -348,9 +348,10 @@ def test_training_data_is_sharded_as_deepspeeds_loader(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     tests = Path(__file__).resolve().parent
+    env = fork_server.with_this_checkout(env)
     command = [sys.executable, str(tests / "forked_ranks.py"), "--per-node", "2", "--port", str(free_port())]
     command += [str(tests / "keys_worker.py"), "--out", str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = fork_server.run(command, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     shards = []

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import nvme_worker
 import pytest
 import torch
@@ -81,27 +82,15 @@ def test_kill_mid_step_then_resume(tmp_path, caplog):
     exactly as an uninterrupted run does."""
     nvme, checkpoints = tmp_path / "nvme", tmp_path / "checkpoints"
     threads = torch.get_num_threads()
-    crashed = subprocess.run(
-        [sys.executable, str(TESTS / "nvme_worker.py"), "crash", str(nvme), str(checkpoints), str(threads)],
-        cwd=TESTS,
-        env=WORKER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    crash = [sys.executable, str(TESTS / "nvme_worker.py"), "crash", str(nvme), str(checkpoints), str(threads)]
+    crashed = fork_server.run(crash, cwd=TESTS, env=WORKER_ENV, timeout=300)
     assert crashed.returncode == -9 and "KILLED after writing" in crashed.stdout, crashed.stderr[-2000:]
     left = list(nvme.glob("megatrain-swap-*"))
     assert len(left) == 1 and json.loads((left[0] / "owner.json").read_text())["pid"] != os.getpid()
 
     out = tmp_path / "resumed.pt"
-    resumed = subprocess.run(
-        [sys.executable, str(TESTS / "nvme_worker.py"), "resume", str(nvme), str(checkpoints), str(out), str(threads)],
-        cwd=TESTS,
-        env=WORKER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resume = [sys.executable, str(TESTS / "nvme_worker.py"), "resume", str(nvme), str(checkpoints), str(out)]
+    resumed = fork_server.run([*resume, str(threads)], cwd=TESTS, env=WORKER_ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "removing the swap directory" in resumed.stderr and str(left[0]) in resumed.stderr
     assert not left[0].exists()
@@ -122,35 +111,17 @@ def test_swap_directories_of_dead_live_and_foreign_owners(tmp_path, caplog):
     """A dead run's directory (its lock free) is removed with a warning; a live run's
     (lock held) and an unknown ``megatrain-swap-*`` entry are left alone; nothing else in
     nvme_path is touched; each run gets its own directory."""
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            (
-                "import sys, time; from megatrain_ds.state.swap_directory import SwapDirectory\n"
-                f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True); time.sleep(60)"
-            ),
-        ],
-        env=WORKER_ENV,
-        stdout=subprocess.PIPE,
-        text=True,
+    swap_directory_here = (
+        f"from megatrain_ds.state.swap_directory import SwapDirectory\n"
+        f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True)\n"
     )
+    holding = [sys.executable, "-c", swap_directory_here + "import time; time.sleep(60)"]
+    holder = fork_server.popen(holding, env=WORKER_ENV, stdout=subprocess.PIPE)
+    assert holder.stdout is not None
     try:
         live = Path(holder.stdout.readline().strip())
-        dead = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                (
-                    "import os; from megatrain_ds.state.swap_directory import SwapDirectory\n"
-                    f"d = SwapDirectory({str(tmp_path)!r}, {{'a.swap': 4096}}); print(d.path, flush=True); os._exit(0)"
-                ),
-            ],
-            env=WORKER_ENV,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        dying = [sys.executable, "-c", swap_directory_here + "import os; os._exit(0)"]
+        dead = fork_server.run(dying, env=WORKER_ENV, check=True)
         dead_path = Path(dead.stdout.strip())
         assert dead_path.exists() and live.exists()
         foreign = tmp_path / "megatrain-swap-not-ours"

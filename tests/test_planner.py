@@ -2,10 +2,10 @@
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 import tiny_models
 import torch
@@ -333,8 +333,8 @@ def test_cpu_profile_measures_a_real_block(tmp_path):
 
 
 def test_cli_cpu_plan_reports_the_profile_and_peak(tmp_path):
-    env = {**__import__("os").environ, "MEGATRAIN_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run(
+    env = fork_server.with_this_checkout({**__import__("os").environ, "MEGATRAIN_CACHE_DIR": str(tmp_path)})
+    result = fork_server.run(
         [
             sys.executable,
             "-m",
@@ -352,8 +352,6 @@ def test_cli_cpu_plan_reports_the_profile_and_peak(tmp_path):
             "2",
             "--json",
         ],
-        capture_output=True,
-        text=True,
         check=True,
         env=env,
     )

@@ -11,12 +11,12 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
 import sys
 import zlib
 from pathlib import Path
 
 import checkpoint_worker
+import fork_server
 import numpy
 import pytest
 import tiny_models
@@ -286,14 +286,8 @@ def test_forged_engine_state_fields_are_refused(copy, fresh, path, value):
 def test_fuzz_every_damaged_checkpoint_is_refused_clearly_or_loads_exactly(tmp_path):
     """300 seeded cases, half of them forged; see checkpoint_fuzz_worker.py. In a subprocess
     with a timeout, so a crash or a hang fails the test instead of ending the run."""
-    result = subprocess.run(
-        [sys.executable, str(TESTS / "checkpoint_fuzz_worker.py"), str(tmp_path), "300"],
-        cwd=TESTS,
-        env=WORKER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    command = [sys.executable, str(TESTS / "checkpoint_fuzz_worker.py"), str(tmp_path), "300"]
+    result = fork_server.run(command, cwd=TESTS, env=WORKER_ENV, timeout=240)
     assert result.stdout, result.stderr[-3000:]
     summary = json.loads(result.stdout.splitlines()[-1])
     assert summary["failures"] == [] and result.returncode == 0, summary["failures"][:10]
