@@ -29,7 +29,7 @@ import torch
 from placement_check import placement_disagreements, planner_disagreements, preflight_disagreements
 from safetensors import safe_open
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error, train_side_by_side
-from test_lora import _assert_frozen_unchanged, _assert_same_state, _frozen, _swap, _train
+from test_lora import _assert_frozen_unchanged, _assert_same_state, _frozen, _swap, _train, lora_llama
 from test_placement import _config, _topology
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
@@ -62,20 +62,8 @@ ADAPTED = (1, 3)
 
 
 def lora_on_some_layers(frozen_dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    """A tiny Llama with peft's LoRA (r=4) on q_proj and v_proj of blocks 1 and 3 alone
-    (``layers_to_transform``); lora_B random (peft starts it at zero), the base weights
-    frozen in ``frozen_dtype``."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, layers_to_transform=list(ADAPTED)
-    )
-    model = peft.get_peft_model(tiny_models.llama(), config)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-        if not param.requires_grad:
-            param.data = param.data.to(frozen_dtype)
-    return model
+    """``test_lora.lora_llama`` with LoRA on blocks 1 and 3 alone (:data:`ADAPTED`)."""
+    return lora_llama(frozen_dtype, seed, layers=ADAPTED)
 
 
 def _assert_untrained_blocks_hold_their_weights_alone(engine: MegatrainEngine) -> None:

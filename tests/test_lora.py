@@ -29,12 +29,21 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("cpu_single_thread")
 
 
-def lora_llama(frozen_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A tiny Llama with peft's LoRA (r=4) on q_proj and v_proj: every base weight frozen.
-    lora_B starts at zero in peft (the adapted model equals the base); random here, so that
-    lora_A gets gradients from the first step. Frozen weights cast to ``frozen_dtype``."""
-    torch.manual_seed(0)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+def lora_llama(
+    frozen_dtype: torch.dtype = torch.float32, seed: int = 0, layers: tuple[int, ...] | None = None
+) -> torch.nn.Module:
+    """A tiny Llama with peft's LoRA (r=4) on q_proj and v_proj (of the blocks ``layers`` alone,
+    peft's ``layers_to_transform``, where given): every base weight frozen. lora_B starts at
+    zero in peft (the adapted model equals the base); random here, so that lora_A gets
+    gradients from the first step. Frozen weights cast to ``frozen_dtype``."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        lora_dropout=0.0,
+        layers_to_transform=list(layers) if layers is not None else None,
+    )
     model = peft.get_peft_model(tiny_models.llama(), config)
     for name, param in model.named_parameters():
         if "lora_B" in name:
