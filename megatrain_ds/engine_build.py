@@ -16,6 +16,7 @@ in the layers and imports nothing of it.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from typing import Protocol
 
@@ -453,6 +454,9 @@ def _auto_device_state_count(
         # No CUDA (Triton's interpreter or not): the "device" is the host, where the states
         # live anyway, so the CPU path stays the one it always was.
         logger.info('megatrain: device_state "auto": no CUDA device, every optimizer state stays in host memory')
+        return 0
+    if importlib.util.find_spec("triton") is None:  # the tier's update is a Triton kernel
+        logger.info('megatrain: device_state "auto": no Triton, every optimizer state stays in host memory')
         return 0
     run = PreflightInputs(
         model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology

@@ -429,3 +429,36 @@ def test_a_device_out_of_memory_error_names_the_gpu_tier_and_its_fix(setting):
                 assert f"device_state {setting!r}" in message and "GiB) on the device" in message
     finally:
         engine.destroy()
+
+
+def test_auto_keeps_every_state_on_the_host_where_triton_is_missing(monkeypatch, caplog):
+    """The tier's update is a Triton kernel: on a CUDA machine without Triton the default
+    ``"auto"`` keeps every state on the host (logged at INFO) instead of failing at the build;
+    with Triton it goes on to size the tier (here stopped where it would ask preflight)."""
+    import importlib.util
+
+    from megatrain_ds import engine_build
+
+    model = tiny_models.llama()
+    shapes = state_shapes([list(model.named_parameters())], {p: 0 for p in model.parameters()}, torch.float32)
+    engine = SimpleNamespace(
+        config=parse_engine_config(ds_config()),  # the default: "auto"
+        runtime=SimpleNamespace(device=torch.device("cpu"), is_cuda=True),
+        optimizer=None,
+    )
+    monkeypatch.setattr(engine_build, "available_memory", lambda device: SimpleNamespace(device=80 << 30))
+
+    class Sized(Exception):
+        pass
+
+    def preflight_reached(*args):
+        raise Sized
+
+    monkeypatch.setattr(engine_build, "PreflightInputs", preflight_reached)
+    with pytest.raises(Sized):
+        _device_state_count(engine, model, "none", Topology(), shapes)  # type: ignore[arg-type]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else find_spec(name))
+    with caplog.at_level(logging.INFO, logger="megatrain_ds.engine_build"):
+        assert _device_state_count(engine, model, "none", Topology(), shapes) == 0  # type: ignore[arg-type]
+    assert "no Triton, every optimizer state stays in host memory" in caplog.text
