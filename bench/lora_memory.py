@@ -15,6 +15,11 @@ and at most DeepSpeed's.
 
     python bench/lora_memory.py --json bench/results/lora_memory_cpu_220M.json
 
+Each system's ``tokens_per_s`` is the median of its steps after ``--warmup`` (1) of them; on
+a GPU, where that is the figure of interest (issue 44's LoRA tokens/s at ~3B against ZeRO-3
+offload with the same adapter, ``scripts/gpu_validate.sh``'s ``lora-3b`` step), each step is
+timed to the device's end of it, and ``tokens_per_s_engine_over_zero3`` is their ratio.
+
 ``--largest``: the largest LoRA run this machine takes, by ``bench/largest_model.py``'s
 method. A Llama of 7B-class width (``--hidden 4096 --intermediate 11008``, 32 heads, vocab
 32000) is made deeper; for each system two calibration runs (``--calibration-layers``,
@@ -83,7 +88,7 @@ def _resident_by_kind() -> dict[str, int]:
     return {"anonymous": fields["Anonymous"], "file": fields["Rss"] - fields["Anonymous"]}
 
 
-def _ds_config(system: str, args: argparse.Namespace) -> dict:
+def _ds_config(system: str, args: argparse.Namespace, cuda: bool) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -93,11 +98,11 @@ def _ds_config(system: str, args: argparse.Namespace) -> dict:
     }
     if system == "megatrain":
         config["engine"] = "megatrain"
-    else:  # bench/compare.py's ZeRO-3 offload (no pinning: no CUDA here)
+    else:  # bench/compare.py's ZeRO-3 offload (pinned as DeepSpeed's docs advise where there is a GPU)
         config["zero_optimization"] = {
             "stage": 3,
-            "offload_optimizer": {"device": "cpu", "pin_memory": False},
-            "offload_param": {"device": "cpu", "pin_memory": False},
+            "offload_optimizer": {"device": "cpu", "pin_memory": cuda},
+            "offload_param": {"device": "cpu", "pin_memory": cuda},
             "overlap_comm": True,
             "contiguous_gradients": True,
         }
@@ -124,7 +129,7 @@ def _build(system: str, args: argparse.Namespace):
         num_key_value_heads=max(1, args.hidden // 128),
         attn_implementation="sdpa",
     )
-    ds_config = _ds_config(system, args)
+    ds_config = _ds_config(system, args, torch.cuda.is_available())
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     init = deepspeed.zero.Init(config_dict_or_path=ds_config) if system == "zero3_offload" else contextlib.nullcontext()
@@ -194,8 +199,10 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        seconds.append(time.perf_counter() - begun)
         losses.append(float(loss))
+        if device.type == "cuda":  # the step's device work (and any pipelined update) in its time
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - begun)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     # Where the bytes are once the steps are done: the state, and what the step left behind.
     after = {kind: value - baseline_kinds[kind] for kind, value in _resident_by_kind().items()}
@@ -210,6 +217,10 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         "step_seconds": seconds,
         "losses": losses,
     }
+    if args.steps > args.warmup:  # throughput: the median of the steps after the warm-up ones
+        median = sorted(seconds[args.warmup :])[(args.steps - args.warmup) // 2]
+        result.update(median_step_seconds=median, tokens_per_s=args.micro_batch * args.seq_len / median)
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     if system == "megatrain":
         state = engine.host_bytes()
         result["state_bytes"] = state
@@ -419,6 +430,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="steps before those whose median gives tokens_per_s (the --steps)"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--min-free", type=float, default=2.0, help="GiB of MemAvailable below which a run is killed")
     parser.add_argument("--json", type=Path)
@@ -459,15 +473,21 @@ def main() -> None:
             print(f"{system}: failed\n{run.stderr[-3000:]}", file=sys.stderr)
             continue
         results[system] = json.loads(run.stdout.strip().splitlines()[-1])
-        print(f"{system}: {results[system]['bytes_per_param']:.2f} B/param peak above baseline")
+        speed = results[system].get("tokens_per_s")
+        speed_note = f", {speed:.0f} tokens/s (median after {args.warmup} warm-up steps)" if speed else ""
+        print(f"{system}: {results[system]['bytes_per_param']:.2f} B/param peak above baseline{speed_note}")
     document = {
         "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "vocab", "rank")},
-        "run": {k: getattr(args, k) for k in ("seq_len", "micro_batch", "steps")},
+        "run": {k: getattr(args, k) for k in ("seq_len", "micro_batch", "steps", "warmup")},
         "results": results,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
         "versions": _versions(),
         "commit": _git_rev(),
     }
+    speeds = [results.get(system, {}).get("tokens_per_s") for system in SYSTEMS]
+    if all(speeds):
+        document["tokens_per_s_engine_over_zero3"] = speeds[0] / speeds[1]
+        print(f"engine / ZeRO-3 offload tokens/s: {speeds[0] / speeds[1]:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(document, indent=2) + "\n")
 

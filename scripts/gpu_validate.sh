@@ -26,6 +26,9 @@
 #                 megatrain_host_state, "optimizer_device": "auto": does streaming state through the GPU pay?)
 #   compare-3b    ~3B Llama (hidden 3072, 28 blocks), 8 x 2048 tokens: engine (and with "device_state":
 #                 "none"), ZeRO-3 and ZeRO-2 offload
+#   lora-3b       bench/lora_memory.py on the ~3B shape: peft LoRA r=16 on q/v over a frozen bf16 base,
+#                 the engine vs ZeRO-3 offload, tokens/s and peak host bytes (needs peft: put its wheel
+#                 in .whl/ with `pip download --no-deps -d .whl peft`)
 #   compare-7b    Llama-2-7B's shape, 8 x 2048 tokens: the engine alone (ZeRO-3 offload's ~25 B/param
 #                 does not fit a 128 GiB host: bench/zero3_estimate.py, DeepSpeed's own estimator)
 #   gradient-worker bench/gradient_worker.py: the host's gradient worker alone, and beside a
@@ -40,11 +43,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STEPS=(install ops host-contention gpu-tests sanitizer data-parallel compare compare-optimizer-cpu gradient-worker
-       triton-adamw timeline compare-3b compare-7b)
+       triton-adamw timeline compare-3b lora-3b compare-7b)
 # Seconds each step may take before it is stopped and recorded as FAIL(124).
 declare -A LIMITS=([install]=120 [ops]=300 [host-contention]=120 [gpu-tests]=600 [sanitizer]=300
                    [data-parallel]=300 [compare]=900 [compare-optimizer-cpu]=300 [gradient-worker]=120
-                   [triton-adamw]=120 [timeline]=120 [compare-3b]=900 [compare-7b]=600)
+                   [triton-adamw]=120 [timeline]=120 [compare-3b]=900 [lora-3b]=600
+                   [compare-7b]=600)
 # configs/models/llama_940m.json's shape, 3 warm-up and 5 measured steps (compare.py's defaults) per system.
 DEFAULT_COMPARE_ARGS="--hidden 2048 --intermediate 5504 --layers 16 --seq-len 1024 --micro-batch 4"
 # The issue's ~3B target: hidden 3072, 28 blocks, 8 x 2048 tokens.
@@ -212,6 +216,9 @@ step timeline "a traced step of configs/models/llama_940m.json (compare's defaul
 # shellcheck disable=SC2086
 step compare-3b "~3B Llama, 8 x 2048 tokens: $COMPARE_3B_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_3B_ARGS --out "$OUT_DIR/compare_3b.json"
+step lora-3b "LoRA r=16 on q/v over a bf16 ~3B base, 8 x 2048 tokens: the engine vs ZeRO-3 offload" -- \
+    "$PYTHON" bench/lora_memory.py --hidden 3072 --intermediate 8192 --layers 28 --seq-len 2048 --micro-batch 8 \
+    --warmup 3 --steps 8 --json "$OUT_DIR/lora_3b.json"
 # shellcheck disable=SC2086
 step compare-7b "Llama-2-7B shape, 8 x 2048 tokens, the engine: $COMPARE_7B_ARGS" -- \
     "$PYTHON" bench/compare.py $COMPARE_7B_ARGS --out "$OUT_DIR/compare_7b.json"

@@ -23,6 +23,7 @@ STEPS = [
     "triton-adamw",
     "timeline",
     "compare-3b",
+    "lora-3b",
     "compare-7b",
 ]
 
