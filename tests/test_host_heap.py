@@ -113,13 +113,21 @@ def test_free_heap_pages_go_back_to_the_system():
 def _mkl_gemm_buffers_go_back_to_the_system() -> None:
     _glibc()
     assert keep_large_transients_mapped()
-    x, weight = torch.randn(256, 1536), torch.randn(32000, 1536)
-    logits = x @ weight.t()  # the shape of a vocabulary-wide output projection
+    # The shape of a vocabulary-wide output projection, 1024 tokens. How much MKL keeps
+    # depends on the kernels it dispatches: ~29 MiB with AVX-512 (Intel), ~14 MiB with AVX2
+    # (what it runs on AMD; 256 tokens there keep under 3 MiB), so the figure is measured.
+    x, weight = torch.randn(1024, 1536), torch.randn(32000, 1536)
+    ctypes.CDLL(None).malloc_trim(0)
+    without_buffers = _rss_bytes()
+    logits = x @ weight.t()
     del logits  # mapped (over the threshold): gone from RSS at once
     ctypes.CDLL(None).malloc_trim(0)  # the heap's free pages go first, so what follows is MKL's
     before = _rss_bytes()
+    kept = before - without_buffers
+    assert kept >= 4 * MIB, f"MKL kept {kept / MIB:.1f} MiB after the GEMM: nothing for the test to free"
     return_free_memory()
-    assert before - _rss_bytes() >= 8 * MIB, "MKL's packing buffers for the GEMM should have been freed"
+    freed = before - _rss_bytes()
+    assert freed >= 0.75 * kept, f"MKL's packing buffers for the GEMM should have been freed: {freed} of {kept} B"
 
 
 def test_mkl_gemm_buffers_go_back_to_the_system():
