@@ -131,6 +131,8 @@ def _frozen_apart(engine: MasterHolder, index: int, on_tier: OnTier | None) -> t
     state = engine.states[index]
     if state.frozen is None:
         return None
+    if engine.placement.states[index].frozen.where.on_host:  # beside a shadow: live, whole, exact
+        return state.frozen
     if engine.placement.states[index].gathered:  # every rank's window of them gathered (collective)
         assert engine.gathered_weights is not None
         return engine.gathered_weights.whole_frozen(index)

@@ -177,6 +177,13 @@ class HostFlatState:
         return slot.group == FROZEN_GROUP and self.placement.frozen_in == "frozen"
 
     @property
+    def frozen_for_tier(self) -> torch.Tensor | None:
+        """The frozen weights held apart that the NVMe tier keeps in a read-only file of their
+        own (``state/frozen_files.py``: the weights on the tier; with data parallel a rank's
+        window of them), ``None`` where there are none, or they stay in host memory."""
+        return None if self.placement.frozen.where.on_host else self.frozen
+
+    @property
     def streamed(self) -> torch.Tensor:
         """The buffer whose bytes go to the device."""
         return self.shadow if self.shadow is not None else self.master
@@ -396,10 +403,14 @@ def migrate_to_host(
     frozen_window = _frozen_window(placement, layout, span_of)
     frozen = None
     if placement.frozen_in == "frozen":
-        frozen = _frozen_apart(named_params, layout, runtime, dtypes, frozen_window)
+        # In host memory the node's copy (node-shared); on the tier each rank's (a window with data parallel).
+        on_host = shared if placement.frozen.where.on_host else None
+        frozen = _frozen_apart(named_params, layout, runtime, dtypes, frozen_window, on_host)
     if placement.master_split:
         master = runtime.host_empty(last - first, master_dtype, shared)
-        frozen_part = (frozen, frozen_window) if frozen is not None and frozen_window is not None else None
+        frozen_part = None
+        if frozen is not None:
+            frozen_part = (frozen, frozen_window or (layout.trained_numel, layout.numel))
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share, frozen_part)
     else:
         frozen_in = shadow if placement.frozen_in == "shadow" else frozen  # frozen weights not in the master
@@ -420,6 +431,8 @@ def migrate_to_host(
     )
     if placement.master_split and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
+    elif placement.master_split and frozen is not None:
+        state.point_params_at(state.weights)  # the frozen parameters view their exact values apart
     return state
 
 
@@ -428,7 +441,7 @@ def _frozen_window(placement: StatePlacement, layout: FlatLayout, span_of: SpanO
     gathered weights (data parallel, the weights on the tier: ``span_of`` gives the rank's
     window of a state); ``None`` where the frozen weights held apart are all of them, or
     none are held apart."""
-    if placement.frozen_in != "frozen" or not placement.master_split:
+    if placement.frozen.where is not Where.TIER_WINDOW:
         return None
     window = span_of(layout.numel - layout.trained_numel) if span_of is not None else None
     assert window is not None, "gathered weights: span_of gives this rank's window"
@@ -471,16 +484,16 @@ def _frozen_apart(
     runtime: DeviceRuntime,
     dtypes: tuple[torch.dtype, torch.dtype],
     window: tuple[int, int] | None,
+    shared: NodeSharedMemory | None = None,
 ) -> torch.Tensor:
-    """The buffer of a trained-only state's frozen weights held apart where no shadow is on
-    the host to hold them (the weights on the NVMe tier: :attr:`HostFlatState.frozen`), in
+    """The buffer of a state's frozen weights held apart (:attr:`HostFlatState.frozen`), in
     their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
     the master's (``dtypes[0]``); of all of them, or of the layout's ``window`` of them (a
-    rank's, with data parallel)."""
+    rank's, with data parallel and the weights on the tier); node-shared with ``shared``."""
     master, compute = dtypes
     dtype = compute if _frozen_all_in(named_params, layout, compute) else master
     start, end = window or (layout.trained_numel, layout.numel)
-    return runtime.host_empty(end - start, dtype)
+    return runtime.host_empty(end - start, dtype, shared)
 
 
 def _frozen_all_in(named_params: Sequence[tuple[str, nn.Parameter]], layout: FlatLayout, dtype: torch.dtype) -> bool:
@@ -519,6 +532,8 @@ def _fill_whole(
         share(master)
     if writes and shadow is not None:
         shadow[: master.numel()].copy_(master)  # the master's weights' streamed copy, rounded
+        if frozen_in is not None and frozen_in is not shadow:  # the frozen weights apart: theirs too
+            shadow[master.numel() :].copy_(frozen_in)
     return params
 
 
