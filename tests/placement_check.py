@@ -15,6 +15,7 @@ buffers allocated are what can still differ.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -23,10 +24,11 @@ from torch import nn
 from megatrain_ds import MegatrainEngine
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.planning.planner import ModelShape, RunSettings, gpu_bytes, host_bytes
-from megatrain_ds.planning.preflight import AvailableMemory, MemoryNeed, PreflightInputs, preflight
+from megatrain_ds.planning.preflight import MemoryNeed, _Shapes, estimate_from_shapes
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
 from megatrain_ds.state.flat_layout import FROZEN_GROUP
-from megatrain_ds.state.placement import ElementSizes, Placement, TierSettings, Topology, state_shapes
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology, state_shapes
 from megatrain_ds.state.state_placement import BUFFERS, StatePlacement, Where
 
 
@@ -150,18 +152,30 @@ def _tier_disagreements(engine: MegatrainEngine) -> list[str]:
 
 def engine_preflight(engine: MegatrainEngine) -> MemoryNeed:
     """Preflight's estimate of ``engine``'s run, as the engine planned it (its topology and
-    resolved NVMe level; the parameters' shapes and groups are what preflight reads, and
-    migration keeps them)."""
-    dp = engine.data_parallel
-    run = PreflightInputs(
-        engine.module,
-        engine.config,
-        engine.optimizer,
-        engine.runtime.device,
+    resolved NVMe level), from the flat states it built: each one's sizes and the dtype its
+    frozen weights are held in, as they arrived (the module's parameters no longer say it
+    after the build: the resident ones view their compute-dtype copy, a block's on the tier
+    are meta). Preflight's own reading of a model, before the build, is what
+    ``tests/test_placement.py`` checks against the same engines."""
+    dp, config = engine.data_parallel, engine.config
+    shapes = [
+        StateShape(state.layout.numel, state.layout.trained_numel, _frozen_in(state, config.compute_dtype))
+        for state in engine.states
+    ]
+    options = dataclasses.replace(config.options, nvme_offload=engine.placement.nvme)
+    return estimate_from_shapes(
+        _Shapes(shapes, host_freed=0, device_freed=0),  # what migration freed: not compared
+        dataclasses.replace(config, options=options),
+        engine.runtime.device.type,
         STAGING_CHUNK_ELEMENTS,
-        dp.topology if dp is not None else None,
+        topology=dp.topology if dp is not None else None,
     )
-    return preflight(run, available=AvailableMemory(host=1 << 50), nvme=engine.placement.nvme)
+
+
+def _frozen_in(state: HostFlatState, compute: torch.dtype) -> bool:
+    """Whether ``state`` has frozen weights, each held (so arrived) in ``compute``."""
+    dtypes = {state.weights_of(slot).dtype for slot in state.layout.slots if slot.group == FROZEN_GROUP}
+    return bool(dtypes) and dtypes == {compute}
 
 
 def preflight_disagreements(engine: MegatrainEngine, need: MemoryNeed | None = None) -> list[str]:

@@ -134,8 +134,12 @@ def _frozen_apart(engine: MasterHolder, index: int, on_tier: OnTier | None) -> t
     if engine.placement.states[index].frozen.where.on_host:  # beside a shadow: live, whole, exact
         return state.frozen
     if engine.placement.states[index].gathered:  # every rank's window of them gathered (collective)
-        assert engine.gathered_weights is not None
-        return engine.gathered_weights.whole_frozen(index)
+        assert engine.gathered_weights is not None and on_tier is not None  # gathered states are on the tier
+        window = engine.optimizer_states[index]
+        mapped = on_tier(window)  # None: this rank's windows of the block are on no tier
+        mine = mapped["frozen"] if mapped is not None and "frozen" in mapped else window.frozen
+        assert mine is not None, "gathered frozen weights apart: every rank has its window of them"
+        return engine.gathered_weights.whole_frozen(index, mine)
     mapped = on_tier(state) if on_tier is not None else None
     return mapped["frozen"].clone() if mapped is not None else state.frozen  # the mapping goes with file_views
 
