@@ -21,7 +21,11 @@ Where each state's master is (the engine's ``Placement``, ``state/placement.py``
 - The weights on the NVMe tier with data parallel (gathered states): each rank holds its
   window of the master on its own tier. Each block's master is gathered whole from every
   rank's window (``GatheredWeights.whole``, an all-gather over the gather group), then its
-  frozen weights kept apart, from every rank's window of them (``GatheredWeights.whole_frozen``).
+  frozen weights kept apart, from every rank's window of them as its tier's file holds them,
+  exact in their dtype (``GatheredWeights.whole_frozen``).
+- Frozen weights kept apart in host memory beside a cut master (fp32 ones under bf16
+  compute: ``state/placement.py``, [Note: the placement model]) are whole and live there:
+  the state dict holds views of them, whatever else of the state is read or gathered.
 - Several nodes with bf16/fp16 compute (``Where.NODE_SPAN``): each node
   holds its span of the master, the parameters view the whole shadow. Every node's span is
   broadcast by its leader to every rank (``DataParallel.gather_spans_to_every_rank_``,
