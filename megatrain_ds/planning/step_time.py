@@ -365,7 +365,7 @@ def frozen_in_compute_dtype(shape: ModelShape, settings: RunSettings) -> bool:
     return settings.weight_bytes == 2 and (shape.frozen_in_bf16 or settings.frozen_weights == "compute_dtype")
 
 
-def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int, int]:
+def stepped_block_params(shape: ModelShape) -> tuple[int, int]:
     """Elements the optimizer state covers of the largest block and of every block: their
     trained prefix (every state is trained-only: ``state/placement.py``, [Note: the
     placement model])."""
@@ -388,9 +388,7 @@ def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
     the frozen weights' files); 0 without the tier."""
     if not settings.nvme:
         return 0
-    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] + frozen_tier_bytes(
-        shape, settings
-    )
+    return tier_bytes_per_param(settings) * stepped_block_params(shape)[1] + frozen_tier_bytes(shape, settings)
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
@@ -403,7 +401,7 @@ def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) 
         return 0.0
     if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
         raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
-    trained = stepped_block_params(shape, settings)[1]
+    trained = stepped_block_params(shape)[1]
     weights = settings.accumulation * 2 * (4 * trained + frozen) if settings.nvme_weights else 0
     return (swap + weights) / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
@@ -427,7 +425,7 @@ def journal_numel(shape: ModelShape, settings: RunSettings) -> int:
     blocks' trailing elements within the budget (``optimizer/journal.py``)."""
     if not settings.holds_gradients:
         return 0
-    trained = stepped_block_params(shape, settings)[0]  # frozen: never stepped
+    trained = stepped_block_params(shape)[0]  # frozen: never stepped
     per_element = journal_bytes_per_element(settings)
     extents = choose_journal_extents([trained] * shape.num_blocks, per_element, shape.params, "auto")
     return sum(extent.numel for extent in extents)
