@@ -478,7 +478,9 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     rank (two nodes as GROUP_RANK names them: the resident state sharded across them too)
     bit-identically to the uninterrupted run, and a one-process checkpoint loads into their
     windows exactly. The same 2 nodes then train again with frozen weights (issue 44:
-    ``_assert_frozen_apart_on_rank_tiers``).
+    ``_assert_frozen_apart_on_rank_tiers``), then with bf16 compute, the fp32 frozen weights
+    cast (``_assert_bf16_frozen_apart_on_rank_tiers``) and kept exact, with ``"all"`` and
+    with ``"optimizer"`` (``_assert_exact_fp32_frozen_weights``), in the same launch.
 
     The first run is under the race checker (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``),
     which copies each gathered block to its device slot as a GPU does; the resumed one is
@@ -528,7 +530,8 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2, loaded=expected_loaded)
     _assert_bf16_frozen_apart_on_rank_tiers([torch.load(resumed / f"frozen_bf16{rank}.pt") for rank in range(2)])
     for level in ("all", "optimizer"):
-        _assert_exact_fp32_frozen_weights([torch.load(resumed / f"frozen_exact_{level}{rank}.pt") for rank in range(2)])
+        exact = [torch.load(resumed / f"frozen_exact_{level}{rank}.pt") for rank in range(2)]
+        _assert_exact_fp32_frozen_weights(exact, level)
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
@@ -609,7 +612,7 @@ def _assert_bf16_frozen_apart_on_rank_tiers(ranks: list[dict], frozen: str = "so
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 
 
-def _assert_exact_fp32_frozen_weights(ranks: list[dict], frozen: str = "some") -> None:
+def _assert_exact_fp32_frozen_weights(ranks: list[dict], level: str, frozen: str = "some") -> None:
     """The worker's last two runs (``exact_frozen_args``, after the cast run in the same
     ranks): bf16 compute on 2 nodes of one rank, the fp32 frozen weights kept exact beside
     the fp32 master the nodes cut, with the weights on the tier (``"all"``) and with Adam's
@@ -643,13 +646,14 @@ def _assert_exact_fp32_frozen_weights(ranks: list[dict], frozen: str = "some") -
         ownership = Ownership.of([[0], [1]], rank)
         tier = report["tier"]
         assert tier["numels"] == [end - start for start, end in map(ownership.window, trained[:-1])]
-        if tier["frozen_numels"] and any(tier["frozen_numels"]):  # "all": each rank's window of them, in fp32
+        if level == "all":  # each rank's window of them, in fp32 files
             frozen_windows = [ownership.window(n - t) for t, n in zip(trained[:-1], numels[:-1])]
             assert tier["frozen_numels"] == [end - start for start, end in frozen_windows]
             # In host memory only the resident state's (in host memory whatever the level), apart.
             resident = numels[-1] - trained[-1] if 0 < trained[-1] < numels[-1] else 0
             assert report["host_bytes"].get("frozen", 0) == 4 * resident
         else:  # "optimizer": whole in the node's host memory, every state with something trained
+            assert not any(tier["frozen_numels"])
             apart = sum(n - t for t, n in zip(trained, numels) if 0 < t < n)
             assert apart > 0 and report["host_bytes"]["frozen"] == 4 * apart
             assert report["frozen_in"][:-1] == [(True, "frozen")] * (len(numels) - 1)

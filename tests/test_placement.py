@@ -292,7 +292,7 @@ def test_frozen_weights_cast_to_the_compute_dtype_take_the_trained_only_path_wit
             assert placed.trained_only, (nodes, nvme)
             for state in placed.blocks:
                 trained = state.numel - state.frozen_numel
-                assert state.exp_avg.numel == topology.window(trained) if nvme != "none" else topology.span(trained)
+                assert state.exp_avg.numel == (topology.window(trained) if nvme != "none" else topology.span(trained))
                 if nvme == "all":  # this rank's window of them on its tier, in fp32
                     assert state.frozen == Buffer(Where.TIER_WINDOW, topology.window(state.frozen_numel), 4)
                 elif len(nodes) > 1:  # the fp32 master in the nodes' spans: apart, whole, exact
