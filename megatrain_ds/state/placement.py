@@ -76,8 +76,8 @@ the master's: written once to a read-only file beside the block's swap file and 
 the master when the block is streamed, rounded to the compute dtype as it is read
 (``state/frozen_files.py``: [Note: frozen weights on the tier]), with data parallel gathered
 after the prefix's windows (``distributed/gathered_weights.py``), whose saved and
-``state_dict()`` values are gathered from the files' exact bytes. No host memory a frozen
-parameter. A block with nothing trained at all (LoRA on some layers, blocks frozen whole)
+``state_dict()`` values are gathered from the files' exact bytes: no host memory holds
+them between uses. A block with nothing trained at all (LoRA on some layers, blocks frozen whole)
 is a trained-only state whose trained prefix is empty: its weights alone, in the master
 (where that streams, or its frozen weights are not in the compute dtype) or the shadow; in
 one process it has nothing on the tier beside them, so no swap file
