@@ -35,7 +35,7 @@ from megatrain_ds.model.batch_checks import reject_unsupported_outputs
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
-from megatrain_ds.model.frozen_weights import cast_frozen_weights, warn_if_frozen_weights_carry_optimizer_state
+from megatrain_ds.model.frozen_weights import cast_frozen_weights
 from megatrain_ds.optimizer.device_states import DeviceStates
 from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
 from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
@@ -151,7 +151,6 @@ def build(engine: EngineUnderConstruction, model: nn.Module) -> None:
     shapes = state_shapes(flat_state_params(model, blocks), group_of, engine.config.compute_dtype)
     device_states = _device_state_count(engine, model, nvme, topology, shapes)
     engine.placement = Placement.of(engine.config, nvme, topology, shapes, device_states)
-    warn_if_frozen_weights_carry_optimizer_state(engine.placement, engine.config.compute_dtype)
     dp = engine.data_parallel
     shared = dp.shared if dp is not None else None  # one host copy per node
     templates = _build_host_state(engine, blocks, group_of, source, shared)
@@ -602,7 +601,8 @@ def _on_tier(state: HostFlatState) -> bool:
     tier: unless what its optimizer state covers is empty (a block with nothing trained, a
     rank's empty window), and so are its frozen weights, or its window of them, where those
     are apart (``state/placement.py``: the tier has files for the others alone)."""
-    return state.stepped_numel > 0 or (state.frozen is not None and state.frozen.numel() > 0)
+    frozen = state.frozen_for_tier
+    return state.stepped_numel > 0 or (frozen is not None and frozen.numel() > 0)
 
 
 def _build_streamed_blocks(

@@ -262,6 +262,9 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
         run_parity(frozen_on_tier_args(args), rank, world_size, report="frozen")
     elif args.then_bf16_frozen_on_tier:  # after the frozen run (frozen_on_tier_args keeps the flag)
         run_parity(bf16_frozen_on_tier_args(args), rank, world_size, report="frozen_bf16")
+    elif args.exact_frozen_levels:  # after the cast run: its fp32 frozen weights kept exact
+        level, *rest = args.exact_frozen_levels
+        run_parity(exact_frozen_args(args, level, rest), rank, world_size, report=f"frozen_exact_{level}")
 
 
 def bf16_frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -279,6 +282,27 @@ def bf16_frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
             "load_after": None,
             "reload_saved": False,
             "then_bf16_frozen_on_tier": False,
+            "exact_frozen_levels": ("all", "optimizer"),
+        }
+    )
+
+
+def exact_frozen_args(args: argparse.Namespace, level: str, rest: list[str]) -> argparse.Namespace:
+    """After the cast run (no launch of their own): the same run with the fp32 frozen
+    weights kept exact (``"frozen_weights": "exact"``) beside the fp32 master these nodes
+    cut, with the NVMe tier holding ``level`` (``"all"``: each rank's window of them in fp32
+    files, rounded as read; ``"optimizer"``: apart, whole, in each node's host memory), its
+    checkpoint saved after the last step and loaded back; then the ``rest`` of the levels."""
+    checkpoint = str(Path(args.out) / f"frozen_exact_{level}_checkpoint")
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "frozen_weights": None,
+            "nvme_weights": level == "all",
+            "save_to": checkpoint,
+            "save_at": args.steps,
+            "load_after": checkpoint,
+            "exact_frozen_levels": tuple(rest),
         }
     )
 
@@ -459,6 +483,7 @@ def main() -> None:
         help="parity: after --then-frozen-on-tier's run, a third: bf16, frozen weights cast (bf16_frozen_on_tier_args)",
     )
     parser.add_argument("--frozen-weights", choices=["exact", "compute_dtype"], help="parity: megatrain.frozen_weights")
+    parser.set_defaults(exact_frozen_levels=())  # set by bf16_frozen_on_tier_args: the runs after it
     parser.add_argument(
         "--one-rank-per-node",
         action="store_true",

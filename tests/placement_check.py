@@ -15,6 +15,7 @@ buffers allocated are what can still differ.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -23,9 +24,11 @@ from torch import nn
 from megatrain_ds import MegatrainEngine
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
 from megatrain_ds.planning.planner import ModelShape, RunSettings, gpu_bytes, host_bytes
-from megatrain_ds.planning.preflight import AvailableMemory, MemoryNeed, PreflightInputs, preflight
+from megatrain_ds.planning.preflight import MemoryNeed, _Shapes, estimate_from_shapes
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES
-from megatrain_ds.state.placement import ElementSizes, Placement, TierSettings, Topology, state_shapes
+from megatrain_ds.state.flat_layout import FROZEN_GROUP
+from megatrain_ds.state.host_store import HostFlatState
+from megatrain_ds.state.placement import ElementSizes, Placement, StateShape, TierSettings, Topology, state_shapes
 from megatrain_ds.state.state_placement import BUFFERS, StatePlacement, Where
 
 
@@ -102,7 +105,7 @@ def placement_disagreements(engine: MegatrainEngine) -> list[str]:
                 problems.append(f"state {index} {name}: {actual}, planned {(buffer.numel, buffer.itemsize)}")
         if state.placement is not planned:  # what the state's views read which elements a buffer holds from
             problems.append(f"state {index}: built on {state.placement}, planned {planned}")
-        frozen = state.frozen  # the frozen weights apart: on the tier, a placeholder of their size and dtype
+        frozen = state.frozen_for_tier  # the frozen weights apart on the tier: a placeholder of their size and dtype
         apart = (frozen.numel(), frozen.element_size(), frozen.is_meta) if frozen is not None else None
         if apart != ((planned.frozen.numel, planned.frozen.itemsize, True) if planned.frozen.where.on_tier else None):
             problems.append(f"state {index}: frozen weights apart {apart}, planned {planned.frozen}")
@@ -149,18 +152,30 @@ def _tier_disagreements(engine: MegatrainEngine) -> list[str]:
 
 def engine_preflight(engine: MegatrainEngine) -> MemoryNeed:
     """Preflight's estimate of ``engine``'s run, as the engine planned it (its topology and
-    resolved NVMe level; the parameters' shapes and groups are what preflight reads, and
-    migration keeps them)."""
-    dp = engine.data_parallel
-    run = PreflightInputs(
-        engine.module,
-        engine.config,
-        engine.optimizer,
-        engine.runtime.device,
+    resolved NVMe level), from the flat states it built: each one's sizes and the dtype its
+    frozen weights are held in, as they arrived (the module's parameters no longer say it
+    after the build: the resident ones view their compute-dtype copy, a block's on the tier
+    are meta). Preflight's own reading of a model, before the build, is what
+    ``tests/test_placement.py`` checks against the same engines."""
+    dp, config = engine.data_parallel, engine.config
+    shapes = [
+        StateShape(state.layout.numel, state.layout.trained_numel, _frozen_in(state, config.compute_dtype))
+        for state in engine.states
+    ]
+    options = dataclasses.replace(config.options, nvme_offload=engine.placement.nvme)
+    return estimate_from_shapes(
+        _Shapes(shapes, host_freed=0, device_freed=0),  # what migration freed: not compared
+        dataclasses.replace(config, options=options),
+        engine.runtime.device.type,
         STAGING_CHUNK_ELEMENTS,
-        dp.topology if dp is not None else None,
+        topology=dp.topology if dp is not None else None,
     )
-    return preflight(run, available=AvailableMemory(host=1 << 50), nvme=engine.placement.nvme)
+
+
+def _frozen_in(state: HostFlatState, compute: torch.dtype) -> bool:
+    """Whether ``state`` has frozen weights, each held (so arrived) in ``compute``."""
+    dtypes = {state.weights_of(slot).dtype for slot in state.layout.slots if slot.group == FROZEN_GROUP}
+    return bool(dtypes) and dtypes == {compute}
 
 
 def preflight_disagreements(engine: MegatrainEngine, need: MemoryNeed | None = None) -> list[str]:
@@ -182,6 +197,7 @@ def preflight_disagreements(engine: MegatrainEngine, need: MemoryNeed | None = N
         "adam_m_v": paged("exp_avg", "exp_avg_sq"),
         "gradients": paged("grad"),
         "shadow": paged("shadow"),
+        "frozen": paged("frozen"),
     }
     problems = [
         f"preflight {kind} {need.host.get(kind, 0)}, allocated {nbytes} (paged)"
@@ -211,8 +227,12 @@ def planner_disagreements(engine: MegatrainEngine) -> list[str]:
     config, states = engine.config, engine.states
     blocks, resident = states[:-1], states[-1]
     frozen = [state.layout.numel - state.layout.trained_numel for state in states]
-    # Parked parameters (the weights on the tier) are meta tensors: their dtypes are not what the planner asks.
-    frozen_dtypes = {p.dtype for p in engine.module.parameters() if not p.requires_grad and not p.is_meta}
+    # The dtype each frozen weight is held in, as it arrived (or was cast): the parameters'
+    # own are not it after the build (parked on the tier, meta; the resident ones viewing
+    # their compute-dtype copy).
+    frozen_dtypes = {
+        state.weights_of(slot).dtype for state in states for slot in state.layout.slots if slot.group == FROZEN_GROUP
+    }
     shape = ModelShape(
         num_blocks=len(blocks),
         block_params=max(state.layout.numel for state in blocks),
@@ -246,6 +266,7 @@ def planner_disagreements(engine: MegatrainEngine) -> list[str]:
         "master": (planned["master"], host.get("master", 0)),
         "adam_m_v": (planned["adam_m_v"], host.get("exp_avg", 0) + host.get("exp_avg_sq", 0)),
         "shadow": (planned.get("bf16_shadow", 0), host.get("shadow", 0)),
+        "frozen": (planned.get("frozen", 0), host.get("frozen", 0)),
         "gradients": (planned.get("gradients", 0), host.get("grad", 0)),
         "nvme_window": (planned.get("nvme_window", 0), host.get("nvme_window", 0)),
         "nvme_weights": (planned.get("nvme_weights", 0), host.get("nvme_weights", 0)),

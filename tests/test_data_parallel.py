@@ -478,7 +478,9 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     rank (two nodes as GROUP_RANK names them: the resident state sharded across them too)
     bit-identically to the uninterrupted run, and a one-process checkpoint loads into their
     windows exactly. The same 2 nodes then train again with frozen weights (issue 44:
-    ``_assert_frozen_apart_on_rank_tiers``).
+    ``_assert_frozen_apart_on_rank_tiers``), then with bf16 compute, the fp32 frozen weights
+    cast (``_assert_bf16_frozen_apart_on_rank_tiers``) and kept exact, with ``"all"`` and
+    with ``"optimizer"`` (``_assert_exact_fp32_frozen_weights``), in the same launch.
 
     The first run is under the race checker (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``),
     which copies each gathered block to its device slot as a GPU does; the resumed one is
@@ -527,6 +529,9 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     frozen_run = [torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)]
     _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2, loaded=expected_loaded)
     _assert_bf16_frozen_apart_on_rank_tiers([torch.load(resumed / f"frozen_bf16{rank}.pt") for rank in range(2)])
+    for level in ("all", "optimizer"):
+        exact = [torch.load(resumed / f"frozen_exact_{level}{rank}.pt") for rank in range(2)]
+        _assert_exact_fp32_frozen_weights(exact, level)
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
@@ -603,6 +608,55 @@ def _assert_bf16_frozen_apart_on_rank_tiers(ranks: list[dict], frozen: str = "so
         assert report["tier"]["disk"] == report["tier"]["planned_disk"]
         files = report["frozen_files"]
         assert files["at_start"] and files["after_training"] == files["at_start"]
+    for key, value in ranks[0]["state_dict"].items():
+        assert torch.equal(value, ranks[1]["state_dict"][key]), key
+
+
+def _assert_exact_fp32_frozen_weights(ranks: list[dict], level: str, frozen: str = "some") -> None:
+    """The worker's last two runs (``exact_frozen_args``, after the cast run in the same
+    ranks): bf16 compute on 2 nodes of one rank, the fp32 frozen weights kept exact beside
+    the fp32 master the nodes cut, with the weights on the tier (``"all"``) and with Adam's
+    moments alone there (``"optimizer"``). Every state is trained-only (issue 44): the
+    moments, gradients and swap files cover the trained prefix alone; the frozen weights are
+    held once, in fp32 -- each rank's window of them in its tier's files (``"all"``, rounded
+    to bf16 as they are read), or apart, whole, in each node's host memory beside the shadow
+    that streams their rounding (``"optimizer"``: 4 B each there, nothing on the tier). Each
+    rank's buffers, tier files and window are as its placement and preflight say. The frozen
+    weights stay their fp32 values bit for bit, and the run's checkpoint loads back to the
+    same weights exactly (the frozen ones gathered exact from the ranks' files with
+    ``"all"``). Against fp32 plain PyTorch with the same fp32 frozen weights and both
+    batches: the bounds of ``_assert_bf16_frozen_apart_on_rank_tiers`` (bf16 rounds the
+    frozen weights as it rounds every streamed value)."""
+    _assert_placement_agrees(ranks)
+    expected, expected_norms = reference_training(BF16_FROZEN_STEPS, 2, world_size=2, frozen=frozen)
+    torch.manual_seed(0)
+    initial = tiny_models.llama(num_layers=4).state_dict()
+    names = FREEZERS[frozen](tiny_models.llama(num_layers=4))
+    trained, numels = ranks[0]["trained_numels"], ranks[0]["numels"]
+    for rank, report in enumerate(ranks):
+        assert relative_error(report["state_dict"], expected) < 5e-3
+        assert report["norms"] == pytest.approx(expected_norms, rel=1e-2)
+        for name in names:
+            assert report["state_dict"][name].dtype == torch.float32
+            assert torch.equal(report["state_dict"][name], initial[name]), name
+        for key, value in report["state_dict"].items():
+            assert torch.equal(value, report["loaded_state_dict"][key]), key
+        assert all(trained_only for trained_only, _ in report["frozen_in"])
+        assert report["frozen_dtypes"] == ["torch.float32"]
+        ownership = Ownership.of([[0], [1]], rank)
+        tier = report["tier"]
+        assert tier["numels"] == [end - start for start, end in map(ownership.window, trained[:-1])]
+        if level == "all":  # each rank's window of them, in fp32 files
+            frozen_windows = [ownership.window(n - t) for t, n in zip(trained[:-1], numels[:-1])]
+            assert tier["frozen_numels"] == [end - start for start, end in frozen_windows]
+            # In host memory only the resident state's (in host memory whatever the level), apart.
+            resident = numels[-1] - trained[-1] if 0 < trained[-1] < numels[-1] else 0
+            assert report["host_bytes"].get("frozen", 0) == 4 * resident
+        else:  # "optimizer": whole in the node's host memory, every state with something trained
+            assert not any(tier["frozen_numels"])
+            apart = sum(n - t for t, n in zip(trained, numels) if 0 < t < n)
+            assert apart > 0 and report["host_bytes"]["frozen"] == 4 * apart
+            assert report["frozen_in"][:-1] == [(True, "frozen")] * (len(numels) - 1)
     for key, value in ranks[0]["state_dict"].items():
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
 

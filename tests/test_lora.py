@@ -15,6 +15,7 @@ import os
 import pytest
 import tiny_models
 import torch
+from placement_check import placement_disagreements, planner_disagreements, preflight_disagreements
 from safetensors import safe_open
 from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_weight_error, train_side_by_side
 
@@ -186,20 +187,26 @@ def _train(engine: MegatrainEngine, steps: int, first: int = 0, accumulation: in
     return losses
 
 
-def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
-    """bf16 compute, frozen weights in bf16, adapters fp32. The reference is the same model
-    in fp32 (the frozen bf16 values exactly), trained by torch.optim.AdamW with
-    clip_grad_norm_. Tolerances as tests/test_bf16.py: bf16 compute rounds relatively
-    2^-9 per value, so per-step losses agree to ~1e-4 and the weights after a few steps to
-    ~1e-3: we allow 1e-3 and 5e-3. The frozen weights are held in the streamed bf16 shadow
-    alone, bit for bit, and the fp32 master covers only the adapters."""
-    model = lora_llama(torch.bfloat16)
+@pytest.mark.parametrize(
+    "frozen_dtype, nvme", [(torch.bfloat16, "none"), (torch.float32, "optimizer")], ids=["bf16", "fp32-optimizer"]
+)
+def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once(frozen_dtype, nvme, tmp_path):
+    """bf16 compute, adapters fp32. The reference is the same model in fp32 (the frozen
+    values exactly), trained by torch.optim.AdamW with clip_grad_norm_. Tolerances as
+    tests/test_bf16.py: bf16 compute rounds relatively 2^-9 per value, so per-step losses
+    agree to ~1e-4 and the weights after a few steps to ~1e-3: we allow 1e-3 and 5e-3.
+    Frozen weights in bf16 are held in the streamed bf16 shadow alone, bit for bit, and the
+    fp32 master covers only the adapters. An fp32 base with the optimizer state on the NVMe
+    tier (the blocks' fp32 master cut onto it, issue 44): its frozen weights are held once
+    in fp32, exact, apart in host memory, the shadow streaming their rounding; no master,
+    moment, gradient or swap-file byte of them (:func:`_assert_fp32_frozen_apart`)."""
+    model = lora_llama(frozen_dtype)
     frozen = _frozen(model)
     reference = copy.deepcopy(model).float()
     planned = host_bytes(shape_of(model), RunSettings(seq_len=12, micro_batch=2, accumulation=2))
-    config = parse_engine_config(ds_config(accumulation=2, clipping=1.0, bf16=True))
+    config = parse_engine_config(ds_config(accumulation=2, clipping=1.0, bf16=True, megatrain=_swap(nvme, tmp_path)))
     estimated = preflight.preflight(
-        preflight.PreflightInputs(model, config, _optimizer(model, config), torch.device("cpu"), 1 << 20)
+        preflight.PreflightInputs(model, config, _optimizer(model, config), torch.device("cpu"), 1 << 20), nvme=nvme
     )
     trainable = [p for p in reference.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -221,6 +228,9 @@ def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
         assert float((diff / norm).sqrt()) < 5e-3
         _assert_frozen_unchanged(engine, frozen)
         _assert_trained_only_buffers(engine)
+        if nvme != "none":
+            _assert_fp32_frozen_apart(engine, estimated)
+            return
         for state in engine.states:
             assert state.placement.frozen_in == "shadow" and state.master.numel() == state.layout.trained_numel
             assert state.shadow is not None and state.shadow.numel() == state.layout.numel
@@ -228,6 +238,37 @@ def test_bf16_lora_tracks_fp32_training_and_holds_frozen_weights_once():
         _assert_accounting_agrees(engine, planned, estimated)
     finally:
         engine.destroy()
+
+
+def _assert_fp32_frozen_apart(engine: MegatrainEngine, estimated: preflight.MemoryNeed) -> None:
+    """fp32 frozen weights under bf16 compute with the optimizer state on the NVMe tier: each
+    block's frozen weights apart in host memory in fp32, their rounding in its whole bf16
+    shadow, its swap file its trained prefix's master, m and v alone (no master, moment,
+    gradient or swap byte of a frozen element); the resident state (in host memory) keeps
+    them in its whole fp32 master. 6 B a frozen parameter of the blocks: 4 apart, 2 in the
+    shadow. The placement, preflight and the planner count what the engine holds."""
+    assert placement_disagreements(engine) == [] and planner_disagreements(engine) == []
+    assert preflight_disagreements(engine, estimated) == []
+    tier = engine.nvme_tier
+    assert tier is not None
+    apart = 0
+    for index, state in enumerate(engine.states[:-1]):
+        trained, numel = state.layout.trained_numel, state.layout.numel
+        assert state.placement.frozen_in == "frozen" and state.frozen is not None and state.frozen_for_tier is None
+        assert state.frozen.dtype == torch.float32 and state.frozen.numel() == numel - trained
+        assert state.shadow is not None and torch.equal(state.shadow[trained:], state.frozen.bfloat16())
+        assert state.master.is_meta and state.master.numel() == trained  # on the tier, the trained prefix's
+        padded = -(-4 * trained // tier.io.alignment) * tier.io.alignment
+        assert os.path.getsize(tier.directory.files[f"block{index:05d}.swap"]) == 3 * padded
+        apart += numel - trained
+    assert not any(name.endswith(".frozen") for name in tier.directory.files)
+    resident = engine.states[-1]
+    assert resident.placement.frozen_in == "master" and resident.master.numel() == resident.layout.numel
+    host = engine.host_bytes()
+    assert host["frozen"] == 4 * apart
+    assert host["master"] == 4 * resident.layout.numel and host["grad"] == 4 * sum(
+        state.layout.trained_numel for state in engine.states
+    )
 
 
 def _assert_host_bytes_per_param(engine: MegatrainEngine, model: torch.nn.Module) -> None:
@@ -267,8 +308,12 @@ def _assert_accounting_agrees(engine: MegatrainEngine, planned: dict[str, int], 
     assert estimated.host.get("journal", 0) == host.get("journal", 0)
 
 
-@pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
-def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_path, nvme):
+@pytest.mark.parametrize(
+    "nvme, frozen_dtype",
+    [("none", torch.bfloat16), ("optimizer", torch.bfloat16), ("all", torch.bfloat16), ("optimizer", torch.float32)],
+    ids=["none", "optimizer", "all", "optimizer-fp32"],
+)
+def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_path, nvme, frozen_dtype):
     """Train 2 steps, save, train 2 more; a second engine (other adapter initialisation)
     loads the checkpoint and trains the same 2 steps: identical losses and host state, bit
     for bit (same ops on the same values). The model file holds each frozen weight once, in
@@ -278,9 +323,11 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
     two engines hold is compared through ``state_dict()`` and the tier's files. With the
     weights on the tier too the blocks' frozen weights are files of their own, in bf16 (2 B
     each), never written after construction; the second engine starts from other frozen
-    weights, which the load overwrites (in its shadow, or in its frozen files)."""
+    weights, which the load overwrites (in its shadow, or in its frozen files). An fp32 base
+    with the optimizer state on the tier: its frozen weights saved once, in fp32, read back
+    exactly into their buffer apart in host memory, and their rounding into the shadow."""
     config = ds_config(accumulation=2, clipping=1.0, bf16=True, megatrain=_swap(nvme, tmp_path / "swap"))
-    model = lora_llama(torch.bfloat16)
+    model = lora_llama(frozen_dtype)
     frozen = _frozen(model)
     engine = MegatrainEngine(model, parse_engine_config(config))
     try:
@@ -293,7 +340,7 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
         if written is not None:
             _assert_frozen_apart_on_the_tier(engine, torch.bfloat16, written)
         torch.manual_seed(1)
-        other_model = lora_llama(torch.bfloat16)
+        other_model = lora_llama(frozen_dtype)
         for param in other_model.parameters():
             # Other adapters, and other frozen weights: the checkpoint's are read in over them.
             torch.nn.init.normal_(param, std=0.05)
@@ -312,7 +359,8 @@ def test_frozen_weights_are_saved_once_in_their_dtype_and_resume_exactly(tmp_pat
         dtypes = {name: weights.get_slice(name).get_dtype() for name in weights.keys()}  # noqa: SIM118 (not a dict)
     with safe_open(str(tmp_path / "step2" / "optimizer-00001-of-00001.safetensors"), "pt") as moments:
         saved = {name.rsplit(".", 1)[0] for name in moments.keys()}  # noqa: SIM118 (not a dict)
-    assert {name: dtypes[name] for name in frozen} == {name: "BF16" for name in frozen}
+    saved_as = "BF16" if frozen_dtype == torch.bfloat16 else "F32"
+    assert {name: dtypes[name] for name in frozen} == {name: saved_as for name in frozen}
     assert all(dtypes[name] == "F32" for name in dtypes if "lora_" in name)
     assert saved and all("lora_" in name for name in saved)
     with safe_open(str(tmp_path / "adapters" / "model-00001-of-00001.safetensors"), "pt") as adapters:
@@ -328,6 +376,8 @@ def _assert_same_state(engine: MegatrainEngine, other: MegatrainEngine) -> None:
     for mine, its in zip(engine.states, other.states):
         if mine.shadow is not None or its.shadow is not None:  # none with the weights on the tier
             assert mine.shadow is not None and its.shadow is not None and torch.equal(mine.shadow, its.shadow)
+        if mine.frozen is not None and mine.frozen_for_tier is None:  # apart in host memory (fp32, exact)
+            assert its.frozen is not None and torch.equal(mine.frozen, its.frozen)
     if engine.nvme_tier is None or other.nvme_tier is None:
         for mine, its in zip(engine.states, other.states):
             for kind in ("master", "exp_avg", "exp_avg_sq"):

@@ -41,7 +41,7 @@ from megatrain_ds.state.placement import (
     flat_state_params,
     state_shapes,
 )
-from megatrain_ds.state.state_placement import Where
+from megatrain_ds.state.state_placement import Buffer, Where
 
 peft = pytest.importorskip("peft")
 
@@ -118,23 +118,39 @@ def test_placement_is_what_the_engine_allocates_and_preflight_estimates(nvme, pr
         engine.destroy()
 
 
-def test_fp32_frozen_weights_with_bf16_compute_keep_a_whole_master(tmp_path):
-    """The one frozen case not in the matrix: frozen fp32 weights with bf16 compute keep their
-    fp32 master (exact) beside the shadow, and the moments stop at the trained prefix."""
+@pytest.mark.parametrize("nvme", ["none", "optimizer", "all"])
+def test_fp32_frozen_weights_with_bf16_compute_are_held_once_exact(nvme, tmp_path):
+    """The one frozen case not in the matrix: frozen fp32 weights (a LoRA base) with bf16
+    compute are trained-only at every NVMe level, held once in fp32, exact: in the whole
+    master beside the shadow with no tier; with ``"optimizer"``, whose fp32 master (of the
+    trained prefix) is cut onto the tier, apart in host memory, the shadow streaming their
+    rounding; with ``"all"`` apart on the tier, in fp32, rounded as they are read. The
+    moments, gradients and swap files stop at the trained prefix; the engine, preflight and
+    the planner agree."""
     model = _model(torch.float32)
-    config = parse_engine_config(_config("none", "bf16", tmp_path))
+    config = parse_engine_config(_config(nvme, "bf16", tmp_path / "swap"))
     optimizer = build_optimizer(model, None, config.optimizer, None)
     cpu = torch.device("cpu")
     run = preflight.PreflightInputs(model, config, optimizer, cpu, STAGING_CHUNK_ELEMENTS)
-    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50))
+    need = preflight.preflight(run, available=preflight.AvailableMemory(host=1 << 50), nvme=nvme)
     engine = MegatrainEngine(model, config)
     try:
         assert placement_disagreements(engine) == []
         assert preflight_disagreements(engine, need) == []
         assert planner_disagreements(engine) == []
-        for state in engine.placement.states:
-            assert state.master.where is Where.HOST and state.frozen_in == "master"
-            assert state.exp_avg.where is Where.TRAINED_PREFIX
+        placement = engine.placement
+        assert placement.trained_only
+        assert placement.resident.master.where is Where.HOST and placement.resident.frozen_in == "master"
+        for state in placement.blocks:
+            trained = state.numel - state.frozen_numel
+            assert state.exp_avg.numel == state.grad.numel == trained
+            held_in = {"none": "master", "optimizer": "frozen", "all": "frozen"}[nvme]
+            assert state.frozen_in == held_in
+            if nvme != "none":
+                assert state.frozen == Buffer(Where.HOST if nvme == "optimizer" else Where.TIER, state.frozen_numel, 4)
+                assert state.master == Buffer(Where.TIER, trained, 4)
+        if placement.tier is not None:
+            assert list(placement.tier.numels) == [state.numel - state.frozen_numel for state in placement.blocks]
     finally:
         engine.destroy()
 
@@ -156,9 +172,13 @@ def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, t
     the master is its weights (fp32, or the frozen fp32 weights under bf16 compute, which
     keep an exact master); with ``"optimizer"`` no swap file, with ``"all"`` its frozen
     weights apart on the tier (fp32 here, the master's dtype, rounded to bf16 as they are
-    streamed) and an empty swap file. The engine, preflight and the planner agree. Two steps
-    (bf16, ``"all"``) train it bit for bit as the state in host memory does: the same
-    rounding of the same fp32 values (the shadow's, or the tier's as it is read), the same AdamW."""
+    streamed) and an empty swap file. The second block's frozen fp32 MLP beside its trained
+    attention is trained-only at every level too: with bf16 and ``"optimizer"`` (its fp32
+    master cut: on the tier) those frozen weights are apart in host memory, exact, and the
+    shadow streams their rounding. The engine, preflight and the planner agree. Four
+    micro-batches (bf16, ``"optimizer"`` and ``"all"``) train it bit for bit as the state in
+    host memory does: the same rounding of the same fp32 values (the shadow's, or the tier's
+    as it is read), the same AdamW."""
     config = parse_engine_config(_config(nvme, precision, tmp_path / "swap"))
     model = _partly_frozen()
     optimizer = build_optimizer(model, None, config.optimizer, None)
@@ -171,11 +191,16 @@ def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, t
         assert preflight_disagreements(engine, need) == []
         assert planner_disagreements(engine) == []
         first, second = engine.placement.blocks
-        # The second block's frozen fp32 MLP beside a master cut on the tier keeps every buffer
-        # (above), and the build says so, with the fix.
-        assert first.trained_only and second.trained_only != (nvme == "optimizer" and precision == "bf16")
-        warned = f"megatrain: {second.frozen_numel} frozen parameter elements carry optimizer state"
-        assert (warned in caplog.text) == (not second.trained_only), caplog.text
+        assert first.trained_only and second.trained_only and "optimizer state" not in caplog.text
+        if nvme == "optimizer" and precision == "bf16":
+            # The second block's frozen fp32 MLP beside its fp32 master cut on the tier: apart,
+            # whole and exact in host memory, their rounding in the shadow, nothing on the tier.
+            assert second.frozen_in == "frozen" and second.frozen == Buffer(Where.HOST, second.frozen_numel, 4)
+            assert second.master == Buffer(Where.TIER, second.numel - second.frozen_numel, 4)
+            held = engine.states[1]
+            assert held.frozen is not None and held.shadow is not None and held.frozen_for_tier is None
+            trained = held.layout.trained_numel
+            assert torch.equal(held.shadow[trained:], held.frozen.to(torch.bfloat16))
         assert first.numel == first.frozen_numel and first.exp_avg.numel == first.grad.numel == 0
         untrained = engine.states[0]
         assert untrained.grad is not None and untrained.exp_avg.numel() == untrained.grad.numel() == 0
@@ -187,7 +212,7 @@ def test_a_block_with_nothing_trained_holds_its_weights_alone(nvme, precision, t
         tier = engine.nvme_tier
         if tier is not None:
             assert tier.holds(engine.states[0]) == (nvme == "all") and tier.holds(engine.states[1])
-        if nvme == "all" and precision == "bf16":
+        if nvme != "none" and precision == "bf16":
             _assert_trains_as_in_host_memory(engine, _partly_frozen, parse_engine_config(_config("none", "bf16", None)))
     finally:
         engine.destroy()
@@ -242,8 +267,12 @@ def test_frozen_weights_cast_to_the_compute_dtype_take_the_trained_only_path_wit
     placement is a function of them), whose data-parallel placements the multi-rank launches
     of ``tests/test_data_parallel.py`` check against the engine's buffers. Every state is
     then trained-only with its frozen weights at 2 B, in the bf16 shadow, or with ``"all"``
-    apart on each rank's tier (its window of them); without the cast the fp32 frozen weights
-    keep every buffer wherever the fp32 master is cut (several nodes' spans, the tier)."""
+    apart on each rank's tier (its window of them). Without the cast every state is
+    trained-only too, its fp32 frozen weights held once, exact: where the fp32 master is cut
+    (several nodes' spans) apart and whole in the node's host memory beside the shadow, in
+    the master where it is whole (one node), with ``"all"`` each rank's window of them on its
+    tier in fp32; this rank's placement of the multi-rank launches is checked against its
+    buffers, preflight and the planner there (``data_parallel_worker._held_report``)."""
     cast = _shapes(_model(torch.float32), "compute_dtype")
     assert cast == _shapes(_model(torch.bfloat16), None)
     uncast = _shapes(_model(torch.float32), None)
@@ -259,6 +288,15 @@ def test_frozen_weights_cast_to_the_compute_dtype_take_the_trained_only_path_wit
                     assert state.frozen.itemsize == 2 and state.master.numel < state.numel - state.frozen_numel
                 else:  # in the node's bf16 shadow alone
                     assert state.frozen_in == "shadow" and state.master.numel < state.numel
-            cut = len(nodes) > 1 or nvme != "none"
             placed = Placement.of_sizes(sizes, TierSettings(), nvme, topology, uncast)
-            assert all(state.trained_only != cut for state in placed.blocks), (nodes, nvme)
+            assert placed.trained_only, (nodes, nvme)
+            for state in placed.blocks:
+                trained = state.numel - state.frozen_numel
+                assert state.exp_avg.numel == (topology.window(trained) if nvme != "none" else topology.span(trained))
+                if nvme == "all":  # this rank's window of them on its tier, in fp32
+                    assert state.frozen == Buffer(Where.TIER_WINDOW, topology.window(state.frozen_numel), 4)
+                elif len(nodes) > 1:  # the fp32 master in the nodes' spans: apart, whole, exact
+                    assert state.frozen == Buffer(Where.HOST, state.frozen_numel, 4)
+                    assert state.master == Buffer(Where.NODE_SPAN, topology.span(trained), 4)
+                else:  # one node: in the whole master, beside the shadow
+                    assert state.frozen_in == "master" and state.master == Buffer(Where.HOST, state.numel, 4)

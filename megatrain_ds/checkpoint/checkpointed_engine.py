@@ -99,12 +99,15 @@ class Entry:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
 
-    def weight(self, whole: torch.Tensor, flat_of: StateTensors) -> torch.Tensor:
+    def weight(self, whole: torch.Tensor, flat_of: StateTensors, frozen: torch.Tensor | None = None) -> torch.Tensor:
         """Its weight in ``whole`` (the state's whole weights), or for a frozen weight held
-        alone in the shadow, or apart on the NVMe tier (``flat_of``'s ``"frozen"``), there
-        (``state/host_store.py``: [Note: frozen weights]): written and read once, in its own dtype.
-        A gathered state's ``whole`` has them all, in their own dtype there
-        (``distributed/gathered_weights.py``: [Note: gathered weights])."""
+        alone in the shadow, or apart (in host memory or on the NVMe tier: ``flat_of``'s
+        ``"frozen"``), there (``state/host_store.py``: [Note: frozen weights]): written and
+        read once, in its own dtype. A gathered state's ``whole`` has them all where they are
+        in the compute dtype, else ``frozen`` has them, all of a state's frozen weights
+        apart gathered exact (``distributed/gathered_weights.py``: [Note: gathered weights])."""
+        if frozen is not None and not self.trained:
+            return self.state.slot_of(self.slot, frozen)
         if self.placement.frozen_in == "shadow" and not self.trained:
             assert self.state.shadow is not None
             return self.view(self.state.shadow)

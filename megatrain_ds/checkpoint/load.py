@@ -277,6 +277,9 @@ def _refresh_shadows(engine: CheckpointedEngine, flat_of: StateTensors) -> None:
             first, last = state.master_held
             state.shadow[first:last].copy_(flat_of(state, "master"))
             flat_of.release()
+        if state.shadow is not None and state.frozen is not None and placement.frozen.where.on_host:
+            # Frozen weights apart beside the shadow (a cut fp32 master): their streamed rounding.
+            state.shadow[state.layout.trained_numel :].copy_(state.frozen)
 
 
 def _read_optimizer_state(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTensors) -> None:

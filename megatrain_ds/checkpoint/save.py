@@ -228,8 +228,11 @@ def _write_model_and_trainer_state(
             tensors = []
             for i in members:
                 weights = _whole_weights(engine, i, flat_of)  # a gather on every rank where no node holds them
+                frozen = None if request.exclude_frozen else _gathered_frozen(engine, i, flat_of)
                 tensors += [
-                    (e.name, e.weight(weights, flat_of)) for e in groups[i] if e.trained or not request.exclude_frozen
+                    (e.name, e.weight(weights, flat_of, frozen))
+                    for e in groups[i]
+                    if e.trained or not request.exclude_frozen
                 ]
             if number == 1:
                 tensors += [(n, b.detach().to("cpu").contiguous()) for n, b in _persistent_buffers(engine.module)]
@@ -266,6 +269,19 @@ def _whole_weights(engine: CheckpointedEngine, index: int, flat_of: StateTensors
         assert engine.gathered_weights is not None  # the engine gathers every state kept as windows
         return engine.gathered_weights.whole(index)
     return flat_of(engine.states[index], placement.weights_in)
+
+
+def _gathered_frozen(engine: CheckpointedEngine, index: int, flat_of: StateTensors) -> torch.Tensor | None:
+    """The exact frozen weights of a gathered state whose frozen weights apart are not in the
+    compute dtype (an fp32 base under bf16 compute), gathered from every rank's window of
+    them in their dtype (a collective, on every rank alike); ``None`` elsewhere: the
+    weights :func:`_whole_weights` gives hold them exact (``distributed/gathered_weights.py``)."""
+    state, gathered = engine.states[index], engine.gathered_weights
+    if not engine.placement.states[index].gathered or state.frozen is None or gathered is None:
+        return None
+    if state.frozen.dtype == gathered.dtype:
+        return None
+    return gathered.whole_frozen(index, flat_of(engine.optimizer_states[index], "frozen"))
 
 
 def _write_optimizer_files(engine: CheckpointedEngine, temp: Path, shards: list[list[int]]) -> dict[str, FileDigest]:

@@ -21,7 +21,11 @@ Where each state's master is (the engine's ``Placement``, ``state/placement.py``
 - The weights on the NVMe tier with data parallel (gathered states): each rank holds its
   window of the master on its own tier. Each block's master is gathered whole from every
   rank's window (``GatheredWeights.whole``, an all-gather over the gather group), then its
-  frozen weights kept apart, from every rank's window of them (``GatheredWeights.whole_frozen``).
+  frozen weights kept apart, from every rank's window of them as its tier's file holds them,
+  exact in their dtype (``GatheredWeights.whole_frozen``).
+- Frozen weights kept apart in host memory beside a cut master (fp32 ones under bf16
+  compute: ``state/placement.py``, [Note: the placement model]) are whole and live there:
+  the state dict holds views of them, whatever else of the state is read or gathered.
 - Several nodes with bf16/fp16 compute (``Where.NODE_SPAN``): each node
   holds its span of the master, the parameters view the whole shadow. Every node's span is
   broadcast by its leader to every rank (``DataParallel.gather_spans_to_every_rank_``,
@@ -131,9 +135,15 @@ def _frozen_apart(engine: MasterHolder, index: int, on_tier: OnTier | None) -> t
     state = engine.states[index]
     if state.frozen is None:
         return None
+    if engine.placement.states[index].frozen.where.on_host:  # beside a shadow: live, whole, exact
+        return state.frozen
     if engine.placement.states[index].gathered:  # every rank's window of them gathered (collective)
-        assert engine.gathered_weights is not None
-        return engine.gathered_weights.whole_frozen(index)
+        assert engine.gathered_weights is not None and on_tier is not None  # gathered states are on the tier
+        window = engine.optimizer_states[index]
+        mapped = on_tier(window)  # None: this rank's windows of the block are on no tier
+        mine = mapped["frozen"] if mapped is not None and "frozen" in mapped else window.frozen
+        assert mine is not None, "gathered frozen weights apart: every rank has its window of them"
+        return engine.gathered_weights.whole_frozen(index, mine)
     mapped = on_tier(state) if on_tier is not None else None
     return mapped["frozen"].clone() if mapped is not None else state.frozen  # the mapping goes with file_views
 

@@ -28,11 +28,13 @@ in host memory on every rank: ZeRO-3's just-in-time gather, from the owners.
   its trained prefix and its frozen weights are each cut in the ranks' windows on their
   own, so every rank steps an equal share of what is trained; a take gathers the prefix's
   windows, then the frozen weights' after it (two all-gathers, in that order on every
-  rank). Their files hold them in the compute dtype there (``state/placement.py`` keeps
-  every buffer of a block whose frozen weights are not: a gather in the compute dtype would
-  round them), so the gathered bytes are their exact values, which checkpoints and
-  ``state_dict()`` take from :meth:`GatheredWeights.whole` and
-  :meth:`GatheredWeights.whole_frozen`.
+  rank). Their files hold them in their own dtype: the compute dtype where every one
+  arrives in it, else the master's (an fp32 base under bf16 compute), whose windows are
+  rounded to the compute dtype as they are read from disk, before the gather: the streamer
+  gets their rounding, as a shadow would stream it. ``state_dict()`` and checkpoints take
+  their exact values from :meth:`GatheredWeights.whole_frozen`, a gather of the files' bytes
+  in their dtype (a checkpoint's model files hold them so; it needs that gather only where
+  they are not in the compute dtype: else :meth:`GatheredWeights.whole` has them exact).
 - The gather runs on the host over gloo (``DataParallel.gather_group``), on GPUs too: there
   every rank's weights still cross PCIe whole. Gathering on the devices over NCCL would cut
   each GPU's PCIe bytes to its window; that is not built yet.
@@ -167,12 +169,19 @@ class GatheredWeights:
             self._gather_block(block, whole)
             return whole[: stepped + frozen]
 
-    def whole_frozen(self, block: int) -> torch.Tensor:
+    def whole_frozen(self, block: int, window: torch.Tensor) -> torch.Tensor:
         """``block``'s frozen weights kept apart, all of them, in a new tensor of their own
-        dtype (the compute dtype: [Note: gathered weights]); collective, like :meth:`take`."""
+        dtype, exact: every rank's ``window`` of them as its tier's file holds them (a meta
+        placeholder where this rank's window of them is empty); collective, like :meth:`take`.
+        Not what the streamer gets where they are not in the compute dtype: it gets their
+        rounding ([Note: gathered weights])."""
         with self._lock:
             _, frozen = self._parts[block]
-            mine = self._read_window(block)[1]
+            mine = torch.zeros(self._dp.ownership.chunk(frozen), dtype=window.dtype)
+            if not window.is_meta:
+                mine[: window.numel()].copy_(window)
+            else:
+                assert window.numel() == 0, "a rank's frozen weights on no tier: its window of them is empty"
             whole = torch.empty(mine.numel() * self._dp.world_size, dtype=mine.dtype)
             self._gather(block, whole, mine)
             return whole[:frozen]

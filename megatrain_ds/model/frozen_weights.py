@@ -3,17 +3,17 @@
 A frozen parameter (``requires_grad=False``, or in no optimizer group) is streamed and never
 updated. Held in the compute dtype it costs that dtype's bytes once: its flat state keeps it in
 the streamed copy alone (``state/host_store.py``: [Note: frozen weights]). One that arrives in
-another dtype (an fp32 base model under bf16 compute) is kept exact by default, in a master
-beside the rounded copy that is streamed; :func:`cast_frozen_weights` rounds it instead, before
-the engine reads the model's dtypes, so that every later step (preflight, the placement, the
-migration, saving) sees a frozen weight in the compute dtype and nothing else.
+another dtype (an fp32 base model under bf16 compute) is kept exact by default, in the master
+or apart (``state/placement.py``: [Note: the placement model]), beside the rounded copy that
+is streamed (6 B a parameter in host memory, or on the NVMe tier with ``"all"``);
+:func:`cast_frozen_weights` rounds it instead (2 B), before the engine reads the model's
+dtypes, so that every later step (preflight, the placement, the migration, saving) sees a
+frozen weight in the compute dtype and nothing else.
 
 The cast replaces each parameter's ``.data`` on the user's module, the ``nn.Parameter`` object
 kept: the optimizer's groups, tied weights (one parameter reached by two names) and hooks keep
 pointing at it, and ``model.parameters()``, ``state_dict()`` and a saved model give the rounded
-values the engine trains with. Where the default ``"exact"`` costs a frozen weight every buffer
-(its master cut by the placement), :func:`warn_if_frozen_weights_carry_optimizer_state` says so
-at the build, naming the cast as the fix.
+values the engine trains with.
 
 May import: ``config``, ``runtime``, ``state``.
 """
@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from megatrain_ds.state.flat_layout import FROZEN_GROUP
-from megatrain_ds.state.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +52,3 @@ def cast_frozen_weights(model: nn.Module, group_of: dict[nn.Parameter, int], com
     if cast:
         logger.info("megatrain: %d frozen parameter elements cast to %s (frozen_weights: compute_dtype)", cast, compute)
     return cast
-
-
-def warn_if_frozen_weights_carry_optimizer_state(placement: Placement, compute_dtype: torch.dtype) -> None:
-    """Frozen weights cost their own bytes once, except beside a trained parameter where they
-    are not in the compute dtype and the placement cuts the fp32 master (the NVMe tier's
-    ``"optimizer"`` level, several nodes, data parallel with ``"all"``): their exact value then
-    needs the master, and they carry moments and gradients with it (``state/placement.py``:
-    [Note: the placement model]). Said once, with the fix, since it costs ~16 B a parameter."""
-    carried = sum(state.frozen_numel for state in placement.states if state.frozen_numel and not state.trained_only)
-    if carried:
-        logger.warning(
-            "megatrain: %d frozen parameter elements carry optimizer state (master, Adam moments, "
-            "gradient): they are not in the compute dtype %s and this placement cuts the fp32 master; "
-            'set "megatrain": {"frozen_weights": "compute_dtype"} (or load the model in %s) to hold '
-            "them once, in the compute dtype",
-            carried,
-            compute_dtype,
-            compute_dtype,
-        )

@@ -181,6 +181,8 @@ def host_bytes(shape: ModelShape, settings: RunSettings) -> dict[str, int]:
         result["nvme_weights"] = placement.weight_window_bytes(settings.num_buffers, settings.checkpoint_interval)
     if settings.weight_bytes != settings.master_bytes:
         result["bf16_shadow"] = state.get("shadow", 0)
+    if state.get("frozen"):  # frozen weights not in the compute dtype, apart beside a cut master
+        result["frozen"] = state["frozen"]
     if settings.holds_gradients:
         result["gradients"] = state.get("grad", 0)
     journal = journal_numel(shape, settings) * journal_bytes_per_element(settings)

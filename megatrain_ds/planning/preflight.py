@@ -176,6 +176,9 @@ def estimate_from_shapes(
         host["nvme_weights"] = _weight_window_need(placement, config, shapes)
     if with_shadow:
         host["shadow"] = sum(_host_buffer(n, compute) for n in placement.node_host_buffers("shadow"))
+    # Frozen weights not in the compute dtype kept apart, exact, beside a cut fp32 master.
+    if frozen := placement.node_host_buffers("frozen"):
+        host["frozen"] = sum(_host_buffer(n, master) for n in frozen)
     if config.holds_gradients:
         grad = torch.empty((), dtype=config.held_gradient_dtype).element_size()
         host["gradients"] = sum(_host_buffer(n, grad) for n in placement.node_host_buffers("grad"))

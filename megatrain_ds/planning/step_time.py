@@ -365,23 +365,10 @@ def frozen_in_compute_dtype(shape: ModelShape, settings: RunSettings) -> bool:
     return settings.weight_bytes == 2 and (shape.frozen_in_bf16 or settings.frozen_weights == "compute_dtype")
 
 
-def blocks_trained_only(shape: ModelShape, settings: RunSettings) -> bool:
-    """Whether the blocks' frozen parameters cost their weights alone (``state/placement.py``:
-    ``_trained_only``, one process): with the weights on the tier (apart, in a file of their
-    own), or in host memory (no tier, or the optimizer state on it) where, with the fp32
-    master on the tier (bf16 compute), every frozen weight is in bf16 (:func:`frozen_in_compute_dtype`)."""
-    if settings.nvme and settings.nvme_weights:
-        return True  # a block with nothing trained too: its frozen weights apart, nothing else
-    return not (
-        settings.nvme and settings.bf16 and shape.frozen_block_params and not frozen_in_compute_dtype(shape, settings)
-    )
-
-
-def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int, int]:
+def stepped_block_params(shape: ModelShape) -> tuple[int, int]:
     """Elements the optimizer state covers of the largest block and of every block: their
-    trained prefix where :func:`blocks_trained_only`."""
-    if not blocks_trained_only(shape, settings):
-        return shape.block_params, shape.total_block_params
+    trained prefix (every state is trained-only: ``state/placement.py``, [Note: the
+    placement model])."""
     frozen_in_blocks = shape.frozen_params - shape.frozen_resident_params
     return shape.block_params - shape.frozen_block_params, shape.total_block_params - frozen_in_blocks
 
@@ -389,7 +376,7 @@ def stepped_block_params(shape: ModelShape, settings: RunSettings) -> tuple[int,
 def frozen_tier_bytes(shape: ModelShape, settings: RunSettings) -> int:
     """Bytes of the blocks' frozen weights on the tier, in their own files, with the weights
     there: in bf16 where every frozen weight and the compute are, else in the master's dtype."""
-    if not (settings.nvme and settings.nvme_weights and blocks_trained_only(shape, settings)):
+    if not (settings.nvme and settings.nvme_weights):
         return 0
     return (2 if frozen_in_compute_dtype(shape, settings) else settings.master_bytes) * (
         shape.frozen_params - shape.frozen_resident_params
@@ -401,9 +388,7 @@ def disk_bytes(shape: ModelShape, settings: RunSettings) -> int:
     the frozen weights' files); 0 without the tier."""
     if not settings.nvme:
         return 0
-    return tier_bytes_per_param(settings) * stepped_block_params(shape, settings)[1] + frozen_tier_bytes(
-        shape, settings
-    )
+    return tier_bytes_per_param(settings) * stepped_block_params(shape)[1] + frozen_tier_bytes(shape, settings)
 
 
 def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) -> float:
@@ -416,7 +401,7 @@ def _disk_seconds(shape: ModelShape, settings: RunSettings, hardware: Hardware) 
         return 0.0
     if not (hardware.disk_read_bytes_per_s and hardware.disk_write_bytes_per_s):
         raise ValueError("planning the NVMe tier needs the disk's bandwidth: megatrain plan --nvme PATH")
-    trained = stepped_block_params(shape, settings)[1]
+    trained = stepped_block_params(shape)[1]
     weights = settings.accumulation * 2 * (4 * trained + frozen) if settings.nvme_weights else 0
     return (swap + weights) / hardware.disk_read_bytes_per_s + swap / hardware.disk_write_bytes_per_s
 
@@ -440,7 +425,7 @@ def journal_numel(shape: ModelShape, settings: RunSettings) -> int:
     blocks' trailing elements within the budget (``optimizer/journal.py``)."""
     if not settings.holds_gradients:
         return 0
-    trained = stepped_block_params(shape, settings)[0]  # frozen: never stepped
+    trained = stepped_block_params(shape)[0]  # frozen: never stepped
     per_element = journal_bytes_per_element(settings)
     extents = choose_journal_extents([trained] * shape.num_blocks, per_element, shape.params, "auto")
     return sum(extent.numel for extent in extents)

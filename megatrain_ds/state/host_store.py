@@ -64,9 +64,10 @@ class HostFlatState:
             gathered weights this rank's window. The offsets, which the placement (sizes,
             the same for every node of a plan) does not hold.
         frozen: the frozen weights ``[layout.trained_numel, layout.numel)`` held apart from
-            the master, in their own dtype, with the weights on the NVMe tier (the placement's
-            ``frozen_in == "frozen"``; ``master`` then holds the trained prefix alone);
-            ``None`` where they are in ``master`` or ``shadow``.
+            the master, in their own dtype (the placement's ``frozen_in == "frozen"``;
+            ``master`` then holds the trained prefix alone): with the weights on the NVMe
+            tier there (:attr:`frozen_for_tier`), or fp32 ones in host memory beside a shadow
+            where the fp32 master is cut; ``None`` where they are in ``master`` or ``shadow``.
 
     [Note: frozen weights]
     A frozen parameter (``requires_grad=False``, or in no optimizer group) is streamed and
@@ -75,11 +76,15 @@ class HostFlatState:
     trained prefix: Adam's moments and the gradients always (``trained_only``), and with a
     bf16 shadow the fp32 master too, when every frozen parameter arrives in the compute dtype
     (``frozen_in == "shadow"``): its weights are then held once, bit for bit, in the shadow that is
-    streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps a whole fp32
-    master and its rounded shadow (6 B/param, its fp32 values kept exact, as before): cast
-    frozen weights to the compute dtype before ``initialize`` (``"frozen_weights":
-    "compute_dtype"`` does, ``model/frozen_weights.py``) to hold them at 2 B/param.
-    So it is wherever the weights are in host memory (the placement's ``trained_only``):
+    streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps its exact
+    fp32 value beside its rounding in the shadow (6 B/param): in the whole fp32 master where
+    that is in host memory, else, where the master is cut (on the NVMe tier in one process
+    with ``"optimizer"``, in several nodes' spans), in a buffer of its own in host memory,
+    :attr:`frozen` (``frozen_in == "frozen"``, whole, node-shared with data parallel), the
+    master then holding the trained prefix (or the node's span of it) alone. Cast frozen
+    weights to the compute dtype before ``initialize`` (``"frozen_weights": "compute_dtype"``
+    does, ``model/frozen_weights.py``) to hold them at 2 B/param.
+    So it is wherever the weights are in host memory (every placement is ``trained_only``):
     in one process, and with data parallel, where the node's shared copy holds the frozen
     weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
     (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
@@ -90,12 +95,9 @@ class HostFlatState:
     a read-only file and reads with the master when it streams the block
     (``state/frozen_files.py``: [Note: frozen weights on the tier]); with data parallel each
     rank's window of the trained prefix and its window of the frozen weights
-    (:attr:`frozen_window`), gathered when used (``distributed/gathered_weights.py``). Not,
-    where the fp32 master is cut (in nodes' spans, on the tier with ``"optimizer"``, or in
-    the ranks' windows with ``"all"``), for frozen weights not in the compute dtype beside
-    trained ones (or, with ``"all"`` and data parallel, in a state with nothing trained):
-    there every buffer still covers the whole layout (``state/placement.py``: [Note: the
-    placement model]); a state with nothing trained has nothing of its master cut elsewhere.
+    (:attr:`frozen_window`), gathered when used (``distributed/gathered_weights.py``); frozen
+    weights not in the compute dtype are read rounded, and gathered exact for ``state_dict()``
+    and checkpoints (``state/placement.py``: [Note: the placement model]).
     """
 
     layout: FlatLayout
@@ -175,6 +177,13 @@ class HostFlatState:
 
     def _apart(self, slot: ParamSlot) -> bool:
         return slot.group == FROZEN_GROUP and self.placement.frozen_in == "frozen"
+
+    @property
+    def frozen_for_tier(self) -> torch.Tensor | None:
+        """The frozen weights held apart that the NVMe tier keeps in a read-only file of their
+        own (``state/frozen_files.py``: the weights on the tier; with data parallel a rank's
+        window of them), ``None`` where there are none, or they stay in host memory."""
+        return None if self.placement.frozen.where.on_host else self.frozen
 
     @property
     def streamed(self) -> torch.Tensor:
@@ -394,12 +403,10 @@ def migrate_to_host(
     # A state the placement keeps on the device is filled here too, then moved (``move_to_device``).
     shadow = runtime.host_empty(layout.numel, compute_dtype, shared) if _kept(placement.shadow.where) else None
     frozen_window = _frozen_window(placement, layout, span_of)
-    frozen = None
-    if placement.frozen_in == "frozen":
-        frozen = _frozen_apart(named_params, layout, runtime, dtypes, frozen_window)
+    frozen = _frozen_apart(placement, named_params, layout, runtime, dtypes, frozen_window, shared)
     if placement.master_split:
         master = runtime.host_empty(last - first, master_dtype, shared)
-        frozen_part = (frozen, frozen_window) if frozen is not None and frozen_window is not None else None
+        frozen_part = (frozen, frozen_window or (layout.trained_numel, layout.numel)) if frozen is not None else None
         params = _fill_sharded(named_params, layout, master, shadow, (first, last), source, writes, share, frozen_part)
     else:
         frozen_in = shadow if placement.frozen_in == "shadow" else frozen  # frozen weights not in the master
@@ -420,6 +427,8 @@ def migrate_to_host(
     )
     if placement.master_split and shadow is None:
         state.park_params()  # no whole weights on this rank: they are gathered when used
+    elif placement.master_split and frozen is not None:
+        state.point_params_at(state.weights)  # the frozen parameters view their exact values apart
     return state
 
 
@@ -428,7 +437,7 @@ def _frozen_window(placement: StatePlacement, layout: FlatLayout, span_of: SpanO
     gathered weights (data parallel, the weights on the tier: ``span_of`` gives the rank's
     window of a state); ``None`` where the frozen weights held apart are all of them, or
     none are held apart."""
-    if placement.frozen_in != "frozen" or not placement.master_split:
+    if placement.frozen.where is not Where.TIER_WINDOW:
         return None
     window = span_of(layout.numel - layout.trained_numel) if span_of is not None else None
     assert window is not None, "gathered weights: span_of gives this rank's window"
@@ -466,21 +475,26 @@ def _check_placement(
 
 
 def _frozen_apart(
+    placement: StatePlacement,
     named_params: Sequence[tuple[str, nn.Parameter]],
     layout: FlatLayout,
     runtime: DeviceRuntime,
     dtypes: tuple[torch.dtype, torch.dtype],
     window: tuple[int, int] | None,
-) -> torch.Tensor:
-    """The buffer of a trained-only state's frozen weights held apart where no shadow is on
-    the host to hold them (the weights on the NVMe tier: :attr:`HostFlatState.frozen`), in
-    their own dtype: the compute dtype (``dtypes[1]``) where every one arrives in it, else
-    the master's (``dtypes[0]``); of all of them, or of the layout's ``window`` of them (a
-    rank's, with data parallel)."""
+    shared: NodeSharedMemory | None,
+) -> torch.Tensor | None:
+    """The buffer of a state's frozen weights held apart (:attr:`HostFlatState.frozen`;
+    ``None`` where the placement holds them elsewhere), in their own dtype: the compute
+    dtype (``dtypes[1]``) where every one arrives in it, else the master's (``dtypes[0]``);
+    of all of them, or of the layout's ``window`` of them (a rank's, with data parallel and
+    the weights on the tier). In host memory it is the node's copy (node-shared with
+    ``shared``); on the tier each rank's own."""
+    if placement.frozen_in != "frozen":
+        return None
     master, compute = dtypes
     dtype = compute if _frozen_all_in(named_params, layout, compute) else master
     start, end = window or (layout.trained_numel, layout.numel)
-    return runtime.host_empty(end - start, dtype)
+    return runtime.host_empty(end - start, dtype, shared if placement.frozen.where.on_host else None)
 
 
 def _frozen_all_in(named_params: Sequence[tuple[str, nn.Parameter]], layout: FlatLayout, dtype: torch.dtype) -> bool:
@@ -519,6 +533,8 @@ def _fill_whole(
         share(master)
     if writes and shadow is not None:
         shadow[: master.numel()].copy_(master)  # the master's weights' streamed copy, rounded
+        if frozen_in is not None and frozen_in is not shadow:  # the frozen weights apart: theirs too
+            shadow[master.numel() :].copy_(frozen_in)
     return params
 
 

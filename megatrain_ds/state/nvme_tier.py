@@ -260,12 +260,13 @@ class NvmeTier:
                 state.park_params()
             self.runtime.free_host(state.master)
             state.release(["master"])  # on the tier alone now
-        if self.frozen.holds(index) != (state.frozen is not None and state.frozen.numel() > 0):
+        frozen = state.frozen_for_tier  # not those kept in host memory beside a shadow
+        if self.frozen.holds(index) != (frozen is not None and frozen.numel() > 0):
             raise ValueError(f"block {index}'s frozen weights are not where the tier was made for them")
-        if state.frozen is not None:  # written once, never again ([Note: frozen weights on the tier])
+        if frozen is not None:  # written once, never again ([Note: frozen weights on the tier])
             if self.frozen.holds(index):  # not a rank's empty window of them
-                self.bytes_written += self.frozen.write(index, state.frozen)
-            self.runtime.free_host(state.frozen)
+                self.bytes_written += self.frozen.write(index, frozen)
+            self.runtime.free_host(frozen)
             state.release(["frozen"])
         self.states.append(state)
         self._index[id(state)] = index

@@ -29,13 +29,14 @@ arithmetic on the CPU or the device.)
 
 [Note: the placement model]
 The combinations, for a block's state (``W``: a shadow exists, compute dtype != master dtype;
-"span": this node's share with several nodes, else every element; "window": this rank's
-part of the state, ``distributed/ownership.py``)::
+"span": this node's share of the trained prefix with several nodes, else all of it;
+"window": this rank's part of the trained prefix, ``distributed/ownership.py``)::
 
   topology / nvme_offload   master               shadow (W)      m, v              grad (held)     streamed from
   one process / "none"      host: whole, or the  host: whole     host: trained     host: trained   host
                             trained prefix (*)                   prefix            prefix
-  one process / "optimizer" W: tier, whole;      host: whole     tier: whole       host: whole     host
+  one process / "optimizer" W: tier, the        host: whole     tier: trained     host: trained   host
+                            trained prefix (*);                  prefix            prefix
                             else host: whole
   one process / "all"       tier: the trained    none            tier: trained     host: trained   tier (weight window)
                             prefix (**)                          prefix            prefix
@@ -47,40 +48,48 @@ part of the state, ``distributed/ownership.py``)::
                                                                                    (own memory)    windows
 
 The resident state is always in host memory, as a block's with ``"none"``. (*) Frozen
-parameters: layouts put them last (``FlatLayout.trained_numel``), and wherever the weights
-are in host memory (``"none"`` and ``"optimizer"``, one process or data parallel) the state
-is *trained-only* (:func:`_trained_only`): the moments, the gradients, the tier's swap files
-and the ranks' windows and nodes' spans cover the trained prefix alone
-(``HostFlatState.stepped_numel``), and so does the master where there is a shadow and every
-frozen weight arrives in the compute dtype: the frozen weights then live in the shadow
-alone (``state/host_store.py``: [Note: frozen weights]). (**) With the weights on the tier
-too (``"all"``) the blocks are trained-only as well: their swap files hold the trained
-prefix's master, m and v (with data parallel each rank's window of it), the only part
-written back after a step, and the frozen weights are a buffer of their own
-(:attr:`StatePlacement.frozen`: ``Where.TIER``, or each rank's window of them,
-``Where.TIER_WINDOW``, the trained prefix and the frozen weights each cut in the ranks'
+parameters: layouts put them last (``FlatLayout.trained_numel``), and every state is
+*trained-only*: the moments, the gradients, the tier's swap files and the ranks' windows and
+nodes' spans cover the trained prefix alone (``HostFlatState.stepped_numel``). Where the
+weights are in host memory (``"none"`` and ``"optimizer"``, one process or data parallel)
+the frozen weights are held once, in one of three places (``StatePlacement.frozen_in``;
+``state/host_store.py``: [Note: frozen weights]):
+
+- ``"shadow"``: every frozen weight arrives in the compute dtype and there is a shadow: the
+  frozen weights live in the shadow alone, the master covers the trained prefix (2 B a
+  frozen parameter in bf16);
+- ``"frozen"``: a frozen weight not in the compute dtype (an fp32 base under bf16 compute)
+  beside a trained prefix whose fp32 master is cut -- on the tier in one process
+  (``"optimizer"``), in the nodes' spans with several nodes: the frozen weights are a
+  buffer of their own in host memory (:attr:`StatePlacement.frozen`, ``Where.HOST``, whole,
+  in the master's dtype, node-shared with data parallel), their exact values, and the
+  shadow streams their rounding (6 B a frozen parameter: 4 apart, 2 in the shadow);
+- ``"master"``: elsewhere (no shadow, or a master that is whole in host memory: one
+  process with no tier, one node), where the master is their exact value (beside a shadow,
+  6 B a frozen parameter too).
+
+(**) With the weights on the tier too (``"all"``) the frozen weights are a buffer of their
+own on the tier (:attr:`StatePlacement.frozen`: ``Where.TIER``, or each rank's window of
+them, ``Where.TIER_WINDOW``, the trained prefix and the frozen weights each cut in the ranks'
 windows on its own), in the compute dtype where every frozen weight arrives in it, else in
 the master's: written once to a read-only file beside the block's swap file and read with
-the master when the block is streamed (``state/frozen_files.py``: [Note: frozen weights on
-the tier]), with data parallel gathered after the prefix's windows
-(``distributed/gathered_weights.py``). A block with nothing trained at all (LoRA on some
-layers, blocks frozen whole) is a trained-only state whose trained prefix is empty: its
-weights alone, in the master (where that streams, or its frozen weights are not in the
-compute dtype) or the shadow; in one process it has nothing on the tier beside them, so no
-swap file (:func:`_optimizer_on_tier`), and with ``"all"`` its frozen weights apart and an
-empty swap file; with data parallel and ``"none"`` or ``"optimizer"`` (one node or several)
-no rank updates any of it, every window and span of its empty trained prefix being empty,
-so nothing of its master is cut: every node holds its weights whole, in the master where
-they are not in the compute dtype (exact, beside the other states' spans of a master cut in
-nodes), and no rank has a swap file of it (:func:`_trained_only_master`). Not trained-only,
-every buffer covering the frozen parameters too: where the fp32 master is cut (on the tier
-with ``"optimizer"``, several nodes' spans, or the ranks' windows with data parallel and
-``"all"``, whose gathers are in the compute dtype), a state with trained parameters and a
-frozen weight that is not in the compute dtype (with data parallel and ``"all"``, one with
-nothing trained too: ``"frozen_weights": "compute_dtype"`` casts them). With data
-parallel the host buffers of the node (master, shadow, m, v and gradients but those of a
-rank's own window) are node-shared: one copy per node; the NVMe tier is each rank's own, of
-its windows.
+the master when the block is streamed, rounded to the compute dtype as it is read
+(``state/frozen_files.py``: [Note: frozen weights on the tier]), with data parallel gathered
+after the prefix's windows (``distributed/gathered_weights.py``), whose saved and
+``state_dict()`` values are gathered from the files' exact bytes: no host memory holds
+them between uses. A block with nothing trained at all (LoRA on some layers, blocks frozen whole)
+is a trained-only state whose trained prefix is empty: its weights alone, in the master
+(where that streams, or its frozen weights are not in the compute dtype) or the shadow; in
+one process it has nothing on the tier beside them, so no swap file
+(:func:`_optimizer_on_tier`), and with ``"all"`` its frozen weights apart and an empty swap
+file; with data parallel and ``"none"`` or ``"optimizer"`` (one node or several) no rank
+updates any of it, every window and span of its empty trained prefix being empty, so
+nothing of its master is cut: every node holds its weights whole, in the master where they
+are not in the compute dtype (exact, beside the other states' spans of a master cut in
+nodes), and no rank has a swap file of it (:func:`_master_and_frozen`). With data parallel
+the host buffers of the node (master, shadow, frozen weights apart, m, v and gradients but
+those of a rank's own window) are node-shared: one copy per node; the NVMe tier is each
+rank's own, of its windows.
 
 [Note: the GPU tier]
 With ``"device_state"`` (``"auto"``, the default, or a fraction of the trained elements;
@@ -293,7 +302,7 @@ class Placement:
         states.append(_state(shapes[-1], sizes, "none", topology))  # the resident state: host memory
         for index in device_state_indices(shapes, device_states):
             states[index] = _on_device(states[index], sizes)
-        stepped = [shape.trained_numel if state.trained_only else shape.numel for shape, state in zip(shapes, states)]
+        stepped = [shape.trained_numel for shape in shapes]  # every state is trained-only
         # Frozen weights apart on the tier: every element of them (each rank's tier a window of them).
         frozen = [
             (state.frozen_numel, state.frozen.itemsize) if state.frozen.where.on_tier else (0, 0)
@@ -510,102 +519,64 @@ def _on_device(state: StatePlacement, sizes: ElementSizes) -> StatePlacement:
     )
 
 
-def _trained_only(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> bool:
-    """Whether the state's optimizer state covers its trained prefix alone, frozen parameters
-    holding their weights and nothing else: wherever the state has a trained parameter,
-    unless a frozen weight is not in the compute dtype where the fp32 master is cut (several
-    nodes shard it, the tier holds it with ``"optimizer"``, or with data parallel and
-    ``"all"`` each rank holds its window of it, the weights gathered in the compute dtype):
-    its exact value would need a master of its own beside the trained prefix's. With the
-    weights on the tier (``"all"``) the frozen weights are kept apart on the tier
-    (:func:`_frozen_apart_on_tier`): in one process whatever their dtype (in the master's
-    where they are not all in the compute dtype), with data parallel each rank's window of
-    them, gathered with the trained prefix's. A state with nothing trained has nothing of its
-    master cut wherever its weights are in host memory (:func:`_trained_only_master`)."""
-    if nvme == "all" and not topology.data_parallel:
-        return True
-    if shape.trained_numel == 0 and nvme != "all":
-        return True  # nothing trained: nothing of the master is cut, its weights stay whole (_trained_only_master)
-    cut_master = sizes.with_shadow and (topology.span_of is not None or _optimizer_on_tier(shape, nvme, topology))
-    mixed = shape.trained_numel < shape.numel and not shape.frozen_in_compute_dtype
-    return not (cut_master and mixed)
-
-
 def _optimizer_on_tier(shape: StateShape, nvme: str, topology: Topology) -> bool:
-    """Whether the tier holds a trained-only state's optimizer state (the moments, and the
-    master beside a shadow in one process): not in one process for a block with nothing
-    trained, which has no swap file (``_tiers``), so that its master, the weights when they
-    are not all in the compute dtype, stays whole and exact in host memory."""
+    """Whether the tier holds a state's optimizer state (the moments, and the master beside a
+    shadow in one process): not in one process for a block with nothing trained, which has
+    no swap file (``_tiers``), so that its master, the weights when they are not all in the
+    compute dtype, stays whole and exact in host memory."""
     return nvme != "none" and (shape.trained_numel > 0 or topology.data_parallel)
 
 
-def _trained_only_master(
+def _master_and_frozen(
     shape: StateShape, sizes: ElementSizes, topology: Topology, on_tier: bool, held: int
-) -> Buffer:
-    """The master of a trained-only state whose weights are in host memory (``held``: this
-    node's span of its trained prefix): on the tier in one process beside a shadow, this
-    node's span with several nodes beside a shadow, the trained prefix where the frozen
-    weights are in the shadow alone, else whole. A state with nothing trained whose frozen
-    weights are not in the compute dtype keeps its master whole with several nodes too: it
-    is their exact value, and no node updates any of it (every span of its empty trained
-    prefix is empty)."""
+) -> tuple[Buffer, Buffer]:
+    """The master and the frozen weights kept apart of a state whose weights are in host
+    memory (``held``: this node's span of its trained prefix). The master: on the tier in
+    one process beside a shadow, this node's span with several nodes beside a shadow, the
+    trained prefix where the frozen weights are in the shadow alone or apart, else whole.
+    Frozen weights not in the compute dtype beside a trained prefix whose master is cut so
+    (the tier, the nodes' spans) are kept apart, whole and exact, in host memory in the
+    master's dtype (node-shared with data parallel): the shadow streams their rounding.
+    A state with nothing trained keeps its master whole with several nodes too: it is
+    its frozen weights' exact value, and no node updates any of it (every span of its empty
+    trained prefix is empty)."""
     numel, trained = shape.numel, shape.trained_numel
     in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
-    if sizes.with_shadow and on_tier and not topology.data_parallel:  # one process: on the tier
-        return Buffer(Where.TIER, trained if in_shadow else numel, sizes.master)
-    weights_in_master = trained == 0 < numel and not in_shadow
-    if sizes.with_shadow and topology.span_of is not None and not weights_in_master:  # the master's span too
-        return Buffer(Where.NODE_SPAN, held, sizes.master)
+    one_process_tier = sizes.with_shadow and on_tier and not topology.data_parallel
+    spans = sizes.with_shadow and topology.span_of is not None and not (trained == 0 < numel and not in_shadow)
+    apart = (one_process_tier or spans) and 0 < trained < numel and not in_shadow
+    frozen = Buffer(Where.HOST, numel - trained, sizes.master) if apart else NOWHERE
+    if one_process_tier:
+        return Buffer(Where.TIER, trained, sizes.master), frozen
+    if spans:  # the master's span too
+        return Buffer(Where.NODE_SPAN, held, sizes.master), frozen
     if in_shadow:
-        return Buffer(Where.TRAINED_PREFIX, trained, sizes.master)
-    return Buffer(Where.HOST, numel, sizes.master)
+        return Buffer(Where.TRAINED_PREFIX, trained, sizes.master), frozen
+    return Buffer(Where.HOST, numel, sizes.master), frozen
 
 
 def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology) -> StatePlacement:
     """One state's placement ([Note: the placement model]); the resident state's ``nvme`` is
-    ``"none"`` whatever the blocks' is."""
-    numel, trained = shape.numel, shape.trained_numel
-    trained_only = _trained_only(shape, sizes, nvme, topology)
-    if trained_only and nvme == "all":
+    ``"none"`` whatever the blocks' is. Every state is trained-only: the moments, gradients,
+    swap files, windows and spans cover its trained prefix alone."""
+    if nvme == "all":
         return _frozen_apart_on_tier(shape, sizes, topology)
-    stepped = trained if trained_only else numel  # what windows and spans divide
-    shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow and nvme != "all" else NOWHERE
-    grad_where, streamed, frozen_in = Where.HOST, Where.HOST, "master"
-    if trained_only:  # the weights in host memory: frozen parameters cost their weights alone
-        held = topology.span(stepped)
-        # Several nodes: every node's span, even one that happens to be all of a small state, so
-        # that every node branches alike (the weight gather sends the same buffer from each).
-        nodes = topology.span_of is not None
-        where = Where.NODE_SPAN if nodes else Where.TRAINED_PREFIX if trained < numel else Where.HOST
-        in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
-        on_tier = _optimizer_on_tier(shape, nvme, topology)
-        master = _trained_only_master(shape, sizes, topology, on_tier, held)
-        moments, grad_where = Buffer(where, held, 4), where
-        if on_tier:  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
-            windowed = Buffer(Where.TIER_WINDOW, topology.window(stepped), 4) if topology.data_parallel else None
-            moments = windowed or Buffer(Where.TIER, trained, 4)
-        frozen_in = "shadow" if in_shadow else "master"
-    elif not topology.data_parallel:  # one process with the NVMe tier
-        held = numel
-        master_on_tier = nvme == "all" or sizes.with_shadow  # unless it is what host memory streams
-        master = Buffer(Where.TIER, numel, sizes.master) if master_on_tier else Buffer(Where.HOST, numel, sizes.master)
-        moments = Buffer(Where.TIER, numel, 4)
-        streamed = Where.TIER if nvme == "all" else Where.HOST
-    elif nvme == "all":  # every rank its windows on its own tier, gathered when used
-        held = topology.window(numel)
-        master = Buffer(Where.TIER_WINDOW, held, sizes.master)
-        moments = Buffer(Where.TIER_WINDOW, held, 4)
-        grad_where, streamed = Where.RANK_WINDOW, Where.GATHERED
-    else:  # data parallel: the node's copy, its span of what is sharded
-        held = topology.span(numel)
-        # Several nodes: every node's span, even one that happens to be all of a small state.
-        span_where = Where.NODE_SPAN if topology.span_of is not None else Where.HOST
-        sharded = sizes.with_shadow and span_where is Where.NODE_SPAN  # the master too, the shadow whole
-        master = Buffer(span_where, held, sizes.master) if sharded else Buffer(Where.HOST, numel, sizes.master)
-        rank_window = topology.window(numel)
-        moments = Buffer(Where.TIER_WINDOW, rank_window, 4) if nvme == "optimizer" else Buffer(span_where, held, 4)
-        grad_where = span_where
-    grad = Buffer(grad_where, held, sizes.grad) if sizes.grad is not None else NOWHERE
+    numel, trained = shape.numel, shape.trained_numel
+    shadow = Buffer(Where.HOST, numel, sizes.compute) if sizes.with_shadow else NOWHERE
+    held = topology.span(trained)
+    # Several nodes: every node's span, even one that happens to be all of a small state, so
+    # that every node branches alike (the weight gather sends the same buffer from each).
+    nodes = topology.span_of is not None
+    where = Where.NODE_SPAN if nodes else Where.TRAINED_PREFIX if trained < numel else Where.HOST
+    on_tier = _optimizer_on_tier(shape, nvme, topology)
+    master, frozen = _master_and_frozen(shape, sizes, topology, on_tier, held)
+    moments = Buffer(where, held, 4)
+    if on_tier:  # Adam's m and v of the trained prefix on the tier: one process's, or each rank's window
+        windowed = Buffer(Where.TIER_WINDOW, topology.window(trained), 4) if topology.data_parallel else None
+        moments = windowed or Buffer(Where.TIER, trained, 4)
+    grad = Buffer(where, held, sizes.grad) if sizes.grad is not None else NOWHERE
+    in_shadow = sizes.with_shadow and shape.frozen_in_compute_dtype
+    frozen_in = "frozen" if frozen.where.on_host else "shadow" if in_shadow else "master"
     return StatePlacement(
         numel,
         master,
@@ -613,10 +584,11 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
         moments,
         moments,
         grad,
-        streamed,
+        Where.HOST,
         numel - trained,
-        trained_only,
+        True,
         frozen_in if numel > trained else "",
+        frozen,
     )
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-BUFFERS = ("master", "shadow", "exp_avg", "exp_avg_sq", "grad")
-"""The buffers of a flat state, by the names ``HostFlatState.nbytes_by_kind`` gives them."""
+BUFFERS = ("master", "shadow", "exp_avg", "exp_avg_sq", "grad", "frozen")
+"""The buffers of a flat state, by the names ``HostFlatState.nbytes_by_kind`` gives them
+(``"frozen"``: the frozen weights kept apart, :attr:`StatePlacement.frozen`)."""
 
 
 class Where(Enum):
@@ -89,16 +90,19 @@ class StatePlacement:
     """Elements of frozen parameters (after the trained prefix)."""
     trained_only: bool
     """Whether the optimizer state covers the trained prefix alone, frozen parameters having
-    none (the weights in host memory: [Note: the placement model]), frozen parameters or not."""
+    none: every state ``Placement`` computes ([Note: the placement model]); not a state of
+    :func:`whole_in_host_memory`, which has no frozen parameters."""
     frozen_in: str
     """The buffer that holds the frozen weights: ``"master"``, ``"shadow"`` where they are
     held there alone ([Note: frozen weights] in ``state/host_store.py``), or ``"frozen"``
     where they are a buffer of their own (:attr:`frozen`); ``""`` without any."""
     frozen: Buffer = NOWHERE
-    """The frozen weights held apart, with the weights on the NVMe tier: in one process all of
-    them (``Where.TIER``), with data parallel this rank's window of them (``Where.TIER_WINDOW``),
-    a read-only file of their own, in their own dtype; else nowhere: they are in the buffer
-    :attr:`frozen_in` names."""
+    """The frozen weights held apart (:attr:`frozen_in` ``"frozen"``), in their own dtype: with
+    the weights on the NVMe tier a read-only file of their own, in one process all of them
+    (``Where.TIER``), with data parallel this rank's window of them (``Where.TIER_WINDOW``);
+    with the weights in host memory, beside a trained prefix whose fp32 master is cut and
+    frozen weights not in the compute dtype, all of them in host memory (``Where.HOST``,
+    node-shared with data parallel). Else nowhere: they are in the buffer :attr:`frozen_in` names."""
 
     @property
     def stepped_numel(self) -> int:
