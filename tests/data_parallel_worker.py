@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
+from old_span_checkpoints import as_before_issue_44
 from placement_check import engine_preflight, placement_disagreements, preflight_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
@@ -253,6 +254,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
         held["loaded_states"] = flat_states(engine)
         # Copies: the live masters' views would change with the reload below.
         held["loaded_state_dict"] = {key: value.clone() for key, value in engine.module.state_dict().items()}
+    if args.older_form_too:  # then that checkpoint as written before issue 44, over it
+        held["older_form_loaded_state_dict"] = load_older_form(engine, args)
     if args.reload_saved:  # then the run's own checkpoint again, over what --load-after read
         engine.load_checkpoint(args.save_to)
         held["reloaded_state_dict"] = engine.module.state_dict()
@@ -265,6 +268,22 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     elif args.exact_frozen_levels:  # after the cast run: its fp32 frozen weights kept exact
         level, *rest = args.exact_frozen_levels
         run_parity(exact_frozen_args(args, level, rest), rank, world_size, report=f"frozen_exact_{level}")
+
+
+def load_older_form(engine: MegatrainEngine, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The run's checkpoint (``--save-to``'s latest) rewritten by rank 0 in the form written
+    before every state was trained-only (``tests/old_span_checkpoints.py``: the fp32 frozen
+    weights exact only in the span files' masters, bf16 in the model files) to
+    ``<--save-to>_before_issue_44``, loaded by every rank; the state dict it gives."""
+    dp = engine.data_parallel
+    assert dp is not None
+    saved = Path(args.save_to)
+    older = saved.with_name(f"{saved.name}_before_issue_44")
+    if dp.rank == 0:
+        as_before_issue_44(saved / (saved / "latest").read_text().strip(), older, engine)
+    dp.world_barrier("rewriting the checkpoint in the older form")  # Sync: every rank reads what rank 0 wrote
+    engine.load_checkpoint(str(older))
+    return {key: value.clone() for key, value in engine.module.state_dict().items()}
 
 
 def bf16_frozen_on_tier_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -292,7 +311,8 @@ def exact_frozen_args(args: argparse.Namespace, level: str, rest: list[str]) -> 
     weights kept exact (``"frozen_weights": "exact"``) beside the fp32 master these nodes
     cut, with the NVMe tier holding ``level`` (``"all"``: each rank's window of them in fp32
     files, rounded as read; ``"optimizer"``: apart, whole, in each node's host memory), its
-    checkpoint saved after the last step and loaded back; then the ``rest`` of the levels."""
+    checkpoint saved after the last step and loaded back, then in its older form
+    (:func:`load_older_form`); then the ``rest`` of the levels."""
     checkpoint = str(Path(args.out) / f"frozen_exact_{level}_checkpoint")
     return argparse.Namespace(
         **{
@@ -302,6 +322,7 @@ def exact_frozen_args(args: argparse.Namespace, level: str, rest: list[str]) -> 
             "save_to": checkpoint,
             "save_at": args.steps,
             "load_after": checkpoint,
+            "older_form_too": True,
             "exact_frozen_levels": tuple(rest),
         }
     )
@@ -484,6 +505,7 @@ def main() -> None:
     )
     parser.add_argument("--frozen-weights", choices=["exact", "compute_dtype"], help="parity: megatrain.frozen_weights")
     parser.set_defaults(exact_frozen_levels=())  # set by bf16_frozen_on_tier_args: the runs after it
+    parser.set_defaults(older_form_too=False)  # set by exact_frozen_args: load_older_form after --load-after
     parser.add_argument(
         "--one-rank-per-node",
         action="store_true",

@@ -529,9 +529,11 @@ def test_two_ranks_with_the_weights_on_the_nvme_tier_gather_each_block_from_its_
     frozen_run = [torch.load(resumed / f"frozen{rank}.pt") for rank in range(2)]
     _assert_frozen_apart_on_rank_tiers(frozen_run, "some", steps=5, accumulation=2, loaded=expected_loaded)
     _assert_bf16_frozen_apart_on_rank_tiers([torch.load(resumed / f"frozen_bf16{rank}.pt") for rank in range(2)])
+    exact_runs = {}
     for level in ("all", "optimizer"):
-        exact = [torch.load(resumed / f"frozen_exact_{level}{rank}.pt") for rank in range(2)]
-        _assert_exact_fp32_frozen_weights(exact, level)
+        exact_runs[level] = [torch.load(resumed / f"frozen_exact_{level}{rank}.pt") for rank in range(2)]
+        _assert_exact_fp32_frozen_weights(exact_runs[level], level)
+    _assert_older_spans_load_exact_in_one_process(resumed, exact_runs, tmp_path / "swap_one")
     for rank in range(2):
         report = torch.load(resumed / f"rank{rank}.pt")
         expected = ranks[rank]["state_dict"]
@@ -624,9 +626,12 @@ def _assert_exact_fp32_frozen_weights(ranks: list[dict], level: str, frozen: str
     rank's buffers, tier files and window are as its placement and preflight say. The frozen
     weights stay their fp32 values bit for bit, and the run's checkpoint loads back to the
     same weights exactly (the frozen ones gathered exact from the ranks' files with
-    ``"all"``). Against fp32 plain PyTorch with the same fp32 frozen weights and both
-    batches: the bounds of ``_assert_bf16_frozen_apart_on_rank_tiers`` (bf16 rounds the
-    frozen weights as it rounds every streamed value)."""
+    ``"all"``), also rewritten in the form written before issue 44 (``checkpoint/
+    optimizer_spans.py``: [Note: older span files]), its fp32 frozen weights exact only in the
+    span files' masters, the model files holding them in bf16. Against fp32 plain PyTorch
+    with the same fp32 frozen weights and both batches: the bounds of
+    ``_assert_bf16_frozen_apart_on_rank_tiers`` (bf16 rounds the frozen weights as it rounds
+    every streamed value)."""
     _assert_placement_agrees(ranks)
     expected, expected_norms = reference_training(BF16_FROZEN_STEPS, 2, world_size=2, frozen=frozen)
     torch.manual_seed(0)
@@ -641,6 +646,8 @@ def _assert_exact_fp32_frozen_weights(ranks: list[dict], level: str, frozen: str
             assert torch.equal(report["state_dict"][name], initial[name]), name
         for key, value in report["state_dict"].items():
             assert torch.equal(value, report["loaded_state_dict"][key]), key
+            # The same checkpoint in its form from before issue 44 (the worker's load_older_form).
+            assert torch.equal(value, report["older_form_loaded_state_dict"][key]), key
         assert all(trained_only for trained_only, _ in report["frozen_in"])
         assert report["frozen_dtypes"] == ["torch.float32"]
         ownership = Ownership.of([[0], [1]], rank)
@@ -659,6 +666,37 @@ def _assert_exact_fp32_frozen_weights(ranks: list[dict], level: str, frozen: str
             assert report["frozen_in"][:-1] == [(True, "frozen")] * (len(numels) - 1)
     for key, value in ranks[0]["state_dict"].items():
         assert torch.equal(value, ranks[1]["state_dict"][key]), key
+
+
+def _assert_older_spans_load_exact_in_one_process(resumed: Path, exact_runs: dict[str, list[dict]], swap: Path) -> None:
+    """The exact-fp32 runs' checkpoints of 2 nodes (``"all"``: a span file per rank; ``"optimizer"``:
+    one per node), each also in its form from before issue 44 (the worker's ``load_older_form``:
+    the frozen weights exact only in the span files' masters, rounded to bf16 in the model files),
+    loaded into one bf16 process that holds the fp32 frozen weights apart in host memory (its
+    fp32 master cut, on the NVMe tier with ``"optimizer"``): the nodes' weights bit for bit (the
+    same bytes read: the masters from the span files, the frozen weights from the model files
+    or, in the older form, from the span files' masters), and the older form's model files do
+    hold the frozen weights rounded (so a load that read them would differ)."""
+    settings = worker_config(1, world_size=1, micro=MICRO * 2)
+    nvme = {"nvme_offload": "optimizer", "nvme_path": str(swap), "nvme_aio": {"engine": "threads"}}
+    model = tiny_models.llama(num_layers=4)
+    frozen = FREEZERS["some"](model)
+    engine = MegatrainEngine(model, parse_engine_config({**settings, "bf16": {"enabled": True}, "megatrain": nvme}))
+    try:
+        assert any(state.frozen is not None and state.frozen.dtype == torch.float32 for state in engine.states)
+        for level, ranks in exact_runs.items():
+            expected = ranks[0]["state_dict"]
+            for form in ("checkpoint", "checkpoint_before_issue_44"):
+                directory = resumed / f"frozen_exact_{level}_{form}"
+                engine.load_checkpoint(str(directory))
+                loaded = engine.module.state_dict()
+                for key, value in expected.items():
+                    assert torch.equal(value, loaded[key]), (level, form, key)
+            rounded = _one_process_weights(resumed / f"frozen_exact_{level}_checkpoint_before_issue_44")
+            assert all(rounded[name].dtype == torch.bfloat16 for name in frozen)
+            assert any(not torch.equal(rounded[name].float(), expected[name]) for name in frozen)
+    finally:
+        engine.destroy()
 
 
 def _save_one_process_checkpoint(directory: Path) -> None:

@@ -222,6 +222,32 @@ def _read_weights(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTenso
         }
         reads.span_files.read_into(masters, [MASTER])
         flat_of.release()
+    _read_frozen_from_masters(engine, reads, flat_of, gathered=False)
+
+
+def _read_frozen_from_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTensors, gathered: bool) -> None:
+    """The frozen weights held apart (of the gathered states, this rank's window of them; of
+    the others, all of them) from the span files' masters where those cover them, over what
+    the model files gave: a checkpoint written by several nodes (or ranks, the weights on the
+    tier) before every state was trained-only kept an fp32 frozen weight under bf16 compute
+    exact only there, its model files holding the bf16 shadow (``optimizer_spans.py``:
+    [Note: older span files]). Newer span files' masters end at the trained prefix: nothing
+    is read."""
+    spans = reads.span_files
+    if spans is None or not reads.exact_masters:
+        return
+    placements = engine.placement.states
+    held = {}
+    for (name, state), window, placement in zip(states_by_name(engine).items(), engine.optimizer_states, placements):
+        if placement.gathered is not gathered or placement.frozen_in != "frozen":
+            continue
+        if not spans.masters_past(name, state.layout.trained_numel):
+            continue
+        holder = window if gathered else state  # a gathered state's frozen window is its rank's window's
+        start, end = state.frozen_window or (state.layout.trained_numel, state.layout.numel)
+        held[name] = HeldSpan(state.layout.numel, start, end, lambda _kind, h=holder: flat_of(h, "frozen"))
+    spans.read_into(held, [MASTER])  # converted to the frozen weights' dtype as read: exact in fp32
+    flat_of.release()
 
 
 def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: StateTensors) -> None:
@@ -266,6 +292,7 @@ def _read_window_masters(engine: CheckpointedEngine, reads: _Reads, flat_of: Sta
             targets = {name: target(entry, temporaries) for name, entry in wanted.items() if entry.placement.gathered}
             file.read_into({name: view for name, view in targets.items() if view is not None}, reads.digest(file))
         flat_of.release()  # one file's windows mapped at a time
+    _read_frozen_from_masters(engine, reads, flat_of, gathered=True)
 
 
 def _refresh_shadows(engine: CheckpointedEngine, flat_of: StateTensors) -> None:

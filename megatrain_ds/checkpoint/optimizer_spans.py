@@ -21,6 +21,21 @@ each state, the elements this process holds (:class:`HeldSpan`) from whichever f
 cover them, so a checkpoint written by N writers loads on any number of nodes and ranks
 (resharded), one process included. The spans of every state must tile it exactly; the
 files' CRCs are checked as they are read.
+
+[Note: older span files]
+Every state is trained-only now (``state/host_store.py``: [Note: frozen weights]), so a
+state's spans end at its trained prefix; files written before were read as follows.
+- Before the frozen-last layout (no ``layout``: :data:`FROZEN_LAST_LAYOUT`): a span of a
+  state with frozen parameters is refused (:class:`SpanFiles` names the fix).
+- Before issue 44's trained-only states (fp32 frozen weights under bf16 compute beside a
+  master cut across nodes, or across ranks with the weights on the tier): the spans cover
+  the whole state, and the masters' part after the trained prefix is the frozen weights'
+  exact fp32 value, which the model files hold rounded to bf16 (the shadow, or the gather
+  in the compute dtype). The moments of those elements are zero and are not read;
+  ``load.py`` fills the frozen weights this engine holds apart from those masters, over
+  the model files' values (:meth:`SpanFiles.masters_past`), for any number of nodes, ranks
+  or one process. Where this engine holds them in the master instead (one process, the
+  master whole in host memory), the masters' span covers them anyway.
 """
 
 from __future__ import annotations
@@ -125,9 +140,10 @@ class SpanFiles:
             (:data:`FROZEN_LAST_LAYOUT`): an older file's span of one is refused.
         kinds: what each file must hold for every state (the moments, ``grad``, :data:`MASTER`).
         trained_numels: each state's trained prefix (``FlatLayout.trained_numel``): its spans
-            may end there, written by nodes whose optimizer state covers the trained
-            elements alone (frozen ones have none: ``state/host_store.py``, [Note: frozen
-            weights]); a reader that holds frozen elements keeps their moments at zero.
+            end there, written by nodes whose optimizer state covers the trained elements
+            alone (frozen ones have none: ``state/host_store.py``, [Note: frozen weights]);
+            or at its numel, written before every state was trained-only ([Note: older
+            span files]); a reader that holds frozen elements keeps their moments at zero.
     """
 
     def __init__(
@@ -142,6 +158,8 @@ class SpanFiles:
         self.kinds: tuple[str, ...] = tuple(kinds)
         """What the files are checked to hold (and can be read)."""
         self._spans = {name: _spans_of(name, file) for name, (file, _) in files.items()}
+        self._covered: dict[str, int] = {}
+        """Each state's elements ``[0, end)`` the files cover (checked: its numel or trained prefix)."""
         for name, (file, _) in files.items():
             older = file.metadata.get("layout") != FROZEN_LAST_LAYOUT
             if older and (stale := sorted(set(self._spans[name]) & set(frozen_states))):
@@ -177,6 +195,13 @@ class SpanFiles:
                 f"the span files cover elements [0, {position}) of state {state_name!r}, which has {numel}: "
                 "is it a checkpoint of a different model?"
             )
+        self._covered[state_name] = position
+
+    def masters_past(self, state_name: str, trained_numel: int) -> bool:
+        """Whether the files hold masters of ``state_name``'s elements after its trained prefix
+        (``trained_numel``), its frozen weights: written before every state was trained-only
+        (the module's Note on older checkpoints)."""
+        return MASTER in self.kinds and self._covered.get(state_name, 0) > trained_numel
 
     def read_into(self, held: Mapping[str, HeldSpan], kinds: Sequence[str]) -> None:
         """Fill the held elements of each of ``kinds`` (some of :attr:`kinds`) of each
