@@ -669,34 +669,39 @@ def _assert_exact_fp32_frozen_weights(ranks: list[dict], level: str, frozen: str
 
 
 def _assert_older_spans_load_exact_in_one_process(resumed: Path, exact_runs: dict[str, list[dict]], swap: Path) -> None:
-    """The exact-fp32 runs' checkpoints of 2 nodes (``"all"``: a span file per rank; ``"optimizer"``:
-    one per node), each also in its form from before issue 44 (the worker's ``load_older_form``:
-    the frozen weights exact only in the span files' masters, rounded to bf16 in the model files),
-    loaded into one bf16 process that holds the fp32 frozen weights apart in host memory (its
-    fp32 master cut, on the NVMe tier with ``"optimizer"``): the nodes' weights bit for bit (the
-    same bytes read: the masters from the span files, the frozen weights from the model files
-    or, in the older form, from the span files' masters), and the older form's model files do
-    hold the frozen weights rounded (so a load that read them would differ)."""
+    """The exact-fp32 runs' checkpoints of 2 nodes (``"all"``: a span file per rank;
+    ``"optimizer"``: one per node), each also in its form from before issue 44 (the worker's
+    ``load_older_form``: the frozen weights exact only in the span files' masters, rounded to
+    bf16 in the model files), loaded into one bf16 process at every level: ``"none"`` (the
+    fp32 frozen weights in the whole master in host memory), ``"optimizer"`` (apart in host
+    memory, the master cut: on the tier) and ``"all"`` (apart in their file on the tier).
+    Each load gives the nodes' weights bit for bit (the same bytes read: the masters from the
+    span files, the frozen weights from the model files or, in the older form, from the span
+    files' masters); the older form's model files do hold the frozen weights rounded (so a
+    load that read them would differ)."""
     settings = worker_config(1, world_size=1, micro=MICRO * 2)
-    nvme = {"nvme_offload": "optimizer", "nvme_path": str(swap), "nvme_aio": {"engine": "threads"}}
-    model = tiny_models.llama(num_layers=4)
-    frozen = FREEZERS["some"](model)
-    engine = MegatrainEngine(model, parse_engine_config({**settings, "bf16": {"enabled": True}, "megatrain": nvme}))
-    try:
-        assert any(state.frozen is not None and state.frozen.dtype == torch.float32 for state in engine.states)
-        for level, ranks in exact_runs.items():
-            expected = ranks[0]["state_dict"]
-            for form in ("checkpoint", "checkpoint_before_issue_44"):
-                directory = resumed / f"frozen_exact_{level}_{form}"
-                engine.load_checkpoint(str(directory))
-                loaded = engine.module.state_dict()
-                for key, value in expected.items():
-                    assert torch.equal(value, loaded[key]), (level, form, key)
-            rounded = _one_process_weights(resumed / f"frozen_exact_{level}_checkpoint_before_issue_44")
-            assert all(rounded[name].dtype == torch.bfloat16 for name in frozen)
-            assert any(not torch.equal(rounded[name].float(), expected[name]) for name in frozen)
-    finally:
-        engine.destroy()
+    for one_process in ("none", "optimizer", "all"):
+        nvme = {"nvme_offload": one_process, "nvme_path": str(swap), "nvme_aio": {"engine": "threads"}}
+        model = tiny_models.llama(num_layers=4)
+        frozen = FREEZERS["some"](model)
+        config = {**settings, "bf16": {"enabled": True}, "megatrain": nvme if one_process != "none" else {}}
+        engine = MegatrainEngine(model, parse_engine_config(config))
+        try:
+            apart = [state.frozen is not None for state in engine.states[:-1]]
+            assert all(apart) if one_process != "none" else not any(apart), one_process
+            for level, ranks in exact_runs.items():
+                expected = ranks[0]["state_dict"]
+                for form in ("checkpoint", "checkpoint_before_issue_44"):
+                    engine.load_checkpoint(str(resumed / f"frozen_exact_{level}_{form}"))
+                    loaded = engine.module.state_dict()
+                    for key, value in expected.items():
+                        assert torch.equal(value, loaded[key]), (one_process, level, form, key)
+        finally:
+            engine.destroy()
+    for level, ranks in exact_runs.items():
+        rounded = _one_process_weights(resumed / f"frozen_exact_{level}_checkpoint_before_issue_44")
+        assert all(rounded[name].dtype == torch.bfloat16 for name in frozen)
+        assert any(not torch.equal(rounded[name].float(), ranks[0]["state_dict"][name]) for name in frozen)
 
 
 def _save_one_process_checkpoint(directory: Path) -> None:
