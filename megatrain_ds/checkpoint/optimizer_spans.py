@@ -31,7 +31,7 @@ state's spans end at its trained prefix; files written before were read as follo
   master cut across nodes, or across ranks with the weights on the tier): the spans cover
   the whole state, and the masters' part after the trained prefix is the frozen weights'
   exact fp32 value, which the model files hold rounded to bf16 (the shadow, or the gather
-  in the compute dtype). The moments of those elements are zero and are not read;
+  in the compute dtype). The moments of those elements are zero and are not kept;
   ``load.py`` fills the frozen weights this engine holds apart from those masters, over
   the model files' values (:meth:`SpanFiles.masters_past`), for any number of nodes, ranks
   or one process. Where this engine holds them in the master instead (one process, the
@@ -200,7 +200,7 @@ class SpanFiles:
     def masters_past(self, state_name: str, trained_numel: int) -> bool:
         """Whether the files hold masters of ``state_name``'s elements after its trained prefix
         (``trained_numel``), its frozen weights: written before every state was trained-only
-        (the module's Note on older checkpoints)."""
+        ([Note: older span files])."""
         return MASTER in self.kinds and self._covered.get(state_name, 0) > trained_numel
 
     def read_into(self, held: Mapping[str, HeldSpan], kinds: Sequence[str]) -> None:
