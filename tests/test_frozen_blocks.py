@@ -78,7 +78,7 @@ def _assert_untrained_blocks_hold_their_weights_alone(engine: MegatrainEngine) -
     tier = engine.nvme_tier
     for index, state in enumerate(engine.states):
         trained = state.layout.trained_numel
-        assert state.placement.trained_only and not state.placement.on_device
+        assert not state.placement.on_device
         assert state.exp_avg.numel() == state.exp_avg_sq.numel() == trained
         assert state.grad is not None and state.grad.numel() == trained
         weights_in_master = state.shadow is None and state.frozen is None
@@ -322,7 +322,7 @@ def test_a_block_with_nothing_trained_holds_its_weights_alone_with_data_parallel
                 without, need_without = _planned(_first_block_frozen(2, frozen_dtype), config, nvme, topology)
                 first, case = placement.blocks[0], (layout, nvme, rank)
                 assert first.numel == first.frozen_numel > 0
-                assert first.trained_only and first.exp_avg.numel == first.exp_avg_sq.numel == 0, case
+                assert first.exp_avg.numel == first.exp_avg_sq.numel == 0, case
                 assert first.grad.numel == 0 and not first.on_device, case
                 if nvme == "all":
                     assert first.frozen.where is Where.TIER_WINDOW and first.master.numel == 0, case

@@ -190,7 +190,7 @@ def test_a_node_span_of_a_trained_only_state_leaves_frozen_weights_in_the_shadow
     span_of = Ownership.of([[0], [1]], rank=1).span
     runtime = DeviceRuntime.create(torch.device("cpu"), pin_memory=False)
     placement = planned_state(named, group_of, (torch.float32, torch.bfloat16), Topology(1, span_of))
-    assert placement.trained_only and placement.master_split and placement.frozen_in == "shadow"
+    assert placement.master_split and placement.frozen_in == "shadow"
     state = migrate_to_host(named, group_of, runtime, torch.float32, torch.bfloat16, placement, span_of=span_of)
     layout, (start, end) = state.layout, state.held
     assert state.stepped_numel == layout.trained_numel < layout.numel

@@ -52,8 +52,8 @@ class HostFlatState:
             engine's ``Placement`` (``state/placement.py``: [Note: the placement model]). The
             state's own views read from it which elements each buffer holds (:attr:`held`,
             :attr:`master_held`, :attr:`stepped_numel`, :meth:`weights_of`): the moments
-            and gradients only the trained prefix ``[0, layout.trained_numel)`` where it is
-            ``trained_only`` (frozen parameters have none: [Note: frozen weights]); the master
+            and gradients only the trained prefix ``[0, layout.trained_numel)`` (frozen
+            parameters have none: [Note: frozen weights]); the master
             only the ``span`` where it is split (``master_split``: several nodes with a
             shadow, whose whole weights are the shadow; a rank's window of gathered weights),
             only the trained prefix where the frozen weights are held in the shadow alone or
@@ -73,7 +73,7 @@ class HostFlatState:
     A frozen parameter (``requires_grad=False``, or in no optimizer group) is streamed and
     never updated, so it needs its weights once and nothing else. Layouts put frozen slots
     last (``FlatLayout.trained_numel``), so the buffers only training needs stop at the
-    trained prefix: Adam's moments and the gradients always (``trained_only``), and with a
+    trained prefix: Adam's moments and the gradients always, and with a
     bf16 shadow the fp32 master too, when every frozen parameter arrives in the compute dtype
     (``frozen_in == "shadow"``): its weights are then held once, bit for bit, in the shadow that is
     streamed (2 B/param in bf16). A frozen fp32 parameter with bf16 compute keeps its exact
@@ -84,15 +84,15 @@ class HostFlatState:
     master then holding the trained prefix (or the node's span of it) alone. Cast frozen
     weights to the compute dtype before ``initialize`` (``"frozen_weights": "compute_dtype"``
     does, ``model/frozen_weights.py``) to hold them at 2 B/param.
-    So it is wherever the weights are in host memory (every placement is ``trained_only``):
-    in one process, and with data parallel, where the node's shared copy holds the frozen
-    weights once and the ranks' windows and the nodes' spans divide the trained prefix alone
-    (:attr:`stepped_numel`), with or without the optimizer state on the NVMe tier (its swap
-    files then hold the trained prefix). With the weights on the tier too (``"all"``) there is
-    no shadow: the master, moments and gradients cover the trained prefix
-    and the frozen weights are a buffer of their own (:attr:`frozen`), in the compute dtype
-    where every frozen weight arrives in it, else the master's, which the tier writes once to
-    a read-only file and reads with the master when it streams the block
+    So it is wherever the weights are in host memory: in one process, and with data
+    parallel, where the node's shared copy holds the frozen weights once and the ranks'
+    windows and the nodes' spans divide the trained prefix alone (:attr:`stepped_numel`),
+    with or without the optimizer state on the NVMe tier (its swap files then hold the
+    trained prefix). With the weights on the tier too (``"all"``) there is no shadow: the
+    master, moments and gradients cover the trained prefix and the frozen weights are a
+    buffer of their own (:attr:`frozen`), in the compute dtype where every frozen weight
+    arrives in it, else the master's, which the tier writes once to a read-only file and
+    reads with the master when it streams the block
     (``state/frozen_files.py``: [Note: frozen weights on the tier]); with data parallel each
     rank's window of the trained prefix and its window of the frozen weights
     (:attr:`frozen_window`), gathered when used (``distributed/gathered_weights.py``); frozen
@@ -119,10 +119,10 @@ class HostFlatState:
 
     @property
     def stepped_numel(self) -> int:
-        """Elements the optimizer state is laid over: the trained prefix where the placement
-        is ``trained_only``, else every element. Data-parallel windows and node spans
+        """Elements the optimizer state is laid over: the trained prefix (frozen parameters
+        have no optimizer state). Data-parallel windows and node spans
         (``distributed/ownership.py``) divide these."""
-        return self.layout.trained_numel if self.placement.trained_only else self.layout.numel
+        return self.layout.trained_numel
 
     @property
     def held(self) -> tuple[int, int]:
@@ -391,11 +391,11 @@ def migrate_to_host(
     where the placement has one in host memory. ``span_of``: the moments hold only this
     node's share, ``span_of(numel)`` (:attr:`HostFlatState.span`), and the master too where
     the placement splits it (``StatePlacement.master_split``, :func:`_fill_sharded`); of
-    the trained prefix alone where the state is ``trained_only``: frozen parameters get no
-    moments, gradients or, where they can, master ([Note: frozen weights])."""
+    the trained prefix alone: frozen parameters get no moments, gradients or, where they
+    can, master ([Note: frozen weights])."""
     dtypes = (master_dtype, compute_dtype)
     layout = build_flat_layout([(name, p.shape, group_of[p]) for name, p in named_params])
-    covered = layout.trained_numel if placement.trained_only else layout.numel
+    covered = layout.trained_numel
     span = span_of(covered) if span_of is not None else None
     first, last = span if span is not None else (0, covered)
     writes = shared is None or shared.is_writer
@@ -470,7 +470,7 @@ def _check_placement(
         assert placement.master_split == (span is not None), "frozen weights apart: a window where the master is"
         assert placement.frozen.itemsize == (compute_dtype if in_compute else master_dtype).itemsize, placement
     assert not placement.master_split or span is not None, "a split master holds this node's span"
-    split_frozen = placement.master_split and placement.trained_only and placement.frozen_numel
+    split_frozen = placement.master_split and placement.frozen_numel
     assert not split_frozen or placement.frozen_in in ("shadow", "frozen"), "a split master: frozen weights not in it"
 
 

@@ -320,11 +320,6 @@ class Placement:
         return self.states[-1]
 
     @property
-    def trained_only(self) -> bool:
-        """Whether frozen parameters cost their weights alone in every state."""
-        return all(state.trained_only for state in self.states)
-
-    @property
     def weights_on_tier(self) -> bool:
         """Whether forward and backward read the blocks' weights from the NVMe tier."""
         return self.nvme == "all"
@@ -586,7 +581,6 @@ def _state(shape: StateShape, sizes: ElementSizes, nvme: str, topology: Topology
         grad,
         Where.HOST,
         numel - trained,
-        True,
         frozen_in if numel > trained else "",
         frozen,
     )
@@ -619,7 +613,6 @@ def _frozen_apart_on_tier(shape: StateShape, sizes: ElementSizes, topology: Topo
         grad,
         streamed,
         numel - trained,
-        True,
         "frozen" if trained < numel else "",
         frozen,
     )

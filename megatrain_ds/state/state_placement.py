@@ -87,11 +87,8 @@ class StatePlacement:
     """Where forward and backward read the weights from: host memory (the shadow, or the
     master where there is none), the NVMe tier (the weight window), or gathered."""
     frozen_numel: int
-    """Elements of frozen parameters (after the trained prefix)."""
-    trained_only: bool
-    """Whether the optimizer state covers the trained prefix alone, frozen parameters having
-    none: every state ``Placement`` computes ([Note: the placement model]); not a state of
-    :func:`whole_in_host_memory`, which has no frozen parameters."""
+    """Elements of frozen parameters (after the trained prefix): the optimizer state covers
+    the trained prefix alone, frozen parameters having none ([Note: the placement model])."""
     frozen_in: str
     """The buffer that holds the frozen weights: ``"master"``, ``"shadow"`` where they are
     held there alone ([Note: frozen weights] in ``state/host_store.py``), or ``"frozen"``
@@ -107,8 +104,8 @@ class StatePlacement:
     @property
     def stepped_numel(self) -> int:
         """Elements the optimizer state is laid over, which data-parallel windows and node
-        spans divide: the trained prefix where the state is :attr:`trained_only`, else all."""
-        return self.numel - self.frozen_numel if self.trained_only else self.numel
+        spans divide: the trained prefix."""
+        return self.numel - self.frozen_numel
 
     @property
     def on_device(self) -> bool:
@@ -164,6 +161,5 @@ def whole_in_host_memory(
         Buffer(Where.HOST, numel, grad_itemsize) if grad_itemsize else NOWHERE,
         Where.HOST,
         0,
-        False,
         "",
     )
