@@ -144,7 +144,7 @@ differ in arithmetic, configuration or error messages only, or build no engine; 
 at import, so a checked variant never checked them). ``tests/test_stream_ordering.py``
 runs every scenario of the mutation test under the checker too, and proves the checker
 bites (issue 43: the checked runs were 40% of the test command before this selection).
-Three data-parallel tests run only checked (2 ranks under ``torchrun``, two simulated nodes,
+Three data-parallel tests run only checked (2 ranks of one node, two simulated nodes,
 and two ranks with the NVMe tier; their docstrings say what covers their plain path)."""
 
 
