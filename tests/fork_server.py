@@ -221,10 +221,12 @@ def serve(path: str) -> None:
 
 def with_this_checkout(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with this checkout first on ``PYTHONPATH``: a launched worker imports this
-    checkout's ``megatrain_ds`` even where an editable install points at another clone (as
-    the test process does, from pytest's root directory). The tests' launches that use it
+    checkout's ``megatrain_ds`` and Triton kernels (``triton_kernels/megatrain_triton``) even
+    where an editable install points at another clone (as the test process does, from
+    pytest's root directory and the root ``conftest.py``). The tests' launches that use it
     share one environment, so one server."""
-    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), str(root / "triton_kernels"), env.get("PYTHONPATH")]))
     return {**env, "PYTHONPATH": path}
 
 
