@@ -237,7 +237,8 @@ def test_two_ranks_match_one_process_with_both_batches(
     ``torchrun`` itself, its variables naming the nodes, is the two-node test's below (a
     launch under it is two fresh ranks' imports and teardown, 20 of this test's 25 s of CPU)."""
     monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
-    _two_ranks_on_one_node(tmp_path, "fork")
+    ranks = _two_ranks_on_one_node(tmp_path, "fork")
+    assert all(rank["stream_checked"] for rank in ranks)  # the ranks ran under the checker
 
 
 def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, cpu_single_thread: None) -> None:
@@ -246,10 +247,12 @@ def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, 
     with frozen weights (issue 44; ``freeze_some``) and Adam's moments on each rank's NVMe
     tier: the node holds the frozen weights once, at their own size, and no optimizer state,
     each rank's swap files its windows of the trained prefix (``_assert_frozen_held_once``)."""
-    _two_ranks_on_one_node(tmp_path, "deepspeed", frozen="some")
+    ranks = _two_ranks_on_one_node(tmp_path, "deepspeed", frozen="some")
+    assert not any(rank["stream_checked"] for rank in ranks)  # the plain path
 
 
-def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = None) -> None:
+def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = None) -> list[dict]:
+    """The worker's 2-rank parity run on one node, checked against one process; what each rank reported."""
     steps, accumulation = 5, 2
     args = ["--steps", str(steps), "--accumulation", str(accumulation)]
     if frozen:
@@ -260,6 +263,7 @@ def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = N
     _assert_parity(ranks, steps, accumulation, frozen=frozen)
     if frozen:
         _assert_frozen_held_once(ranks, nodes=1, per_node=2, tier=True)
+    return ranks
 
 
 def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1, launcher: str = "fork") -> None:
@@ -316,6 +320,7 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
+    assert all(rank["stream_checked"] for rank in ranks)  # the ranks ran under the checker
     _assert_parity(ranks, steps, accumulation, frozen="some")
     _assert_frozen_held_once(ranks, nodes=2, per_node=1)
     for rank in ranks:  # the saved state, loaded back, is the state it was saved from
