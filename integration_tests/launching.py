@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import shlex
 import socket
@@ -217,6 +218,16 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         weights.update(safetensors.torch.load_file(file))
     return weights
+
+
+def assert_same_weights(ours_dir: Path, reference_dir: Path) -> None:
+    """Two saved Hugging Face checkpoints hold the same weights to fp32 summation-order
+    rounding (relative Frobenius error over all tensors below 1e-5, the losses' tolerance)."""
+    ours, reference = load_weights(ours_dir), load_weights(reference_dir)
+    assert ours.keys() == reference.keys()
+    diff = sum(float(((ours[k].double() - reference[k].double()) ** 2).sum()) for k in ours)
+    norm = sum(float((reference[k].double() ** 2).sum()) for k in ours)
+    assert math.sqrt(diff / norm) < 1e-5
 
 
 @torch.no_grad()

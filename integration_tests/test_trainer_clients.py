@@ -3,7 +3,9 @@
 Each client of ``trainer_clients.py`` (gradient checkpointing, TRL's ``SFTTrainer`` with its
 defaults and with packing, PEFT LoRA, a minimal hand-written JSON, save and resume, and the
 clients a LoRA user arrives with under a ZeRO-3 offload JSON: the Trainer with
-``get_peft_model``, ``SFTTrainer`` with ``peft_config``, Accelerate with a PEFT model) runs
+``get_peft_model``, ``SFTTrainer`` with ``peft_config``, Accelerate with a PEFT model; and
+the Trainer given that JSON with a ``from_pretrained`` model, which transformers builds under
+``deepspeed.zero.Init`` on DeepSpeed, as ``test_zero3_offload.py``'s other clients) runs
 twice, each time in a process of its own: routed to this engine, and with
 ``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's ``DeepSpeedEngine`` (stage 0, fp32; ZeRO-3
 with CPU offload and CPU Adam for the ZeRO-3 JSON), the reference. Per engine one launched
@@ -24,12 +26,14 @@ import torch
 from launching import (
     REPO_ROOT,
     Run,
+    assert_same_weights,
+    eval_loss_of_saved_model,
     launched_once,
     load_weights,
     run_side_by_side,
     skip_if_deepspeed_refused_a_zero_warmup,
 )
-from tiny_clm import TRAINER_LOSS_FRACTION, tiny_llama_config
+from tiny_clm import TRAINER_LOSS_FRACTION, byte_blocks, corpus, tiny_llama_config
 
 SCRIPT = Path(__file__).with_name("trainer_clients.py")
 MEGATRAIN_ENGINE = "megatrain_ds.integration.deepspeed_adapter.MegatrainDeepSpeedEngine"
@@ -57,18 +61,21 @@ MINIMAL_SPELLED_OUT = {
 
 
 CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume")
-# The LoRA user's clients, each given the shipped ZeRO-3 offload JSON (with "engine": "megatrain",
-# which DeepSpeed's own engine, the hook disabled, ignores).
+# The LoRA user's clients and the Trainer with a pretrained model, each given the shipped
+# ZeRO-3 offload JSON (with "engine": "megatrain", which DeepSpeed's own engine, the hook
+# disabled, ignores).
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
-ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora")
+ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora", "pretrained")
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory):
+def clients(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     """``clients(name)``: the client's runs on both engines. One process per engine, side by
     side, runs every client, each in a child forked after the imports (``trainer_clients.py``):
-    two launches instead of twelve, each of which spent most of its time importing torch,
-    transformers, TRL and PEFT. A client that failed fails its own test, with its log."""
+    two launches instead of twenty, each of which spent most of its time importing torch,
+    transformers, TRL and PEFT. A client that failed fails its own test, with its log. The
+    ``pretrained`` client loads ``model_dir`` (the launching worker's; the runs' outputs are
+    all a test reads)."""
     with launched_once(tmp_path_factory, "clients") as (root, done):  # once, whichever worker asks first
         sides = {}
         for engine, minimal, env in (
@@ -82,6 +89,7 @@ def clients(tmp_path_factory: pytest.TempPathFactory):
                 for client in CLIENT_NAMES + ZERO3_CLIENT_NAMES
                 for arg in ("--client", f"{client}={configs[client]}" if client in configs else client)
             ]
+            args += ["--model-dir", str(model_dir)]
             sides[engine] = Run(engine, SCRIPT, root / engine, accelerate=False, args=args, env=env)
             if not done:
                 path.write_text(json.dumps(minimal), encoding="utf-8")
@@ -236,3 +244,21 @@ def test_trainer_save_and_resume(clients) -> None:
     # Resumed, not restarted: step 4's loss is not step 1's.
     assert result["losses_after_resume"][0] < result["uninterrupted_losses"][0] - 0.1
     assert {"latest", "global_step3", "trainer_state.json"} <= set(result["checkpoint_files"])
+
+
+def test_trainer_with_a_zero3_offload_json(clients) -> None:
+    """``TrainingArguments(deepspeed=<the ZeRO-3 JSON>)``, then ``from_pretrained``: transformers
+    builds the model under zero.Init on DeepSpeed, whole on the engine; ``save_model`` writes
+    the trained weights, the same as DeepSpeed's (``assert_same_weights``), which plain
+    transformers reloads to the Trainer's evaluation loss. (fp32; ``--fp16`` is
+    ``test_zero3_fp16_trainer.py``.)"""
+    runs = clients("pretrained")
+    ours = assert_same_training(runs, steps=6)
+    reference = runs["deepspeed"].result()
+    assert (reference["zero_stage"], reference["built_partitioned"]) == (3, True)
+    assert (ours["zero_stage"], ours["built_partitioned"]) == (0, False)
+    assert ours["losses"][-1] < ours["losses"][0] - 0.5  # it trained
+    assert_same_weights(runs["megatrain"].output_dir / "model", runs["deepspeed"].output_dir / "model")
+    eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
+    reloaded = eval_loss_of_saved_model(runs["megatrain"].output_dir / "model", eval_batches)
+    assert reloaded * TRAINER_LOSS_FRACTION == pytest.approx(ours["eval_loss"], rel=1e-5)  # the Trainer scales it

@@ -3,15 +3,18 @@
 The user's habit: a ZeRO-3 offload JSON (``configs/ds_zero3_offload_megatrain.json``: stage
 3, ``offload_param`` and ``offload_optimizer`` on the CPU, ``"auto"`` batch and optimizer
 values) and a pretrained model loaded with ``from_pretrained``, which transformers builds
-under ``deepspeed.zero.Init`` at stage 3. Three clients, each twice in fresh processes: on
-this engine, and with ``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's own ZeRO-3 offload engine
-(fp32, CPU Adam), the reference:
+under ``deepspeed.zero.Init`` at stage 3. Two clients here, each twice in processes of
+their own: on this engine, and with ``MEGATRAIN_DISABLE_HOOK=1`` on DeepSpeed's own ZeRO-3
+offload engine (fp32, CPU Adam), the reference:
 
 1. an Accelerate script (``accelerate_clm.py --model-dir``) under ``accelerate launch`` with
    ``zero3_init_flag: true`` and the JSON without its optimizer and scheduler blocks
    (Accelerate refuses them next to the script's own);
-2. TRL's ``trl sft`` console script on a local model directory and JSON-lines dataset;
-3. the HF Trainer (``trainer_clients.py --client pretrained``) with ``--deepspeed`` the JSON.
+2. TRL's ``trl sft`` console script on a local model directory and JSON-lines dataset.
+
+The third, the HF Trainer with the JSON (``trainer_clients.py``'s ``pretrained`` client), is
+``test_trainer_clients.py``'s ``test_trainer_with_a_zero3_offload_json``: it runs in that
+file's shared launch, forked after the imports beside the other Trainer clients.
 
 On DeepSpeed the model is built partitioned; on the engine whole ([Note: ZeRO-3 configs] in
 ``megatrain_ds/integration/deepspeed_hook.py``). Losses agree to 1e-5 relative (fp32 on both
@@ -32,12 +35,11 @@ import torch
 from launching import (
     REPO_ROOT,
     Run,
+    assert_same_weights,
     eval_loss_of_saved_model,
-    load_weights,
     run_side_by_side,
     skip_if_deepspeed_refused_a_zero_warmup,
 )
-from tiny_clm import TRAINER_LOSS_FRACTION, byte_blocks, corpus
 from trainer_clients import sft_examples
 
 HERE = Path(__file__).parent
@@ -53,15 +55,6 @@ def assert_same_losses(ours: list[float], reference: list[float], count: int, mi
     for step, (a, b) in enumerate(zip(ours, reference)):
         assert a == pytest.approx(b, rel=1e-5), f"step {step + 1}"
     assert ours[-1] < ours[0] - min_drop  # it trained
-
-
-def assert_same_weights(ours_dir: Path, reference_dir: Path) -> None:
-    """The saved checkpoints agree to float rounding (relative Frobenius error over all tensors)."""
-    ours, reference = load_weights(ours_dir), load_weights(reference_dir)
-    assert ours.keys() == reference.keys()
-    diff = sum(float(((ours[k].double() - reference[k].double()) ** 2).sum()) for k in ours)
-    norm = sum(float((reference[k].double() ** 2).sum()) for k in ours)
-    assert math.sqrt(diff / norm) < 1e-5
 
 
 def test_accelerate_with_zero3_init_flag(model_dir: Path, tmp_path: Path) -> None:
@@ -154,25 +147,3 @@ def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
     assert marker not in runs["deepspeed"].log_path.read_text(encoding="utf-8")
     assert_same_losses(losses(runs["megatrain"]), losses(runs["deepspeed"]), count=steps, min_drop=0.3)
     assert_same_weights(runs["megatrain"].output_dir, runs["deepspeed"].output_dir)
-
-
-def test_trainer_with_a_zero3_offload_json(model_dir: Path, tmp_path: Path) -> None:
-    """``TrainingArguments(deepspeed=<the ZeRO-3 JSON>)``, then ``from_pretrained``: transformers
-    builds the model under zero.Init on DeepSpeed, whole on the engine; ``save_model`` writes
-    the trained weights. (fp32; ``--fp16`` is ``test_zero3_fp16_trainer.py``.)"""
-    args = ["--client", "pretrained", "--model-dir", str(model_dir), "--deepspeed-config", str(ZERO3_CONFIG)]
-    runs = run_side_by_side(
-        [Run(name, HERE / "trainer_clients.py", tmp_path / name, args, accelerate=False, env=env)
-         for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]
-    )  # fmt: skip
-    ours, reference = runs["megatrain"].result(), runs["deepspeed"].result()
-    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
-    assert (reference["zero_stage"], reference["built_partitioned"]) == (3, True)
-    assert (ours["zero_stage"], ours["built_partitioned"]) == (0, False)
-    assert ours["global_steps"] == reference["global_steps"] == 6
-    assert_same_losses(ours["losses"], reference["losses"], count=6)
-    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
-    assert_same_weights(runs["megatrain"].output_dir / "model", runs["deepspeed"].output_dir / "model")
-    eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
-    reloaded = eval_loss_of_saved_model(runs["megatrain"].output_dir / "model", eval_batches)
-    assert reloaded * TRAINER_LOSS_FRACTION == pytest.approx(ours["eval_loss"], rel=1e-5)  # the Trainer scales it

@@ -40,20 +40,15 @@ CHECKED_SUITES: dict[str, dict[str, tuple[str, ...] | None]] = {
     },
     "test_recompute.py": {
         # Every block stashed (copied to pooled host buffers and back: under the checker the
-        # "device" is apart from the host), GA 2 and two-block segments, on a dense block and
-        # a MoE one (its routing decides which expert tensors are saved).
-        "test_no_recompute_matches_pytorch_on_every_family": ("llama", "qwen2_moe"),
+        # "device" is apart from the host), GA 2 and two-block segments, on a MoE block (its
+        # routing decides which expert tensors are saved). A dense block's variant runs the
+        # same engine path with the same settings: plain only.
+        "test_no_recompute_matches_pytorch_on_every_family": ("qwen2_moe",),
         # Stashed and recomputed blocks in one model: each split, GA 1 and 2, K 1 and 2.
         "test_stash_and_recompute_mixed": ("none-4-1-1", "1-3-1-2", "3-1-2-1"),
         # The copying stash on its own, and a stash given back without its backward.
         "test_stash_keeps_activations_and_repoints_weight_views": ("False",),
         "test_a_forward_without_backward_gives_its_stash_back": EVERY,
-    },
-    "test_fragments.py": {
-        # A stashed block's backward waits for all of its pieces (the mutation test's
-        # "fragments" scenario, checked in every run, has a recomputed block too, each of
-        # its modules waiting for its own).
-        "test_fragments_on_and_off_match_pytorch_with_the_same_bytes": ("llama-none",),
     },
     "test_layer_checkpointing.py": {
         # The model's own checkpointing inside streamed blocks drops what backward read at
@@ -136,15 +131,18 @@ engine's, not a model's or a setting's: one checked run per distinct engine path
 evidence (each entry says which path), and a second run of the same path under the
 checker proves nothing new. So: bf16, fp32 and fp16 compute, accumulation 1 and 2,
 clipping and speculation (held or refuted), steps during backward, the device optimizer,
-stashed and recomputed blocks, fragmented weights, the model's own checkpointing, the NVMe
-tier with the moments, the masters and the weights on it, checkpoints, non-finite steps,
-every placement's state dict and 2-rank data parallel. Left plain: tests whose variants
+stashed and recomputed blocks, the model's own checkpointing, the NVMe tier with the
+moments, the masters and the weights on it, checkpoints, non-finite steps, every
+placement's state dict and 2-rank data parallel. Fragmented weights have no entry: the
+mutation test's "fragments" scenario, which ``tests/test_stream_ordering.py`` runs
+unmutated in every run, stashes two blocks (each one's backward waits for all of its
+pieces) and recomputes one (each of its modules waits for its own). Left plain: tests whose variants
 differ in arithmetic, configuration or error messages only, or build no engine; timings
 (the checker slows the host thread down) and crashes (their workers read the environment
 at import, so a checked variant never checked them). ``tests/test_stream_ordering.py``
 runs every scenario of the mutation test under the checker too, and proves the checker
 bites (issue 43: the checked runs were 40% of the test command before this selection).
-Three data-parallel tests run only checked (2 ranks under ``torchrun``, two simulated nodes,
+Three data-parallel tests run only checked (2 ranks of one node, two simulated nodes,
 and two ranks with the NVMe tier; their docstrings say what covers their plain path)."""
 
 

@@ -369,6 +369,7 @@ def _held_report(engine: MegatrainEngine) -> dict:
     if dp is not None:
         held = {"node_size": dp.node_size, "node_index": dp.node_index, "leader": dp.leaders_group is not None}
     held.update(host_bytes=engine.host_bytes(), numels=[flat.layout.numel for flat in engine.states])
+    held["stream_checked"] = engine.runtime.checker is not None  # MEGATRAIN_STREAM_CHECK reached the rank
     held["trained_numels"] = [flat.layout.trained_numel for flat in engine.states]
     held["frozen_in"] = [flat.placement.frozen_in for flat in engine.states]
     held["frozen_dtypes"] = sorted({str(flat.frozen.dtype) for flat in engine.states if flat.frozen is not None})

@@ -10,7 +10,7 @@ standard streams (passed over the socket), working directory, environment and co
 line, runs the script as ``__main__`` as the interpreter would, and ends as a process ends
 but for the interpreter's teardown: non-daemon threads joined, exit handlers run, output
 flushed, ``os._exit`` (the teardown frees every object the server imported, each page
-touched copied from the server's: ``tests/forked_ranks.py``'s docstring; the children of
+touched copied from the server's: ``tests/forked_children.py``'s docstring; the children of
 ``tests/clean_exit_worker.py``, whose subject the teardown is, keep theirs).
 
 What a child sees is what a fresh interpreter would, but for modules that were imported
@@ -49,10 +49,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
+
+import forked_children  # beside this file
 
 PRELOADED = ("torch", "torch.distributed", "transformers", "deepspeed", "megatrain_ds", "safetensors.torch")
 """What the server imports (with the model classes and engine modules of ``tiny_models``'s
@@ -108,7 +109,8 @@ def _preload() -> None:
 
 def _run_as_main(command: list[str]) -> int:
     """``python COMMAND...`` (a script, ``-m MODULE`` or ``-c CODE``) in this process; its exit code."""
-    try:
+
+    def body() -> None:
         if command[0] == "-c":
             sys.argv, sys.path[0] = ["-c", *command[2:]], ""
             exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -118,15 +120,8 @@ def _run_as_main(command: list[str]) -> int:
         else:
             sys.argv, sys.path[0] = command, str(Path(command[0]).resolve().parent)
             runpy.run_path(command[0], run_name="__main__")
-        return 0
-    except SystemExit as exit_:
-        if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
-        print(exit_.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
+
+    return forked_children.exit_code_of(body)
 
 
 def _child(request: dict, streams: list[int], inherited: list[int]) -> None:
@@ -226,10 +221,12 @@ def serve(path: str) -> None:
 
 def with_this_checkout(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with this checkout first on ``PYTHONPATH``: a launched worker imports this
-    checkout's ``megatrain_ds`` even where an editable install points at another clone (as
-    the test process does, from pytest's root directory). The tests' launches that use it
+    checkout's ``megatrain_ds`` and Triton kernels (``triton_kernels/megatrain_triton``) even
+    where an editable install points at another clone (as the test process does, from
+    pytest's root directory and the root ``conftest.py``). The tests' launches that use it
     share one environment, so one server."""
-    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), str(root / "triton_kernels"), env.get("PYTHONPATH")]))
     return {**env, "PYTHONPATH": path}
 
 

@@ -11,12 +11,10 @@ Here one process imports ``WORKER.py`` (as a module: its ``main()`` is not run) 
 ``WORKER ARGS`` as its command line. Nothing of the engine exists before the fork: the parent
 only imports. The ranks meet over gloo at ``127.0.0.1:PORT`` exactly as ``torchrun``'s do.
 
-A rank ends as ``trainer_clients.py``'s children do: the exit handlers a process end runs
+A rank ends as ``forked_children.py``'s children do: the exit handlers a process end runs
 (process groups, DeepSpeed's, the engine's), then out with its code, without tearing the
-interpreter down. The teardown is what a forked child pays most for: it frees every object
-the parent imported, and each page it touches is copied from the parent's (about 2 s of a
-forked rank's 2.5 s of CPU). What a script's teardown does with the engine's threads is
-``tests/test_clean_exit.py``'s subject, whose children keep it.
+interpreter down (the teardown, most of a forked rank's CPU, is ``tests/test_clean_exit.py``'s
+subject, whose children keep it).
 
 What a rank sees of its launch is torchrun's environment: ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (node ``r // M``), ``GROUP_WORLD_SIZE``,
@@ -24,8 +22,8 @@ What a rank sees of its launch is torchrun's environment: ``RANK``, ``WORLD_SIZE
 only what a launch by hand sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: no variable names the node). The
 launchers themselves are tested where they are the subject: ``tests/test_data_parallel.py``
-runs the 2-rank parity under ``torchrun`` and the ``deepspeed`` launcher, and 2 nodes from
-two ``torchrun --nnodes 2`` launches.
+runs a 2-rank parity under the ``deepspeed`` launcher, and 2 nodes from two ``torchrun
+--nnodes 2`` launches.
 
 Like ``torchrun``, a rank that fails stops the others (killed), and this process exits with
 1; with ``--no-kill`` the others run on (a rank killed on purpose, whose peers must notice
@@ -38,27 +36,16 @@ no rank behind waiting in a collective.
 from __future__ import annotations
 
 import argparse
-import atexit
 import ctypes
-import importlib.util
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
 from types import ModuleType
 
+import forked_children  # beside this file
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _import_worker(path: Path) -> ModuleType:
-    """``path`` imported as a module (its ``__name__`` is not ``"__main__"``)."""
-    spec = importlib.util.spec_from_file_location(f"forked_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _torchrun_variables(rank: int, nodes: int, per_node: int, port: int, bare: bool) -> dict[str, str]:
@@ -81,34 +68,16 @@ def _torchrun_variables(rank: int, nodes: int, per_node: int, port: int, bare: b
     }
 
 
-def _run_rank(worker: ModuleType, argv: list[str], variables: dict[str, str]) -> int:
-    """The rank's whole run in the child: 0, or 1 with the traceback printed."""
-    try:
+def _fork_rank(worker: ModuleType, argv: list[str], variables: dict[str, str]) -> int:
+    """The rank's whole run in a forked child (``forked_children.start``); its pid."""
+
+    def body() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         os.environ.update(variables)
         sys.argv = argv
         worker.main()
-        return 0
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        return 1
 
-
-def _fork_rank(worker: ModuleType, argv: list[str], variables: dict[str, str]) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        # The child never returns into the parent's loop. It ends as a process ends but for
-        # the interpreter's teardown (the module docstring): exit handlers, flushed output, out.
-        code = _run_rank(worker, argv, variables)
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return pid
+    return forked_children.start(body)
 
 
 def _wait_all(ranks: dict[int, int], kill_on_failure: bool) -> int:
@@ -140,7 +109,7 @@ def main() -> None:
     parser.add_argument("worker", type=Path)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    worker = _import_worker(args.worker.resolve())
+    worker = forked_children.import_script(args.worker.resolve())
     argv = [str(args.worker), *args.worker_args]
     ranks = {}
     for rank in range(args.nodes * args.per_node):

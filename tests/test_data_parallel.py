@@ -54,10 +54,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 def launch(mode: str, out: Path, *args: str, nproc: int = 2, launcher: str = "fork") -> None:
     """``nproc`` ranks of the worker on one node: forked (``tests/forked_ranks.py``), or
-    started by ``torchrun`` or the ``deepspeed`` launcher."""
+    started by the ``deepspeed`` launcher."""
     prefix = {
         "fork": [sys.executable, str(FORKED_RANKS), "--per-node"],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"],
         "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus"],
     }[launcher]
     port = ("--port" if launcher == "fork" else "--master_port", str(free_port()))
@@ -233,9 +232,13 @@ def test_two_ranks_match_one_process_with_both_batches(
 
     Under the race checker only (the ranks inherit ``MEGATRAIN_STREAM_CHECK=1``): the same
     ranks' work on the plain path is the ``deepspeed`` launcher's test below (the same
-    worker command), and the forked 2-rank runs after it."""
+    worker command), and the forked 2-rank runs after it. Forked with torchrun's variables
+    (``forked_ranks.py``), not under ``torchrun``: the ranks' work is the subject here, and
+    ``torchrun`` itself, its variables naming the nodes, is the two-node test's below (a
+    launch under it is two fresh ranks' imports and teardown, 20 of this test's 25 s of CPU)."""
     monkeypatch.setenv("MEGATRAIN_STREAM_CHECK", "1")
-    _two_ranks_on_one_node(tmp_path, "torchrun")
+    ranks = _two_ranks_on_one_node(tmp_path, "fork")
+    assert all(rank["stream_checked"] for rank in ranks)  # the ranks ran under the checker
 
 
 def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, cpu_single_thread: None) -> None:
@@ -244,10 +247,12 @@ def test_the_deepspeed_launcher_runs_the_ranks_as_torchrun_does(tmp_path: Path, 
     with frozen weights (issue 44; ``freeze_some``) and Adam's moments on each rank's NVMe
     tier: the node holds the frozen weights once, at their own size, and no optimizer state,
     each rank's swap files its windows of the trained prefix (``_assert_frozen_held_once``)."""
-    _two_ranks_on_one_node(tmp_path, "deepspeed", frozen="some")
+    ranks = _two_ranks_on_one_node(tmp_path, "deepspeed", frozen="some")
+    assert not any(rank["stream_checked"] for rank in ranks)  # the plain path
 
 
-def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = None) -> None:
+def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = None) -> list[dict]:
+    """The worker's 2-rank parity run on one node, checked against one process; what each rank reported."""
     steps, accumulation = 5, 2
     args = ["--steps", str(steps), "--accumulation", str(accumulation)]
     if frozen:
@@ -258,6 +263,7 @@ def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = N
     _assert_parity(ranks, steps, accumulation, frozen=frozen)
     if frozen:
         _assert_frozen_held_once(ranks, nodes=1, per_node=2, tier=True)
+    return ranks
 
 
 def launch_nodes(nodes: int, out: Path, *args: str, per_node: int = 1, launcher: str = "fork") -> None:
@@ -314,6 +320,7 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # One rank per node, each its node's leader: the leaders' group (the weight broadcast) exists.
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(1, 0, True)] * 2
+    assert all(rank["stream_checked"] for rank in ranks)  # the ranks ran under the checker
     _assert_parity(ranks, steps, accumulation, frozen="some")
     _assert_frozen_held_once(ranks, nodes=2, per_node=1)
     for rank in ranks:  # the saved state, loaded back, is the state it was saved from

@@ -3,6 +3,7 @@ that never import ``megatrain_ds``, in an editable install (this environment) an
 regular wheel, gives Accelerate's config reader a ZeRO block for the minimal config, and
 ``MEGATRAIN_DISABLE_HOOK=1`` switches it off."""
 
+import functools
 import json
 import os
 import shutil
@@ -20,42 +21,27 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PTH_NAME = "_megatrain_ds_hook.pth"
 PTH_LINE = "import _megatrain_ds_hook; _megatrain_ds_hook.install()\n"
 
-# Run in a fresh interpreter: what a user's script sees when it starts.
-PROBE = textwrap.dedent("""
-    import importlib.util, sys
+# What a user's script sees when it starts, in a fresh interpreter. Each probe prints JSON
+# lines ``[its name, ...]``; the probes of one interpreter run in the order of
+# FRESH_PROBES, and each one's checks of what is not imported yet come before the next
+# imports it.
+START_PROBE = textwrap.dedent("""
+    import importlib.util, json, sys
     assert "megatrain_ds" not in sys.modules
     assert importlib.util.find_spec("deepspeed") is not None  # libraries probe like this...
     assert "deepspeed" not in sys.modules                      # ... without importing it
+""")
+ROUTING_PROBE = textwrap.dedent("""
     from deepspeed import initialize                            # bound once, right after import
     import _megatrain_ds_hook
-    print(hasattr(initialize, "__megatrain_original__"), "megatrain_ds" in sys.modules,
-          _megatrain_ds_hook.__file__)
+    print(json.dumps(["routing", hasattr(initialize, "__megatrain_original__"), "megatrain_ds" in sys.modules,
+                      _megatrain_ds_hook.__file__]))
 """)
-
-
-def _probe(python: str = sys.executable, **env: str) -> list[str]:
-    result = subprocess.run(
-        [python, "-c", PROBE], capture_output=True, text=True, timeout=300, env={**os.environ, **env}, cwd="/"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.split()
-
-
-def test_this_environment_routes_without_an_import():
-    # Looked up on disk: the checkout's megatrain_ds.egg-info (first on sys.path under
-    # pytest) would answer importlib.metadata instead of the installed dist-info.
-    pth = [Path(d) / PTH_NAME for d in site.getsitepackages() if (Path(d) / PTH_NAME).is_file()]
-    assert pth, f"{PTH_NAME} is not installed: re-run scripts/setup.sh (pip install -e .)"
-    assert pth[0].read_text() == PTH_LINE
-    routed, imported, _ = _probe()
-    assert (routed, imported) == ("True", "True")
-
 
 MINIMAL = '{"engine": "megatrain", "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}'
 # What Accelerate's DeepSpeedPlugin (and through it the HF Trainer) does with a config,
 # before anything imports deepspeed.
 PLUGIN_PROBE = textwrap.dedent(f"""
-    import json, sys
     from accelerate.utils import DeepSpeedPlugin
     assert "deepspeed" not in sys.modules
     minimal = json.loads({MINIMAL!r})
@@ -63,41 +49,19 @@ PLUGIN_PROBE = textwrap.dedent(f"""
         try:
             plugin = DeepSpeedPlugin(hf_ds_config=config)
             config = plugin.hf_ds_config.config
-            print(json.dumps([plugin.zero_stage, config.get("zero_optimization"),
-                              config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")]))
+            batch = [config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")]
+            print(json.dumps(["plugin", [plugin.zero_stage, config.get("zero_optimization"), *batch]]))
         except ValueError as error:
-            print(json.dumps(str(error)))
+            print(json.dumps(["plugin", str(error)]))
     assert "zero_optimization" not in minimal  # the caller's dict is left alone
+    assert "deepspeed" not in sys.modules
 """)
-
-
-def _plugin_probe(**env: str) -> list:
-    result = subprocess.run(
-        [sys.executable, "-c", PLUGIN_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
-        cwd="/",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
-
-
-def test_accelerate_reads_the_minimal_config_with_stage_0():
-    """Only a megatrain config gets the keys it leaves out (stage 0, "auto" batch and
-    accumulation, which Accelerate would otherwise force to 1); the others are Accelerate's."""
-    refused = "Please specify the ZeRO optimization config in the DeepSpeed config."
-    assert _plugin_probe() == [[0, {"stage": 0}, "auto", "auto"], refused, [1, {"stage": 1}, "auto", "auto"]]
-    assert _plugin_probe(MEGATRAIN_DISABLE_HOOK="1") == [refused, refused, [1, {"stage": 1}, None, 1]]
-
 
 # A ZeRO-3 offload config with the engine, through what Accelerate (zero3_init_flag), the
 # Trainer and a script using transformers' HfDeepSpeedConfig do before building the model.
 ZERO3_PROBE = textwrap.dedent("""
-    import json, os, warnings
+    import os, warnings
     import torch, transformers
-    from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
     offload = {"device": "cpu", "pin_memory": True}
     config = {"engine": "megatrain", "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
@@ -110,9 +74,13 @@ ZERO3_PROBE = textwrap.dedent("""
                                     num_attention_heads=2)
     model = transformers.AutoModelForCausalLM.from_config(tiny)  # under zero.Init if ZeRO-3 is seen
     kept = HfDeepSpeedConfig(config)  # the documented way without Accelerate
-    print(json.dumps([plugin.zero_stage, plugin.zero3_init_flag, is_deepspeed_zero3_enabled(),
-                      any(hasattr(p, "ds_id") for p in model.parameters()), config["zero_optimization"]["stage"]]))
+    print(json.dumps(["zero3", [plugin.zero_stage, plugin.zero3_init_flag, is_deepspeed_zero3_enabled(),
+                      any(hasattr(p, "ds_id") for p in model.parameters()), config["zero_optimization"]["stage"]]]))
+    print(json.dumps(["end", "megatrain_ds" in sys.modules]))
 """)
+
+FRESH_PROBES = START_PROBE + PLUGIN_PROBE + ROUTING_PROBE + ZERO3_PROBE
+"""Every probe in one interpreter (its imports, 4-10 s of CPU, are most of a probe's cost)."""
 
 
 def _free_port() -> str:
@@ -122,26 +90,59 @@ def _free_port() -> str:
         return str(probe.getsockname()[1])
 
 
+def _probe(code: str, python: str = sys.executable, **env: str) -> dict[str, list]:
+    """Run ``code`` in a fresh interpreter (``cwd`` "/": no checkout on ``sys.path``); its JSON
+    lines by probe name, in order."""
+    result = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, timeout=300, cwd="/",
+        env={**os.environ, "MASTER_PORT": _free_port(), **env},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines: dict[str, list] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith('["'):  # not what the libraries print
+            name, *values = json.loads(line)
+            lines.setdefault(name, []).append(values[0] if len(values) == 1 else values)
+    return lines
+
+
+@functools.cache  # several tests read one run of each; none changes it
+def _fresh_probes(hook_disabled: bool) -> dict[str, list]:
+    """:data:`FRESH_PROBES` with the hook on, or off (``MEGATRAIN_DISABLE_HOOK=1``)."""
+    return _probe(FRESH_PROBES, **({"MEGATRAIN_DISABLE_HOOK": "1"} if hook_disabled else {}))
+
+
+def test_this_environment_routes_without_an_import():
+    # Looked up on disk: the checkout's megatrain_ds.egg-info (first on sys.path under
+    # pytest) would answer importlib.metadata instead of the installed dist-info.
+    pth = [Path(d) / PTH_NAME for d in site.getsitepackages() if (Path(d) / PTH_NAME).is_file()]
+    assert pth, f"{PTH_NAME} is not installed: re-run scripts/setup.sh (pip install -e .)"
+    assert pth[0].read_text() == PTH_LINE
+    [(routed, imported, _)] = _fresh_probes(hook_disabled=False)["routing"]
+    assert (routed, imported) == (True, True)
+
+
+def test_accelerate_reads_the_minimal_config_with_stage_0():
+    """Only a megatrain config gets the keys it leaves out (stage 0, "auto" batch and
+    accumulation, which Accelerate would otherwise force to 1); the others are Accelerate's."""
+    refused = "Please specify the ZeRO optimization config in the DeepSpeed config."
+    on, off = _fresh_probes(hook_disabled=False), _fresh_probes(hook_disabled=True)
+    assert on["plugin"] == [[0, {"stage": 0}, "auto", "auto"], refused, [1, {"stage": 1}, "auto", "auto"]]
+    assert off["plugin"] == [refused, refused, [1, {"stage": 1}, None, 1]]
+
+
 def test_a_zero3_config_builds_the_model_whole():
     """[Note: ZeRO-3 configs]: with the engine, Accelerate's plugin and transformers read a
     ZeRO-3 megatrain config as stage 0, so ``from_config`` builds the model whole (the
     user's dict still says 3); with the hook off, DeepSpeed's ZeRO-3 partitions it."""
-
-    def probe(**env: str) -> list:
-        result = subprocess.run(
-            [sys.executable, "-c", ZERO3_PROBE], capture_output=True, text=True, timeout=300,
-            env={**os.environ, "MASTER_PORT": _free_port(), **env}, cwd="/",
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        return json.loads(result.stdout.splitlines()[-1])
-
-    assert probe() == [0, False, False, False, 3]
-    assert probe(MEGATRAIN_DISABLE_HOOK="1") == [3, True, True, True, 3]
+    assert _fresh_probes(hook_disabled=False)["zero3"] == [[0, False, False, False, 3]]
+    assert _fresh_probes(hook_disabled=True)["zero3"] == [[3, True, True, True, 3]]
 
 
 def test_the_hook_can_be_switched_off():
-    routed, imported, _ = _probe(MEGATRAIN_DISABLE_HOOK="1")
-    assert (routed, imported) == ("False", "False")  # deepspeed untouched, megatrain_ds not loaded
+    [(routed, imported, _)] = _fresh_probes(hook_disabled=True)["routing"]
+    assert (routed, imported) == (False, False)  # deepspeed untouched, megatrain_ds not loaded
+    assert _fresh_probes(hook_disabled=True)["end"] == [False]  # nor by Accelerate or transformers
 
 
 def _build(tmp_path: Path) -> dict[str, Path]:
@@ -215,6 +216,6 @@ def test_a_regular_wheel_install_routes(tmp_path):
         capture_output=True,
     )
     # PYTHONPATH (a worktree's checkout) would come before the wheel's copy.
-    routed, imported, hook_file = _probe(str(python), PYTHONPATH="")
-    assert (routed, imported) == ("True", "True")
+    [(routed, imported, hook_file)] = _probe(START_PROBE + ROUTING_PROBE, str(python), PYTHONPATH="")["routing"]
+    assert (routed, imported) == (True, True)
     assert Path(hook_file).is_relative_to(venv)  # the wheel's copy, not this checkout's

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import fork_server
 import pytest
 import tiny_models
 import torch
@@ -165,20 +166,19 @@ def mutant_package(site: SyncSite, root: Path) -> Path:
 
 
 def _env(package_root: Path) -> dict[str, str]:
+    """The scenario's environment, with the package in ``package_root`` first on ``PYTHONPATH``
+    (this checkout's as ``fork_server.with_this_checkout`` puts it: the other launches' server
+    serves the unmutated run)."""
     env = {
         key: value
         for key, value in os.environ.items()
         if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
     }
+    env.update(MEGATRAIN_STREAM_CHECK="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TRITON_INTERPRET="1")
+    if package_root == REPO:
+        return fork_server.with_this_checkout(env)
     paths = [str(package_root), str(REPO / "triton_kernels"), env.get("PYTHONPATH", "")]
-    env.update(
-        PYTHONPATH=os.pathsep.join(p for p in paths if p),
-        MEGATRAIN_STREAM_CHECK="1",
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-        TRITON_INTERPRET="1",
-    )
-    return env
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.CompletedProcess[str]:
@@ -219,6 +219,10 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
             apart = NVME_SCENARIOS + DEVICE_STATE_SCENARIOS
             scenarios = [name for name in SCENARIOS if name not in apart]  # nor do the others need the tier
         command = [sys.executable, str(SCENARIO), *scenarios]
+    if site is None:
+        # The package unmutated: forked from tests/fork_server.py's server, which imported it
+        # already (a mutant's copy must be imported by a fresh interpreter).
+        return fork_server.run(command, env=_env(root), cwd=root, timeout=600)
     return subprocess.run(command, env=_env(root), cwd=root, capture_output=True, text=True, timeout=600)
 
 
