@@ -448,8 +448,9 @@ def _print_fragments_and_disk(result, hardware: Hardware, settings: RunSettings)
             )
 
 
-def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
-    """The plan as a table (``megatrain plan`` without ``--json``)."""
+def _print_plan(result, hardware: Hardware, settings: RunSettings, position_limit: int | None = None) -> None:
+    """The plan as a table (``megatrain plan`` without ``--json``); ``position_limit``: the
+    model's ``max_position_embeddings``, named beside a memory limit above it."""
     print(
         f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
         f"tokens per weight pass: {settings.tokens_per_pass}"
@@ -495,8 +496,13 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings) -> None:
     _print_fragments_and_disk(result, hardware, settings)
     print(f"largest micro-batch that fits: {result.max_micro_batch}")
     print(f"memory per token of sequence: {result.bytes_per_token / 1024:,.1f} KiB")
-    print(f"max sequence length: {result.max_seq_len:,} tokens (micro-batch {settings.micro_batch})")
+    beyond_model = f"; the model's max_position_embeddings is {position_limit:,}"
+    model_note = beyond_model if position_limit is not None and position_limit < result.max_seq_len else ""
+    batch = f"(micro-batch {settings.micro_batch})"
+    print(f"max sequence length: {result.max_seq_len:,} tokens {batch}, by memory{model_note}")
     print("recommended: " + json.dumps(result.recommended))
+    if settings.device_state_share >= 1.0:
+        print("  (optimizer_device: where the states left in host memory would be updated; none are here)")
 
 
 def _device_state_argument(value: str) -> str | float:
@@ -630,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
-        _print_plan(result, hardware, settings)
+        _print_plan(result, hardware, settings, getattr(model.config, "max_position_embeddings", None))
     return 0
 
 

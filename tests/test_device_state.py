@@ -334,6 +334,11 @@ def test_megatrain_plan_defaults_to_auto(capsys):
     assert default["settings"]["device_state_share"] == 1.0 and default["gpu_bytes"]["device_state"] > 0
     assert host_only["settings"]["device_state_share"] == 0.0 and "device_state" not in host_only["gpu_bytes"]
     assert default["host_bytes"]["master"] == 0 < host_only["host_bytes"]["master"]
+    # The table says that its optimizer_device recommendation concerns no state here.
+    note = "(optimizer_device: where the states left in host memory would be updated; none are here)"
+    for extra, noted in (([], True), (["--device-state", "none"], False)):
+        assert cli.main([*argv[:-1], *extra]) == 0
+        assert (note in capsys.readouterr().out) == noted, extra
 
 
 def test_a_non_finite_step_leaves_the_device_states_untouched():

@@ -327,3 +327,5 @@ def test_cli_prints_the_max_sequence_length(capsys):
     assert "max sequence length:" in out and "memory per token of sequence:" in out
     longest = int(out.split("max sequence length:")[1].split("tokens")[0].replace(",", ""))
     assert longest > 4096
+    # A limit of memory beyond the model's own (tiny_llama.json: 256 positions) names that too.
+    assert "the model's max_position_embeddings is 256" in out
