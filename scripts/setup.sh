@@ -16,7 +16,9 @@ if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u
 fi
 # DeepSpeed's CPU Adam op and the engine's binding of its kernel, with the fused gradient
 # accumulation (megatrain_ds/optimizer/cpu_binding.py), and its async I/O op where libaio is
-# there (the NVMe tier, megatrain_ds/state/swap_io.py), compiled once into torch's extension cache
+# there (the NVMe tier, megatrain_ds/state/swap_io.py), and on a machine without CUDA the
+# shared-memory op of DeepSpeed's CPU accelerator (its collectives, even for one process:
+# otherwise the main job's first run compiles it, ~50 s), compiled once into torch's extension cache
 # (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions; 25-110 s each the first time, a
 # second or two to load after). tests/test_cpu_adam_fused.py checks the binding against
 # DeepSpeed's op bit for bit and fails, not skips, where a compiler should have built it.
@@ -30,8 +32,12 @@ load_deepspeed_op()
 from deepspeed.ops.op_builder import AsyncIOBuilder
 if AsyncIOBuilder().is_compatible(verbose=False):
     AsyncIOBuilder().load(verbose=False)
+import torch
+from deepspeed.ops.op_builder import ShareMemCommBuilder
+if not torch.cuda.is_available() and ShareMemCommBuilder().is_compatible(verbose=False):
+    ShareMemCommBuilder().load(verbose=False)
 " >"$ops_log" 2>&1; then
-    echo "setup: could not build DeepSpeed's CPU Adam or async I/O op (tests/test_cpu_adam_fused.py will fail):"
+    echo "setup: could not build DeepSpeed's CPU Adam, async I/O or shared-memory op (tests/test_cpu_adam_fused.py will fail):"
     tail -n 20 "$ops_log"
 fi
 rm -f "$ops_log"
