@@ -500,9 +500,9 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings, position_limi
     model_note = beyond_model if position_limit is not None and position_limit < result.max_seq_len else ""
     batch = f"(micro-batch {settings.micro_batch})"
     print(f"max sequence length: {result.max_seq_len:,} tokens {batch}, by memory{model_note}")
+    if settings.device_state_share >= 1.0:  # before the last line, which scripts parse
+        print("(optimizer_device, below: where the states left in host memory would be updated; none are here)")
     print("recommended: " + json.dumps(result.recommended))
-    if settings.device_state_share >= 1.0:
-        print("  (optimizer_device: where the states left in host memory would be updated; none are here)")
 
 
 def _device_state_argument(value: str) -> str | float:

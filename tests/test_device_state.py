@@ -335,7 +335,7 @@ def test_megatrain_plan_defaults_to_auto(capsys):
     assert host_only["settings"]["device_state_share"] == 0.0 and "device_state" not in host_only["gpu_bytes"]
     assert default["host_bytes"]["master"] == 0 < host_only["host_bytes"]["master"]
     # The table says that its optimizer_device recommendation concerns no state here.
-    note = "(optimizer_device: where the states left in host memory would be updated; none are here)"
+    note = "(optimizer_device, below: where the states left in host memory would be updated; none are here)"
     for extra, noted in (([], True), (["--device-state", "none"], False)):
         assert cli.main([*argv[:-1], *extra]) == 0
         assert (note in capsys.readouterr().out) == noted, extra

@@ -123,10 +123,12 @@ def test_disk_traffic_per_step_matches_the_engines_tier(tmp_path, accumulation):
 
 def _steady_bytes_per_step(engine: MegatrainEngine, accumulation: int) -> tuple[float, float]:
     """The tier's bytes read and written per optimizer step, averaged over STEPS steady steps
-    after a first one: a block is written behind, so a step's own count may hold the previous
-    step's last write (one block at most, at either end of the measured run: 1.6% of a step's
-    traffic over 8 steps). A flush would not do: it discards the block already read ahead for
-    the next step."""
+    after a first one. Each end of the measured run is a quiet point: the update that may run
+    behind ``step()`` landed, and every transfer issued by then (the blocks written behind,
+    the next step's reads ahead) completed and counted. Which transfers are issued by a step's
+    end is the program's order, the same at both ends, while which have completed is the
+    threads' timing (a loaded machine counted 5.6% less without the quiet points). A flush
+    would not do: it discards the block already read ahead for the next step."""
     tier = engine.nvme_tier
     assert tier is not None
 
@@ -135,11 +137,19 @@ def _steady_bytes_per_step(engine: MegatrainEngine, accumulation: int) -> tuple[
             engine.backward(engine(**tiny_models.make_batch(seed * accumulation + micro)).loss)
             engine.step()
 
+    def quiet() -> tuple[int, int]:
+        engine.settle_optimizer()
+        for slot in tier._slots:  # each slot's last transfer (the tier's flush waits on the same)
+            if slot.pending is not None:
+                slot.pending.synchronize()
+        return tier.bytes_read, tier.bytes_written
+
     one_step(0)
-    read, written = tier.bytes_read, tier.bytes_written
+    read, written = quiet()
     for seed in range(1, STEPS + 1):
         one_step(seed)
-    return (tier.bytes_read - read) / STEPS, (tier.bytes_written - written) / STEPS
+    read_after, written_after = quiet()
+    return (read_after - read) / STEPS, (written_after - written) / STEPS
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
