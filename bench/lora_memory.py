@@ -216,11 +216,11 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         "init_seconds": init_seconds,
         "step_seconds": seconds,
         "losses": losses,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0,
     }
     if args.steps > args.warmup:  # throughput: the median of the steps after the warm-up ones
         median = sorted(seconds[args.warmup :])[(args.steps - args.warmup) // 2]
         result.update(median_step_seconds=median, tokens_per_s=args.micro_batch * args.seq_len / median)
-        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     if system == "megatrain":
         state = engine.host_bytes()
         result["state_bytes"] = state
