@@ -234,6 +234,10 @@ class _Server:
     """One server process, for launches with one environment (but for ``READ_AT_RUN_TIME``)."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
+        # A test's forked child (tests/forked_children.py) runs this process's exit handlers
+        # too; only the process that started the server may stop it and remove its socket,
+        # or the launches that come after would find it gone.
+        self.owner = os.getpid()
         self.directory = tempfile.mkdtemp(prefix="fork_server_")
         self.path = os.path.join(self.directory, "socket")
         self.process = subprocess.Popen(
@@ -248,6 +252,8 @@ class _Server:
         self.ready = any(line.strip() == "ready" for line in iter(self.process.stdout.readline, ""))
 
     def close(self) -> None:
+        if os.getpid() != self.owner:
+            return
         assert self.process.stdin is not None
         self.process.stdin.close()
         self.process.wait(timeout=60)

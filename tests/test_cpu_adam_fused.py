@@ -256,10 +256,12 @@ def test_a_thread_that_openmp_did_not_start_steps_with_torchs_thread_count(kerne
 
     def step_on_a_fresh_thread(threads: int) -> None:
         def work() -> None:
-            before = len(os.listdir("/proc/self/task"))
+            # The threads that appear, not how many there are: a thread joined a moment ago
+            # (the previous call's) may still be leaving /proc when ``before`` is read.
+            before = set(os.listdir("/proc/self/task"))
             state = _state(N, 7)
             kernel.step_(state["p"], grad, state["m"], state["v"], None, step=1, hyper=hyper, grad_scale=0.5)
-            added[threads] = len(os.listdir("/proc/self/task")) - before
+            added[threads] = len(set(os.listdir("/proc/self/task")) - before)
 
         thread = threading.Thread(target=work)
         thread.start()
