@@ -144,7 +144,10 @@ at import, so a checked variant never checked them). ``tests/test_stream_orderin
 runs every scenario of the mutation test under the checker too, and proves the checker
 bites (issue 43: the checked runs were 40% of the test command before this selection).
 Three data-parallel tests run only checked (2 ranks of one node, two simulated nodes,
-and two ranks with the NVMe tier; their docstrings say what covers their plain path)."""
+and two ranks with the NVMe tier; their docstrings say what covers their plain path).
+A checked variant that compares the NVMe tier with the RAM-only engine builds that engine
+without the checker (``side_by_side.unchecked``): the RAM-only path's checked runs are
+the entries above, so only the path the variant stands for pays for the checker."""
 
 
 def _checked_id(item: pytest.Item) -> str | None:

@@ -212,7 +212,7 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     rows = args.rows or MICRO * world_size  # one micro-batch of every rank
     micro = rows // world_size
     tier = {"nvme_offload": "all" if args.nvme_weights else "optimizer", "nvme_path": args.nvme} if args.nvme else {}
-    if args.nvme:
+    if args.nvme and args.nvme_io != "auto":
         tier["nvme_aio"] = {"engine": args.nvme_io}
     cast = {"frozen_weights": args.frozen_weights} if args.frozen_weights else {}
     settings = config(args.accumulation, world_size, micro, **long_context, **tier, **cast)
