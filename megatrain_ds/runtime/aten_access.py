@@ -74,6 +74,8 @@ class OpPlan:
     """The returns that alias nothing: new memory the op wrote."""
     many_returns: bool
     """The op returns a tuple (else one value)."""
+    name: str
+    """``str(func)``, as a race's message names the op."""
 
 
 _PLANS: dict[Any, OpPlan] = {}
@@ -109,6 +111,7 @@ def _read_plan(func: Any) -> OpPlan:
         allocates=func.overloadpacket in ALLOCATIONS,
         fresh_returns=tuple(index for index, r in enumerate(returns) if r.alias_info is None),
         many_returns=len(returns) > 1,
+        name=str(func),
     )
 
 

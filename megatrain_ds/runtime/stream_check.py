@@ -469,7 +469,7 @@ class StreamChecker:
         if plan.allocates:
             self._allocated(fresh)  # uninitialised memory: nothing is read or written yet
             return
-        agent = self._access(reads, writes, fresh, str(func), (counted[0], counted[1] + fresh))
+        agent = self._access(reads, writes, fresh, plan.name, (counted[0], counted[1] + fresh))
         if func is torch.ops.aten._local_scalar_dense.default and agent.is_stream:
             self._host_waits(agent.clock)  # .item(): the host waits for the stream to get there
 
