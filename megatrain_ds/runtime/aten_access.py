@@ -174,10 +174,10 @@ def call_site(depth: int) -> str:
     fallback = ""
     while frame is not None:
         skipped, in_engine, label = _site(frame.f_code)
-        if not skipped:
+        if not skipped and (in_engine or not fallback):  # only the innermost caller frame is kept
             here = f"{label}:{frame.f_lineno} ({frame.f_code.co_name})"
             if in_engine:
                 return here
-            fallback = fallback or here
+            fallback = here
         frame = frame.f_back
     return fallback or "?"
