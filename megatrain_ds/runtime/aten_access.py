@@ -125,7 +125,11 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def extent(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+Extent = tuple[int, int, int]
+"""``(storage key, first byte, end byte)``: the bytes of one storage a tensor can touch."""
+
+
+def extent(tensor: torch.Tensor) -> Extent | None:
     """``(storage key, first byte, end byte)`` of what ``tensor`` can touch, or ``None``."""
     if tensor.device.type == "meta" or tensor.layout != torch.strided or tensor.numel() == 0:
         return None

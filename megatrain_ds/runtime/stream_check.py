@@ -65,6 +65,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatrain_ds.runtime import aten_access
+from megatrain_ds.runtime.aten_access import Extent
 from megatrain_ds.runtime.aten_access import extent as _extent
 from megatrain_ds.runtime.host_ledger import HostLedger
 
@@ -430,7 +431,9 @@ class StreamChecker:
                     _join(clock, other.clock)  # the allocator waits for these streams' work
             self._freed.append((key, clock, agent))
 
-    def _agent_for(self, inputs: Sequence[torch.Tensor], extent_of: Callable[[torch.Tensor], Any] = _extent) -> _Agent:
+    def _agent_for(
+        self, inputs: Sequence[torch.Tensor], extent_of: Callable[[torch.Tensor], Extent | None] = _extent
+    ) -> _Agent:
         """Who runs an op on ``inputs`` issued by the calling thread (see [Note: what the
         checker models]); a stream's clock is brought up to what the thread has seen."""
         thread = self._thread_agent()
@@ -490,7 +493,7 @@ class StreamChecker:
             self._new_memory(fresh, self._agent_for([]))
 
     def _new_memory(
-        self, fresh: list[torch.Tensor], agent: _Agent, extent_of: Callable[[torch.Tensor], Any] = _extent
+        self, fresh: list[torch.Tensor], agent: _Agent, extent_of: Callable[[torch.Tensor], Extent | None] = _extent
     ) -> None:
         """``fresh`` was allocated by ``agent``: on a stream (device memory), or host memory."""
         for tensor in fresh:
@@ -511,9 +514,9 @@ class StreamChecker:
         """Check one op's accesses, and count ``counted`` (read, written) in the ledger."""
         with self._lock:
             self._judge_frees()
-            known: dict[int, tuple[int, int, int] | None] = {}  # each tensor's extent, taken once
+            known: dict[int, Extent | None] = {}  # each tensor's extent, taken once
 
-            def extent_of(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+            def extent_of(tensor: torch.Tensor) -> Extent | None:
                 if id(tensor) not in known:  # every tensor of the op is alive: ids are unique
                     known[id(tensor)] = _extent(tensor)
                 return known[id(tensor)]
@@ -535,7 +538,9 @@ class StreamChecker:
             )
             return agent
 
-    def _host_extent(self, tensor: torch.Tensor, extent_of: Callable[[torch.Tensor], Any] = _extent) -> int | None:
+    def _host_extent(
+        self, tensor: torch.Tensor, extent_of: Callable[[torch.Tensor], Extent | None] = _extent
+    ) -> int | None:
         """The bytes ``tensor`` spans if its storage is host memory, else ``None``."""
         extent = extent_of(tensor)
         if extent is None:
