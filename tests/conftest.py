@@ -19,8 +19,9 @@ CHECKED_SUITES: dict[str, dict[str, tuple[str, ...] | None]] = {
         # Each pairing of accumulation 1/2 and checkpoint interval 1/2 (held gradients
         # accumulated or written once; one- or two-block segments and their offloaded
         # checkpoints), each family's block once (Llama, GPT-2's fused Conv1D attention,
-        # Mixtral's MoE, whose idle experts give no gradient).
-        "test_parity_with_clipping": ("llama-1-1", "gpt2-1-2", "mixtral-2-1", "llama-2-2"),
+        # Mixtral's MoE, whose idle experts give no gradient): the pairs each family runs
+        # are test_parity.py's families_on_two_schedules.
+        "test_parity_with_clipping": ("gpt2-1-1", "llama-1-2", "mixtral-2-1", "gpt2-2-2"),
         # Blocks stepped by the worker while backward runs, from the staging buffers (GA 1)
         # and from the held gradients (GA 2), with the checkpoints offloaded and without.
         "test_parity_without_clipping_steps_blocks_during_backward": ("1-True", "2-False"),
@@ -45,7 +46,7 @@ CHECKED_SUITES: dict[str, dict[str, tuple[str, ...] | None]] = {
         # same engine path with the same settings: plain only.
         "test_no_recompute_matches_pytorch_on_every_family": ("qwen2_moe",),
         # Stashed and recomputed blocks in one model: each split, GA 1 and 2, K 1 and 2.
-        "test_stash_and_recompute_mixed": ("none-4-1-1", "1-3-1-2", "3-1-2-1"),
+        "test_stash_and_recompute_mixed": ("none-4-1-1", "1-3-1-2", "3-1-2-2"),
         # The copying stash on its own, and a stash given back without its backward.
         "test_stash_keeps_activations_and_repoints_weight_views": ("False",),
         "test_a_forward_without_backward_gives_its_stash_back": EVERY,
@@ -143,7 +144,10 @@ at import, so a checked variant never checked them). ``tests/test_stream_orderin
 runs every scenario of the mutation test under the checker too, and proves the checker
 bites (issue 43: the checked runs were 40% of the test command before this selection).
 Three data-parallel tests run only checked (2 ranks of one node, two simulated nodes,
-and two ranks with the NVMe tier; their docstrings say what covers their plain path)."""
+and two ranks with the NVMe tier; their docstrings say what covers their plain path).
+A checked variant that compares the NVMe tier with the RAM-only engine builds that engine
+without the checker (``side_by_side.unchecked``): the RAM-only path's checked runs are
+the entries above, so only the path the variant stands for pays for the checker."""
 
 
 def _checked_id(item: pytest.Item) -> str | None:

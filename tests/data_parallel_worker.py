@@ -212,6 +212,8 @@ def run_parity(args: argparse.Namespace, rank: int, world_size: int, report: str
     rows = args.rows or MICRO * world_size  # one micro-batch of every rank
     micro = rows // world_size
     tier = {"nvme_offload": "all" if args.nvme_weights else "optimizer", "nvme_path": args.nvme} if args.nvme else {}
+    if args.nvme and args.nvme_io != "auto":
+        tier["nvme_aio"] = {"engine": args.nvme_io}
     cast = {"frozen_weights": args.frozen_weights} if args.frozen_weights else {}
     settings = config(args.accumulation, world_size, micro, **long_context, **tier, **cast)
     if args.bf16:
@@ -479,6 +481,12 @@ def main() -> None:
     parser.add_argument("--bucket-elements", type=int, help="parity: the blocks' gradient bucket size")
     parser.add_argument("--nvme", help="parity: Adam's moments on the NVMe tier, its swap files under this path")
     parser.add_argument("--nvme-weights", action="store_true", help='parity: with --nvme, "nvme_offload": "all"')
+    parser.add_argument(
+        "--nvme-io",
+        choices=("auto", "aio", "threads"),
+        default="auto",
+        help='parity: with --nvme, "nvme_aio": {"engine": ...} (threads: a fresh rank does not load the aio op)',
+    )
     parser.add_argument("--rows", type=int, help="parity: rows of a global micro-batch (default: MICRO per rank)")
     parser.add_argument("--loss-chunk-tokens", type=int, help="parity: megatrain.loss_chunk_tokens")
     parser.add_argument("--mlp-tile-tokens", type=int, help="parity: megatrain.mlp_tile_tokens")

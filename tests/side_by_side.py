@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -18,12 +19,30 @@ import tiny_models
 import torch
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.runtime import stream_check
 
 # lr 1e-3: attention key biases have an exact gradient of zero (softmax is invariant to
 # them), so their computed gradient is pure rounding noise and Adam turns noise into
 # updates proportional to lr. At lr 1e-2 that alone moves GPT-2's global relative weight
 # error to ~3e-6; at 1e-3 every family is below 2e-7.
 LR, WEIGHT_DECAY = 1e-3, 0.1
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Engines built inside run without the race checker, whatever the test's ``stream_mode``:
+    for the RAM-only engine a ``[checked]`` variant of an NVMe or placement test compares
+    with. Its path (the same settings without the tier) is checked by the tests
+    ``tests/conftest.py``'s ``CHECKED_SUITES`` names for it, so only the engine under test
+    pays for the checker (several times slower), and the comparison is unchanged: the checker
+    only observes the same ops on the same values. Runtimes read ``MEGATRAIN_STREAM_CHECK``
+    when they are built, so only the build needs to be inside."""
+    switch = os.environ.pop(stream_check.ENV, None)
+    try:
+        yield
+    finally:
+        if switch is not None:
+            os.environ[stream_check.ENV] = switch
 
 
 @dataclass

@@ -256,7 +256,10 @@ def _two_ranks_on_one_node(tmp_path: Path, launcher: str, frozen: str | None = N
     steps, accumulation = 5, 2
     args = ["--steps", str(steps), "--accumulation", str(accumulation)]
     if frozen:
-        args += ["--frozen", "--nvme", str(tmp_path / "swap")]
+        # The tier's thread I/O engine: each fresh rank would load DeepSpeed's async I/O op
+        # (2.6 s of CPU: its builder probes the CPU in two child interpreters). Both engines
+        # give the same run (test_nvme_tier.py); the forked runs below use the aio op.
+        args += ["--frozen", "--nvme", str(tmp_path / "swap"), "--nvme-io", "threads"]
     launch("parity", tmp_path, *args, launcher=launcher)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [(rank["node_size"], rank["node_index"], rank["leader"]) for rank in ranks] == [(2, 0, False), (2, 1, False)]

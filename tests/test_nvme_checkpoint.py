@@ -17,6 +17,7 @@ import fork_server
 import nvme_worker
 import pytest
 import torch
+from side_by_side import unchecked
 
 from megatrain_ds.planning.preflight import InsufficientMemoryError
 from megatrain_ds.state import swap_directory
@@ -47,7 +48,8 @@ def test_checkpoints_with_and_without_the_tier_are_the_same_bytes_and_cross_load
     fp32 masters, streamed from the swap files) or from host memory: the same safetensors
     bytes. Each loads into an engine of the other kind and training goes on bit for bit as
     the uninterrupted RAM-only run."""
-    ram = nvme_worker.build(0, None, bf16)
+    with unchecked():  # the reference; the RAM-only path's training and save are checked elsewhere
+        ram = nvme_worker.build(0, None, bf16)
     tiered = nvme_worker.build(0, str(tmp_path / "nvme"), bf16, level)
     assert ("master" in tiered.nvme_tier.kinds) is (bf16 or level == "all")
     try:
@@ -214,7 +216,8 @@ def test_disk_full_during_a_step_is_a_clear_error_and_the_checkpoint_survives(tm
     after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints" / "global_step2").iterdir()}
     assert after == before
 
-    straight = nvme_worker.build(0, None)
+    with unchecked():  # the uninterrupted RAM-only run: the reference
+        straight = nvme_worker.build(0, None)
     resumed = nvme_worker.build(1, str(tmp_path / "nvme"))
     try:
         nvme_worker.train(straight, 2)

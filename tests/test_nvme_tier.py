@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import tiny_models
 import torch
-from side_by_side import ds_config, train_side_by_side
+from side_by_side import ds_config, train_side_by_side, unchecked
 from test_parity import assert_parity
 
 from megatrain_ds import ConfigError, MegatrainEngine, parse_engine_config
@@ -75,7 +75,8 @@ def test_parity_and_bit_identical_to_ram_only(tmp_path, case):
     speculative = spec.pop("speculative_blocks", "auto")
     ram_config = ds_config(**spec, megatrain={"speculative_blocks": speculative})
     tier_config = ds_config(**spec, megatrain={"speculative_blocks": speculative, **nvme_options(tmp_path)})
-    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ram_config)
+    with unchecked():  # the RAM-only path's own checked runs are test_parity.py's
+        ram, _, ram_trace = train_side_by_side(tiny_models.llama, ram_config)
     tiered, reference, trace = train_side_by_side(tiny_models.llama, tier_config)
     try:
         assert isinstance(tiered.nvme_tier, NvmeTier)
@@ -164,7 +165,8 @@ def test_a_missed_fetch_fails_loudly(tmp_path):
 def test_bf16_compute_is_bit_identical_to_ram_only(tmp_path):
     """bf16 compute: the journal also keeps the shadow; the tier still only moves bytes."""
     config = dict(accumulation=2, clipping=1.0, bf16=True)
-    ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**config), steps=3)
+    with unchecked():  # the RAM-only bf16 path's own checked runs: test_nonfinite_steps.py, test_speculative_step.py
+        ram, _, ram_trace = train_side_by_side(tiny_models.llama, ds_config(**config), steps=3)
     tiered, _, trace = train_side_by_side(
         tiny_models.llama, ds_config(**config, megatrain=nvme_options(tmp_path)), steps=3
     )
@@ -258,9 +260,10 @@ def test_weights_on_the_tier_match_pytorch_and_are_bit_identical_to_ram_only(tmp
     (fp32; bf16 compute is compared with the RAM-only engine only)."""
     spec = dict(ALL_CASES[case])
     speculative = spec.pop("speculative_blocks", "auto")
-    ram, _, ram_trace = train_side_by_side(
-        tiny_models.llama, ds_config(**spec, megatrain={"speculative_blocks": speculative})
-    )
+    with unchecked():  # the RAM-only path's own checked runs: test_parity.py, test_speculative_step.py
+        ram, _, ram_trace = train_side_by_side(
+            tiny_models.llama, ds_config(**spec, megatrain={"speculative_blocks": speculative})
+        )
     options = {**nvme_options(tmp_path), "nvme_offload": "all", "speculative_blocks": speculative}
     tiered, reference, trace = train_side_by_side(tiny_models.llama, ds_config(**spec, megatrain=options))
     try:

@@ -91,13 +91,28 @@ def test_auto_and_integer_recompute_match_pytorch_on_every_family(
         engine.destroy()
 
 
-@pytest.mark.parametrize("checkpoint_interval", [1, 2])
-@pytest.mark.parametrize("accumulation", [1, 2])
-@pytest.mark.parametrize("recompute, stashed", [("none", 4), ("auto", 4), (1, 3), (3, 1)])
+@pytest.mark.parametrize(
+    "recompute, stashed, accumulation, checkpoint_interval",
+    [
+        (recompute, stashed, accumulation, interval)
+        for recompute, stashed, pairs in [
+            ("none", 4, ((1, 1), (2, 2))),
+            ("auto", 4, ((1, 2), (2, 1))),
+            (1, 3, ((1, 2), (2, 1))),
+            (3, 1, ((1, 1), (2, 2))),
+        ]
+        for accumulation, interval in pairs
+    ],
+)
 def test_stash_and_recompute_mixed(recompute, stashed, accumulation, checkpoint_interval):
     """An integer N recomputes the last N blocks and stashes the others (GPT-2: dropout,
     so a recomputed block's replayed masks and a stashed block's own must both agree);
-    "auto" stashes every block of a tiny model (its stash is a few hundred kB)."""
+    "auto" stashes every block of a tiny model (its stash is a few hundred kB).
+
+    Each setting with accumulation 1 and 2 and checkpoint interval 1 and 2, in two of their
+    four pairings, each pairing for two settings ("none" and "auto" take opposite ones:
+    both stash every block). The full product ran each pairing four times over for the
+    same evidence."""
     engine, reference, trace = _train("gpt2", recompute, accumulation, checkpoint_interval)
     try:
         _check(engine, reference, trace, accumulation, stashed)

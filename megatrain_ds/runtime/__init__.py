@@ -4,6 +4,8 @@
   pinned or page-aligned host buffers and device buffers (no-op streams on the CPU).
 - ``stream_check``: the race checker (``MEGATRAIN_STREAM_CHECK=1``): virtual streams and
   host threads with vector clocks; an access no synchronisation orders raises.
+- ``aten_access``: what an aten op reads and writes, and the engine line that issued it (the
+  race checker's view of each op).
 - ``trace``: Chrome/Perfetto traces of copies, compute and the optimizer worker.
 - ``host_ledger``: host bytes read and written and copied per step, fed by the race checker.
 - ``host_heap``: how the CPU path keeps transient host memory from piling up.

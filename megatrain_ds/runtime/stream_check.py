@@ -37,7 +37,8 @@ Each has a vector clock. Work is attributed as a GPU would run it:
 
 Accesses are read from aten ops through a per-thread ``TorchDispatchMode`` (inputs are
 reads; outputs and arguments the schema marks mutable are writes; view ops access
-nothing), at byte granularity within each storage. The same accesses, with who made
+nothing: ``runtime/aten_access.py``, which reads each op's schema once), at byte
+granularity within each storage. The same accesses, with who made
 them, feed the checker's :class:`~megatrain_ds.runtime.host_ledger.HostLedger` (``ledger``):
 the host traffic of each step. What bypasses aten is declared with
 :func:`declare_access` where it happens: DeepSpeed's CPU Adam binding, the Triton
@@ -54,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -63,8 +63,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from megatrain_ds.runtime import aten_access
+from megatrain_ds.runtime.aten_access import Extent
+from megatrain_ds.runtime.aten_access import extent as _extent
 from megatrain_ds.runtime.host_ledger import HostLedger
 
 ENV = "MEGATRAIN_STREAM_CHECK"
@@ -114,9 +116,12 @@ class _Access:
     agent: _Agent
     tick: int
     what: str
+    on: tuple[torch.dtype, torch.Size] | None = None
+    """The accessed tensor's dtype and shape (formatted only for a race's message)."""
 
     def describe(self) -> str:
-        return f"{'write' if self.is_write else 'read'} by {self.agent.describe()} in {self.what}"
+        what = self.what if self.on is None else f"{self.what} on {aten_access.shape(*self.on)}"
+        return f"{'write' if self.is_write else 'read'} by {self.agent.describe()} in {what}"
 
 
 @dataclass
@@ -140,84 +145,6 @@ class _ThreadState(threading.local):
 
 
 _thread = _ThreadState()
-
-_ALLOCATIONS = {
-    torch.ops.aten.empty,
-    torch.ops.aten.empty_like,
-    torch.ops.aten.empty_strided,
-    torch.ops.aten.new_empty,
-    torch.ops.aten.new_empty_strided,
-}
-"""Ops that only allocate: their outputs are new memory, not yet written."""
-
-_OVERWRITES = {
-    torch.ops.aten.copy_,
-    torch.ops.aten.zero_,
-    torch.ops.aten.fill_,
-    torch.ops.aten.normal_,
-    torch.ops.aten.uniform_,
-    torch.ops.aten.bernoulli_,
-    torch.ops.aten.random_,
-    torch.ops.aten.exponential_,
-}
-"""In-place ops that write their ``self`` without reading it (for the host ledger, which
-counts an argument updated in place as read and written)."""
-
-_READ_ONLY_MUTABLES = {
-    torch.ops.aten._fused_adamw_: ("grads",),
-    torch.ops.aten._fused_adam_: ("grads",),
-}
-"""Arguments the schema marks mutable that the CPU kernel only reads as the engine calls it
-(the fused Adam ops write their gradients back only for options the engine never passes:
-``grad_scale``, ``maximize``): read, for the host ledger; still writes for the race
-checker, as the schema declares."""
-
-_SKIP_FILES = (
-    os.sep + "torch" + os.sep,
-    *(os.sep + name for name in ("stream_check.py", "device_runtime.py", "contextlib.py", "threading.py", "queue.py")),
-)
-
-
-def _call_site() -> str:
-    """The innermost engine (else caller) frame outside torch and the runtime."""
-    frame = sys._getframe(2)
-    fallback = ""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not any(part in filename for part in _SKIP_FILES):
-            marker = filename.rfind(os.sep + "megatrain_ds" + os.sep)
-            here = (
-                f"{filename[marker + 1 :] if marker >= 0 else os.path.basename(filename)}:"
-                f"{frame.f_lineno} ({frame.f_code.co_name})"
-            )
-            if marker >= 0:
-                return here
-            fallback = fallback or here
-        frame = frame.f_back
-    return fallback or "?"
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
-def _extent(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(storage key, first byte, end byte)`` of what ``tensor`` can touch, or ``None``."""
-    if tensor.device.type == "meta" or tensor.layout != torch.strided or tensor.numel() == 0:
-        return None
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
-        return None
-    size = tensor.element_size()
-    last = sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
-    start = int(tensor.storage_offset()) * size  # a real storage: the offset is no SymInt
-    return storage.data_ptr(), start, start + (last + 1) * size
-
-
-def _shape(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 
 class CheckedStream:
@@ -504,13 +431,15 @@ class StreamChecker:
                     _join(clock, other.clock)  # the allocator waits for these streams' work
             self._freed.append((key, clock, agent))
 
-    def _agent_for(self, inputs: Sequence[torch.Tensor]) -> _Agent:
+    def _agent_for(
+        self, inputs: Sequence[torch.Tensor], extent_of: Callable[[torch.Tensor], Extent | None] = _extent
+    ) -> _Agent:
         """Who runs an op on ``inputs`` issued by the calling thread (see [Note: what the
         checker models]); a stream's clock is brought up to what the thread has seen."""
         thread = self._thread_agent()
         if _thread.host:
             return thread
-        keys = [extent[0] for extent in map(_extent, inputs) if extent is not None]
+        keys = [extent[0] for extent in map(extent_of, inputs) if extent is not None]
         if keys and all(key in self._storages and self._storages[key].host for key in keys):
             return thread  # no kernel runs on host buffers alone: host code
         stream = self.current_stream().agent
@@ -518,35 +447,32 @@ class StreamChecker:
         return stream
 
     def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        schema = func._schema
+        plan = aten_access.op_plan(func)
+        if plan.is_view:
+            return  # a view: no data is touched
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
         # What the host ledger counts as read and as written (an update in place is both).
         counted: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for position, argument in enumerate(schema.arguments):
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            tensors = _tensors(value)
-            if argument.alias_info is None or not argument.alias_info.is_write:
+        for position, name, role in plan.arguments:
+            tensors = aten_access.tensors(args[position] if position < len(args) else kwargs.get(name))
+            if role == aten_access.READ:
                 reads += tensors
                 counted[0].extend(tensors)
                 continue
             writes += tensors
-            if argument.is_out or func.overloadpacket in _OVERWRITES:
-                counted[1].extend(tensors)
-            elif argument.name in _READ_ONLY_MUTABLES.get(func.overloadpacket, ()):
+            if role != aten_access.OVERWRITTEN:  # read-only mutables, and updates: the old values are read
                 counted[0].extend(tensors)
-            else:  # updated in place: the old values are read
-                counted[0].extend(tensors)
+            if role != aten_access.READ_ONLY_MUTABLE:
                 counted[1].extend(tensors)
-        returns = schema.returns
-        if returns and not writes and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        if plan.returns_alias and not writes:
             return  # a view: no data is touched
-        outputs = out if len(returns) > 1 else (out,)
-        fresh = [t for r, value in zip(returns, outputs) if r.alias_info is None for t in _tensors(value)]
-        if func.overloadpacket in _ALLOCATIONS:
+        outputs = out if plan.many_returns else (out,)
+        fresh = [t for index in plan.fresh_returns for t in aten_access.tensors(outputs[index])]
+        if plan.allocates:
             self._allocated(fresh)  # uninitialised memory: nothing is read or written yet
             return
-        agent = self._access(reads, writes, fresh, str(func), (counted[0], counted[1] + fresh))
+        agent = self._access(reads, writes, fresh, plan.name, (counted[0], counted[1] + fresh))
         if func is torch.ops.aten._local_scalar_dense.default and agent.is_stream:
             self._host_waits(agent.clock)  # .item(): the host waits for the stream to get there
 
@@ -566,10 +492,12 @@ class StreamChecker:
             self._judge_frees()
             self._new_memory(fresh, self._agent_for([]))
 
-    def _new_memory(self, fresh: list[torch.Tensor], agent: _Agent) -> None:
+    def _new_memory(
+        self, fresh: list[torch.Tensor], agent: _Agent, extent_of: Callable[[torch.Tensor], Extent | None] = _extent
+    ) -> None:
         """``fresh`` was allocated by ``agent``: on a stream (device memory), or host memory."""
         for tensor in fresh:
-            extent = _extent(tensor)
+            extent = extent_of(tensor)
             if extent is not None:
                 record = self._storage(tensor, extent[0])
                 if not record.accesses:
@@ -586,24 +514,35 @@ class StreamChecker:
         """Check one op's accesses, and count ``counted`` (read, written) in the ledger."""
         with self._lock:
             self._judge_frees()
-            agent = self._agent_for(reads + writes)
+            known: dict[int, Extent | None] = {}  # each tensor's extent, taken once
+
+            def extent_of(tensor: torch.Tensor) -> Extent | None:
+                if id(tensor) not in known:  # every tensor of the op is alive: ids are unique
+                    known[id(tensor)] = _extent(tensor)
+                return known[id(tensor)]
+
+            agent = self._agent_for(reads + writes, extent_of)
             tick = agent.tick()
-            self._new_memory(fresh, agent)
+            self._new_memory(fresh, agent, extent_of)
             where = None
             for tensors, is_write in ((reads, False), (writes + fresh, True)):
                 for tensor in tensors:
-                    extent = _extent(tensor)
+                    extent = extent_of(tensor)
                     if extent is None:
                         continue
-                    where = where or f"{what} at {_call_site()}"
-                    access = _Access(extent[1], extent[2], is_write, agent, tick, f"{where} on {_shape(tensor)}")
+                    where = where or f"{what} at {aten_access.call_site(1)}"
+                    access = _Access(extent[1], extent[2], is_write, agent, tick, where, (tensor.dtype, tensor.shape))
                     self._check(self._storage(tensor, extent[0]), access, agent.clock)
-            self.ledger.count(*counted, on_stream=agent.is_stream, host_extent=self._host_extent)
+            self.ledger.count(
+                *counted, on_stream=agent.is_stream, host_extent=lambda t: self._host_extent(t, extent_of)
+            )
             return agent
 
-    def _host_extent(self, tensor: torch.Tensor) -> int | None:
+    def _host_extent(
+        self, tensor: torch.Tensor, extent_of: Callable[[torch.Tensor], Extent | None] = _extent
+    ) -> int | None:
         """The bytes ``tensor`` spans if its storage is host memory, else ``None``."""
-        extent = _extent(tensor)
+        extent = extent_of(tensor)
         if extent is None:
             return None
         record = self._storages.get(extent[0])
