@@ -84,6 +84,15 @@ READ_AT_RUN_TIME = frozenset(
 )
 """Variables a launch may set otherwise than its server: nothing reads them at import."""
 
+SET_BY_IMPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""What importing a :data:`PRELOADED` module puts in ``os.environ`` where it is unset
+(DeepSpeed, with ``setdefault``, so that its import never creates a CUDA context; torch reads
+it at each ``torch.cuda.is_available()``). The server has it; a fresh interpreter has it once
+it imports DeepSpeed. A served launch's environment gets it as the launch's own import would
+have set it, so one server serves the launches of a pytest process before and after that
+process imported DeepSpeed itself (which set it there: a second server, 10 s of imports, for
+every launch after)."""
+
 FRESH_ENV = "MEGATRAIN_FRESH_LAUNCHES"
 HOOK_OFF_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -287,7 +296,7 @@ def _server_for(command: Sequence[str], env: Mapping[str, str], launcher: bool) 
     if os.environ.get(FRESH_ENV) == "1" or (hook_off and not launcher) or not (plain or flagged):
         return None
     ignored = (READ_AT_RUN_TIME | {HOOK_OFF_ENV}) if launcher else READ_AT_RUN_TIME
-    common = {name: value for name, value in env.items() if name not in ignored}
+    common = {**SET_BY_IMPORTS, **{name: value for name, value in env.items() if name not in ignored}}
     key = frozenset(common.items())
     if key not in _servers:
         _servers[key] = _Server(common)
@@ -386,7 +395,7 @@ def popen(
         pipes: list[int] = []
         out = _stream(stdout, sys.stdout.fileno(), pipes)
         err = out if stderr == subprocess.STDOUT else _stream(stderr, sys.stderr.fileno(), pipes)
-        request = {"command": list(command[1:]), "env": env, "cwd": os.fspath(cwd or os.getcwd())}
+        request = {"command": list(command[1:]), "env": {**SET_BY_IMPORTS, **env}, "cwd": os.fspath(cwd or os.getcwd())}
         try:
             with open(os.devnull, "rb") as stdin:
                 process = ServedProcess(server, command, request, [stdin.fileno(), out, err])
