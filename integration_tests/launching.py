@@ -3,8 +3,9 @@ shipped configs.
 
 A process of its own is forked from ``tests/fork_server.py``'s server where nothing it
 imports reads what its environment changes (that module's docstring: not a DeepSpeed
-reference run, for one), else fresh: a child of a server that imported torch, DeepSpeed,
-transformers and ``megatrain_ds`` is what a fresh interpreter is once it has imported them.
+reference run, for one, though its launcher may be), else fresh: a child of a server that
+imported torch, DeepSpeed, transformers and ``megatrain_ds`` is what a fresh interpreter is
+once it has imported them.
 
 Each run gets its own rendezvous port (runs may go side by side) and one CPU thread
 (two cores shared by parallel runs; and a run and its reference must use the same thread
@@ -78,6 +79,9 @@ class Run:
     env: dict[str, str] = field(default_factory=dict)
     num_processes: int = 1
     """Data-parallel ranks (``accelerate launch --num_processes``)."""
+    launcher: bool = False
+    """The script trains nothing itself: it starts the process that does, a new interpreter
+    (TRL's CLI, through ``accelerate launch``), as ``accelerate launch`` does for every run."""
     _process: subprocess.Popen[str] | fork_server.ServedProcess | None = None
 
     @property
@@ -109,11 +113,17 @@ class Run:
                 *command[1:],
             ]
         # The Accelerate config names its DeepSpeed JSON relative to the repository root. The
-        # process is forked from tests/fork_server.py's server where its imports allow (the
-        # launcher's own; a script's without a launcher), else fresh.
+        # process is forked from tests/fork_server.py's server where its imports allow (a
+        # launcher's, the reference's too: the processes it starts are new interpreters; a
+        # script's without a launcher), else fresh.
         with open(self.log_path, "w", encoding="utf-8") as log:
             self._process = fork_server.popen(
-                command, cwd=REPO_ROOT, env=child_env(port, **self.env), stdout=log, stderr=subprocess.STDOUT
+                command,
+                cwd=REPO_ROOT,
+                env=child_env(port, **self.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                launcher=self.accelerate or self.launcher,
             )
 
     def wait(self) -> None:
@@ -139,7 +149,7 @@ class SharedLaunch(Run):
     @classmethod
     def of(cls, name: str, runs: Sequence[Run]) -> SharedLaunch:
         first = runs[0]
-        launch = ("script", "accelerate", "accelerate_config", "env", "num_processes")
+        launch = ("script", "accelerate", "accelerate_config", "env", "num_processes", "launcher")
         for run in runs:  # a run launched otherwise would not be the run it says it is
             assert all(getattr(run, key) == getattr(first, key) for key in launch), (run.name, first.name)
         fields = {key: getattr(first, key) for key in launch}

@@ -25,13 +25,15 @@ from matplotlib.colors import to_rgb
 SCRIPT = REPO_ROOT / "examples" / "train_clm.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLOR_TOLERANCE = 0.02  # per RGB channel in [0, 1]: the line's core pixels, not its blended edges
+# 16 steps: the held-out loss falls from ln(256) = 5.55 to about 3.8 (4.1 at step 8), well past
+# the 1.0 the test asks for; each step more is CPU without more evidence.
 ARGS = [
     "--steps",
-    "30",
+    "16",
     "--seq-len",
     "64",
     "--eval-every",
-    "15",
+    "8",
     "--eval-batches",
     "2",
     "--batch-size",
@@ -64,12 +66,12 @@ def test_uses_megatrain_engine(run) -> None:
 
 
 def test_eval_loss_falls(run) -> None:
-    assert len(run["losses"]) == 30
+    assert len(run["losses"]) == 16
     assert all(math.isfinite(loss) for loss in run["losses"])
-    # Random init predicts ~ln(256) = 5.55 nats per byte; 30 steps reach well below 4.
+    # Random init predicts ~ln(256) = 5.55 nats per byte; 16 steps reach about 3.8.
     assert run["initial_eval_loss"] == pytest.approx(math.log(256), abs=0.1)
     assert run["final_eval_loss"] < run["initial_eval_loss"] - 1.0
-    assert run["eval_steps"] == [0, 15, 30]
+    assert run["eval_steps"] == [0, 8, 16]
 
 
 def _pixels_of(image: np.ndarray, color: str) -> np.ndarray:

@@ -121,8 +121,9 @@ def test_trl_sft_cli(model_dir: Path, tmp_path: Path) -> None:
     # `trl sft` builds its TrainingArguments (which join the rendezvous) in the CLI process
     # too, before `accelerate launch` starts the script with the same environment: port 0
     # lets each of the two one-rank groups bind a free port of its own.
+    # The CLI only launches: the script that trains is a new interpreter (launching.Run.launcher).
     rendezvous = {"MASTER_PORT": "0"}
-    sides = [Run(name, trl_script, tmp_path / name, args, accelerate=False, env={**env, **rendezvous})
+    sides = [Run(name, trl_script, tmp_path / name, args, accelerate=False, env={**env, **rendezvous}, launcher=True)
              for name, env in (("megatrain", {}), ("deepspeed", DEEPSPEED))]  # fmt: skip
     for run in sides:
         run.start()

@@ -5,13 +5,15 @@ own (``MEGATRAIN_DISABLE_HOOK=1``, stage 0, fp32) as the reference::
 
     python integration_tests/trainer_clients.py --client CLIENT --output-dir DIR [--deepspeed-config JSON]
     python integration_tests/trainer_clients.py --client CLIENT[=JSON] --client ... --output-dir DIR
+        [--preload-deepspeed-optimizers]
 
 With several clients each runs in a child process forked after the libraries are imported
 (torch, transformers, TRL, PEFT: most of a run's time, the same for every client), with
 ``DIR/CLIENT`` its output directory, ``DIR/CLIENT.log`` its output and ``JSON`` its
 ``--deepspeed-config``; ``DIR/exit_codes.json`` holds each child's exit code. A child starts
-with nothing of a Trainer, Accelerate or DeepSpeed in it (the parent only imports), so
-each client runs as in a fresh process.
+with nothing of a Trainer, Accelerate or DeepSpeed in it (the parent only imports, and with
+``--preload-deepspeed-optimizers`` loads DeepSpeed's optimizer ops:
+:func:`load_deepspeed_optimizer_code`), so each client runs as in a fresh process.
 
 Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
 
@@ -430,6 +432,29 @@ def run_in_child(args: argparse.Namespace) -> int:
     return forked_runs.run_forked(body)
 
 
+def load_deepspeed_optimizer_code() -> None:
+    """Load, before the forks, the optimizer code that DeepSpeed's engine loads on first use,
+    which each forked client would otherwise load again (the parent loads it as it imports the
+    libraries: a client still builds every optimizer and engine itself). For the runs on
+    DeepSpeed's engine (``--preload-deepspeed-optimizers``), where every client loads some of it;
+    on the megatrain engine only the ``accelerate_lora`` client loads one op, and loading them
+    all in the parent would cost more than it saves.
+
+    - The ops of the optimizers DeepSpeed builds: ``FusedAdam`` (a config's ``"optimizer"``
+      block at stage 0), ``DeepSpeedCPUAdam`` (with ``offload_optimizer``; Accelerate, too, for
+      a client's ``AdamW`` there, on either engine). DeepSpeed's builder keeps a loaded op for
+      the process (``OpBuilder._loaded_ops``), but loading one probes the CPU twice in child
+      interpreters (py-cpuinfo): about 2.4 s of CPU per op, per client.
+    - The module DeepSpeed's ZeRO optimizer check imports (its Muon optimizer, whose
+      ``torch.compile`` decorators import Inductor): about 2 s per ZeRO-3 client.
+    """
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder  # pyright: ignore[reportAttributeAccessIssue]
+
+    CPUAdamBuilder().load()
+    FusedAdamBuilder().load()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -443,6 +468,11 @@ def main() -> None:
         "--max-steps", type=int, default=None, help="the pretrained client: TrainingArguments(max_steps)"
     )
     parser.add_argument("--record-steps", action="store_true", help="the pretrained client: write steps.json")
+    parser.add_argument(
+        "--preload-deepspeed-optimizers",
+        action="store_true",
+        help="several clients: load DeepSpeed's optimizer ops before the forks (load_deepspeed_optimizer_code)",
+    )
     args = parser.parse_args()
     clients = [(name, Path(config) if config else args.deepspeed_config) for name, _, config in
                (spec.partition("=") for spec in args.client)]  # fmt: skip
@@ -471,6 +501,8 @@ def main() -> None:
     ):
         for name in names:
             getattr(module, name)
+    if args.preload_deepspeed_optimizers:
+        load_deepspeed_optimizer_code()
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     codes = {}

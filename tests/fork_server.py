@@ -22,9 +22,13 @@ OpenMP reads when it is loaded; ``DS_ACCELERATOR``, which DeepSpeed reads at imp
 ``PYTHONPATH``) is a server of its own, started by the first launch that needs it: a
 server's imports cost about what two fresh launches' do, and the tests' launches share one
 environment (:func:`with_this_checkout`), so a pytest worker starts one. A launch with
-``MEGATRAIN_DISABLE_HOOK=1`` (DeepSpeed's own engine, the reference) always goes fresh:
-the start-up hook reads it at interpreter start, importing ``megatrain_ds`` routes
-``deepspeed.initialize`` whatever it says, and the reference must run DeepSpeed as it is.
+``MEGATRAIN_DISABLE_HOOK=1`` (DeepSpeed's own engine, the reference) goes fresh: the
+start-up hook reads it at interpreter start, the server has imported ``megatrain_ds`` (so
+DeepSpeed's and Accelerate's functions are the patched ones, which check the variable at
+each call), and the reference must run DeepSpeed as it is. A *launcher* is served whatever
+the variable says (``popen(..., launcher=True)``): a process that trains nothing itself but
+starts the processes that do as new interpreters (``accelerate launch``; TRL's CLI, which
+calls it), so those read the variable at their start, and the reference runs fresh as before.
 ``MEGATRAIN_FRESH_LAUNCHES=1`` launches every process fresh, as before this module.
 
 The server is a child of the pytest process and its children the server's, waited by it;
@@ -79,6 +83,15 @@ READ_AT_RUN_TIME = frozenset(
     }
 )
 """Variables a launch may set otherwise than its server: nothing reads them at import."""
+
+SET_BY_IMPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""What importing a :data:`PRELOADED` module puts in ``os.environ`` where it is unset
+(DeepSpeed, with ``setdefault``, so that its import never creates a CUDA context; torch reads
+it at each ``torch.cuda.is_available()``). The server has it; a fresh interpreter has it once
+it imports DeepSpeed. A served launch's environment gets it as the launch's own import would
+have set it, so one server serves the launches of a pytest process before and after that
+process imported DeepSpeed itself (which set it there: a second server, 10 s of imports, for
+every launch after)."""
 
 FRESH_ENV = "MEGATRAIN_FRESH_LAUNCHES"
 HOOK_OFF_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
@@ -279,13 +292,17 @@ def close_servers() -> None:
     _servers.clear()
 
 
-def _server_for(command: Sequence[str], env: Mapping[str, str]) -> _Server | None:
-    """The server for this launch, started if it is the first; None where it is launched fresh."""
+def _server_for(command: Sequence[str], env: Mapping[str, str], launcher: bool) -> _Server | None:
+    """The server for this launch, started if it is the first; None where it is launched fresh.
+    A launcher's ``MEGATRAIN_DISABLE_HOOK`` is for the processes it starts: no reason for a
+    server of its own."""
     plain = len(command) >= 2 and command[0] == sys.executable and not command[1].startswith("-")
     flagged = len(command) >= 3 and command[0] == sys.executable and command[1] in ("-c", "-m")
-    if os.environ.get(FRESH_ENV) == "1" or env.get(HOOK_OFF_ENV) == "1" or not (plain or flagged):
+    hook_off = env.get(HOOK_OFF_ENV) == "1"
+    if os.environ.get(FRESH_ENV) == "1" or (hook_off and not launcher) or not (plain or flagged):
         return None
-    common = {name: value for name, value in env.items() if name not in READ_AT_RUN_TIME}
+    ignored = (READ_AT_RUN_TIME | {HOOK_OFF_ENV}) if launcher else READ_AT_RUN_TIME
+    common = {**SET_BY_IMPORTS, **{name: value for name, value in env.items() if name not in ignored}}
     key = frozenset(common.items())
     if key not in _servers:
         _servers[key] = _Server(common)
@@ -371,18 +388,20 @@ def popen(
     cwd: str | os.PathLike[str] | None = None,
     stdout: int | IO | None = None,
     stderr: int | IO | None = None,
+    launcher: bool = False,
 ) -> ServedProcess | subprocess.Popen[str]:
     """``subprocess.Popen(command, env=env, cwd=cwd, stdin=DEVNULL, stdout=stdout,
     stderr=stderr, text=True)``, served by a forked child where the module docstring says it
     may be, else a fresh process. ``stdout``, ``stderr``: None, ``subprocess.PIPE``, an fd or
-    a file (``stderr``: ``subprocess.STDOUT`` too)."""
+    a file (``stderr``: ``subprocess.STDOUT`` too). ``launcher``: the command only starts
+    the processes that do the work, each a new interpreter (the module docstring)."""
     env = dict(os.environ if env is None else env)
-    server = _server_for(command, env)
+    server = _server_for(command, env, launcher)
     if server is not None:
         pipes: list[int] = []
         out = _stream(stdout, sys.stdout.fileno(), pipes)
         err = out if stderr == subprocess.STDOUT else _stream(stderr, sys.stderr.fileno(), pipes)
-        request = {"command": list(command[1:]), "env": env, "cwd": os.fspath(cwd or os.getcwd())}
+        request = {"command": list(command[1:]), "env": {**SET_BY_IMPORTS, **env}, "cwd": os.fspath(cwd or os.getcwd())}
         try:
             with open(os.devnull, "rb") as stdin:
                 process = ServedProcess(server, command, request, [stdin.fileno(), out, err])
