@@ -91,9 +91,14 @@ def test_speculation_is_bit_exact_through_clipping(bf16, blocks):
 
 
 def test_a_changed_learning_rate_invalidates_the_speculation():
-    """A scheduler (or the user) changing lr between backward and step() forces a redo."""
+    """A scheduler (or the user) changing lr between backward and step() forces a redo.
+
+    The gradient worker steps the journaled chunks behind ``backward()``; the sink is
+    drained before lr changes so that they certainly read the old lr (a worker that reads it
+    after the change already steps with the new one, and there is nothing to redo)."""
 
     def halve_lr(engine, step):
+        engine.sink.drain()
         for group in engine.optimizer.param_groups:
             group["lr"] *= 0.5
 
