@@ -10,6 +10,11 @@ its ``_consume_gradient``, the stepper (``optimizer/speculative_step.py``) and h
 loop of ``--block-ms`` per block on the pushing thread: backward's autograd thread holds
 the GIL while it recomputes a block. Per step:
 
+0. wait for the previous step's update (``engine.settle_optimizer()``, not timed as the
+   step): with clipping it runs behind ``engine.step()`` on the finish worker
+   (``optimizer/pipelined_finish.py``) and the next *forward* waits for it block by block,
+   which this bench does not run; left in flight, the first push of the next step would wait
+   for all of it (``engine._land_gradient`` settles it) and count it as backward blocked;
 1. for each block, last first: spin ``--block-ms`` of Python, then push the block's
    gradients (one piece per parameter, in one ``push_block``, as the outbox does);
 2. ``engine.optimizer.step()``: the drain, the stepper's finish, the resident refresh.
@@ -23,6 +28,8 @@ Reported (medians over ``--steps`` steps after a warm-up step):
   CPU it runs inline, on a GPU it is queued; see :class:`InlineDeviceWork`), and its share
   of the step (target after issue 42: under 5%);
 - ``finish_s``: ``engine.optimizer.step()``;
+- ``update_wait_s``: step 0's wait, the part of the update behind ``step()`` still running
+  when the next step begins (what a GPU's next forward has to cover);
 - ``speculated_elements``: elements updated during backward, before the norm was known
   (``optimizer/speculative_step.py``), and the journal that allowed it (``journal_bytes``,
   ``journal_extents``: ``[block, start, end)``; ``--speculative-blocks 0`` turns it off);
@@ -102,6 +109,8 @@ class StepTimes:
     """In ``push``, less the device work it issued (:class:`InlineDeviceWork`)."""
     device_work_in_push_s: float
     finish_s: float
+    update_wait_s: float
+    """Waiting, before the step, for the previous step's update behind ``step()``."""
     speculated_elements: int
     """Elements the stepper updated during backward (``StepReport.speculated``)."""
 
@@ -199,6 +208,10 @@ def backward_order(num_states: int) -> list[int]:
 def run_step(engine: MegatrainEngine, grads: list[torch.Tensor], block_s: float, device: InlineDeviceWork) -> StepTimes:
     """One optimizer step: blocks last first, each after ``block_s`` of Python; then the
     resident parameters' gradients (the embedding's backward comes last) and the step."""
+    waiting = time.perf_counter()
+    # The next forward's waits for the previous update (the bench runs no forward): outside
+    # the step, so that backward's pushes measure backward's own back-pressure.
+    engine.settle_optimizer()
     started = time.perf_counter()
     blocked = inline = compute = 0.0
     for index in backward_order(len(grads)):
@@ -212,18 +225,20 @@ def run_step(engine: MegatrainEngine, grads: list[torch.Tensor], block_s: float,
     engine.optimizer.step()
     ended = time.perf_counter()
     speculated = engine.last_step_report.speculated if engine.last_step_report is not None else 0
-    return StepTimes(ended - started, compute, blocked, inline, ended - finishing, speculated)
+    return StepTimes(ended - started, compute, blocked, inline, ended - finishing, started - waiting, speculated)
 
 
 def worker_rate(engine: MegatrainEngine, grads: list[torch.Tensor], device: InlineDeviceWork) -> float:
     """Gradient elements per second from the first push to the drain (the worker has
     consumed every chunk), pushed with nothing in between; the step's end is not timed."""
+    engine.settle_optimizer()  # the previous update: not the worker's time
     started = time.perf_counter()
     for index in backward_order(len(grads)):
         push_state(engine, index, grads[index], device)
     engine.sink.drain()
     rate = sum(g.numel() for g in grads) / (time.perf_counter() - started)
     engine.optimizer.step()
+    engine.settle_optimizer()  # nothing of this step left running beside what is timed next
     return rate
 
 
@@ -268,6 +283,7 @@ def measure(settings: Settings) -> dict:
         "push_blocked_fraction": median["push_blocked_s"] / median["step_s"],
         "device_work_in_push_s": median["device_work_in_push_s"],
         "finish_s": median["finish_s"],
+        "update_wait_s": median["update_wait_s"],
         "speculated_elements": median["speculated_elements"],
         **journal_figures,
         "steps": [asdict(s) for s in steps],
@@ -303,7 +319,9 @@ def ledger_of(bf16: bool, clipping: float, accumulation: int) -> dict:
             os.environ[stream_check.ENV] = saved
     generator = torch.Generator().manual_seed(0)
     try:
-        for _ in range(2 * accumulation):  # the second optimizer step is the steady one
+        # The third optimizer step is the steady one: the first speculates on the journal, clipping
+        # refutes it, and the journal's copy back is counted with the second (tests/test_host_ledger.py).
+        for _ in range(3 * accumulation):
             tokens = torch.randint(0, settings.vocab, (2, 16), generator=generator)
             engine.backward(engine(input_ids=tokens, labels=tokens).loss)
             engine.step()
@@ -348,6 +366,7 @@ def report(result: dict) -> str:
             f"  step {result['step_s'] * 1e3:8.1f} ms   backward compute (Python) {result['compute_s'] * 1e3:8.1f} ms",
             f"  host critical path {result['host_critical_path_s'] * 1e3:8.1f} ms   "
             f"finish (optimizer.step) {result['finish_s'] * 1e3:8.1f} ms",
+            f"  update behind step() still running at the next step {result['update_wait_s'] * 1e3:8.1f} ms",
             f"  speculated during backward {result['speculated_elements'] / 1e6:.2f} M elements "
             f"(journal {result['journal_bytes'] / 2**20:.1f} MiB: {result['journal_extents']})",
             f"  backward blocked in push {result['push_blocked_s'] * 1e3:8.1f} ms "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 from side_by_side import ds_config
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
 from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.host_ledger import HostLedger, LedgerCounts
 from megatrain_ds.runtime.stream_check import declare_access
@@ -213,10 +215,12 @@ def test_bf16_clipped_step_within_host_budget(stream_check, cpu_single_thread, t
     assert per_param <= 36, f"host traffic {per_param:.1f} B/param per step: {steady.per_param(engine.num_params)}"
 
 
-def test_host_pipeline_bench_runs(cpu_single_thread, tmp_path, monkeypatch):
-    """``bench/host_pipeline.py`` on a small Llama: its figures add up (the step holds the
-    busy loops of every block, the critical path is what is left of it) and the JSON
-    records the settings it ran with."""
+SMALL_BENCH = "--hidden 64 --intermediate 128 --layers 3 --vocab 64 --block-ms 5 --steps 2 --no-ledger"
+"""``bench/host_pipeline.py`` on a Llama of 3 blocks (4 states with the resident one)."""
+
+
+def _host_pipeline_bench(monkeypatch):
+    """``bench/host_pipeline.py`` imported as a module (its ``main`` takes the arguments)."""
     bench = Path(__file__).parents[1] / "bench"
     spec = importlib.util.spec_from_file_location("host_pipeline", bench / "host_pipeline.py")
     assert spec is not None and spec.loader is not None
@@ -224,9 +228,16 @@ def test_host_pipeline_bench_runs(cpu_single_thread, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "host_pipeline", host_pipeline)  # its dataclasses look it up
     monkeypatch.setattr(sys, "path", list(sys.path))  # the bench puts bench/ first: not for later tests
     spec.loader.exec_module(host_pipeline)
+    return host_pipeline
+
+
+def test_host_pipeline_bench_runs(cpu_single_thread, tmp_path, monkeypatch):
+    """``bench/host_pipeline.py`` on a small Llama: its figures add up (the step holds the
+    busy loops of every block, the critical path is what is left of it) and the JSON
+    records the settings it ran with."""
+    host_pipeline = _host_pipeline_bench(monkeypatch)
     out = tmp_path / "result.json"
-    flags = "--hidden 64 --intermediate 128 --layers 3 --vocab 64 --block-ms 5 --steps 2 --no-ledger"
-    result = host_pipeline.main([*flags.split(), "--out", str(out)])
+    result = host_pipeline.main([*SMALL_BENCH.split(), "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["settings"]["layers"] == 3 and result["settings"]["block_ms"] == 5.0
     for step in result["steps"]:
@@ -235,3 +246,31 @@ def test_host_pipeline_bench_runs(cpu_single_thread, tmp_path, monkeypatch):
     assert result["host_critical_path_s"] == pytest.approx(result["step_s"] - result["compute_s"])
     assert 0 <= result["push_blocked_fraction"] < 1
     assert result["worker_elements_per_s"]["alone"] > 0 and result["plain_copy_elements_per_s"] > 0
+
+
+def test_host_pipeline_bench_does_not_count_the_update_behind_step_as_backward(
+    cpu_single_thread, tmp_path, monkeypatch
+):
+    """With clipping the step's update runs behind ``engine.step()`` and the next forward
+    waits for it (``optimizer/pipelined_finish.py``); the bench runs no forward, so it waits
+    for the update before each step's backward and reports that wait apart. Made slow here
+    (``SLOW`` per state, 4 states), the update must show in ``update_wait_s`` and not in the
+    time backward is blocked in ``push``, whose pushes of this tiny model take milliseconds:
+    before the bench waited, the first push of each step waited for the whole update
+    (``engine._land_gradient`` settles it), 4 * SLOW less the 5 ms busy loop before it."""
+    slow = 0.05
+    original_start = PipelinedFinish.start
+
+    def slow_start(self, order, update):
+        def slowed(index: int) -> None:
+            time.sleep(slow)  # on the finish worker
+            update(index)
+
+        original_start(self, order, slowed)
+
+    monkeypatch.setattr(PipelinedFinish, "start", slow_start)
+    host_pipeline = _host_pipeline_bench(monkeypatch)
+    result = host_pipeline.main([*SMALL_BENCH.split(), "--out", str(tmp_path / "result.json")])
+    for step in result["steps"]:
+        assert step["push_blocked_s"] < 2 * slow, step  # backward never waited for the update
+        assert step["update_wait_s"] >= 3 * slow  # which ran behind step(): 4 states, less slack
