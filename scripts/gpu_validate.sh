@@ -2,7 +2,7 @@
 # One command that validates the engine on a GPU machine and keeps the evidence.
 #
 # Run from anywhere on a machine with CUDA (no network needed):
-#   bash scripts/gpu_validate.sh [--out DIR] [--skip STEP]... [--limit STEP=SECONDS]... [--compare-args "ARGS"]
+#   bash scripts/gpu_validate.sh [--out DIR] [--only STEP]... [--skip STEP]... [--limit STEP=SECONDS]... [--compare-args "ARGS"]
 #   bash scripts/gpu_validate.sh --dry-run     # the plan, on any machine
 #
 # Steps, in order (each one's log and result files go to DIR, default bench/results/gpu_<device>/):
@@ -62,6 +62,8 @@ usage() {
     echo "Options:"
     echo "  --dry-run            print each step's command and the summary; run nothing"
     echo "  --out DIR            where logs and results go (default bench/results/gpu_<device>)"
+    echo "  --only STEP          run only the steps named (repeatable; name install and ops too): a"
+    echo "                       lease's call then runs what it names, whatever steps are added later"
     echo "  --skip STEP          leave a step out (repeatable): ${STEPS[*]}"
     echo "  --limit STEP=SECONDS stop a step after SECONDS (repeatable; defaults: $(for s in "${STEPS[@]}"; do printf '%s=%s ' "$s" "${LIMITS[$s]}"; done))"
     echo "  --compare-args ARGS  arguments for bench/compare.py (default: $DEFAULT_COMPARE_ARGS)"
@@ -73,7 +75,8 @@ fail_usage() { echo "gpu_validate.sh: $1 (see --help)" >&2; exit 2; }
 DRY_RUN=0
 OUT_DIR=""
 COMPARE_ARGS="$DEFAULT_COMPARE_ARGS"
-declare -A SKIPPED=()
+declare -A SKIPPED=()  # step -> why it is left out
+ONLY=()
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -82,7 +85,11 @@ while [ $# -gt 0 ]; do
         --skip)
             [ $# -ge 2 ] || fail_usage "--skip needs a step name"
             [[ " ${STEPS[*]} " == *" $2 "* ]] || fail_usage "unknown step '$2'; steps: ${STEPS[*]}"
-            SKIPPED[$2]=1; shift ;;
+            SKIPPED[$2]="--skip"; shift ;;
+        --only)
+            [ $# -ge 2 ] || fail_usage "--only needs a step name"
+            [[ " ${STEPS[*]} " == *" $2 "* ]] || fail_usage "unknown step '$2'; steps: ${STEPS[*]}"
+            ONLY+=("$2"); shift ;;
         --limit)
             [[ $# -ge 2 && "$2" =~ ^([a-z0-9-]+)=([0-9]+)$ ]] || fail_usage "--limit needs STEP=SECONDS"
             [[ " ${STEPS[*]} " == *" ${BASH_REMATCH[1]} "* ]] || fail_usage "unknown step '${BASH_REMATCH[1]}'; steps: ${STEPS[*]}"
@@ -92,6 +99,11 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+if [ ${#ONLY[@]} -gt 0 ]; then
+    for name in "${STEPS[@]}"; do
+        [[ " ${ONLY[*]} " == *" $name "* ]] || SKIPPED[$name]=${SKIPPED[$name]:-"not in --only"}
+    done
+fi
 
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD:$PWD/triton_kernels${PYTHONPATH:+:$PYTHONPATH}"
@@ -131,7 +143,7 @@ step() {
     local name=$1 note=$2
     shift 3
     if [ -n "${SKIPPED[$name]:-}" ]; then
-        record "$name" skipped 0 "--skip"; return
+        record "$name" skipped 0 "${SKIPPED[$name]}"; return
     fi
     if [ "$DRY_RUN" = 1 ]; then
         echo "[dry-run] $name: (at most ${LIMITS[$name]} s) $*"

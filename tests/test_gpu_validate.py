@@ -40,6 +40,7 @@ def test_help_names_every_step_and_option():
         "--dry-run",
         "--out",
         "--skip",
+        "--only",
         "--limit",
         "--compare-args",
         "TORCH_CUDA_SANITIZER=1",
@@ -72,6 +73,40 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
         assert any(line.split()[:2] == [step, outcome] for line in table.splitlines()), (step, table)
 
 
+def _planned(stdout: str) -> list[str]:
+    return [
+        line.split(":")[0].removeprefix("[dry-run] ") for line in stdout.splitlines() if line.startswith("[dry-run] ")
+    ]
+
+
+def test_only_runs_the_steps_it_names_whatever_steps_exist(tmp_path):
+    """A lease's call names what it runs: a step added to the script later (as ``lora-3b``
+    was after the fourth GPU run's calls were written) stays out of it; ``--skip`` still wins."""
+    result = run(
+        "--dry-run",
+        "--out",
+        str(tmp_path),
+        "--only",
+        "install",
+        "--only",
+        "ops",
+        "--only",
+        "gpu-tests",
+        "--only",
+        "compare-3b",
+        "--skip",
+        "compare-3b",
+    )
+    assert result.returncode == 0, result.stderr
+    assert _planned(result.stdout) == ["install", "ops", "gpu-tests"]
+    notes = {
+        row["step"]: (row["result"], row["note"])
+        for row in json.loads((tmp_path / "summary.json").read_text())["steps"]
+    }
+    assert notes["lora-3b"] == ("skipped", "not in --only") and notes["compare-3b"] == ("skipped", "--skip")
+    assert [step for step in STEPS if notes[step][0] == "planned"] == ["install", "ops", "gpu-tests"]
+
+
 def test_each_step_has_a_limit_that_limit_overrides(tmp_path):
     result = run("--dry-run", "--out", str(tmp_path), "--limit", "gpu-tests=150", "--limit", "timeline=30")
     assert result.returncode == 0, result.stderr
@@ -94,6 +129,8 @@ def test_a_dry_run_without_out_leaves_the_repository_alone():
     "args, message",
     [
         (["--skip", "nope"], "unknown step 'nope'"),
+        (["--only", "nope"], "unknown step 'nope'"),
+        (["--only"], "--only needs a step name"),
         (["--out"], "--out needs a directory"),
         (["--frobnicate"], "unknown argument '--frobnicate'"),
         (["--limit", "compare"], "--limit needs STEP=SECONDS"),
