@@ -37,8 +37,8 @@
 #   timeline      bench/timeline.py --record --device cuda: the traced step as a PNG
 # Every step runs even when an earlier one fails, each under its own time limit (--limit: a
 # lease is short, and one hung step must not cost the others); a summary table ends the run
-# and is written to DIR/summary.json. Exit status: 0 when no step failed, 1 otherwise, 2 for
-# bad arguments or no CUDA device (without --dry-run).
+# and is written to DIR/summary.json, with the checkout's git_rev. Exit status: 0 when no
+# step failed, 1 otherwise, 2 for bad arguments or no CUDA device (without --dry-run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -242,14 +242,20 @@ for i in "${!NAMES[@]}"; do
     printf '%-16s %-10s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${SECONDS_TAKEN[$i]}" "${NOTES[$i]}"
     [[ "${STATUSES[$i]}" == FAIL* ]] && failed=1
 done
-"$PYTHON" - "$OUT_DIR/summary.json" "$DEVICE" "$DRY_RUN" "${#NAMES[@]}" \
+# The code the steps ran (a step whose only result is its log, like gpu-tests, has no other record).
+GIT_REV=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+if [ "$GIT_REV" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    GIT_REV="$GIT_REV-dirty"
+fi
+"$PYTHON" - "$OUT_DIR/summary.json" "$DEVICE" "$DRY_RUN" "$GIT_REV" "${#NAMES[@]}" \
     "${NAMES[@]}" "${STATUSES[@]}" "${SECONDS_TAKEN[@]}" "${NOTES[@]}" <<'EOF'
 import json, sys
-path, device, dry_run, count = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
-columns = [sys.argv[5 + i * count: 5 + (i + 1) * count] for i in range(4)]
+path, device, dry_run, git_rev = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+count = int(sys.argv[5])
+columns = [sys.argv[6 + i * count: 6 + (i + 1) * count] for i in range(4)]
 steps = [{"step": n, "result": r, "seconds": int(s), "note": note} for n, r, s, note in zip(*columns)]
 with open(path, "w") as handle:
-    json.dump({"device": device, "dry_run": dry_run, "steps": steps}, handle, indent=1)
+    json.dump({"device": device, "dry_run": dry_run, "git_rev": git_rev, "steps": steps}, handle, indent=1)
     handle.write("\n")
 EOF
 echo "summary: $OUT_DIR/summary.json"

@@ -64,6 +64,8 @@ def test_dry_run_plans_every_step_and_writes_the_summary(tmp_path):
     assert "TORCH_CUDA_SANITIZER=1" in result.stdout and "tests/test_gpu.py" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] is True
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=SCRIPT.parent)
+    assert summary["git_rev"].removesuffix("-dirty") == head.stdout.strip()  # the code the steps ran
     results = {row["step"]: row["result"] for row in summary["steps"]}
     assert list(results) == STEPS
     assert results["compare"] == "skipped" and results["gpu-tests"] == "planned"
