@@ -379,7 +379,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     defaults = Settings()
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
