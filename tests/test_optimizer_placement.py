@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config, relative_weight_error, train_side_by_side
 
-from megatrain_ds.optimizer import cpu_adam
+from megatrain_ds import MegatrainEngine, parse_engine_config
+from megatrain_ds.optimizer import cpu_adam, placement
 from megatrain_ds.optimizer.adamw_math import AdamHyper, adamw_update_
 from megatrain_ds.optimizer.cpu_adam import TorchFusedKernel, TorchKernel, make_cpu_kernel
 from megatrain_ds.optimizer.placement import Calibration, calibrate, device_share, split
@@ -197,6 +200,40 @@ def test_auto_split_balances_measured_throughputs():
     placed = split([10] * 8, 0.25)
     assert placed == ["cpu", "gpu", "cpu", "cpu", "cpu", "gpu", "cpu", "cpu"]  # interleaved: both busy
     assert split([10] * 4, 0.0) == ["cpu"] * 4 and split([10] * 4, 1.0) == ["gpu"] * 4
+
+
+def test_auto_keeps_every_state_on_the_cpu_where_the_finish_runs_behind_the_forward(monkeypatch, caplog):
+    """Issue 42, item 2: where streaming state through the GPU does not win, ``"auto"`` must
+    not pick it. On one H200 (940M Llama, ``bench/results/gpu_H200/2026-11-27/``) streaming 4
+    of 17 states left the finish as long as the CPU's alone, and a state on ``DeviceAdamW``
+    makes the pipelined finish synchronous; so with a CUDA device and a finish that can
+    pipeline, ``"auto"`` places no state on the device, says why, and calibrates nothing. The
+    runtime is a stand-in answering that it is CUDA: on a CPU machine the decision otherwise
+    stops earlier ("no CUDA device"), and this rule runs on GPU machines only."""
+    engine = MegatrainEngine(tiny_models.llama(num_layers=2), parse_engine_config(ds_config(clipping=1.0)))
+    try:
+
+        def calibration_not_needed(*_args):
+            raise AssertionError("no calibration: nothing goes to the device")
+
+        monkeypatch.setattr(placement, "calibrate", calibration_not_needed)
+        cuda = cast(DeviceRuntime, SimpleNamespace(is_cuda=True))
+        with caplog.at_level(logging.INFO, logger=placement.__name__):
+            adamw = placement.build_host_adamw(
+                engine.optimizer.param_groups,
+                engine.optimizer.decoupled,
+                engine.optimizer_states,
+                cuda,
+                "auto",
+                "torch",
+                torch.float32,
+                finish_pipelines=True,
+            )
+        assert adamw.on_host_only
+        assert "update runs behind the next forward" in caplog.text
+        assert placement._why_cpu_only("auto", cuda, engine.optimizer_states, finish_pipelines=False) is None
+    finally:
+        engine.destroy()
 
 
 def test_calibration_is_measured_once_per_machine(tmp_path, monkeypatch):
