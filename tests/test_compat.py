@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import accelerate.utils.deepspeed as accelerate_deepspeed
 import deepspeed
@@ -229,3 +229,21 @@ def test_the_first_write_through_deepspeeds_op_runs_alone(monkeypatch):
     assert order == ["first", "second"] and swap_io._first_write_done.is_set()
     with swap_io._first_write_alone():  # done: does not take the lock
         assert not swap_io._FIRST_WRITE_LOCK.locked()
+
+
+def test_a_broken_contract_leaves_deepspeed_unpatched():
+    """``patch`` checks every contract of ``deepspeed``'s patches before it applies any: a
+    release that broke the last one (here ``GatheredParameters``, patch 5) gets the error and
+    keeps its own ``initialize`` and ``zero.Init`` (patches 1 and 2), not half the patches.
+    On a stand-in module holding DeepSpeed's originals (this process's are patched already)."""
+    originals = SimpleNamespace(
+        initialize=deepspeed.initialize.__megatrain_original__,
+        init=deepspeed.zero.Init.__megatrain_original__,
+    )
+    release = ModuleType("deepspeed")
+    release.initialize = originals.initialize
+    release.zero = SimpleNamespace(Init=originals.init, GatheredParameters=lambda *params: None)
+    release.comm = deepspeed.comm
+    with pytest.raises(IncompatibleVersionError, match=r"GatheredParameters is a class used as a context manager"):
+        compat.patch(release)
+    assert release.initialize is originals.initialize and release.zero.Init is originals.init
