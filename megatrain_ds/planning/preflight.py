@@ -147,17 +147,14 @@ def estimate_from_shapes(
     config: EngineConfig,
     device_type: str,
     staging_chunk: int,
-    span_of: SpanOf | None = None,
-    tier_ranks: int | None = None,
     topology: Topology | None = None,
 ) -> MemoryNeed:
     """The allocations of the engine's build (``engine_build.py``) for these flat sizes (see module doc),
     this node's: where each buffer lives is the :class:`Placement`'s (``state/placement.py``),
     the engine's own.
 
-    ``topology``: the processes sharing the state (``None``: from ``span_of``, with several
-    nodes this node's share of a state's optimizer state, and ``tier_ranks``, with data
-    parallel the ranks of this node, each with its own NVMe tier: :func:`topology_of`)."""
+    ``topology``: the processes sharing the state (``DataParallel.topology``, or a plan's
+    from :func:`topology_of`); ``None``: one process."""
     options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
@@ -165,7 +162,7 @@ def estimate_from_shapes(
     streamed = compute if with_shadow else master
     numels = [*shapes.block_numels, shapes.resident_numel]
     nvme = options.nvme_offload if options.nvme_offload != "auto" else "none"
-    placement = Placement.of(config, nvme, topology or topology_of(span_of, tier_ranks), shapes.states)
+    placement = Placement.of(config, nvme, topology or Topology(), shapes.states)
     host = {
         "master": sum(_host_buffer(n, master) for n in placement.node_host_buffers("master")),
         "adam_m_v": sum(2 * _host_buffer(n, 4) for n in placement.node_host_buffers("exp_avg")),
