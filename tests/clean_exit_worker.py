@@ -6,9 +6,10 @@ python clean_exit_worker.py SWAP_DIR REPEATS
 Imports once, then forks a child per run, each a script's whole life after its imports:
 build an engine with the tier, train 2 steps, return, and let the interpreter exit as it
 would (atexit handlers, then finalization with whatever threads are left). Runs: REPEATS
-times each of ``nvme_offload`` "optimizer" and "all", then once two ranks of data parallel
-("optimizer": one tier per rank, over gloo), both ranks forked here. Prints one
-line per child, ``<case> <exit code>`` (a signal is a negative code: SIGABRT is -6).
+times each of ``nvme_offload`` "optimizer" and "all", then once each two ranks of data
+parallel (one tier per rank, over gloo), both ranks forked here: "optimizer", and "all"
+(each rank's windows of the weights on its tier, gathered when used). Prints one line per
+child, ``<case> <exit code>`` (a signal is a negative code: SIGABRT is -6).
 """
 
 from __future__ import annotations
@@ -66,15 +67,14 @@ def _free_port() -> int:
 
 
 def main(swap_dir: str, repeats: int) -> None:
-    runs = [("optimizer", 1), ("all", 1)] * repeats + [("data_parallel", 2)]
-    for level, world_size in runs:
+    runs = [("optimizer", "optimizer", 1), ("all", "all", 1)] * repeats
+    runs += [("data_parallel", "optimizer", 2), ("data_parallel_all", "all", 2)]
+    for case, level, world_size in runs:
         port = _free_port()
-        pids = [
-            _fork(swap_dir, level.replace("data_parallel", "optimizer"), world_size, r, port) for r in range(world_size)
-        ]
+        pids = [_fork(swap_dir, level, world_size, r, port) for r in range(world_size)]
         for pid in pids:
             _, status = os.waitpid(pid, 0)
-            print(f"{level} {os.waitstatus_to_exitcode(status)}", flush=True)
+            print(f"{case} {os.waitstatus_to_exitcode(status)}", flush=True)
 
 
 if __name__ == "__main__":

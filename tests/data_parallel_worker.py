@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models
 from old_span_checkpoints import as_before_issue_44
-from placement_check import engine_preflight, placement_disagreements, preflight_disagreements
+from placement_check import engine_preflight, node_share, placement_disagreements, preflight_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.model import causal_lm_loss
@@ -378,8 +378,11 @@ def _held_report(engine: MegatrainEngine) -> dict:
     # This rank's buffers against its placement (tests/test_placement.py: one process's combinations),
     # and against preflight's estimate where every host buffer is its node's.
     held["placement_disagreements"] = placement_disagreements(engine)
-    # And against preflight's estimate, where this rank is its node (preflight counts the node).
-    held["preflight_disagreements"] = preflight_disagreements(engine) if dp is None or dp.node_size == 1 else []
+    # And against preflight's estimate, where this rank is its node (preflight counts the node);
+    # else this rank's share of the node, which the test adds up with its node's other ranks'.
+    alone = dp is None or dp.node_size == 1
+    held["preflight_disagreements"] = preflight_disagreements(engine) if alone else []
+    held["node_share"] = None if alone else node_share(engine)
     held["tier"] = None
     if engine.nvme_tier is not None:
         held["tier"] = _tier_report(engine)

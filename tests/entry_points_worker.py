@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import safetensors.torch
 from data_parallel_worker import MICRO, config, global_batch
-from placement_check import placement_disagreements, preflight_disagreements
+from placement_check import node_share, placement_disagreements, preflight_disagreements
 from tiny_models import llama
 
 STEPS = 2
@@ -70,8 +70,11 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
     masters = _masters_held(engine)  # as trained, before any entry point runs
     # This rank's buffers against its placement and preflight (tests/test_placement.py: one process's).
     agreement = placement_disagreements(engine)
+    share = None  # where the node has several ranks, the test adds up their shares for preflight
     if engine.data_parallel is None or engine.data_parallel.node_size == 1:  # preflight counts the node
         agreement += preflight_disagreements(engine)
+    else:
+        share = node_share(engine)
     out = Path(args.out) / placement
     answers = {"module.state_dict": {k: v.clone() for k, v in engine.module.state_dict().items()}}
     answers["engine.state_dict"] = {k.removeprefix("module."): v.clone() for k, v in engine.state_dict().items()}
@@ -89,6 +92,7 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
         "masters": masters,
         "collective": engine.state_dict_is_collective,
         "disagreements": agreement,
+        "node_share": share,
     }
     torch.save(report, Path(args.out) / f"{placement}.rank{rank}.pt")
     engine.destroy()

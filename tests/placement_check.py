@@ -2,8 +2,9 @@
 
 Shared by ``tests/test_placement.py`` (one process, every combination in-process),
 ``tests/data_parallel_worker.py`` and ``tests/entry_points_worker.py`` (each rank of the
-multi-rank launches checks its own); :func:`planned_state` plans one state for the tests
-that build states themselves.
+multi-rank launches checks its own, and where a node has several ranks reports its share,
+:func:`node_share`, which the test adds up with :func:`node_preflight_disagreements`);
+:func:`planned_state` plans one state for the tests that build states themselves.
 The actual side is read from the engine's tensors, not from the placement or
 ``engine.host_bytes()`` (which now derives from the placement): each flat state's buffers as
 they are after construction, a buffer the NVMe tier holds being a meta placeholder. Which
@@ -212,9 +213,80 @@ def preflight_disagreements(engine: MegatrainEngine, need: MemoryNeed | None = N
             problems.append(
                 f"preflight disk/window {need.disk}/{need.host.get('nvme_window', 0)}, tier {disk}/{window}"
             )
-    weights = engine.nvme_weights
-    if engine.gathered_weights is None and need.host.get("nvme_weights", 0) != (weights.nbytes if weights else 0):
+    # The weight window, and with data parallel the gather's buffers (GatheredWeights.nbytes).
+    weights = engine.host_bytes().get("nvme_weights", 0)
+    if need.host.get("nvme_weights", 0) != weights:
         problems.append(f"preflight weight window {need.host.get('nvme_weights', 0)}, engine {weights}")
+    return problems
+
+
+def node_share(engine: MegatrainEngine) -> dict[str, object]:
+    """This rank's part of its node's allocations, for :func:`node_preflight_disagreements`
+    (a rank of a node of several ranks, where preflight counts the node): its host tensors
+    by kind, paged as preflight counts them, apart by owner -- ``"shared"``, node-shared
+    (every rank of the node maps the same copy), and ``"own"``, this rank's window
+    (``Where.RANK_WINDOW``) --, its NVMe tier's swap files and window slots, its weight
+    window, and preflight's estimate as this rank computes it."""
+    tier, planned_tier = engine.nvme_tier, engine.placement.tier
+    shared: dict[str, int] = {}
+    own: dict[str, int] = {}
+    for state in engine.states:
+        on_tier = tier.kinds if tier is not None and tier.holds(state) else ()
+        for name, buffer in state.placement.buffers().items():
+            tensor = getattr(state, name)
+            if buffer.where.on_device or not isinstance(tensor, torch.Tensor) or tensor.is_meta or name in on_tier:
+                continue
+            kind = _PREFLIGHT_KIND[name]
+            held = own if buffer.where is Where.RANK_WINDOW else shared
+            held[kind] = held.get(kind, 0) + tensor.numel() * tensor.element_size() + PAGE_BYTES
+    need = engine_preflight(engine)
+    dp = engine.data_parallel
+    assert dp is not None, "a node's share: data parallel"
+    return {
+        "node": dp.ownership.node,  # which node: the shares of one node add up
+        "shared": shared,
+        "own": own,
+        # The tier's figures only where the I/O engine configured is the one that opened.
+        "tier": (tier.directory.nbytes, tier.window_bytes) if tier is not None else (0, 0),
+        "tier_as_planned": tier is None or planned_tier is None or tier.io.alignment == planned_tier.alignment,
+        "weights": engine.host_bytes().get("nvme_weights", 0),
+        "preflight": {**need.host, "disk": need.disk},
+    }
+
+
+_PREFLIGHT_KIND = {
+    "master": "master",
+    "exp_avg": "adam_m_v",
+    "exp_avg_sq": "adam_m_v",
+    "grad": "gradients",
+    "shadow": "shadow",
+    "frozen": "frozen",
+}
+"""Preflight's name for each buffer's host memory (``planning/preflight.py``)."""
+
+
+def node_preflight_disagreements(shares: Sequence[dict]) -> list[str]:
+    """Every way preflight's estimate for a node differs from what the node's ranks
+    allocated together (``shares``: :func:`node_share` of every rank of one node): each
+    node-shared buffer once (every rank must map the same), each rank's own window once per
+    rank, each rank's NVMe tier and weight window. Empty when they agree."""
+    first, problems = shares[0], []
+    for rank, share in enumerate(shares):  # what every rank of the node must see alike
+        for key in ("node", "shared", "preflight"):
+            if share[key] != first[key]:
+                problems.append(f"rank {rank} of the node: {key} {share[key]}, the first rank's {first[key]}")
+    need = first["preflight"]
+    for kind in sorted(set(_PREFLIGHT_KIND.values())):
+        allocated = first["shared"].get(kind, 0) + sum(share["own"].get(kind, 0) for share in shares)
+        if need.get(kind, 0) != allocated:
+            problems.append(f"preflight {kind} {need.get(kind, 0)}, the node allocated {allocated} (paged)")
+    if all(share["tier_as_planned"] for share in shares):
+        disk, window = (sum(share["tier"][i] for share in shares) for i in (0, 1))
+        if (need["disk"], need.get("nvme_window", 0)) != (disk, window):
+            problems.append(f"preflight disk/window {need['disk']}/{need.get('nvme_window', 0)}, tiers {disk}/{window}")
+    weights = sum(share["weights"] for share in shares)
+    if need.get("nvme_weights", 0) != weights:
+        problems.append(f"preflight weight windows {need.get('nvme_weights', 0)}, the ranks' {weights}")
     return problems
 
 

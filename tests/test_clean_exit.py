@@ -5,10 +5,11 @@ NVMe tier aborted in about half of its runs (SIGABRT, "terminate called without 
 exception"): an I/O thread (a daemon) was still writing the last step behind inside
 DeepSpeed's async I/O op when the interpreter finalized, and was unwound out of the op's
 GIL release. Each run is one child of ``clean_exit_worker.py``, forked after the imports:
-``REPEATS`` each of "optimizer" and "all", and once two data-parallel ranks; every one must
-exit with 0. The abort came in some runs only; what fails every time without the handler is
-the last check: the swap directory of a run that died without closing its tier stays on
-disk (a later run removes those of dead runs, so the last run's is the one left).
+``REPEATS`` each of "optimizer" and "all", and once each two data-parallel ranks with
+"optimizer" and with "all"; every one must exit with 0. The abort came in some runs only;
+what fails every time without the handler is the last check: the swap directory of a run
+that died without closing its tier stays on disk (a later run removes those of dead runs,
+so the last run's is the one left).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def test_scripts_that_return_without_destroy_exit_cleanly(tmp_path: Path) -> Non
     runs = [
         line.split()
         for line in result.stdout.splitlines()
-        if line.split()[:1] in (["optimizer"], ["all"], ["data_parallel"])
+        if line.split()[:1] in (["optimizer"], ["all"], ["data_parallel"], ["data_parallel_all"])
     ]
-    assert len(runs) == REPEATS * 2 + 2, result.stdout
+    assert len(runs) == REPEATS * 2 + 4, result.stdout
     assert all(code == "0" for _, code in runs), (runs, result.stderr[-3000:])
     assert list(tmp_path.iterdir()) == [], "every run's swap directory is removed at exit"

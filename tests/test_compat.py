@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import accelerate.utils.deepspeed as accelerate_deepspeed
 import deepspeed
@@ -113,8 +113,9 @@ def test_the_rank_query_answers_only_where_deepspeed_would_assert(monkeypatch):
     deepspeeds_own = comm.get_rank.__megatrain_original__
     backend_state = sys.modules["deepspeed.comm.comm"]  # where get_rank/is_initialized read `cdb`
     monkeypatch.setattr(backend_state, "cdb", None)  # DeepSpeed's backend not initialised
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is joined in this process")
+    # Nor torch.distributed's, even where an earlier test on this worker joined a group (a
+    # DeepSpeed reference run): the patched query must answer 0 without one.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(AssertionError, match="DeepSpeed backend not set"):
         deepspeeds_own()
     assert comm.get_rank() == 0
@@ -229,3 +230,21 @@ def test_the_first_write_through_deepspeeds_op_runs_alone(monkeypatch):
     assert order == ["first", "second"] and swap_io._first_write_done.is_set()
     with swap_io._first_write_alone():  # done: does not take the lock
         assert not swap_io._FIRST_WRITE_LOCK.locked()
+
+
+def test_a_broken_contract_leaves_deepspeed_unpatched():
+    """``patch`` checks every contract of ``deepspeed``'s patches before it applies any: a
+    release that broke the last one (here ``GatheredParameters``, patch 5) gets the error and
+    keeps its own ``initialize`` and ``zero.Init`` (patches 1 and 2), not half the patches.
+    On a stand-in module holding DeepSpeed's originals (this process's are patched already)."""
+    originals = SimpleNamespace(
+        initialize=deepspeed.initialize.__megatrain_original__,
+        init=deepspeed.zero.Init.__megatrain_original__,
+    )
+    release = ModuleType("deepspeed")
+    release.initialize = originals.initialize
+    release.zero = SimpleNamespace(Init=originals.init, GatheredParameters=lambda *params: None)
+    release.comm = deepspeed.comm
+    with pytest.raises(IncompatibleVersionError, match=r"GatheredParameters is a class used as a context manager"):
+        compat.patch(release)
+    assert release.initialize is originals.initialize and release.zero.Init is originals.init

@@ -26,6 +26,7 @@ import torch
 import transformers
 from data_parallel_worker import BF16_FROZEN_STEPS, CLIPPING, FREEZERS, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
 from data_parallel_worker import config as worker_config
+from placement_check import node_preflight_disagreements
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.config import ConfigError
@@ -336,11 +337,20 @@ def test_two_simulated_nodes_from_two_torchrun_launches_match_one_process(
 
 def _assert_placement_agrees(ranks: list[dict]) -> None:
     """Every rank's buffers are where and what its placement says, and what preflight
-    estimates where the rank is its node (``tests/placement_check.py``; the one-process
-    combinations are ``tests/test_placement.py``'s)."""
+    estimates for its node: the rank's own where it is its node, else its node's ranks'
+    together (``tests/placement_check.py``; the one-process combinations are
+    ``tests/test_placement.py``'s)."""
+    nodes: dict[int, list[dict]] = {}
     for rank, report in enumerate(ranks):
         assert report["placement_disagreements"] == [], (rank, report["placement_disagreements"])
         assert report["preflight_disagreements"] == [], (rank, report["preflight_disagreements"])
+        if report.get("node_share") is not None:
+            nodes.setdefault(report["node_share"]["node"], []).append(report["node_share"])
+    for node, shares in nodes.items():
+        assert len(shares) > 1 and node_preflight_disagreements(shares) == [], (
+            node,
+            node_preflight_disagreements(shares),
+        )
 
 
 def _assert_node_shares(ranks: list[dict], nodes: int, per_node: int, tier: bool = False) -> None:

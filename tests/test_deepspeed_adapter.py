@@ -122,12 +122,19 @@ def test_frozen_parameters_can_be_excluded():
 
 
 def test_batch_rule_counts_the_launchers_ranks_and_model_parallel_is_rejected(monkeypatch):
-    """Checked before any process group is joined (data parallel: tests/test_data_parallel.py)."""
+    """Checked before any process group is joined (data parallel: tests/test_data_parallel.py).
+
+    As before a group is joined even where another test on this pytest worker left one (a
+    DeepSpeed reference run, ``tests/test_deepspeed_keys.py``, joins a one-rank group that
+    cannot be left without DeepSpeed's own group caches going stale): the batch rule, the
+    first thing ``initialize`` reads, then counts the launcher's ``WORLD_SIZE``."""
     import deepspeed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"2 != 2 \* 1 \* 2"):
-        deepspeed.initialize(model=tiny_models.llama(), config={**ds_config(), "train_batch_size": 2})
+    with monkeypatch.context() as no_group:
+        no_group.setattr(torch.distributed, "is_initialized", lambda: False)
+        with pytest.raises(ConfigError, match=r"2 != 2 \* 1 \* 2"):
+            deepspeed.initialize(model=tiny_models.llama(), config={**ds_config(), "train_batch_size": 2})
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"model parallelism \(mpu=, mesh_param=\) is not supported"):
         deepspeed.initialize(model=tiny_models.llama(), config=ds_config(), mpu=object())

@@ -9,10 +9,13 @@ kind: preflight counts each host buffer with the page ``host_empty`` over-alloca
 (``planning/preflight.py``), so its figure is the bytes allocated plus a page per tensor,
 exactly; and the planner's estimate (``megatrain plan``), given the engine's flat sizes,
 counts the same bytes as ``host_bytes()``: all three read the one placement. Data
-parallel, nodes and the sharded bf16 master are checked the same way (placement and
-preflight) by every rank of the multi-rank launches of ``tests/test_data_parallel.py``
-(``data_parallel_worker._held_report``) and ``tests/test_state_dict_collectives.py`` (bf16
-nodes in host memory, with "optimizer" and with "all"), at no extra launch.
+parallel, nodes and the sharded bf16 master are checked the same way by every rank of the
+multi-rank launches of ``tests/test_data_parallel.py`` (``data_parallel_worker._held_report``)
+and ``tests/test_state_dict_collectives.py`` (one node of 2 ranks and 2 bf16 nodes, in host
+memory and with "all"), at no extra launch: each rank against its placement, and against
+preflight's estimate for its node -- the rank's own where it is its node, else the node's
+ranks' allocations added up (``placement_check.node_preflight_disagreements``: one node of
+2 ranks in host memory, with "optimizer" and with "all", and 2 nodes of 2 ranks).
 """
 
 from __future__ import annotations

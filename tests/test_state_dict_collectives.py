@@ -21,9 +21,11 @@ placements in turn:
   and joined: bit-equal (the state dict moves those bytes, nothing else); the tier
   placement bit-equal to it.
 
-Every rank of both launches also checks its buffers against its placement, and where it is
-its node against preflight's estimate (``tests/placement_check.py``): the bf16 nodes with
-the weights on the tier are the agreement check's multi-rank ``"all"`` combination.
+Every rank of both launches also checks its buffers against its placement, and against
+preflight's estimate for its node (``tests/placement_check.py``): a bf16 node's rank is its
+node; the one node's two ranks are added up (each node-shared buffer once, each rank's
+windows, tiers and gather buffers). These are the agreement check's multi-rank ``"all"``
+combinations.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from placement_check import node_preflight_disagreements
 from test_data_parallel import launch, launch_nodes, reference_training, relative_error
 
 WORKER = str(Path(__file__).resolve().parent / "entry_points_worker.py")
@@ -90,6 +93,9 @@ def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: p
     assert relative_error(expected, reference) < 2e-6
     for placement, ranks in reports.items():
         assert [rank["collective"] for rank in ranks] == [placement == "all"] * 2
+        # The node's two ranks together against preflight's estimate for the node.
+        node = node_preflight_disagreements([rank["node_share"] for rank in ranks])
+        assert node == [], (placement, node)
         for rank, report in enumerate(ranks):
             assert report["disagreements"] == [], (placement, rank, report["disagreements"])
             _assert_every_answer_is(expected, report, rank, placement)

@@ -5,8 +5,9 @@ process may hold only elements ``[start, end)`` of a flat state (a :class:`HeldS
 its node's span of the optimizer state or of a sharded master (several nodes), or its
 rank's window (the NVMe tier with data parallel). The files' tensors of such a state are
 read into one whole temporary per state and kind, and the held part is kept once every
-file of the read has been read into it. Span files need none of this: they hold spans,
-and ``SpanFiles.read_into`` reads each one's overlap with the held part.
+file of the read has been read into it. Span files need no whole temporary: they hold
+spans, and ``SpanFiles.read_into`` reads a span that only overlaps the held part into a
+temporary of that span alone (its checksum covers the span) and keeps the overlap.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ engine's state-dict hook (``engine.py``) puts these in place of the parameters' 
 Where each state's master is (the engine's ``Placement``, ``state/placement.py``: its
 ``master.where``), and what taking it costs:
 
-- Host memory, whole (no NVMe tier; the tier with fp32 compute, or with data parallel
-  on one node, which keeps only Adam's moments on it): the parameters are views of the
-  master. The state dict holds those views: no copy, no collective.
+- Host memory, whole (no NVMe tier; ``"optimizer"`` with fp32 compute, or with data
+  parallel on one node, which keeps only Adam's moments on the tier; data parallel on one
+  node without the tier): the parameters are views of the master. The state dict holds
+  those views: no copy, no collective.
 - The NVMe tier, one process, with bf16/fp16 compute (``"optimizer"``, where the tier takes
   the master too) or with the weights on it (``"all"``): the parameters view the
   compute-dtype shadow, or are meta tensors. The masters are read from the swap files

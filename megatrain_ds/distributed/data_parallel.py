@@ -335,6 +335,7 @@ class DataParallel:
             span_of=self.span if self.num_nodes > 1 else None,
             window_of=self.window,
             node_windows_of=node_windows,
+            world_size=self.world_size,
         )
 
     # -- collectives (each wrapped so a peer's failure reads as one) ---------------------

@@ -50,9 +50,25 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_ds.distributed.data_parallel import DataParallel
+from megatrain_ds.distributed.ownership import window_elements
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, Event
 from megatrain_ds.runtime.stream_check import declare_access
 from megatrain_ds.state.nvme_weights import NvmeWeights
+
+
+def gather_buffer_elements(parts: Sequence[tuple[int, int]], world_size: int) -> tuple[int, int]:
+    """``(whole, sent)`` for blocks of these ``(stepped, frozen)`` parts among ``world_size``
+    ranks: elements of one whole-block buffer a gather fills, and of the buffer this rank's
+    windows of a block are sent from. :class:`GatheredWeights` allocates them and preflight
+    counts them (``planning/preflight.py``): one formula, so the two agree."""
+    sent = max(window_elements(s, world_size) + window_elements(f, world_size) for s, f in parts)
+    # A whole block: the stepped part's windows gathered from 0, then the frozen part's from its
+    # start (over the stepped gather's padding: stepped is a multiple of the window alignment).
+    whole = max(
+        max(world_size * window_elements(s, world_size), s + world_size * window_elements(f, world_size))
+        for s, f in parts
+    )
+    return whole, sent
 
 
 @dataclass
@@ -94,12 +110,8 @@ class GatheredWeights:
         self._numels = [stepped + frozen for stepped, frozen in self._parts]
         self._dp = data_parallel
         self._runtime = runtime
-        ownership, world = data_parallel.ownership, data_parallel.world_size
-        mine = max(ownership.chunk(stepped) + ownership.chunk(frozen) for stepped, frozen in self._parts)
+        whole, mine = gather_buffer_elements(self._parts, data_parallel.world_size)
         self._mine = torch.zeros(mine, dtype=self.dtype)
-        # A whole block: the stepped part's windows gathered from 0, then the frozen part's from
-        # its start (over the stepped gather's padding: stepped is a multiple of the window alignment).
-        whole = max(max(world * ownership.chunk(s), s + world * ownership.chunk(f)) for s, f in self._parts)
         # Free buffers in the order they were given back: the one the device let go of first is reused first.
         self._free = deque(_Whole(runtime.host_empty(whole, self.dtype)) for _ in range(capacity))
         self._taken: dict[int, deque[_Whole]] = {}

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from megatrain_ds.state.flat_layout import ALIGN_ELEMENTS
 
 
+def window_elements(numel: int, world_size: int) -> int:
+    """Elements of one window of a ``numel``-element state cut among ``world_size`` ranks
+    (:meth:`Ownership.chunk`): ``numel / world_size``, rounded up to 64."""
+    return -(-numel // (world_size * ALIGN_ELEMENTS)) * ALIGN_ELEMENTS
+
+
 @dataclass(frozen=True)
 class Ownership:
     """Windows of ranks and spans of nodes over any flat state.
@@ -46,8 +52,7 @@ class Ownership:
 
     def chunk(self, numel: int) -> int:
         """Elements of one window: ``numel / world_size``, rounded up to 64."""
-        world = len(self.positions)
-        return -(-numel // (world * ALIGN_ELEMENTS)) * ALIGN_ELEMENTS
+        return window_elements(numel, len(self.positions))
 
     def _bounds(self, first: int, end: int, numel: int) -> tuple[int, int]:
         chunk = self.chunk(numel)

@@ -329,7 +329,10 @@ def settle_before_gathering(deepspeed: ModuleType) -> None:
 
 
 def patch_deepspeed(deepspeed: ModuleType) -> None:
-    """Everything ``deepspeed`` gets: patches 1, 2, 3 and 5."""
+    """Everything ``deepspeed`` gets: patches 1, 2, 3 and 5, each contract checked before any
+    is applied (a release that broke the last one must not be left with the first ones)."""
+    for check in (check_initialize, check_zero_init, check_rank_query, check_gathered_parameters):
+        check(deepspeed)
     route_initialize(deepspeed)
     build_models_whole(deepspeed)
     answer_rank_without_backend(deepspeed)

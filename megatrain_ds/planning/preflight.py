@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from megatrain_ds.config import NVME_OFFLOAD_LEVELS, EngineConfig
+from megatrain_ds.distributed.gathered_weights import gather_buffer_elements
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer.journal import choose_journal_extents
@@ -146,17 +147,14 @@ def estimate_from_shapes(
     config: EngineConfig,
     device_type: str,
     staging_chunk: int,
-    span_of: SpanOf | None = None,
-    tier_ranks: int | None = None,
     topology: Topology | None = None,
 ) -> MemoryNeed:
     """The allocations of the engine's build (``engine_build.py``) for these flat sizes (see module doc),
     this node's: where each buffer lives is the :class:`Placement`'s (``state/placement.py``),
     the engine's own.
 
-    ``topology``: the processes sharing the state (``None``: from ``span_of``, with several
-    nodes this node's share of a state's optimizer state, and ``tier_ranks``, with data
-    parallel the ranks of this node, each with its own NVMe tier: :func:`topology_of`)."""
+    ``topology``: the processes sharing the state (``DataParallel.topology``, or a plan's
+    from :func:`topology_of`); ``None``: one process."""
     options = config.options
     master = torch.empty((), dtype=config.master_dtype).element_size()
     compute = torch.empty((), dtype=config.compute_dtype).element_size()
@@ -164,7 +162,7 @@ def estimate_from_shapes(
     streamed = compute if with_shadow else master
     numels = [*shapes.block_numels, shapes.resident_numel]
     nvme = options.nvme_offload if options.nvme_offload != "auto" else "none"
-    placement = Placement.of(config, nvme, topology or topology_of(span_of, tier_ranks), shapes.states)
+    placement = Placement.of(config, nvme, topology or Topology(), shapes.states)
     host = {
         "master": sum(_host_buffer(n, master) for n in placement.node_host_buffers("master")),
         "adam_m_v": sum(2 * _host_buffer(n, 4) for n in placement.node_host_buffers("exp_avg")),
@@ -173,7 +171,7 @@ def estimate_from_shapes(
     if placement.tier is not None:
         host["nvme_window"] = sum(tier.window_bytes for tier in placement.node_tiers)
     if placement.weights_on_tier:
-        host["nvme_weights"] = _weight_window_need(placement, config, shapes)
+        host["nvme_weights"] = _weight_window_need(placement, config)
     if with_shadow:
         host["shadow"] = sum(_host_buffer(n, compute) for n in placement.node_host_buffers("shadow"))
     # Frozen weights not in the compute dtype kept apart, exact, beside a cut fp32 master.
@@ -211,16 +209,20 @@ def _journaled(shapes: _Shapes) -> list[int]:
     return [state.trained_numel for state in shapes.states[:-1]]
 
 
-def _weight_window_need(placement: Placement, config: EngineConfig, shapes: _Shapes) -> int:
+def _weight_window_need(placement: Placement, config: EngineConfig) -> int:
     """With the weights on the tier: the node's weight windows (``state/nvme_weights.py``),
     and with data parallel each rank's whole blocks gathered from the windows, one more than
-    its streamer's slots (``distributed/gathered_weights.py``)."""
+    its streamer's slots, and the buffer its windows are sent from (``GatheredWeights``,
+    sized by the same :func:`gather_buffer_elements`)."""
     options = config.options
     need = placement.weight_window_bytes(options.num_buffers, options.checkpoint_interval)
-    if placement.topology.data_parallel:
+    topology = placement.topology
+    if topology.data_parallel:
         slots = options.num_buffers + options.checkpoint_interval - 1
-        ranks = placement.topology.node_ranks or 1
-        need += ranks * (slots + 1) * max(shapes.block_numels) * placement.compute_itemsize
+        ranks = topology.node_ranks or 1
+        parts = [(state.stepped_numel, state.frozen_numel) for state in placement.blocks]
+        whole, sent = gather_buffer_elements(parts, topology.world_size or ranks)
+        need += ranks * ((slots + 1) * whole + sent) * placement.compute_itemsize
     return need
 
 

@@ -177,12 +177,15 @@ class Topology:
         node_windows_of: every window of this node's ranks (for the node's NVMe tiers); by
             default the node's span cut in ``node_ranks`` equal parts, as a plan for a node
             that does not know the other nodes' sizes does.
+        world_size: every rank of the run, whose windows a gather of the weights joins
+            (``"all"``); ``None``: this node's ranks, as a plan for one node assumes.
     """
 
     node_ranks: int | None = None
     span_of: SpanOf | None = None
     window_of: Callable[[int], tuple[int, int]] | None = None
     node_windows_of: Callable[[int], list[tuple[int, int]]] | None = None
+    world_size: int | None = None
 
     @property
     def data_parallel(self) -> bool:
@@ -385,9 +388,10 @@ class Placement:
         buffers of its largest block's padded elements in the compute dtype (its largest
         file's, or a block whole where frozen weights are apart), with an fp32 buffer of the
         largest file's to read into when that is not fp32, and one of the largest frozen file
-        to read those into (``NvmeWeights.nbytes``); with data parallel, one more whole block
-        than the streamer's slots to gather into, and the window being sent
-        (``GatheredWeights.nbytes``)."""
+        to read those into (``NvmeWeights.nbytes``). Not the whole-block buffers a gather
+        fills with data parallel, nor the buffer a rank's windows are sent from
+        (``GatheredWeights.nbytes`` adds them; preflight's ``_weight_window_need`` counts them
+        with the same ``gather_buffer_elements``)."""
         if not self.weights_on_tier:
             return 0
         compute = self.compute_itemsize
