@@ -10,22 +10,24 @@ trained masters. One launch per topology, running ``tests/entry_points_worker.py
 placements in turn:
 
 - one node of 2 ranks, fp32: the state in host memory (plain data parallel), then the
-  weights on the NVMe tier (``"all"``: each rank's windows, gathered). Reference: plain
+  optimizer on the NVMe tier (``"optimizer"``: the masters on disk), then the weights too
+  (``"all"``: each rank's windows, gathered). Reference: plain
   PyTorch with both ranks' batches in one process, relative error < 2e-6 (the bound of
   ``tests/test_data_parallel.py``: the same arithmetic but the gradient reduce's order),
-  and the two placements bit-equal to each other (the same ops on the same values: the
+  and the three placements bit-equal to each other (the same ops on the same values: the
   tier and the gather only move bytes).
 - 2 simulated nodes of one rank, bf16 compute: the fp32 master sharded across the nodes
   (each holds its span, the parameters view the bf16 shadow), then the weights on the
   tier. Reference: each node's own span of the master, read directly from its host state
-  and joined: bit-equal (the state dict moves those bytes, nothing else); the tier
-  placement bit-equal to it.
+  and joined: bit-equal (the state dict moves those bytes, nothing else); the two tier
+  placements bit-equal to it (with ``"optimizer"`` the parameters are bf16 compute copies
+  and the masters on disk: an answer read from the parameters would be rounded).
 
 Every rank of both launches also checks its buffers against its placement, and against
 preflight's estimate for its node (``tests/placement_check.py``): a bf16 node's rank is its
 node; the one node's two ranks are added up (each node-shared buffer once, each rank's
 windows, tiers and gather buffers). These are the agreement check's multi-rank ``"all"``
-combinations.
+combinations, and its multi-rank ``"optimizer"`` ones.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _masters_as_trained(ranks: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    placements = ("ram", "all")
+    placements = ("ram", "optimizer", "all")
     args = ("entry-points", tmp_path, "--placements", *placements, "--steps", str(STEPS))
     _launch_worker(monkeypatch, lambda: launch(*args))
     reports = _reports(tmp_path, placements)
@@ -102,7 +104,7 @@ def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: p
 
 
 def test_two_nodes_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    placements = ("ram", "all")
+    placements = ("ram", "optimizer", "all")
     args = ("entry-points", "--placements", *placements, "--bf16", "--steps", str(STEPS))
     _launch_worker(monkeypatch, lambda: launch_nodes(2, tmp_path, *args))
     reports = _reports(tmp_path, placements)
