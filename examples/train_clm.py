@@ -323,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     print(
         f"model: {num_parameters / 1e6:.2f}M parameters | data: {train_tokens.numel():,} train / "
         f"{eval_tokens.numel():,} eval tokens | engine: {engine_type} on {device} "
-        f"({accelerator.mixed_precision}) | {tokens_per_step:,} tokens a step"
+        f"(mixed precision: {accelerator.mixed_precision}) | {tokens_per_step:,} tokens a step"
     )
 
     model.eval()

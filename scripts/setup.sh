@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh machine: torch first and pinned (an unpinned torch from
-# PyPI is a multi-GB CUDA build; where torch is already installed, e.g. a GPU image, it is
+# Idempotent set-up for a fresh machine: torch first, pinned to the tested 2.13.0 (where
+# torch is already installed, e.g. a GPU image or a CPU build installed by hand, it is
 # kept), then this package (editable, from this checkout) with its pinned dependencies.
+# Pinning does not make torch a CPU build: on Linux PyPI's torch 2.13.0 is a 527 MB wheel
+# that requires CUDA 13's libraries (cuDNN, cuBLAS, NCCL, ...), GPU or not. pip takes a CPU
+# build only where its configuration offers one (a local wheel or an extra index, as on
+# this project's machines), so the message says how to get one before the download starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "setup: no torch here; installing torch==2.13.0 (from PyPI on Linux a CUDA build, several GB with" \
+        "its CUDA libraries; on a machine without a GPU install the CPU build first and set-up keeps it:" \
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
     "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
 "$PYTHON" -m pip install --quiet --constraint constraints.txt --editable ".[test]"

@@ -4,7 +4,9 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
+import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config
@@ -69,3 +71,53 @@ def test_routing_can_be_switched_off(monkeypatch):
     engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=config)
     assert not isinstance(engine, megatrain_ds.MegatrainEngine)
     assert isinstance(engine.module, torch.nn.Module)
+
+
+def _accelerate_says_deepspeed(monkeypatch) -> None:
+    """Accelerate's state as ``TrainingArguments(deepspeed=...)`` leaves it in a script run as
+    plain ``python`` (seen with transformers 5.23.0 and Accelerate 1.15.0):
+    ``DistributedType.DEEPSPEED``; restored when the test ends."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setitem(PartialState._shared_state, "distributed_type", DistributedType.DEEPSPEED)
+
+
+def test_a_deepspeed_run_without_a_launcher_is_warned_before_it_trains(monkeypatch):
+    """Without a process group the Trainer would stop at its first logging step; the warning,
+    naming the launch that works, comes from ``deepspeed.initialize``."""
+    import deepspeed
+
+    import megatrain_ds  # noqa: F401  (installs the routing)
+
+    _accelerate_says_deepspeed(monkeypatch)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # whatever this worker joined
+    with pytest.warns(UserWarning, match="torchrun --nproc_per_node 1"):
+        engine, *_ = deepspeed.initialize(model=tiny_models.llama(), config=ds_config())
+    engine.destroy()
+
+
+def test_no_warning_with_a_process_group_or_without_accelerates_deepspeed(monkeypatch):
+    """A launched run has its group (a real one here, of one rank), and a script that is not
+    under Accelerate's DeepSpeed state gathers nothing through it: neither is warned."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from megatrain_ds.integration.initialize import warn_if_unlaunched_under_accelerate
+
+    _accelerate_says_deepspeed(monkeypatch)
+    made_here = not torch.distributed.is_initialized()
+    if made_here:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warn_if_unlaunched_under_accelerate()
+    finally:
+        if made_here:
+            torch.distributed.destroy_process_group()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setitem(PartialState._shared_state, "distributed_type", DistributedType.NO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_unlaunched_under_accelerate()

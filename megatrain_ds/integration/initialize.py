@@ -10,6 +10,8 @@ Accelerate) pass them.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +62,7 @@ def initialize(
     if config is None:
         raise ConfigError("deepspeed.initialize needs config= (a dict or a JSON path)")
     engine_config = parse_engine_config(load_config_dict(config))  # batch rules count every rank
+    warn_if_unlaunched_under_accelerate()
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         # A megatrain config makes zero.Init and transformers' ZeRO-3 detection build the
         # model whole ([Note: ZeRO-3 configs] in deepspeed_hook.py); this one was built
@@ -108,3 +111,33 @@ def training_dataloader(engine: MegatrainDeepSpeedEngine, dataset: Any, collate_
         data_parallel_rank=dp.rank if dp is not None else 0,
         dataloader_drop_last=engine.config.dataloader_drop_last,
     )
+
+
+UNLAUNCHED_WARNING = (
+    "Accelerate treats this run as a distributed DeepSpeed run, but no launcher made a process "
+    "group: the megatrain engine trains without one, but the HF Trainer's logging and checkpoint "
+    "saving (and Accelerate's gather()) will stop with 'Default process group has not been initialized'. "
+    "Launch the script, even for one process: torchrun --nproc_per_node 1 train.py ..."
+)
+
+
+def warn_if_unlaunched_under_accelerate() -> None:
+    """Warn at start-up where a script run as plain ``python`` will fail later.
+
+    With a DeepSpeed config, Accelerate's ``PartialState`` (which the HF Trainer's
+    ``TrainingArguments`` builds) says ``DistributedType.DEEPSPEED`` whether or not a launcher
+    ran; without the launcher's ``LOCAL_RANK`` it makes no process group, and this engine
+    needs none for one process. The Trainer then gathers its logged loss over the default
+    group (``nested_gather``), and a checkpoint's FLOP count (``store_flos``), so a plain
+    ``python train.py --deepspeed ...`` trains until its first logging step or checkpoint and
+    stops there. DeepSpeed's own engine fails at once in that case
+    (looking for an MPI launcher); a warning here says so before any step, and leaves
+    Accelerate scripts that never gather running as they do. Reads Accelerate's state only
+    where the script imported Accelerate (``_shared_state`` is empty until a state is built,
+    the test ``PartialState.initialized`` and transformers use).
+    """
+    state = sys.modules.get("accelerate.state")
+    if state is None or not torch.distributed.is_available() or torch.distributed.is_initialized():
+        return
+    if state.PartialState._shared_state.get("distributed_type") == "DEEPSPEED":
+        warnings.warn(UNLAUNCHED_WARNING, stacklevel=2)
