@@ -25,8 +25,11 @@ imported, the watcher lets it execute normally and then hands it to
   minimal config works unchanged ([Note: the minimal config] in that module), and reads a
   megatrain config's ZeRO stage 3 as 0, so transformers builds the model whole rather than
   under ``deepspeed.zero.Init`` ([Note: ZeRO-3 configs]).
+- ``transformers.trainer``: the Trainer's ``deepspeed_init`` lets ``evaluate()`` and
+  ``predict()`` before ``train()`` build the engine without an optimizer under a megatrain
+  config, which transformers refuses below stage 3 ([Note: evaluation before training]).
 
-``MEGATRAIN_DISABLE_HOOK=1`` switches both off: at start-up nothing is installed, and an
+``MEGATRAIN_DISABLE_HOOK=1`` switches them all off: at start-up nothing is installed, and an
 already patched function checks the variable at every call. An installed version that
 breaks a patch's third-party contract makes the import of the watched module fail with
 ``megatrain_ds.integration.compat.IncompatibleVersionError``, which names the contract, the
@@ -43,7 +46,7 @@ from types import ModuleType
 from typing import Any
 
 DISABLE_ENV = "MEGATRAIN_DISABLE_HOOK"  # = megatrain_ds.integration.deepspeed_hook.DISABLE_ENV
-WATCHED = ("deepspeed", "accelerate.utils.deepspeed")  # = compat.PATCHES' keys
+WATCHED = ("deepspeed", "accelerate.utils.deepspeed", "transformers.trainer")  # = compat.PATCHES' keys
 
 
 def disabled() -> bool:

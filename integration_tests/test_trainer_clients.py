@@ -60,12 +60,12 @@ MINIMAL_SPELLED_OUT = {
 }
 
 
-CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume")
-# The LoRA user's clients and the Trainer with a pretrained model, each given the shipped
-# ZeRO-3 offload JSON (with "engine": "megatrain", which DeepSpeed's own engine, the hook
-# disabled, ignores).
+CLIENT_NAMES = ("checkpointing", "sft", "sft_packing", "lora", "minimal", "resume", "evaluate_first")
+# The LoRA user's clients, the Trainer with a pretrained model and the Trainer evaluating
+# before it trains, each given the shipped ZeRO-3 offload JSON (with "engine": "megatrain",
+# which DeepSpeed's own engine, the hook disabled, ignores).
 ZERO3_CONFIG = REPO_ROOT / "configs" / "ds_zero3_offload_megatrain.json"
-ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora", "pretrained")
+ZERO3_CLIENT_NAMES = ("lora_zero3", "sft_lora", "accelerate_lora", "pretrained", "evaluate_first_zero3")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def clients(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
             ("deepspeed", MINIMAL_SPELLED_OUT, {"MEGATRAIN_DISABLE_HOOK": "1"}, ["--preload-deepspeed-optimizers"]),
         ):
             path = root / f"{engine}_minimal.json"
-            configs = {"minimal": path} | dict.fromkeys(ZERO3_CLIENT_NAMES, ZERO3_CONFIG)
+            configs = {"minimal": path, "evaluate_first": path} | dict.fromkeys(ZERO3_CLIENT_NAMES, ZERO3_CONFIG)
             args = [
                 arg
                 for client in CLIENT_NAMES + ZERO3_CLIENT_NAMES
@@ -263,3 +263,43 @@ def test_trainer_with_a_zero3_offload_json(clients) -> None:
     eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
     reloaded = eval_loss_of_saved_model(runs["megatrain"].output_dir / "model", eval_batches)
     assert reloaded * TRAINER_LOSS_FRACTION == pytest.approx(ours["eval_loss"], rel=1e-5)  # the Trainer scales it
+
+
+def plain_eval_loss(out: Path) -> float:
+    """The Trainer's evaluation loss computed in plain PyTorch: the client's initial model
+    (``initial.safetensors``), ``eval()``, on its two evaluation batches, the mean of their
+    losses (scaled as the Trainer scales it: ``TRAINER_LOSS_FRACTION``)."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    model.load_state_dict(load_weights(out / "initial.safetensors"))
+    model.eval()
+    batches = torch.load(out / "eval_batches.pt")
+    with torch.no_grad():
+        loss = sum(float(model(input_ids=b, labels=b).loss) for b in batches) / len(batches)
+    return loss * TRAINER_LOSS_FRACTION
+
+
+def test_evaluate_and_predict_before_training(clients) -> None:
+    """A fresh Trainer's ``evaluate()`` and ``predict()``, no ``train()``, given the ZeRO-3
+    offload JSON and the minimal JSON ([Note: evaluation before training] in
+    ``deepspeed_hook.py``): the engine is built without an optimizer (no Adam moments, no
+    gradients in host memory) and gives the evaluation loss of DeepSpeed's ZeRO-3 inference on
+    the same JSON and of plain PyTorch's ``model.eval()`` on the same weights. DeepSpeed has no
+    answer for the minimal JSON (spelled out, stage 0): transformers refuses ZeRO inference
+    below stage 3. Tolerance: fp32 forward passes of the same weights, the same matmuls, 1e-5
+    relative as the other clients (room for summation order only)."""
+    zero3 = clients("evaluate_first_zero3")
+    ours, reference = zero3["megatrain"].result(), zero3["deepspeed"].result()
+    assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    minimal = clients("evaluate_first")
+    assert "ZeRO inference only makes sense with ZeRO Stage 3" in minimal["deepspeed"].result()["refused"]
+    for runs in (zero3, minimal):
+        result = runs["megatrain"].result()
+        assert result["engine_mro"][0] == MEGATRAIN_ENGINE and result["global_steps"] == 0
+        host = result["host_bytes"]
+        assert host["master"] > 0 and host["exp_avg"] == host["exp_avg_sq"] == host["grad"] == 0
+        plain = plain_eval_loss(runs["megatrain"].output_dir)
+        assert result["eval_loss"] == pytest.approx(plain, rel=1e-5)
+        assert result["predict_loss"] == pytest.approx(result["eval_loss"], rel=1e-5)

@@ -33,6 +33,10 @@ Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
   ``TrainingArguments``;
 - ``resume``: six steps saving a checkpoint every three, then a fresh model and Trainer
   resumed from the first checkpoint (``resume_from_checkpoint``) for the last three;
+- ``evaluate_first``: ``evaluate()`` and ``predict()`` on a fresh Trainer, before any
+  ``train()`` (the Trainer then builds the engine without an optimizer: ZeRO inference on
+  DeepSpeed, which refuses it below stage 3; ``result.json`` says so where it did);
+  ``evaluate_first_zero3`` the same, meant for a ZeRO-3 offload ``JSON``;
 - ``pretrained``: ``from_pretrained(--model-dir)`` after ``TrainingArguments`` (with a ZeRO-3
   ``--deepspeed-config`` transformers then builds it under ``deepspeed.zero.Init``), then
   the Trainer as ``minimal``; with ``--fp16`` (``TrainingArguments(fp16=True)``, which fills
@@ -71,6 +75,8 @@ CLIENTS = (
     "accelerate_lora",
     "minimal",
     "resume",
+    "evaluate_first",
+    "evaluate_first_zero3",
     "pretrained",
 )
 
@@ -356,6 +362,33 @@ def train_from_pretrained(args: argparse.Namespace) -> tuple[transformers.Traine
     }
 
 
+def evaluate_before_training(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
+    """``evaluate()`` then ``predict()`` on the evaluation set, no ``train()``; ``result.json``'s
+    fields. transformers' refusal of ZeRO inference below stage 3 (DeepSpeed's engine given
+    the minimal config spelled out at stage 0) is recorded, not raised: the test checks it."""
+    text = corpus()
+    training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config))
+    evaluation = byte_blocks(text, 16, start=48)
+    trainer = transformers.Trainer(
+        model=model, args=training_args, train_dataset=byte_blocks(text, 48), eval_dataset=evaluation
+    )
+    try:
+        eval_loss = trainer.evaluate()["eval_loss"]
+    except ValueError as error:
+        if "ZeRO inference only makes sense with ZeRO Stage 3" not in str(error):
+            raise
+        return {"refused": str(error)}
+    engine = trainer.model_wrapped
+    host_bytes = getattr(engine, "host_bytes", None)  # the megatrain engine's host state
+    return {
+        "engine_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(engine).__mro__],
+        "eval_loss": eval_loss,
+        "predict_loss": trainer.predict(evaluation).metrics["test_loss"],
+        "global_steps": trainer.state.global_step,
+        "host_bytes": host_bytes() if callable(host_bytes) else None,
+    }
+
+
 def train_and_resume(args: argparse.Namespace, model: torch.nn.Module) -> tuple[transformers.Trainer, dict[str, Any]]:
     overrides = dict(max_steps=6, save_strategy="steps", save_steps=3)
     trainer, _ = train_with_trainer(args, model, **overrides)
@@ -387,8 +420,11 @@ def run_client(args: argparse.Namespace) -> None:
     model = tiny_llama(args.output_dir)
     eval_batches = [torch.stack([e["input_ids"] for e in byte_blocks(corpus(), 8, start=48 + 8 * i)]) for i in (0, 1)]
     torch.save(eval_batches, args.output_dir / "eval_batches.pt")
-    if args.client == "accelerate_lora":
-        result = train_lora_with_accelerate(args, model, eval_batches)
+    if args.client in ("accelerate_lora", "evaluate_first", "evaluate_first_zero3"):
+        if args.client == "accelerate_lora":
+            result = train_lora_with_accelerate(args, model, eval_batches)
+        else:
+            result = evaluate_before_training(args, model)
         (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
         return
 

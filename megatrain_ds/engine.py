@@ -342,6 +342,7 @@ class MegatrainEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` divided by the accumulation steps, and with fp16 times the
         loss scale (DeepSpeed semantics: the scale multiplies the divided loss)."""
+        self._require_optimizer("backward")
         with self.runtime.observe(), self._out_of_memory_explained():
             self.settle_optimizer()  # the gradients land in the held ones the update reads
             self.blocks.begin_backward()
@@ -351,6 +352,7 @@ class MegatrainEngine(nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
+        self._require_optimizer("step")
         if self.is_gradient_accumulation_boundary():
             # Closed before the finish: its update may run behind step() (pipelined), and a
             # step's ledger then counts the previous step's finish whatever the timing.
@@ -364,6 +366,17 @@ class MegatrainEngine(nn.Module):
             self._tracing.after_step(self.global_steps - 1, **ledger)
         self.micro_steps += 1
         self._boundary_override = None
+
+    def _require_optimizer(self, call: str) -> None:
+        """Refuse ``call`` on an engine built without an optimizer, as DeepSpeed does
+        (optimizer/facade.py: [Note: evaluation-only engines])."""
+        if self.optimizer.evaluation_only:
+            raise RuntimeError(
+                f"{call}() needs an optimizer: this engine was built without one, for evaluation only "
+                '(no optimizer=, model_parameters= or "optimizer" block; the HF Trainer builds it so '
+                "when evaluate() or predict() runs before train()). Build the engine with an optimizer "
+                "to train: call trainer.train() before evaluating, or give the model to a new Trainer"
+            )
 
     def _close_ledger_step(self) -> dict[str, Any]:
         """Close the host ledger's step (race checker on): its figures, for the trace."""

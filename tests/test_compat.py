@@ -21,6 +21,8 @@ import deepspeed
 import deepspeed.runtime.fp16.loss_scaler as loss_scaler
 import pytest
 import torch
+import transformers.integrations.deepspeed as transformers_deepspeed
+import transformers.trainer as trainer_module
 
 import _megatrain_ds_hook
 from megatrain_ds.integration import compat
@@ -44,6 +46,7 @@ def test_the_patches_are_applied_in_this_process():
     assert hasattr(deepspeed.zero.GatheredParameters, marker)
     assert hasattr(deepspeed.comm.get_rank, marker)
     assert hasattr(accelerate_deepspeed.HfDeepSpeedConfig.__init__, marker)
+    assert hasattr(trainer_module.deepspeed_init, marker)
 
 
 def test_initialize_without_its_config_arguments_is_refused(monkeypatch):
@@ -96,6 +99,52 @@ def test_hf_deepspeed_config_without_set_stage_and_offload_is_refused(monkeypatc
     monkeypatch.delattr(accelerate_deepspeed.HfDeepSpeedConfig, "set_stage_and_offload")
     with pytest.raises(IncompatibleVersionError, match=_clear_error("accelerate")):
         compat.complete_megatrain_configs(accelerate_deepspeed)
+
+
+def test_a_trainer_that_no_longer_calls_its_deepspeed_init_global_is_refused(monkeypatch):
+    """Patch 6 reaches the Trainer's evaluation only through the module global that
+    ``Trainer.evaluation_loop`` calls, and needs transformers' ``trainer_config_finalize``."""
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None):
+        return None  # a release that prepares DeepSpeed some other way
+
+    monkeypatch.setattr(trainer_module.Trainer, "evaluation_loop", evaluation_loop)
+    with pytest.raises(IncompatibleVersionError, match=_clear_error("transformers")):
+        compat.evaluate_before_training(trainer_module)
+    monkeypatch.undo()
+    compat.check_evaluation_init(trainer_module)  # the installed transformers keeps it
+    monkeypatch.delattr(transformers_deepspeed.HfTrainerDeepSpeedConfig, "trainer_config_finalize")
+    with pytest.raises(IncompatibleVersionError, match=r"has trainer_config_finalize\(args, model"):
+        compat.check_evaluation_init(trainer_module)
+
+
+def test_evaluation_before_training_readies_megatrain_configs_only(monkeypatch):
+    """The patched ``deepspeed_init`` (on a stand-in module holding a recording original):
+    for a megatrain config and ``inference=True`` it finalizes the config and drops its
+    ``"optimizer"`` block, calling no original; every other call is the original's, unchanged
+    (training, a DeepSpeed config, the hook disabled)."""
+    calls = []
+    module = ModuleType("transformers.trainer")
+    module.Trainer = trainer_module.Trainer
+    module.deepspeed_init = lambda trainer, num_training_steps, inference=False: calls.append(inference) or "original"
+    compat.evaluate_before_training(module)
+
+    def trainer_with(config: dict) -> SimpleNamespace:
+        finalize = lambda args, model, steps: calls.append(("finalize", args, model, steps))  # noqa: E731
+        hf_config = SimpleNamespace(config=config, trainer_config_finalize=finalize)
+        state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=hf_config))
+        return SimpleNamespace(accelerator=SimpleNamespace(state=state), args="A", model="M")
+
+    megatrain = {"engine": "megatrain", "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
+    trainer = trainer_with(megatrain)
+    assert module.deepspeed_init(trainer, num_training_steps=0, inference=True) == (None, None)
+    assert calls == [("finalize", "A", "M", 0)] and set(megatrain) == {"engine", "scheduler"}
+    calls.clear()
+    assert module.deepspeed_init(trainer, num_training_steps=4) == "original"
+    assert module.deepspeed_init(trainer_with({"optimizer": {}}), num_training_steps=0, inference=True) == "original"
+    monkeypatch.setenv("MEGATRAIN_DISABLE_HOOK", "1")
+    assert module.deepspeed_init(trainer_with({"engine": "megatrain"}), 0, inference=True) == "original"
+    assert calls == [False, True, True]
 
 
 def test_the_start_up_hook_stops_the_import_with_the_error(monkeypatch):

@@ -198,3 +198,47 @@ def test_save_16bit_model_writes_the_full_fp32_model(engine, tmp_path):
     assert set(expected) - set(torch.load(tmp_path / "out" / "frozen.bin", weights_only=True)) == {
         "model.embed_tokens.weight"
     }
+
+
+def test_without_an_optimizer_the_engine_evaluates_only():
+    """``deepspeed.initialize`` given no optimizer, no ``"optimizer"`` block and no
+    ``model_parameters`` (what the HF Trainer's ``evaluate()`` before ``train()`` calls):
+    DeepSpeed's answer, no optimizer and no scheduler (the ``"scheduler"`` block is not built);
+    every weight held once, no master, moment or gradient; the model's ``requires_grad``
+    untouched; the evaluation loss of plain PyTorch on the same weights; ``backward`` and
+    ``step`` refused with the way out. Tolerance: fp32, the same matmuls on the same weights;
+    the engine may sum the loss over sequence chunks (``model/causal_lm_loss.py``), another
+    summation order of at most 12 fp32 terms: 1e-6 relative."""
+    import copy
+
+    import deepspeed
+
+    model = tiny_models.llama()
+    reference = copy.deepcopy(model).eval()
+    config = ds_config()
+    del config["optimizer"]
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config)
+    try:
+        assert (optimizer, loader, scheduler, engine.lr_scheduler) == (None, None, None, None)
+        host = engine.host_bytes()
+        assert host["exp_avg"] == host["exp_avg_sq"] == host["grad"] == 0
+        weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+        assert weights <= host["master"] < 1.01 * weights  # once, each block's flat buffer padded
+        assert all(p.requires_grad for p in model.parameters())
+        engine.eval()
+        for seed in (0, 1):
+            batch = tiny_models.make_batch(seed)
+            with torch.no_grad():
+                ours, theirs = engine(**batch).loss, reference(**batch).loss
+            assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+        engine.train()
+        loss = engine(**tiny_models.make_batch(2)).loss
+        refusal = r"needs an optimizer: .* for evaluation only .* call trainer\.train\(\) before"
+        for call in (lambda: engine.backward(loss), engine.step):
+            with pytest.raises(RuntimeError, match=refusal):
+                call()
+    finally:
+        engine.destroy()
+    with pytest.raises(ConfigError, match=r'no optimizer: add an "optimizer" block'):  # meant to train
+        deepspeed.initialize(model=tiny_models.llama(), config=config, model_parameters=model.parameters())

@@ -1,9 +1,11 @@
 """The engine as DeepSpeed, Accelerate and the HF Trainer expect to find it.
 
-- ``compat``: every patch of DeepSpeed and Accelerate (transformers is reached through
-  Accelerate's config class), each with the contract it relies on and its start-up check.
+- ``compat``: every patch of DeepSpeed, Accelerate and transformers (mostly reached through
+  Accelerate's config class; the Trainer's ``deepspeed_init`` alone patched), each with the
+  contract it relies on and its start-up check.
 - ``deepspeed_hook``: the routing rules: which ``deepspeed.initialize`` calls and configs
-  are megatrain's, and what a minimal or ZeRO-3 megatrain config is read as.
+  are megatrain's, what a minimal or ZeRO-3 megatrain config is read as, and what the
+  Trainer's evaluation before training does to one.
 - ``initialize``: DeepSpeed's entry point, returning this engine.
 - ``deepspeed_adapter``: ``MegatrainDeepSpeedEngine``, the engine as a ``DeepSpeedEngine``.
 

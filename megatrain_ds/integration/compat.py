@@ -37,7 +37,7 @@ module only changes the third-party objects. The patches, each named at its code
    ``self.config``, and ``set_stage_and_offload()``, which derives the stage and offload from
    ``self.config``; Accelerate's ``DeepSpeedPlugin`` reads the JSON with it, and transformers'
    ``HfDeepSpeedConfig`` (``is_deepspeed_zero3_enabled``) subclasses it, which is how this
-   patch reaches transformers. transformers itself is not patched.
+   patch reaches transformers (which patch 6 alone changes).
 5. ``deepspeed.zero.GatheredParameters`` becomes a subclass whose ``__enter__`` first waits
    for every engine's optimizer update still running behind ``engine.step()``
    (:func:`settle_before_gathering`; ``optimizer/pipelined_finish.py``). The engine's
@@ -45,6 +45,17 @@ module only changes the third-party objects. The patches, each named at its code
    model's weights between steps (TRL sending them to vLLM, transformers' embedding
    resize) enters this context first. Contract: ``GatheredParameters`` is a class, used as
    a context manager, looked up on ``deepspeed.zero`` when called.
+6. ``transformers.trainer.deepspeed_init`` (the module global the Trainer calls) becomes a
+   wrapper that, for a megatrain config and ``inference=True`` (``evaluate()`` or
+   ``predict()`` before ``train()``), readies the config for an engine without an optimizer
+   instead of refusing every stage but 3 (``deepspeed_hook.prepare_evaluation_config``:
+   [Note: evaluation before training]; :func:`evaluate_before_training`); every other call
+   is transformers' own. Contract: ``Trainer.evaluation_loop`` calls its module's global
+   ``deepspeed_init(trainer, num_training_steps, inference=...)``, which reads the config
+   from ``trainer.accelerator.state.deepspeed_plugin.hf_ds_config`` (Accelerate's
+   ``DeepSpeedPlugin.hf_ds_config``: the config object of patch 4, its dict in ``config``),
+   and transformers' ``HfTrainerDeepSpeedConfig`` has ``trainer_config_finalize(args, model,
+   num_training_steps)``.
 
 Each patch checks its contract (``check_*`` beside it) before changing anything and raises
 :class:`IncompatibleVersionError`, naming the installed version and the supported range
@@ -82,6 +93,7 @@ from megatrain_ds.integration.deepspeed_hook import (
     DISABLE_ENV,
     complete_minimal_config,
     initialize_config,
+    prepare_evaluation_config,
     zero_init_config,
 )
 from megatrain_ds.optimizer.pipelined_finish import settle_every_update
@@ -325,6 +337,53 @@ def settle_before_gathering(deepspeed: ModuleType) -> None:
     deepspeed.zero.GatheredParameters = GatheredParameters
 
 
+# -- 6. transformers.trainer.deepspeed_init ------------------------------------------------------
+
+
+def check_evaluation_init(trainer_module: ModuleType) -> None:
+    init = getattr(trainer_module, "deepspeed_init", None)
+    init = getattr(init, _MARKER, init)
+    loop = getattr(getattr(trainer_module, "Trainer", None), "evaluation_loop", None)
+    loop_code = getattr(inspect.unwrap(loop), "__code__", None) if callable(loop) else None
+    integration = sys.modules.get("transformers.integrations.deepspeed")
+    finalize = getattr(getattr(integration, "HfTrainerDeepSpeedConfig", None), "trainer_config_finalize", None)
+    plugin = getattr(sys.modules.get("accelerate.utils"), "DeepSpeedPlugin", None)
+    _require(
+        inspect.isfunction(init)
+        and {"trainer", "num_training_steps", "inference"} <= _parameters(init)
+        and "deepspeed_init" in getattr(loop_code, "co_names", ())  # the global it calls
+        and {"args", "model", "num_training_steps"} <= _parameters(finalize)
+        and "hf_ds_config" in getattr(plugin, "__dataclass_fields__", {}),
+        "transformers",
+        "transformers.trainer.deepspeed_init(trainer, num_training_steps, inference) is the module global "
+        "Trainer.evaluation_loop calls, HfTrainerDeepSpeedConfig has trainer_config_finalize(args, model, "
+        "num_training_steps), and Accelerate's DeepSpeedPlugin keeps that config in hf_ds_config",
+    )
+
+
+def evaluate_before_training(trainer_module: ModuleType) -> None:
+    """Patch 6: the Trainer's ``deepspeed_init(inference=True)`` readies a megatrain config
+    for an engine without an optimizer, at any stage (idempotent; [Note: evaluation before
+    training] in ``deepspeed_hook.py``). Other calls, and other configs, are transformers' own."""
+    check_evaluation_init(trainer_module)
+    original = trainer_module.deepspeed_init
+    if getattr(original, _MARKER, None) is not None:
+        return
+
+    @functools.wraps(original)
+    def deepspeed_init(trainer: Any, num_training_steps: int, inference: bool = False) -> Any:
+        if inference and os.environ.get(DISABLE_ENV) != "1":
+            hf_config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config
+            if is_megatrain_config(hf_config.config):
+                prepare_evaluation_config(hf_config, trainer.args, trainer.model, num_training_steps)
+                return None, None  # transformers' inference branch: no optimizer, no scheduler
+        return original(trainer, num_training_steps, inference=inference)
+
+    setattr(deepspeed_init, _MARKER, original)
+    # ModuleType's stub reads any attribute (__getattr__) but declares none to assign.
+    trainer_module.deepspeed_init = deepspeed_init  # pyright: ignore[reportAttributeAccessIssue]
+
+
 # -- applying them ------------------------------------------------------------------------------
 
 
@@ -342,6 +401,7 @@ def patch_deepspeed(deepspeed: ModuleType) -> None:
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "deepspeed": patch_deepspeed,
     "accelerate.utils.deepspeed": complete_megatrain_configs,
+    "transformers.trainer": evaluate_before_training,
 }
 """What each module watched by ``_megatrain_ds_hook`` (its ``WATCHED``) gets once imported."""
 

@@ -14,6 +14,9 @@ and Accelerate are all in ``compat.py`` (the one module that changes third-party
   config read as stage 0 ([Note: ZeRO-3 configs]).
 - :func:`zero_init_config`: the config a ``deepspeed.zero.Init`` call names; given a
   megatrain config it does nothing ([Note: ZeRO-3 configs]).
+- :func:`prepare_evaluation_config`: what the HF Trainer's ``deepspeed_init(inference=True)``
+  (``evaluate()`` or ``predict()`` before ``train()``) does to a megatrain config, where
+  transformers' own refuses any stage but 3 ([Note: evaluation before training]).
 
 Set ``MEGATRAIN_DISABLE_HOOK=1`` to turn all of them off (checked per call).
 
@@ -141,3 +144,38 @@ def zero_init_config(signature: inspect.Signature, args: tuple, kwargs: dict[str
         return load_config_dict(config) if config is not None else None
     except (OSError, ValueError, TypeError):
         return None
+
+
+def prepare_evaluation_config(hf_config: Any, args: Any, model: Any, num_training_steps: int) -> None:
+    """Ready a megatrain config for an engine built to evaluate before any training, in place
+    (the reader's copy): what transformers' ``deepspeed_init(inference=True)`` does, without
+    its stage check. ``compat.evaluate_before_training`` calls it.
+
+    [Note: evaluation before training]
+    The HF Trainer's ``evaluate()`` or ``predict()`` before any ``train()`` (or a
+    ``--do_eval``-only run) calls ``deepspeed_init(trainer, 0, inference=True)``, then prepares
+    the model alone: ``deepspeed.initialize`` with no optimizer. transformers refuses that
+    unless the config reads as ZeRO stage 3 ("ZeRO inference only makes sense with ZeRO Stage
+    3"), since only DeepSpeed's stage 3 does more than plain PyTorch there. A megatrain
+    config reads as stage 0 ([Note: ZeRO-3 configs], [Note: the minimal config]), so a ZeRO-3
+    JSON that evaluates on DeepSpeed stopped there once the engine key was added; yet this
+    engine is what stage 3 is for, streaming weights that need not fit the device. So for a
+    megatrain config the inference call does what transformers' does after its check, at any
+    stage: ``trainer_config_finalize`` fills the ``"auto"`` values from ``TrainingArguments``
+    and the model (with 0 training steps, as transformers does: a ``"scheduler"`` block's
+    ``total_num_steps`` becomes 0), and the ``"optimizer"`` block is dropped, so that
+    ``deepspeed.initialize`` builds the engine without an optimizer (optimizer/facade.py:
+    [Note: evaluation-only engines]): every weight held once, in its dtype, with no master,
+    moment or gradient beside it; forward only. transformers also sets DeepSpeed's logger to
+    the Trainer's log level (not done here: it sets only what DeepSpeed's logger prints) and drops
+    ``"lr_scheduler"``, a key no DeepSpeed config has; a ``"scheduler"`` block stays and, without an optimizer, is
+    not built, by either engine. A ``train()`` after such an ``evaluate()`` stops as it stops
+    on DeepSpeed's ZeRO-3 (both checked with transformers 5.23.0 and Accelerate 1.15.0): with
+    a ``"scheduler"`` block at transformers' check that its ``total_num_steps`` (0) matches
+    the run's; without one at the first ``backward()``, in Accelerate ("'NoneType' object
+    has no attribute 'backward'": the Trainer then prepares the optimizer alone, and
+    Accelerate wraps no engine for training). Called directly, the engine's ``backward()``
+    and ``step()`` refuse, saying why.
+    """
+    hf_config.trainer_config_finalize(args, model, num_training_steps)
+    hf_config.config.pop("optimizer", None)

@@ -39,19 +39,22 @@ def initialize(
     mesh_param: Any = None,
     config_params: Mapping[str, Any] | None = None,
     **unused: Any,
-) -> tuple[MegatrainDeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
+) -> tuple[MegatrainDeepSpeedEngine, torch.optim.Optimizer | None, Any, Any]:
     """Build the engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``
     like ``deepspeed.initialize``.
 
     The scheduler follows DeepSpeed's precedence: ``lr_scheduler`` (a scheduler, or a
     callable taking the engine's optimizer) if given, else the config's ``"scheduler"``
     block built on the engine's optimizer, else none. The engine steps it after every
-    optimizer step. With several ranks (``torchrun``, ``accelerate launch``) the engine trains data parallel
+    optimizer step. Given no optimizer, no ``"optimizer"`` block and no ``model_parameters``,
+    the engine is for evaluation only and the optimizer and scheduler returned are ``None``
+    (optimizer/facade.py: [Note: evaluation-only engines]). With several ranks (``torchrun``,
+    ``accelerate launch``) the engine trains data parallel
     (``distributed/data_parallel.py``), on the launcher's process group or one made from its environment;
     model parallelism (``mpu``, ``mesh_param``) is rejected.
     """
     del distributed_port, dist_init_required, unused
-    from megatrain_ds.integration.deepspeed_adapter import MegatrainDeepSpeedEngine, build_lr_scheduler
+    from megatrain_ds.integration.deepspeed_adapter import MegatrainDeepSpeedEngine
 
     if model is None:
         raise ConfigError("deepspeed.initialize needs model=")
@@ -75,17 +78,32 @@ def initialize(
         )
     engine = MegatrainDeepSpeedEngine(model, engine_config, model_parameters=model_parameters, optimizer=optimizer)
     try:
-        if lr_scheduler is not None:
-            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-                lr_scheduler = lr_scheduler(engine.optimizer)
-        elif engine_config.scheduler is not None:
-            lr_scheduler = build_lr_scheduler(engine_config.scheduler, engine.optimizer)
+        engine.lr_scheduler = engine_scheduler(engine, lr_scheduler)
     except BaseException:
         engine.destroy()  # the gradient worker and pinned memory of a half-built engine
         raise
-    engine.lr_scheduler = lr_scheduler
     dataloader = training_dataloader(engine, training_data, collate_fn) if training_data is not None else None
-    return engine, engine.optimizer, dataloader, lr_scheduler
+    # An engine for evaluation only returns no optimizer, as DeepSpeed's inference engine.
+    returned_optimizer = None if engine.optimizer.evaluation_only else engine.optimizer
+    return engine, returned_optimizer, dataloader, engine.lr_scheduler
+
+
+def engine_scheduler(engine: MegatrainDeepSpeedEngine, lr_scheduler: Any) -> Any:
+    """DeepSpeed's precedence: ``lr_scheduler`` given (a scheduler, or a callable taking the
+    engine's optimizer), else the config's ``"scheduler"`` block, else none; none at all for
+    an engine without an optimizer, whose scheduler DeepSpeed never builds
+    (optimizer/facade.py: [Note: evaluation-only engines])."""
+    from megatrain_ds.integration.deepspeed_adapter import build_lr_scheduler
+
+    if engine.optimizer.evaluation_only:
+        return None
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(engine.optimizer)
+        return lr_scheduler
+    if engine.config.scheduler is not None:
+        return build_lr_scheduler(engine.config.scheduler, engine.optimizer)
+    return None
 
 
 def training_dataloader(engine: MegatrainDeepSpeedEngine, dataset: Any, collate_fn: Any) -> Any:

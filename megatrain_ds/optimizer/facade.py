@@ -15,6 +15,21 @@ client's ``step`` ran, and step hooks registered on it would never fire. So
 buffers and clears the few that autograd leaves on resident parameters as soon as they are
 copied out) and therefore changes no weight and no state: it only does the bookkeeping of
 a step. The engine's update reads the hyperparameters from the shared groups.
+
+[Note: evaluation-only engines]
+DeepSpeed builds an engine without an optimizer when ``deepspeed.initialize`` gets neither
+``optimizer=`` nor an ``"optimizer"`` block: it runs forward passes (ZeRO inference) and
+asserts at ``backward()`` and ``step()``. The HF Trainer does that when ``evaluate()`` or
+``predict()`` runs before ``train()`` (its ``deepspeed_init(inference=True)`` drops the
+config's ``"optimizer"`` block: ``integration/deepspeed_hook.py``, [Note: evaluation before
+training]). So :func:`build_optimizer` given no optimizer, no block and no
+``model_parameters`` builds :meth:`MegatrainOptimizer.for_evaluation`: one group with no
+parameter in it, so every parameter is held as a frozen one (its weights alone, in their
+dtype: no master beside them, no moment, no gradient; ``state/placement.py``) and the
+model's ``requires_grad`` flags are left as they are. The engine refuses ``backward()`` and
+``step()`` on it with the way out, and ``deepspeed.initialize`` returns no optimizer and no
+scheduler for it, as DeepSpeed's does. Given ``model_parameters`` without an optimizer the
+call means to train, and stays an error.
 """
 
 from __future__ import annotations
@@ -50,17 +65,26 @@ class MegatrainOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         decoupled: bool,
         client: torch.optim.Optimizer | None = None,
+        evaluation_only: bool = False,
     ) -> None:
         super().__init__(param_groups, defaults)
         self.decoupled = decoupled
         self.client = client
         """The optimizer passed to ``deepspeed.initialize``, whose groups these are."""
+        self.evaluation_only = evaluation_only
+        """Built without any optimizer: it trains nothing ([Note: evaluation-only engines])."""
         self._finish_update: Callable[[], None] | None = None
         self.overflow = False
         """Whether the last step was skipped for non-finite gradients (an fp16 overflow among
         them): DeepSpeed's attribute, which Accelerate's ``step_was_skipped`` reads."""
         self.loss_scaling: LossScaling | None = None
         """The engine's loss scaling (set by the engine; DeepSpeed's scaler inside)."""
+
+    @classmethod
+    def for_evaluation(cls) -> MegatrainOptimizer:
+        """The optimizer of an engine built without one: no parameter in its one group, so
+        the engine holds every parameter frozen ([Note: evaluation-only engines])."""
+        return cls([{"params": []}], {}, decoupled=True, evaluation_only=True)
 
     def attach(self, finish_update: Callable[[], None]) -> None:
         """Called once by the engine: what ``step()`` runs."""
@@ -115,7 +139,9 @@ def build_optimizer(
     spec: OptimizerSpec | None,
     client: torch.optim.Optimizer | None,
 ) -> MegatrainOptimizer:
-    """The engine's optimizer from the config's ``optimizer`` block or a client optimizer.
+    """The engine's optimizer from the config's ``optimizer`` block or a client optimizer,
+    or, given neither nor ``model_parameters``, one that trains nothing
+    ([Note: evaluation-only engines]).
 
     A client ``torch.optim.AdamW``/``Adam`` contributes its groups (the same dicts, so
     its scheduler keeps working) and hyperparameters; any other class is an error.
@@ -129,6 +155,8 @@ def build_optimizer(
         facade.param_groups = client.param_groups  # shared: the client's scheduler drives us
         return facade
     if spec is None:
+        if model_parameters is None:  # no optimizer asked for at all: DeepSpeed's inference engine
+            return MegatrainOptimizer.for_evaluation()  # [Note: evaluation-only engines]
         raise ConfigError(
             'no optimizer: add an "optimizer" block (type AdamW) to the config or pass '
             "optimizer=torch.optim.AdamW(...) to deepspeed.initialize"
@@ -158,7 +186,7 @@ def group_index_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[n
     index: dict[nn.Parameter, int] = {}
     for number, group in enumerate(optimizer.param_groups):
         missing = [key for key in _HYPERPARAMETERS if key not in group]
-        if missing:
+        if missing and group["params"]:  # a group with no parameter trains nothing
             raise ConfigError(f"optimizer group {number} lacks {', '.join(missing)}")
         for param in group["params"]:
             if param in index:
