@@ -281,14 +281,15 @@ def plain_eval_loss(out: Path) -> float:
 
 
 def test_evaluate_and_predict_before_training(clients) -> None:
-    """A fresh Trainer's ``evaluate()`` and ``predict()``, no ``train()``, given the ZeRO-3
-    offload JSON and the minimal JSON ([Note: evaluation before training] in
+    """A fresh Trainer's ``evaluate()``, ``predict()`` and ``save_model``, no ``train()``, given
+    the ZeRO-3 offload JSON and the minimal JSON ([Note: evaluation before training] in
     ``deepspeed_hook.py``): the engine is built without an optimizer (no Adam moments, no
-    gradients in host memory) and gives the evaluation loss of DeepSpeed's ZeRO-3 inference on
-    the same JSON and of plain PyTorch's ``model.eval()`` on the same weights. DeepSpeed has no
-    answer for the minimal JSON (spelled out, stage 0): transformers refuses ZeRO inference
-    below stage 3. Tolerance: fp32 forward passes of the same weights, the same matmuls, 1e-5
-    relative as the other clients (room for summation order only)."""
+    gradients in host memory), gives the evaluation loss of DeepSpeed's ZeRO-3 inference on
+    the same JSON and of plain PyTorch's ``model.eval()`` on the same weights, and saves the
+    initial weights. DeepSpeed has no answer for the minimal JSON (spelled out, stage 0):
+    transformers refuses ZeRO inference below stage 3. Tolerance: fp32 forward passes of the
+    same weights, the same matmuls, 1e-5 relative as the other clients (room for summation
+    order only)."""
     zero3 = clients("evaluate_first_zero3")
     ours, reference = zero3["megatrain"].result(), zero3["deepspeed"].result()
     assert ours["engine_mro"][0] == MEGATRAIN_ENGINE and reference["engine_mro"][0] == DEEPSPEED_ENGINE
@@ -303,3 +304,7 @@ def test_evaluate_and_predict_before_training(clients) -> None:
         plain = plain_eval_loss(runs["megatrain"].output_dir)
         assert result["eval_loss"] == pytest.approx(plain, rel=1e-5)
         assert result["predict_loss"] == pytest.approx(result["eval_loss"], rel=1e-5)
+        # save_model after the evaluation writes the untrained weights, bit for bit: copies.
+        out = runs["megatrain"].output_dir
+        saved, initial = load_weights(out / "model"), load_weights(out / "initial.safetensors")
+        assert saved.keys() == initial.keys() and all(torch.equal(saved[k], initial[k]) for k in initial)

@@ -33,9 +33,10 @@ Clients (a tiny random-init byte-level Llama, a few optimizer steps each):
   ``TrainingArguments``;
 - ``resume``: six steps saving a checkpoint every three, then a fresh model and Trainer
   resumed from the first checkpoint (``resume_from_checkpoint``) for the last three;
-- ``evaluate_first``: ``evaluate()`` and ``predict()`` on a fresh Trainer, before any
-  ``train()`` (the Trainer then builds the engine without an optimizer: ZeRO inference on
-  DeepSpeed, which refuses it below stage 3; ``result.json`` says so where it did);
+- ``evaluate_first``: ``evaluate()``, ``predict()`` and ``save_model`` on a fresh Trainer,
+  with no ``train()`` (the Trainer then builds the engine without an optimizer: ZeRO
+  inference on DeepSpeed, which refuses it below stage 3; ``result.json`` says so where it
+  did);
   ``evaluate_first_zero3`` the same, meant for a ZeRO-3 offload ``JSON``;
 - ``pretrained``: ``from_pretrained(--model-dir)`` after ``TrainingArguments`` (with a ZeRO-3
   ``--deepspeed-config`` transformers then builds it under ``deepspeed.zero.Init``), then
@@ -363,9 +364,10 @@ def train_from_pretrained(args: argparse.Namespace) -> tuple[transformers.Traine
 
 
 def evaluate_before_training(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
-    """``evaluate()`` then ``predict()`` on the evaluation set, no ``train()``; ``result.json``'s
-    fields. transformers' refusal of ZeRO inference below stage 3 (DeepSpeed's engine given
-    the minimal config spelled out at stage 0) is recorded, not raised: the test checks it."""
+    """``evaluate()``, ``predict()`` on the evaluation set and ``save_model``, no ``train()``;
+    ``result.json``'s fields. transformers' refusal of ZeRO inference below stage 3
+    (DeepSpeed's engine given the minimal config spelled out at stage 0) is recorded, not
+    raised: the test checks it."""
     text = corpus()
     training_args = transformers.TrainingArguments(**common_args(args.output_dir, args.deepspeed_config))
     evaluation = byte_blocks(text, 16, start=48)
@@ -378,12 +380,14 @@ def evaluate_before_training(args: argparse.Namespace, model: torch.nn.Module) -
         if "ZeRO inference only makes sense with ZeRO Stage 3" not in str(error):
             raise
         return {"refused": str(error)}
+    predict_loss = trainer.predict(evaluation).metrics["test_loss"]
+    trainer.save_model(str(args.output_dir / "model"))  # evaluated, then saved: never trained
     engine = trainer.model_wrapped
     host_bytes = getattr(engine, "host_bytes", None)  # the megatrain engine's host state
     return {
         "engine_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(engine).__mro__],
         "eval_loss": eval_loss,
-        "predict_loss": trainer.predict(evaluation).metrics["test_loss"],
+        "predict_loss": predict_loss,
         "global_steps": trainer.state.global_step,
         "host_bytes": host_bytes() if callable(host_bytes) else None,
     }

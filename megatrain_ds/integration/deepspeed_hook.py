@@ -165,8 +165,8 @@ def prepare_evaluation_config(hf_config: Any, args: Any, model: Any, num_trainin
     and the model (with 0 training steps, as transformers does: a ``"scheduler"`` block's
     ``total_num_steps`` becomes 0), and the ``"optimizer"`` block is dropped, so that
     ``deepspeed.initialize`` builds the engine without an optimizer (optimizer/facade.py:
-    [Note: evaluation-only engines]): every weight held once, in its dtype, with no master,
-    moment or gradient beside it; forward only. transformers also sets DeepSpeed's logger to
+    [Note: evaluation-only engines]): every weight held as a frozen one, with no moment or
+    gradient beside it; forward only. transformers also sets DeepSpeed's logger to
     the Trainer's log level (not done here: it sets only what DeepSpeed's logger prints) and drops
     ``"lr_scheduler"``, a key no DeepSpeed config has; a ``"scheduler"`` block stays and, without an optimizer, is
     not built, by either engine. A ``train()`` after such an ``evaluate()`` stops as it stops

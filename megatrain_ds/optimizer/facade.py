@@ -24,12 +24,12 @@ asserts at ``backward()`` and ``step()``. The HF Trainer does that when ``evalua
 config's ``"optimizer"`` block: ``integration/deepspeed_hook.py``, [Note: evaluation before
 training]). So :func:`build_optimizer` given no optimizer, no block and no
 ``model_parameters`` builds :meth:`MegatrainOptimizer.for_evaluation`: one group with no
-parameter in it, so every parameter is held as a frozen one (its weights alone, in their
-dtype: no master beside them, no moment, no gradient; ``state/placement.py``) and the
-model's ``requires_grad`` flags are left as they are. The engine refuses ``backward()`` and
-``step()`` on it with the way out, and ``deepspeed.initialize`` returns no optimizer and no
-scheduler for it, as DeepSpeed's does. Given ``model_parameters`` without an optimizer the
-call means to train, and stays an error.
+parameter in it, so every parameter is held as a frozen one (its weights alone, no moment
+and no gradient; in its own dtype, or as ``"frozen_weights"`` says under bf16 or fp16
+compute: ``state/placement.py``) and the model's ``requires_grad`` flags are left as they
+are. The engine refuses ``backward()`` and ``step()`` on it with the way out, and
+``deepspeed.initialize`` returns no optimizer and no scheduler for it, as DeepSpeed's does.
+Given ``model_parameters`` without an optimizer the call means to train, and stays an error.
 """
 
 from __future__ import annotations
