@@ -20,6 +20,9 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama t
   of a recomputed block waiting for its own, a stashed block's backward for all of them;
 - ``device-state``: ``"device_state": 0.5``, the resident state and the first block kept on
   the device (``optimizer/device_states.py``), with clipping, accumulation 2 and a checkpoint;
+- ``forward-ahead``: two forwards, then their backwards with an optimizer step between: the
+  second backward's gradients land while the step's update runs behind it, its loss from
+  a forward that waited for none of it (``engine.backward``'s settle orders them);
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
   read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
   checkpoint saved from and loaded into the swap files and one more step.
@@ -85,6 +88,8 @@ SCENARIOS = {
     # The GPU tier: the resident state and the first block on the device (updated there on the
     # optimizer stream, their gradients added on the device), the rest on the host.
     "device-state": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "device_state": 0.5}),
+    # The host optimizer's update pipelined behind step() (clipping), one micro-batch a step.
+    "forward-ahead": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu"}),
     # nvme_path: a temporary directory, set by run().
     "nvme": dict(
         accumulation=2,
@@ -141,6 +146,23 @@ def train(engine: MegatrainEngine, steps: int, first_seed: int) -> None:
         engine.step()
 
 
+def forward_ahead(engine: MegatrainEngine) -> None:
+    """A step, then a loss whose forward comes before the next step() and whose backward
+    after it: its gradients land in the held gradients the update behind that step() reads."""
+    train(engine, steps=1, first_seed=0)
+    ahead, behind = engine(**batch(10)).loss, engine(**batch(11)).loss
+    engine.backward(ahead)
+    engine.step()
+    assert engine.pipelined_finish is not None and engine.pipelined_finish.in_flight, "no update behind step()"
+    engine.backward(behind)
+    engine.step()
+    train(engine, steps=1, first_seed=20)
+
+
+FLOWS = {"forward-ahead": forward_ahead}
+"""Scenarios that train their own way (the others: :func:`train`, then :data:`WITH_CHECKPOINT`'s)."""
+
+
 def run(name: str) -> None:
     with tempfile.TemporaryDirectory() as swap:
         spec = SCENARIOS[name]
@@ -155,7 +177,10 @@ def run(name: str) -> None:
         engine = MegatrainEngine(model, parse_engine_config(ds_config(**spec)), device=torch.device("cpu"))
         try:
             assert engine.runtime.checker is not None, "the race checker is not on"
-            train(engine, steps=2, first_seed=0)
+            if name in FLOWS:
+                FLOWS[name](engine)
+            else:
+                train(engine, steps=2, first_seed=0)
             if name in WITH_CHECKPOINT:
                 with tempfile.TemporaryDirectory() as directory:
                     engine.save_checkpoint(directory, tag="step2")
