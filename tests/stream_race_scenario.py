@@ -109,6 +109,11 @@ three-buffer weight window reuse buffers within a pass, and blocks leave the tie
 window while their write is still in flight."""
 NVME_SCENARIOS = ("nvme", "nvme-all")
 """The scenarios of the NVMe tier, whose handoffs only its own I/O threads and windows use."""
+SETTLE_SCENARIOS = ("host", "forward-ahead")
+"""What ``engine.settle_optimizer()``'s mutants run: its callers wait for the update behind
+``step()``, the same in every scenario that pipelines it (the others vary the streaming,
+which it does not touch); ``host`` saves and loads a checkpoint behind it, ``forward-ahead``
+lands gradients behind it."""
 DEVICE_STATE_SCENARIOS = ("device-state",)
 """The GPU tier's scenario: its mutants (``optimizer/device_states.py``) run it alone, the
 others the rest (the paths it shares with them, the sink and the streamer, run there)."""

@@ -28,7 +28,7 @@ import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config
-from stream_race_scenario import DEVICE_STATE_SCENARIOS, NVME_SCENARIOS, RACE_EXIT, SCENARIOS
+from stream_race_scenario import DEVICE_STATE_SCENARIOS, NVME_SCENARIOS, RACE_EXIT, SCENARIOS, SETTLE_SCENARIOS
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.stream_check import CheckedStream
@@ -231,6 +231,8 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
         scenarios = ["device-optimizer", "device-optimizer-no-clipping"] if device_optimizer else []
         if site is not None and site.path.name == "device_states.py":
             scenarios = list(DEVICE_STATE_SCENARIOS)  # the GPU tier's events: only its states use them
+        elif site is not None and site.call.endswith("settle_optimizer"):
+            scenarios = list(SETTLE_SCENARIOS)  # the update behind step(): any one scenario that pipelines it
         elif site is not None and site.path.parts[0] == "state":
             scenarios = list(NVME_SCENARIOS)  # the NVMe tier's handoffs: only its own threads and windows use them
         elif site is not None and not scenarios:
