@@ -344,7 +344,14 @@ class MegatrainEngine(nn.Module):
         loss scale (DeepSpeed semantics: the scale multiplies the divided loss)."""
         self._require_optimizer("backward")
         with self.runtime.observe(), self._out_of_memory_explained():
-            self.settle_optimizer()  # the gradients land in the held ones the update reads
+            # Sync: the update behind the last step() reads the held gradients this backward
+            # lands in (the GPU tier's, its device gradients). Free after a training forward,
+            # which waited for every state it reached (no gradient comes from one it did not),
+            # but not for a loss whose forward came before that step() (the mutation test's
+            # forward-ahead scenario). Every chunk _land_gradient places comes from this
+            # backward's hooks, or the reducer behind them, before the next step() can start
+            # an update: this wait orders them all, so _land_gradient has no wait of its own.
+            self.settle_optimizer()
             self.blocks.begin_backward()
             scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
             self.loss_scaling.scale_loss(scaled).backward(retain_graph=retain_graph)
@@ -479,7 +486,7 @@ class MegatrainEngine(nn.Module):
         see ``HeldWrites.land``."""
         if self.device_states is not None and index in self.device_states:
             return self._land_on_device(index, offset, numel)
-        self.settle_optimizer()  # a write into held gradients the last update still reads
+        # Not settled here: engine.backward did before any gradient of it could land.
         grad = self.optimizer_states[index].grad
         if grad is None:  # nothing held: the worker steps each chunk as it arrives
             return STAGED

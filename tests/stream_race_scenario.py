@@ -20,6 +20,9 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama t
   of a recomputed block waiting for its own, a stashed block's backward for all of them;
 - ``device-state``: ``"device_state": 0.5``, the resident state and the first block kept on
   the device (``optimizer/device_states.py``), with clipping, accumulation 2 and a checkpoint;
+- ``forward-ahead``: two forwards, then their backwards with an optimizer step between: the
+  second backward's gradients land while the step's update runs behind it, its loss from
+  a forward that waited for none of it (``engine.backward``'s settle orders them);
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
   read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
   checkpoint saved from and loaded into the swap files and one more step.
@@ -85,6 +88,8 @@ SCENARIOS = {
     # The GPU tier: the resident state and the first block on the device (updated there on the
     # optimizer stream, their gradients added on the device), the rest on the host.
     "device-state": dict(accumulation=2, clipping=1.0, megatrain={"optimizer_device": "cpu", "device_state": 0.5}),
+    # The host optimizer's update pipelined behind step() (clipping), one micro-batch a step.
+    "forward-ahead": dict(accumulation=1, clipping=1.0, megatrain={"optimizer_device": "cpu"}),
     # nvme_path: a temporary directory, set by run().
     "nvme": dict(
         accumulation=2,
@@ -104,6 +109,11 @@ three-buffer weight window reuse buffers within a pass, and blocks leave the tie
 window while their write is still in flight."""
 NVME_SCENARIOS = ("nvme", "nvme-all")
 """The scenarios of the NVMe tier, whose handoffs only its own I/O threads and windows use."""
+SETTLE_SCENARIOS = ("host", "forward-ahead")
+"""What ``engine.settle_optimizer()``'s mutants run: its callers wait for the update behind
+``step()``, the same in every scenario that pipelines it (the others vary the streaming,
+which it does not touch); ``host`` saves and loads a checkpoint behind it, ``forward-ahead``
+lands gradients behind it."""
 DEVICE_STATE_SCENARIOS = ("device-state",)
 """The GPU tier's scenario: its mutants (``optimizer/device_states.py``) run it alone, the
 others the rest (the paths it shares with them, the sink and the streamer, run there)."""
@@ -141,6 +151,23 @@ def train(engine: MegatrainEngine, steps: int, first_seed: int) -> None:
         engine.step()
 
 
+def forward_ahead(engine: MegatrainEngine) -> None:
+    """Two losses, then a step between their backwards: the second backward's gradients land
+    in the held gradients the update behind that step() reads, its forward having waited for
+    none of it. (Plain PyTorch refuses this order, its step having changed weights the graph
+    saved in place; the engine's blocks recompute, so it runs.)"""
+    ahead, behind = engine(**batch(0)).loss, engine(**batch(1)).loss
+    engine.backward(ahead)
+    engine.step()
+    assert engine.pipelined_finish is not None and engine.pipelined_finish.in_flight, "no update behind step()"
+    engine.backward(behind)
+    engine.step()
+
+
+FLOWS = {"forward-ahead": forward_ahead}
+"""Scenarios that train their own way (the others: :func:`train`, then :data:`WITH_CHECKPOINT`'s)."""
+
+
 def run(name: str) -> None:
     with tempfile.TemporaryDirectory() as swap:
         spec = SCENARIOS[name]
@@ -155,7 +182,10 @@ def run(name: str) -> None:
         engine = MegatrainEngine(model, parse_engine_config(ds_config(**spec)), device=torch.device("cpu"))
         try:
             assert engine.runtime.checker is not None, "the race checker is not on"
-            train(engine, steps=2, first_seed=0)
+            if name in FLOWS:
+                FLOWS[name](engine)
+            else:
+                train(engine, steps=2, first_seed=0)
             if name in WITH_CHECKPOINT:
                 with tempfile.TemporaryDirectory() as directory:
                     engine.save_checkpoint(directory, tag="step2")

@@ -192,6 +192,28 @@ def test_gathered_parameters_reads_the_updated_weights():
     assert all(torch.equal(a, b) for a, b in zip(weights["pipelined"], weights["synchronous"]))
 
 
+def test_a_state_dict_taken_right_after_step_equals_the_synchronous_one():
+    """``state_dict()`` right after ``step()`` (``save_pretrained``, Accelerate's
+    ``get_state_dict``) waits for the update in flight: every tensor, copied as soon as it
+    returns, is bit for bit the synchronous finish's. The race checker cannot see this wait
+    missing (the reads are the caller's, after state_dict returns: tests/test_stream_ordering.py)."""
+    saved = {}
+    for name, make in (("pipelined", lambda e: e), ("synchronous", synchronous)):
+        engine = make(_engine(ds_config(clipping=1.0)))
+        slow_finish_worker(engine, 0.02)
+        try:
+            engine.backward(engine(**tiny_models.make_batch(0)).loss)
+            engine.step()
+            pipelined = engine.pipelined_finish
+            assert (pipelined is not None and pipelined.in_flight) == (name == "pipelined")
+            saved[name] = {key: value.clone() for key, value in engine.state_dict().items()}
+        finally:
+            engine.destroy()
+    assert saved["pipelined"].keys() == saved["synchronous"].keys()
+    for key, value in saved["synchronous"].items():
+        assert torch.equal(saved["pipelined"][key], value), key
+
+
 def test_a_direct_call_of_the_model_waits_for_the_resident_update(stream_check):
     """``engine.module(...)`` (no ``engine(...)``: nothing plans the blocks before the
     embedding computes) still trains as PyTorch does: the model's forward hook waits for

@@ -28,7 +28,7 @@ import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config
-from stream_race_scenario import DEVICE_STATE_SCENARIOS, NVME_SCENARIOS, RACE_EXIT, SCENARIOS
+from stream_race_scenario import DEVICE_STATE_SCENARIOS, NVME_SCENARIOS, RACE_EXIT, SCENARIOS, SETTLE_SCENARIOS
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.runtime.stream_check import CheckedStream
@@ -38,9 +38,10 @@ PACKAGE = REPO / "megatrain_ds"
 SCENARIO = Path(__file__).resolve().parent / "stream_race_scenario.py"
 DATA_PARALLEL_WORKER = Path(__file__).resolve().parent / "data_parallel_worker.py"
 
-SYNC_CALLS = {"wait_event", "wait_stream", "record_stream", "used_on", "synchronize"}
+SYNC_CALLS = {"wait_event", "wait_stream", "record_stream", "used_on", "synchronize", "settle_optimizer"}
 """The calls that order work across streams and threads (``used_on`` is ``record_stream``;
-``synchronize`` is also the NVMe tier's wait for a transfer of its I/O threads)."""
+``synchronize`` is also the NVMe tier's wait for a transfer of its I/O threads;
+``settle_optimizer`` the engine's wait for the update behind ``step()``)."""
 
 NOT_ENGINE = ("runtime/", "cli.py")
 """The runtime implements these calls (and its tracing only times things with them);
@@ -71,6 +72,23 @@ EXPECTED_SURVIVORS: dict[str, str] = {
         "engine's own readers are ordered without it: state_dict and checkpoints synchronise "
         "the device (quiesce), forward waits per state (wait_on_device, caught), and the next "
         "step's host reads follow the sink's drain (optimizer/device_states.py's Note)."
+    ),
+    "engine.py:_master_state_dict_hook:self.settle_optimizer": (
+        "state_dict()'s wait for the update behind step(). Its reader is the caller's code, "
+        "outside the engine: the state dict holds views of the host masters, read after it "
+        "returns, where the checker sees no access (save_checkpoint, the engine's own caller, "
+        "settles first). Without it a state_dict taken right after step() holds stale values: "
+        "tests/test_pipelined_finish.py's state_dict test catches that by its values."
+    ),
+    "engine.py:_finish_optimizer_step:self.settle_optimizer": (
+        "The next optimizer step's wait for the update behind the last one. After a backward it "
+        "is free (engine.backward's settle, caught by the forward-ahead scenario); it waits only "
+        "for a step() with no backward since the last one (step() twice in a row): without it "
+        "HeldWrites.settle zeroes held gradients the update still reads and PipelinedFinish.start "
+        "fails its assertion that nothing is in flight. No scenario of that flow runs race-free "
+        "yet: the update that step() starts writes host weights that device work since the last "
+        "drain still reads (this settle's own refresh of the resident copy on the compute "
+        "stream), and nothing orders that (issue 42)."
     ),
     "optimizer/pipelined_finish.py:before_forward:self.synchronize": (
         "Not visible as a race: a training forward through the engine plans the blocks "
@@ -213,6 +231,8 @@ def run_under_checker(site: SyncSite | None, root: Path) -> subprocess.Completed
         scenarios = ["device-optimizer", "device-optimizer-no-clipping"] if device_optimizer else []
         if site is not None and site.path.name == "device_states.py":
             scenarios = list(DEVICE_STATE_SCENARIOS)  # the GPU tier's events: only its states use them
+        elif site is not None and site.call.endswith("settle_optimizer"):
+            scenarios = list(SETTLE_SCENARIOS)  # the update behind step(): any one scenario that pipelines it
         elif site is not None and site.path.parts[0] == "state":
             scenarios = list(NVME_SCENARIOS)  # the NVMe tier's handoffs: only its own threads and windows use them
         elif site is not None and not scenarios:
