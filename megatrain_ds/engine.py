@@ -535,8 +535,16 @@ class MegatrainEngine(nn.Module):
             self.stepper.consume_final(index, offset, accumulated, step, counted=squares is not None)
 
     def _finish_optimizer_step(self) -> None:
+        behind = self.pipelined_finish is not None and self.pipelined_finish.in_flight
         self.settle_optimizer()  # the last step's update, if its forward did not need it all
         self.sink.drain()  # the worker is idle and every direct copy has landed
+        if behind:
+            # Sync: step() again with no backward since the last one (the only way an update
+            # is still behind here: a backward settles it). The settle above queued a refresh
+            # of the resident parameters' device copy on the compute stream, which reads the
+            # host weights this step's update writes; the drain orders only device work that a
+            # backward's gradients follow. Rare, so the host waits for the stream.
+            self.runtime.compute_stream().synchronize()
         # After the drain the rest of the update is host code here, or on the finish worker.
         with self.runtime.tracer.span("step finish", "optimizer worker"), self.runtime.host_work():
             self.held_writes.settle(self.optimizer_states)  # zeros where nothing was written

@@ -22,7 +22,9 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama t
   the device (``optimizer/device_states.py``), with clipping, accumulation 2 and a checkpoint;
 - ``forward-ahead``: two forwards, then their backwards with an optimizer step between: the
   second backward's gradients land while the step's update runs behind it, its loss from
-  a forward that waited for none of it (``engine.backward``'s settle orders them);
+  a forward that waited for none of it (``engine.backward``'s settle orders them); then
+  ``step()`` twice in a row (its settle's refresh of the resident copy, device work no
+  gradient follows: ``_finish_optimizer_step``'s wait for the device orders it);
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
   read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
   checkpoint saved from and loaded into the swap files and one more step.
@@ -161,6 +163,11 @@ def forward_ahead(engine: MegatrainEngine) -> None:
     engine.step()
     assert engine.pipelined_finish is not None and engine.pipelined_finish.in_flight, "no update behind step()"
     engine.backward(behind)
+    engine.step()
+    # step() again with no backward: its settle refreshes the resident copy on the compute
+    # stream while the update it starts writes the host weights.
+    engine.step()
+    engine.backward(engine(**batch(2)).loss)
     engine.step()
 
 

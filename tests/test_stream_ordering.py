@@ -80,16 +80,6 @@ EXPECTED_SURVIVORS: dict[str, str] = {
         "settles first). Without it a state_dict taken right after step() holds stale values: "
         "tests/test_pipelined_finish.py's state_dict test catches that by its values."
     ),
-    "engine.py:_finish_optimizer_step:self.settle_optimizer": (
-        "The next optimizer step's wait for the update behind the last one. After a backward it "
-        "is free (engine.backward's settle, caught by the forward-ahead scenario); it waits only "
-        "for a step() with no backward since the last one (step() twice in a row): without it "
-        "HeldWrites.settle zeroes held gradients the update still reads and PipelinedFinish.start "
-        "fails its assertion that nothing is in flight. No scenario of that flow runs race-free "
-        "yet: the update that step() starts writes host weights that device work since the last "
-        "drain still reads (this settle's own refresh of the resident copy on the compute "
-        "stream), and nothing orders that (issue 42)."
-    ),
     "optimizer/pipelined_finish.py:before_forward:self.synchronize": (
         "Not visible as a race: a training forward through the engine plans the blocks "
         "before the model runs, and the streamer's wait for block 0 takes the resident "
