@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -102,6 +103,9 @@ class MegatrainEngine(nn.Module):
     """Set by the first :meth:`destroy` (a class default: readable before ``__init__`` sets anything)."""
     _exit_handler: Callable[[], None] | None = None
     """Registered with ``atexit`` at the end of ``__init__``: :meth:`destroy` if the script did not."""
+    _final_backward_done: bool = False
+    """A backward at the accumulation boundary ran and its ``step()`` has not yet: the worker
+    may be updating host weights (see :meth:`_warn_if_weights_are_changing`)."""
 
     # The parts engine_build.build sets, in the order it builds them (engine_build.py).
     block_path: str
@@ -295,6 +299,7 @@ class MegatrainEngine(nn.Module):
         """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish];
         optimizer/device_states.py: [Note: device state ordering])."""
         training = torch.is_grad_enabled() and self.module.training
+        self._warn_if_weights_are_changing()
         if self.pipelined_finish is not None:
             with self.runtime.observe():
                 self.pipelined_finish.before_forward(training=training)
@@ -355,7 +360,22 @@ class MegatrainEngine(nn.Module):
             self.blocks.begin_backward()
             scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
             self.loss_scaling.scale_loss(scaled).backward(retain_graph=retain_graph)
+        self._final_backward_done = self.is_gradient_accumulation_boundary()
         return loss
+
+    def _warn_if_weights_are_changing(self) -> None:
+        """A forward between a step's last backward and ``step()``: the gradient worker may be
+        updating the host weights already (speculated ranges, or every chunk when nothing is
+        held: docs/how-it-works.md, "The optimizer step"), so the forward would read some
+        updated and some not, where DeepSpeed's engine reads the old ones. Said, not refused:
+        the training itself is unaffected (this forward only reads)."""
+        if self._final_backward_done and self.stepper.updates_during_backward:
+            warnings.warn(
+                "megatrain: a forward between the last backward of a step and engine.step() reads weights "
+                "the optimizer is already updating (the engine updates during backward); its outputs mix "
+                "old and new weights. Call engine.step() before this forward.",
+                stacklevel=3,
+            )
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
@@ -535,6 +555,7 @@ class MegatrainEngine(nn.Module):
             self.stepper.consume_final(index, offset, accumulated, step, counted=squares is not None)
 
     def _finish_optimizer_step(self) -> None:
+        self._final_backward_done = False
         behind = self.pipelined_finish is not None and self.pipelined_finish.in_flight
         self.settle_optimizer()  # the last step's update, if its forward did not need it all
         self.sink.drain()  # the worker is idle and every direct copy has landed

@@ -250,3 +250,42 @@ def test_cpu_update_overlaps_backward(monkeypatch):
     assert len(backwards) == len(serial_backwards) == 4 and updates and serial_updates
     assert min(start for start, _ in serial_updates) >= max(end for _, end in serial_backwards)
     assert min(start for start, _ in updates) < max(end for _, end in backwards), (updates, backwards)
+
+
+@pytest.mark.parametrize(
+    ("clipping", "megatrain", "warned"),
+    [
+        (0.0, {}, True),  # nothing held: the worker updates every chunk during backward
+        (1e6, {"speculative_blocks": 1}, True),  # the journaled block, speculated (never clipped)
+        (1e6, {"speculative_blocks": 0}, False),  # every range waits for step()
+    ],
+)
+def test_a_forward_before_step_is_warned_where_weights_are_changing(clipping, megatrain, warned):
+    """A forward between a step's last backward and ``step()`` reads host weights the worker
+    may be updating (docs/how-it-works.md, "The optimizer step"): the engine says so exactly
+    where it may, and not for a forward between micro-batches or after ``step()``."""
+    import warnings
+
+    torch.manual_seed(0)
+    config = ds_config(accumulation=2, clipping=clipping, megatrain={"optimizer_device": "cpu", **megatrain})
+    engine = MegatrainEngine(tiny_models.llama(num_layers=2), parse_engine_config(config))
+    tokens = torch.randint(0, tiny_models.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(2):  # two optimizer steps, a forward between their micro-batches
+                engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+                engine(input_ids=tokens, labels=tokens)  # nothing is updated before the last micro-batch
+                engine.step()
+                engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+                engine.step()
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.step()
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)  # the step's last backward
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine(input_ids=tokens, labels=tokens)
+        assert any("before this forward" in str(w.message) for w in caught) is warned, [str(w.message) for w in caught]
+        engine.step()
+    finally:
+        engine.destroy()

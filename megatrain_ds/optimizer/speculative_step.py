@@ -160,6 +160,12 @@ class OptimizerStepper:
         """The predictor: speculate in the next step (the last one was applied unclipped)."""
         self._begin_step()
 
+    @property
+    def updates_during_backward(self) -> bool:
+        """Whether the worker may change host weights before :meth:`finish`: every final chunk
+        when nothing is held, the journaled ranges while the predictor speculates."""
+        return not self.holds_gradients or (self.speculate_next and bool(self.journal))
+
     def _begin_step(self) -> None:
         self._speculating: bool | None = None  # decided at the step's first final chunk
         self._hyper_read: dict[int, AdamHyper] = {}
