@@ -169,13 +169,10 @@ def test_a_checkpoint_taken_right_after_step_equals_the_synchronous_one(tmp_path
         assert torch.equal(saved["pipelined"][key], value), key
 
 
-def test_gathered_parameters_reads_the_updated_weights():
-    """``deepspeed.zero.GatheredParameters``, which TRL and transformers enter to read a
-    ZeRO-3 model's weights between steps, waits for the update in flight (compat.py's patch
-    5): inside it the parameters are bit for bit the synchronous finish's."""
-    import deepspeed
-
-    weights = {}
+def _read_right_after_step(read):
+    """``read(engine)`` right after a clipped ``step()``, on the pipelined engine (its update
+    still in flight, slowed) and on the synchronous one: ``{"pipelined": ..., "synchronous": ...}``."""
+    results = {}
     for name, make in (("pipelined", lambda e: e), ("synchronous", synchronous)):
         engine = make(_engine(ds_config(clipping=1.0)))
         slow_finish_worker(engine, 0.02)
@@ -184,11 +181,24 @@ def test_gathered_parameters_reads_the_updated_weights():
             engine.step()
             pipelined = engine.pipelined_finish
             assert (pipelined is not None and pipelined.in_flight) == (name == "pipelined")
-            parameters = list(engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(parameters):
-                weights[name] = [p.detach().clone() for p in parameters]
+            results[name] = read(engine)
         finally:
             engine.destroy()
+    return results
+
+
+def test_gathered_parameters_reads_the_updated_weights():
+    """``deepspeed.zero.GatheredParameters``, which TRL and transformers enter to read a
+    ZeRO-3 model's weights between steps, waits for the update in flight (compat.py's patch
+    5): inside it the parameters are bit for bit the synchronous finish's."""
+    import deepspeed
+
+    def gathered(engine):
+        parameters = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(parameters):
+            return [p.detach().clone() for p in parameters]
+
+    weights = _read_right_after_step(gathered)
     assert all(torch.equal(a, b) for a, b in zip(weights["pipelined"], weights["synchronous"]))
 
 
@@ -197,18 +207,7 @@ def test_a_state_dict_taken_right_after_step_equals_the_synchronous_one():
     ``get_state_dict``) waits for the update in flight: every tensor, copied as soon as it
     returns, is bit for bit the synchronous finish's. The race checker cannot see this wait
     missing (the reads are the caller's, after state_dict returns: tests/test_stream_ordering.py)."""
-    saved = {}
-    for name, make in (("pipelined", lambda e: e), ("synchronous", synchronous)):
-        engine = make(_engine(ds_config(clipping=1.0)))
-        slow_finish_worker(engine, 0.02)
-        try:
-            engine.backward(engine(**tiny_models.make_batch(0)).loss)
-            engine.step()
-            pipelined = engine.pipelined_finish
-            assert (pipelined is not None and pipelined.in_flight) == (name == "pipelined")
-            saved[name] = {key: value.clone() for key, value in engine.state_dict().items()}
-        finally:
-            engine.destroy()
+    saved = _read_right_after_step(lambda engine: {key: value.clone() for key, value in engine.state_dict().items()})
     assert saved["pipelined"].keys() == saved["synchronous"].keys()
     for key, value in saved["synchronous"].items():
         assert torch.equal(saved["pipelined"][key], value), key
