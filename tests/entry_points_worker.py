@@ -17,7 +17,8 @@ several nodes shard them).
 Placements: ``ram`` (host memory; with bf16 on several nodes the fp32 master sharded across
 them), ``optimizer`` (``"nvme_offload": "optimizer"``: the fp32 masters and moments on
 the NVMe tier, the compute copies in host memory), ``all`` (``"nvme_offload": "all"``:
-each rank's windows of the weights on its own NVMe tier, gathered when used).
+each rank's windows of the weights on its own NVMe tier, gathered when used); with
+``-bf16`` (``ram-bf16``, ...), that placement with bf16 compute, whatever ``--bf16`` says.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
     import deepspeed
 
     torch.manual_seed(rank)  # the ranks start differently: the engine keeps the first node's weights
-    tier = {"nvme_offload": placement, "nvme_path": str(Path(args.out) / "swap")} if placement != "ram" else {}
+    level, _, precision = placement.partition("-")
+    tier = {"nvme_offload": level, "nvme_path": str(Path(args.out) / "swap")} if level != "ram" else {}
     settings = config(1, world_size, collective_timeout_s=args.timeout, **tier)
-    if args.bf16:
+    if args.bf16 or precision == "bf16":
         settings["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=llama(num_layers=4), config=settings)
     for step in range(args.steps):
@@ -103,7 +105,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["entry-points"])  # the launch helpers name a mode first
     parser.add_argument("--out", required=True)
-    parser.add_argument("--placements", nargs="+", choices=["ram", "optimizer", "all"], required=True)
+    parser.add_argument(
+        "--placements",
+        nargs="+",
+        choices=[f"{level}{suffix}" for suffix in ("", "-bf16") for level in ("ram", "optimizer", "all")],
+        required=True,
+    )
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--timeout", type=float, default=60.0, help="megatrain.collective_timeout_s")

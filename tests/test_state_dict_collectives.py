@@ -11,7 +11,8 @@ placements in turn:
 
 - one node of 2 ranks, fp32: the state in host memory (plain data parallel), then the
   optimizer on the NVMe tier (``"optimizer"``: the masters on disk), then the weights too
-  (``"all"``: each rank's windows, gathered). Reference: plain
+  (``"all"``: each rank's windows, gathered); then bf16 compute in host memory and with
+  ``"all"``, each bit-equal to the bf16 run's masters as its ranks hold them. Reference: plain
   PyTorch with both ranks' batches in one process, relative error < 2e-6 (the bound of
   ``tests/test_data_parallel.py``: the same arithmetic but the gradient reduce's order),
   and the three placements bit-equal to each other (the same ops on the same values: the
@@ -26,8 +27,10 @@ placements in turn:
 Every rank of both launches also checks its buffers against its placement, and against
 preflight's estimate for its node (``tests/placement_check.py``): a bf16 node's rank is its
 node; the one node's two ranks are added up (each node-shared buffer once, each rank's
-windows, tiers and gather buffers). These are the agreement check's multi-rank ``"all"``
-combinations, and its multi-rank ``"optimizer"`` ones.
+windows, tiers and gather buffers). These are the agreement check's multi-rank
+combinations: fp32 and bf16 on one node of two ranks, bf16 on two nodes (the sharded
+master), each in host memory and with the tier; ``tests/test_data_parallel.py`` adds two
+nodes of two ranks.
 """
 
 from __future__ import annotations
@@ -86,15 +89,16 @@ def _masters_as_trained(ranks: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    placements = ("ram", "optimizer", "all")
+    placements = ("ram", "optimizer", "all", "ram-bf16", "all-bf16")
     args = ("entry-points", tmp_path, "--placements", *placements, "--steps", str(STEPS))
     _launch_worker(monkeypatch, lambda: launch(*args))
     reports = _reports(tmp_path, placements)
-    expected = _masters_as_trained(reports["ram"])
+    masters = {"fp32": _masters_as_trained(reports["ram"]), "bf16": _masters_as_trained(reports["ram-bf16"])}
     reference, _ = reference_training(STEPS, 1, world_size=2)
-    assert relative_error(expected, reference) < 2e-6
+    assert relative_error(masters["fp32"], reference) < 2e-6
     for placement, ranks in reports.items():
-        assert [rank["collective"] for rank in ranks] == [placement == "all"] * 2
+        expected = masters["bf16" if placement.endswith("-bf16") else "fp32"]
+        assert [rank["collective"] for rank in ranks] == [placement.startswith("all")] * 2
         # The node's two ranks together against preflight's estimate for the node.
         node = node_preflight_disagreements([rank["node_share"] for rank in ranks])
         assert node == [], (placement, node)
