@@ -28,9 +28,9 @@ Every rank of both launches also checks its buffers against its placement, and a
 preflight's estimate for its node (``tests/placement_check.py``): a bf16 node's rank is its
 node; the one node's two ranks are added up (each node-shared buffer once, each rank's
 windows, tiers and gather buffers). These are the agreement check's multi-rank
-combinations: fp32 and bf16 on one node of two ranks, bf16 on two nodes (the sharded
-master), each in host memory and with the tier; ``tests/test_data_parallel.py`` adds two
-nodes of two ranks.
+combinations: fp32 and bf16 on one node of two ranks, bf16 on two nodes of one rank and
+on two nodes of two ranks (the sharded master, with data parallel inside each node: a third
+launch), each in host memory and with the tier.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ STEPS = 2
 ENTRY_POINTS_ON_RANK0 = ("save_16bit_model", "save_pretrained")  # files written by the first rank
 
 
-def _reports(out: Path, placements: tuple[str, ...]) -> dict[str, list[dict]]:
-    return {p: [torch.load(out / f"{p}.rank{rank}.pt", weights_only=False) for rank in range(2)] for p in placements}
+def _reports(out: Path, placements: tuple[str, ...], ranks: int = 2) -> dict[str, list[dict]]:
+    return {
+        p: [torch.load(out / f"{p}.rank{rank}.pt", weights_only=False) for rank in range(ranks)] for p in placements
+    }
 
 
 def _assert_every_answer_is(expected: dict[str, torch.Tensor], report: dict, rank: int, where: str) -> None:
@@ -117,5 +119,30 @@ def test_two_nodes_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: 
         assert [rank["collective"] for rank in ranks] == [True, True]  # sharded, or gathered
         for rank, report in enumerate(ranks):
             # bf16 nodes, in host memory or "all": placement = allocations = preflight on each rank.
+            assert report["disagreements"] == [], (placement, rank, report["disagreements"])
+            _assert_every_answer_is(expected, report, rank, placement)
+
+
+def test_two_nodes_of_two_ranks_every_entry_point_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on 2 nodes of 2 ranks: the fp32 master sharded across the nodes, data parallel
+    inside each, in host memory and with the weights on the tier. Each node's two ranks
+    against preflight's estimate for the node, and every entry point on every rank bit-equal
+    to the nodes' spans of the masters, joined (as in the two-node test)."""
+    placements = ("ram-bf16", "all-bf16")
+    args = ("entry-points", "--placements", *placements, "--steps", str(STEPS))
+    _launch_worker(monkeypatch, lambda: launch_nodes(2, tmp_path, *args, per_node=2))
+    reports = _reports(tmp_path, placements, ranks=4)
+    expected = _masters_as_trained(reports["ram-bf16"])
+    for placement, ranks in reports.items():
+        assert [rank["collective"] for rank in ranks] == [True] * 4
+        nodes: dict[int, list[dict]] = {}
+        for rank in ranks:
+            nodes.setdefault(rank["node_share"]["node"], []).append(rank["node_share"])
+        assert sorted(len(shares) for shares in nodes.values()) == [2, 2], placement
+        for node, shares in nodes.items():
+            assert node_preflight_disagreements(shares) == [], (placement, node, node_preflight_disagreements(shares))
+        for rank, report in enumerate(ranks):
             assert report["disagreements"] == [], (placement, rank, report["disagreements"])
             _assert_every_answer_is(expected, report, rank, placement)
