@@ -157,5 +157,8 @@ def warn_if_unlaunched_under_accelerate() -> None:
     state = sys.modules.get("accelerate.state")
     if state is None or not torch.distributed.is_available() or torch.distributed.is_initialized():
         return
-    if state.PartialState._shared_state.get("distributed_type") == "DEEPSPEED":
+    # Private, and read only to warn: an Accelerate release without it is warned of nothing,
+    # never stopped (transformers sets ACCELERATE_USE_DEEPSPEED only while it builds the state).
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    if isinstance(shared, dict) and shared.get("distributed_type") == "DEEPSPEED":
         warnings.warn(UNLAUNCHED_WARNING, stacklevel=2)
