@@ -18,7 +18,7 @@ Placements: ``ram`` (host memory; with bf16 on several nodes the fp32 master sha
 them), ``optimizer`` (``"nvme_offload": "optimizer"``: the fp32 masters and moments on
 the NVMe tier, the compute copies in host memory), ``all`` (``"nvme_offload": "all"``:
 each rank's windows of the weights on its own NVMe tier, gathered when used); with
-``-bf16`` (``ram-bf16``, ...), that placement with bf16 compute, whatever ``--bf16`` says.
+``-bf16`` (``ram-bf16``, ...), that placement with bf16 compute.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
     level, _, precision = placement.partition("-")
     tier = {"nvme_offload": level, "nvme_path": str(Path(args.out) / "swap")} if level != "ram" else {}
     settings = config(1, world_size, collective_timeout_s=args.timeout, **tier)
-    if args.bf16 or precision == "bf16":
+    if precision == "bf16":
         settings["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=llama(num_layers=4), config=settings)
     for step in range(args.steps):
@@ -111,7 +111,6 @@ def main() -> None:
         choices=[f"{level}{suffix}" for suffix in ("", "-bf16") for level in ("ram", "optimizer", "all")],
         required=True,
     )
-    parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--timeout", type=float, default=60.0, help="megatrain.collective_timeout_s")
     args, _ = parser.parse_known_args()

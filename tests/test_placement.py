@@ -11,11 +11,11 @@ exactly; and the planner's estimate (``megatrain plan``), given the engine's fla
 counts the same bytes as ``host_bytes()``: all three read the one placement. Data
 parallel, nodes and the sharded bf16 master are checked the same way by every rank of the
 multi-rank launches of ``tests/test_data_parallel.py`` (``data_parallel_worker._held_report``)
-and ``tests/test_state_dict_collectives.py`` (one node of 2 ranks and 2 bf16 nodes, in host
-memory and with "all"), at no extra launch: each rank against its placement, and against
-preflight's estimate for its node -- the rank's own where it is its node, else the node's
-ranks' allocations added up (``placement_check.node_preflight_disagreements``: one node of
-2 ranks in host memory, with "optimizer" and with "all", and 2 nodes of 2 ranks).
+and ``tests/test_state_dict_collectives.py`` (fp32 and bf16, each in host memory, with
+"optimizer" and with "all", on one node of 2 ranks, 2 nodes of one rank and 2 nodes of 2
+ranks), at no extra launch: each rank against its placement, and against preflight's
+estimate for its node -- the rank's own where it is its node, else the node's ranks'
+allocations added up (``placement_check.node_preflight_disagreements``).
 """
 
 from __future__ import annotations

@@ -6,31 +6,29 @@ collectives where no process holds the masters whole (``checkpoint/whole_masters
 [Note: one answer from state_dict]). Called on every rank, in the same order, each must
 return (a collective skipped or reordered would leave a rank waiting: the runs set
 ``collective_timeout_s`` to 60 s, and the launches time out), and each must give the
-trained masters. One launch per topology, running ``tests/entry_points_worker.py`` over its
-placements in turn:
+trained masters. One launch per topology, running ``tests/entry_points_worker.py`` over every
+placement in turn -- fp32 and bf16 compute, each with the state in host memory (``ram``),
+the optimizer on the NVMe tier (``"optimizer"``: the masters on disk) and the weights too
+(``"all"``: each rank's windows, gathered when used):
 
-- one node of 2 ranks, fp32: the state in host memory (plain data parallel), then the
-  optimizer on the NVMe tier (``"optimizer"``: the masters on disk), then the weights too
-  (``"all"``: each rank's windows, gathered); then bf16 compute in host memory and with
-  ``"all"``, each bit-equal to the bf16 run's masters as its ranks hold them. Reference: plain
-  PyTorch with both ranks' batches in one process, relative error < 2e-6 (the bound of
-  ``tests/test_data_parallel.py``: the same arithmetic but the gradient reduce's order),
-  and the three placements bit-equal to each other (the same ops on the same values: the
-  tier and the gather only move bytes).
-- 2 simulated nodes of one rank, bf16 compute: the fp32 master sharded across the nodes
-  (each holds its span, the parameters view the bf16 shadow), then the weights on the
-  tier. Reference: each node's own span of the master, read directly from its host state
-  and joined: bit-equal (the state dict moves those bytes, nothing else); the two tier
-  placements bit-equal to it (with ``"optimizer"`` the parameters are bf16 compute copies
-  and the masters on disk: an answer read from the parameters would be rounded).
+- one node of 2 ranks (plain data parallel);
+- 2 simulated nodes of one rank: with bf16 compute the fp32 master is sharded across the
+  nodes (each holds its span, the parameters view the bf16 shadow);
+- 2 simulated nodes of 2 ranks: the same, with data parallel inside each node.
 
-Every rank of both launches also checks its buffers against its placement, and against
-preflight's estimate for its node (``tests/placement_check.py``): a bf16 node's rank is its
-node; the one node's two ranks are added up (each node-shared buffer once, each rank's
-windows, tiers and gather buffers). These are the agreement check's multi-rank
-combinations: fp32 and bf16 on one node of two ranks, bf16 on two nodes of one rank and
-on two nodes of two ranks (the sharded master, with data parallel inside each node: a third
-launch), each in host memory and with the tier.
+Reference: the masters as the ``ram`` run of the same precision trained them, read
+directly from each rank's host state (each node's span, joined), not through a state dict.
+Every answer is bit-equal to it: the tier and the gather only move bytes, and with
+``"optimizer"`` and bf16 the parameters are rounded compute copies, so an answer read from
+them would fail. The one-node fp32 masters are also checked against plain PyTorch with both
+ranks' batches in one process, relative error < 2e-6 (the bound of
+``tests/test_data_parallel.py``: the same arithmetic but the gradient reduce's order).
+
+Every rank also checks its buffers against its placement, and against preflight's estimate
+for its node (``tests/placement_check.py``): a rank alone on its node directly, a node's two
+ranks added up (each node-shared buffer once, each rank's windows, tiers and gather
+buffers). These launches are the agreement check's multi-rank combinations: every
+precision and placement on each of the three topologies.
 """
 
 from __future__ import annotations
@@ -90,59 +88,50 @@ def _masters_as_trained(ranks: list[dict]) -> dict[str, torch.Tensor]:
     return expected
 
 
-def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    placements = ("ram", "optimizer", "all", "ram-bf16", "all-bf16")
-    args = ("entry-points", tmp_path, "--placements", *placements, "--steps", str(STEPS))
-    _launch_worker(monkeypatch, lambda: launch(*args))
-    reports = _reports(tmp_path, placements)
+EVERY_PLACEMENT = ("ram", "optimizer", "all", "ram-bf16", "optimizer-bf16", "all-bf16")
+
+
+def _collective(placement: str, nodes: int) -> bool:
+    """Whether the state dict gathers: the weights in ranks' windows (``"all"``), or the fp32
+    master sharded across several nodes (bf16 compute); else every rank holds it whole."""
+    return placement.startswith("all") or (nodes > 1 and placement.endswith("-bf16"))
+
+
+def _check_every_rank(reports: dict[str, list[dict]], nodes: int, per_node: int) -> None:
+    """Every placement of one launch: each rank's buffers against its placement (and against
+    preflight where a rank is its node), each node's ranks together against preflight's node
+    estimate, and every entry point on every rank bit-equal to the masters as trained (the
+    ``ram`` run of the same precision, read directly: the tier and the gather only move bytes)."""
     masters = {"fp32": _masters_as_trained(reports["ram"]), "bf16": _masters_as_trained(reports["ram-bf16"])}
-    reference, _ = reference_training(STEPS, 1, world_size=2)
-    assert relative_error(masters["fp32"], reference) < 2e-6
     for placement, ranks in reports.items():
         expected = masters["bf16" if placement.endswith("-bf16") else "fp32"]
-        assert [rank["collective"] for rank in ranks] == [placement.startswith("all")] * 2
-        # The node's two ranks together against preflight's estimate for the node.
-        node = node_preflight_disagreements([rank["node_share"] for rank in ranks])
-        assert node == [], (placement, node)
+        assert [rank["collective"] for rank in ranks] == [_collective(placement, nodes)] * len(ranks), placement
+        if per_node > 1:
+            by_node: dict[int, list[dict]] = {}
+            for rank in ranks:
+                by_node.setdefault(rank["node_share"]["node"], []).append(rank["node_share"])
+            assert sorted(len(shares) for shares in by_node.values()) == [per_node] * nodes, placement
+            for node, shares in by_node.items():
+                disagreements = node_preflight_disagreements(shares)
+                assert disagreements == [], (placement, node, disagreements)
         for rank, report in enumerate(ranks):
             assert report["disagreements"] == [], (placement, rank, report["disagreements"])
             _assert_every_answer_is(expected, report, rank, placement)
 
 
-def test_two_nodes_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    placements = ("ram", "optimizer", "all")
-    args = ("entry-points", "--placements", *placements, "--bf16", "--steps", str(STEPS))
-    _launch_worker(monkeypatch, lambda: launch_nodes(2, tmp_path, *args))
-    reports = _reports(tmp_path, placements)
-    expected = _masters_as_trained(reports["ram"])  # each node's span of the fp32 masters, joined
-    for placement, ranks in reports.items():
-        assert [rank["collective"] for rank in ranks] == [True, True]  # sharded, or gathered
-        for rank, report in enumerate(ranks):
-            # bf16 nodes, in host memory or "all": placement = allocations = preflight on each rank.
-            assert report["disagreements"] == [], (placement, rank, report["disagreements"])
-            _assert_every_answer_is(expected, report, rank, placement)
+def test_one_node_every_entry_point_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ("entry-points", tmp_path, "--placements", *EVERY_PLACEMENT, "--steps", str(STEPS))
+    _launch_worker(monkeypatch, lambda: launch(*args))
+    reports = _reports(tmp_path, EVERY_PLACEMENT)
+    reference, _ = reference_training(STEPS, 1, world_size=2)
+    assert relative_error(_masters_as_trained(reports["ram"]), reference) < 2e-6
+    _check_every_rank(reports, nodes=1, per_node=2)
 
 
-def test_two_nodes_of_two_ranks_every_entry_point_on_every_rank(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("per_node", [1, 2], ids=["one-rank-each", "two-ranks-each"])
+def test_two_nodes_every_entry_point_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_node: int
 ) -> None:
-    """bf16 on 2 nodes of 2 ranks: the fp32 master sharded across the nodes, data parallel
-    inside each, in host memory and with the weights on the tier. Each node's two ranks
-    against preflight's estimate for the node, and every entry point on every rank bit-equal
-    to the nodes' spans of the masters, joined (as in the two-node test)."""
-    placements = ("ram-bf16", "all-bf16")
-    args = ("entry-points", "--placements", *placements, "--steps", str(STEPS))
-    _launch_worker(monkeypatch, lambda: launch_nodes(2, tmp_path, *args, per_node=2))
-    reports = _reports(tmp_path, placements, ranks=4)
-    expected = _masters_as_trained(reports["ram-bf16"])
-    for placement, ranks in reports.items():
-        assert [rank["collective"] for rank in ranks] == [True] * 4
-        nodes: dict[int, list[dict]] = {}
-        for rank in ranks:
-            nodes.setdefault(rank["node_share"]["node"], []).append(rank["node_share"])
-        assert sorted(len(shares) for shares in nodes.values()) == [2, 2], placement
-        for node, shares in nodes.items():
-            assert node_preflight_disagreements(shares) == [], (placement, node, node_preflight_disagreements(shares))
-        for rank, report in enumerate(ranks):
-            assert report["disagreements"] == [], (placement, rank, report["disagreements"])
-            _assert_every_answer_is(expected, report, rank, placement)
+    args = ("entry-points", "--placements", *EVERY_PLACEMENT, "--steps", str(STEPS))
+    _launch_worker(monkeypatch, lambda: launch_nodes(2, tmp_path, *args, per_node=per_node))
+    _check_every_rank(_reports(tmp_path, EVERY_PLACEMENT, ranks=2 * per_node), nodes=2, per_node=per_node)
