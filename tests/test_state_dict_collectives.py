@@ -46,9 +46,7 @@ ENTRY_POINTS_ON_RANK0 = ("save_16bit_model", "save_pretrained")  # files written
 
 
 def _reports(out: Path, placements: tuple[str, ...], ranks: int = 2) -> dict[str, list[dict]]:
-    return {
-        p: [torch.load(out / f"{p}.rank{rank}.pt", weights_only=False) for rank in range(ranks)] for p in placements
-    }
+    return {p: [torch.load(out / f"{p}.rank{rank}.pt", weights_only=True) for rank in range(ranks)] for p in placements}
 
 
 def _assert_every_answer_is(expected: dict[str, torch.Tensor], report: dict, rank: int, where: str) -> None:
