@@ -48,7 +48,8 @@ def tier_bandwidth(nvme_path: str, blocks: int, block_mib: int, window: int, eng
     from megatrain_ds.runtime.device_runtime import DeviceRuntime
     from megatrain_ds.state.flat_layout import build_flat_layout
     from megatrain_ds.state.host_store import HostFlatState, absent_on_host
-    from megatrain_ds.state.nvme_tier import IO_THREADS, MOMENTS, NvmeTier
+    from megatrain_ds.state.nvme_tier import MOMENTS, NvmeTier
+    from megatrain_ds.state.nvme_window import IO_THREADS
     from megatrain_ds.state.state_placement import Buffer, Where, whole_in_host_memory
 
     numel = block_mib * (1 << 20) // 8  # m and v: 8 bytes per element

@@ -4,9 +4,9 @@
 fits (planning/preflight.py) before anything is allocated, find the blocks, decide where
 every buffer lives (state/placement.py), move the blocks' state to the host block by block
 (into the NVMe tier where it has one), then the resident parameters, the optimizer over
-that state, the streams that carry weights and gradients, the streamed blocks, and the
-long-context pieces (chunked loss, tiled MLPs). Every builder here branches on the
-placement, and on nothing else.
+that state (assembled by ``optimizer_build.py``), the streams that carry weights and
+gradients, the streamed blocks, and the long-context pieces (chunked loss, tiled MLPs).
+Every builder here branches on the placement, and on nothing else.
 
 The builders are functions over the engine (:class:`EngineUnderConstruction`, the parts
 they set and the engine's callbacks they wire in); this module sits beside ``engine.py``
@@ -24,40 +24,26 @@ import torch
 from torch import nn
 
 from megatrain_ds.checkpoint.safetensors_source import SafetensorsSource, materialize_meta_buffers, open_source
-from megatrain_ds.config import ConfigError, EngineConfig
+from megatrain_ds.config import ConfigError
 from megatrain_ds.config.megatrain_options import DEVICE_STATE_AUTO_SHARE, DEVICE_STATE_HEADROOM_BYTES
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
 from megatrain_ds.distributed.gradient_reducer import GradientReducer
-from megatrain_ds.gradients.held_writes import HeldWrites
 from megatrain_ds.gradients.sink import GradientPort, GradientSink, Landing
 from megatrain_ds.model.batch_checks import reject_unsupported_outputs
 from megatrain_ds.model.block_discovery import check_blocks_own_their_params, find_blocks
 from megatrain_ds.model.block_template import BlockTemplate, structure_key
 from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, unsupported_reason
 from megatrain_ds.model.frozen_weights import cast_frozen_weights
-from megatrain_ds.optimizer.device_states import DeviceStates
-from megatrain_ds.optimizer.facade import MegatrainOptimizer, group_index_of
-from megatrain_ds.optimizer.gradient_accumulation import HostAccumulation
-from megatrain_ds.optimizer.host_adamw import HostAdamW
-from megatrain_ds.optimizer.journal import (
-    AUTO_JOURNAL_BYTES_PER_PARAM,
-    JournalExtent,
-    describe_extents,
-    journal_element_bytes,
-    journal_extents,
-)
-from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish, pipelined_finish_for, refusal
-from megatrain_ds.optimizer.placement import build_host_adamw
-from megatrain_ds.optimizer.speculative_step import OptimizerStepper
+from megatrain_ds.optimizer.facade import group_index_of
+from megatrain_ds.optimizer_build import OptimizerUnderConstruction, assemble_optimizer
 from megatrain_ds.planning.fragment_policy import FragmentChoice
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.preflight import PreflightInputs, available_memory, preflight, wants_nvme_tier
 from megatrain_ds.planning.recompute_policy import RecomputeChoice, stashed_blocks_of
-from megatrain_ds.runtime.device_runtime import DeviceRuntime
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
-from megatrain_ds.state.nvme_tier import NvmeTier, open_nvme_tier
+from megatrain_ds.state.nvme_tier import is_on_tier, open_nvme_tier
 from megatrain_ds.state.nvme_weights import NvmeWeights, weight_window_buffers
 from megatrain_ds.state.placement import (
     Placement,
@@ -68,7 +54,7 @@ from megatrain_ds.state.placement import (
     flat_state_params,
     state_shapes,
 )
-from megatrain_ds.state.state_placement import StatePlacement, Where
+from megatrain_ds.state.state_placement import StatePlacement
 from megatrain_ds.streaming.activation_offload import ActivationOffloader
 from megatrain_ds.streaming.activation_stash import ActivationStash
 from megatrain_ds.streaming.resident_params import ResidentParams
@@ -83,32 +69,16 @@ logger = logging.getLogger(__name__)
 STAGING_CHUNK_ELEMENTS = 1 << 22
 
 
-class EngineUnderConstruction(Protocol):
+class EngineUnderConstruction(OptimizerUnderConstruction, Protocol):
     """``MegatrainEngine`` as its builders see it: what they read (set by ``__init__``
     before :func:`build`), the parts they set (declared, with what each is, on the engine),
-    and the engine's methods they wire into the streams and the optimizer."""
+    and the engine's methods they wire into the streams and the optimizer. The optimizer's
+    parts are :class:`~megatrain_ds.optimizer_build.OptimizerUnderConstruction`'s."""
 
-    config: EngineConfig
-    runtime: DeviceRuntime
-    data_parallel: DataParallel | None
-    optimizer: MegatrainOptimizer
     block_path: str
-    placement: Placement
-    states: list[HostFlatState]
     num_templates: int
-    nvme_tier: NvmeTier | None
     nvme_weights: NvmeWeights | None
     gathered_weights: GatheredWeights | None
-    resident: ResidentParams
-    _resident_index: int
-    windows: list[tuple[int, int]]
-    optimizer_states: list[HostFlatState]
-    adamw: HostAdamW
-    stepper: OptimizerStepper
-    accumulation: HostAccumulation
-    held_writes: HeldWrites
-    pipelined_finish: PipelinedFinish | None
-    device_states: DeviceStates | None
     sink: GradientPort
     streamer: WeightStreamer
     blocks: StreamedBlocks
@@ -119,10 +89,6 @@ class EngineUnderConstruction(Protocol):
     causal_loss: ChunkedCausalLMLoss | None
 
     def is_gradient_accumulation_boundary(self) -> bool: ...
-
-    def _finish_optimizer_step(self) -> None: ...
-
-    def _landed(self, index: int) -> None: ...
 
     def _land_gradient(self, index: int, offset: int, numel: int, final: bool) -> Landing: ...
 
@@ -155,7 +121,7 @@ def build(engine: EngineUnderConstruction, model: nn.Module) -> None:
     shared = dp.shared if dp is not None else None  # one host copy per node
     templates = _build_host_state(engine, blocks, group_of, source, shared)
     resident, block_modules = _build_resident(engine, model, blocks, group_of, source, shared)
-    _build_optimizer(engine, shared)
+    assemble_optimizer(engine, shared)  # optimizer_build.py
     _build_streams(engine, templates)
     _build_streamed_blocks(engine, model, blocks, templates, block_modules)
     _build_long_context(engine, model, list(dict.fromkeys(templates)))
@@ -175,7 +141,7 @@ def _check_before_allocating(engine: EngineUnderConstruction, model: nn.Module, 
     # The NVMe tier ("auto": only as much as host memory is short of) holds the blocks' Adam
     # moments (and fp32 masters, with bf16 compute), or with "all" their weights too.
     # With several nodes, each holds only its share of the optimizer state (_span_of); with
-    # data parallel each rank keeps its own tier of its windows' m and v (_open_rank_tier),
+    # data parallel each rank keeps its own tier of its windows' m and v (optimizer_build.py),
     # and with "all" of its windows' masters, the weights gathered whole when used.
     run = PreflightInputs(
         model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology
@@ -195,6 +161,69 @@ def _discover_blocks(engine: EngineUnderConstruction, model: nn.Module) -> nn.Mo
     return blocks
 
 
+def _device_state_count(
+    engine: EngineUnderConstruction, model: nn.Module, nvme: str, topology: Topology, shapes: list[StateShape]
+) -> int:
+    """How many states (the resident state, then blocks 0, 1, ...) the GPU tier keeps on the
+    device (``state/placement.py``: [Note: the GPU tier]): ``device_state``'s fraction of the
+    trained elements, or with ``"auto"`` as many as fit in ``DEVICE_STATE_AUTO_SHARE`` of the
+    device memory free after the engine's own planned peak and a headroom (none, logged at
+    INFO, without CUDA or with data parallel)."""
+    options = engine.config.options
+    if not options.wants_device_state:
+        return 0
+    if options.device_state == "auto":
+        return _auto_device_state_count(engine, model, nvme, topology, shapes)
+    if topology.data_parallel:
+        raise ConfigError(
+            f"megatrain.device_state {options.device_state!r} does not support data parallel yet (each rank "
+            'would step its windows on its device); set it to "none" (offload_optimizer.ratio 1.0)'
+        )
+    assert nvme == "none", "engine_config.py refuses the NVMe tier with device_state"
+    if not engine.runtime.is_cuda and not _triton_interpreted():
+        # No GPU: the "device" is the host, where the states live anyway, and the tier's
+        # kernel could only run in Triton's interpreter (which the tests turn on).
+        logger.warning(
+            "megatrain: device_state %r: no CUDA device, every state stays in host memory", options.device_state
+        )
+        return 0
+    return device_prefix(options.device_state, shapes)
+
+
+def _auto_device_state_count(
+    engine: EngineUnderConstruction, model: nn.Module, nvme: str, topology: Topology, shapes: list[StateShape]
+) -> int:
+    """``device_state: "auto"`` (the default): the longest prefix of the states that fits in
+    ``DEVICE_STATE_AUTO_SHARE`` of the CUDA memory free after the engine's own planned peak
+    and ``DEVICE_STATE_HEADROOM_BYTES``; none, logged at INFO, where the tier cannot run."""
+    if topology.data_parallel:
+        logger.info('megatrain: device_state "auto": data parallel, every optimizer state stays in host memory')
+        return 0
+    assert nvme == "none", 'engine_config.py turns "auto" into "none" with the NVMe tier'
+    free = available_memory(engine.runtime.device).device
+    if free is None:
+        # No CUDA (Triton's interpreter or not): the "device" is the host, where the states
+        # live anyway, so the CPU path stays the one it always was.
+        logger.info('megatrain: device_state "auto": no CUDA device, every optimizer state stays in host memory')
+        return 0
+    if importlib.util.find_spec("triton") is None:  # the tier's update is a Triton kernel
+        logger.info('megatrain: device_state "auto": no Triton, every optimizer state stays in host memory')
+        return 0
+    run = PreflightInputs(
+        model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology
+    )
+    planned_peak = preflight(run, nvme=nvme).device_total  # the engine's own device memory, no state on it
+    budget = int(DEVICE_STATE_AUTO_SHARE * max(free - planned_peak - DEVICE_STATE_HEADROOM_BYTES, 0))
+    return device_prefix_within(Placement.of(engine.config, nvme, topology, shapes, len(shapes)), budget)
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter here (``TRITON_INTERPRET=1``)."""
+    from megatrain_triton import INTERPRETED  # imports triton: only when device_state asks
+
+    return INTERPRETED
+
+
 def _build_host_state(
     engine: EngineUnderConstruction,
     blocks: nn.ModuleList,
@@ -207,7 +236,7 @@ def _build_host_state(
     tier = engine.placement.tier
     if tier is not None and not engine.placement.tier_per_rank:
         # Opened first, to take each block as it is migrated (state/nvme_tier.py); with
-        # data parallel each rank's tier opens over its windows (_open_rank_tier).
+        # data parallel each rank's tier opens over its windows (optimizer_build.py).
         # With the weights on it, frozen weights get read-only files of their own (state/frozen_files.py).
         options = engine.config.options
         engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, options, tier.frozen_bytes)
@@ -228,7 +257,7 @@ def _build_host_state(
         engine.states.append(_migrate_block(engine, block, group_of, scoped, shared, engine.placement.states[index]))
         if engine.placement.states[index].on_device:  # the GPU tier: filled on the host, then moved
             engine.states[-1].move_to_device(engine.runtime)
-        if engine.nvme_tier is not None and _on_tier(engine.states[-1]):
+        if engine.nvme_tier is not None and is_on_tier(engine.states[-1]):
             engine.nvme_tier.adopt(engine.states[-1])
     engine.num_templates = len(templates_by_key)
     return templates
@@ -314,229 +343,6 @@ def _build_resident(
     return resident, block_modules
 
 
-def _build_optimizer(engine: EngineUnderConstruction, shared: NodeSharedMemory | None) -> None:
-    """Gradient buffers, each rank's window of the state (on its own NVMe tier with data
-    parallel), the host AdamW over it and the stepper (norm, clipping, speculative
-    steps), attached to the client optimizer."""
-    options, compute, dp = engine.config.options, engine.config.compute_dtype, engine.data_parallel
-    grad_dtype = engine.config.held_gradient_dtype if engine.config.holds_gradients else compute
-    for state, placement in zip(engine.states, engine.placement.states):
-        first, last = state.held
-        if placement.on_device:  # held on the device whatever the run holds on the host
-            state.grad = torch.zeros(last - first, dtype=grad_dtype, device=engine.runtime.device)
-        elif engine.config.holds_gradients:
-            # A rank's own window (gathered weights): its gradients are its alone, not the node's.
-            own = placement.grad.where is Where.RANK_WINDOW
-            state.grad = engine.runtime.host_zeros(last - first, grad_dtype, None if own else shared)
-    if dp is not None:
-        # Sync: the node writers have filled the shared state (and taken the first node's
-        # weights, _share_initial_weights); no rank reads it before this.
-        dp.shared.written()
-        engine.resident.refresh_device()
-
-    # What this rank updates: every state whole, or with data parallel its window of
-    # each (distributed/data_parallel.py: [Note: data-parallel step]); either of what the
-    # optimizer state covers (stepped_numel: the trained prefix where frozen weights have none).
-    engine.windows = [
-        dp.window(state.stepped_numel) if dp is not None else (0, state.stepped_numel) for state in engine.states
-    ]
-    engine.optimizer_states = (
-        engine.states if dp is None else [state.window(*window) for state, window in zip(engine.states, engine.windows)]
-    )
-    if engine.placement.tier_per_rank:
-        _open_rank_tier(engine)
-    engine.adamw = build_host_adamw(
-        engine.optimizer.param_groups,
-        engine.optimizer.decoupled,
-        engine.optimizer_states,
-        engine.runtime,
-        options.optimizer_device,
-        options.cpu_adam_kernel,
-        engine.states[0].grad.dtype if engine.states[0].grad is not None else compute,
-        finish_pipelines=_finish_can_pipeline(engine),
-    )
-    engine.device_states = _device_states(engine)
-    engine.stepper = OptimizerStepper(
-        engine.optimizer_states,
-        engine.adamw,
-        clipping=engine.config.gradient_clipping,
-        journal_extents=_journal_extents(engine),
-        holds_gradients=engine.config.holds_gradients,
-        sum_over_ranks=dp.world_sum if dp is not None else None,
-        runtime=engine.runtime,
-        device_states=engine.device_states,
-    )
-    if engine.nvme_tier is not None:  # state/nvme_tier.py: [Note: the NVMe window]
-        engine.nvme_tier.settle = engine.adamw.flush
-        engine.adamw.residency = engine.nvme_tier
-        engine.stepper.plan_access()
-    engine.held_writes = HeldWrites(len(engine.optimizer_states))
-    engine.accumulation = HostAccumulation.for_kernel(engine.adamw.cpu)  # fused where DeepSpeed's op loaded
-    engine.optimizer.attach(engine._finish_optimizer_step)
-    engine.pipelined_finish = pipelined_finish_for(  # optimizer/pipelined_finish.py: [Note: pipelined finish]
-        engine.runtime,
-        engine._resident_index,
-        engine._landed,
-        holds_gradients=engine.config.holds_gradients,
-        data_parallel=dp is not None,
-        nvme_tier=engine.nvme_tier is not None,
-        on_host_only=engine.adamw.on_host_only,
-    )
-
-
-def _journal_extents(engine: EngineUnderConstruction) -> list[JournalExtent]:
-    """What the speculative step journals (``optimizer/journal.py``: [Note: journal extents]),
-    logged once: with held gradients only (without, nothing is deferred or undone)."""
-    if not engine.config.holds_gradients:
-        return []
-    setting = engine.config.options.speculative_blocks
-    blocks = engine.optimizer_states[: engine._resident_index]
-    extents = journal_extents(engine.optimizer_states, engine._resident_index, setting)
-    # Never a state on the device: its update is cheap at step() (optimizer/device_states.py).
-    extents = [extent for extent in extents if not engine.placement.states[extent.index].on_device]
-    element_bytes = journal_element_bytes(blocks[0]) if blocks else 0
-    budget = (
-        f"at most {AUTO_JOURNAL_BYTES_PER_PARAM} B per parameter"
-        if setting == "auto"
-        else f"the last {setting} blocks whole"
-    )
-    logger.info(
-        "megatrain: speculative steps journal %s (speculative_blocks %r: %s)",
-        describe_extents(extents, [state.layout.trained_numel for state in blocks], element_bytes),
-        setting,
-        budget,
-    )
-    return extents
-
-
-def _device_state_count(
-    engine: EngineUnderConstruction, model: nn.Module, nvme: str, topology: Topology, shapes: list[StateShape]
-) -> int:
-    """How many states (the resident state, then blocks 0, 1, ...) the GPU tier keeps on the
-    device (``state/placement.py``: [Note: the GPU tier]): ``device_state``'s fraction of the
-    trained elements, or with ``"auto"`` as many as fit in ``DEVICE_STATE_AUTO_SHARE`` of the
-    device memory free after the engine's own planned peak and a headroom (none, logged at
-    INFO, without CUDA or with data parallel)."""
-    options = engine.config.options
-    if not options.wants_device_state:
-        return 0
-    if options.device_state == "auto":
-        return _auto_device_state_count(engine, model, nvme, topology, shapes)
-    if topology.data_parallel:
-        raise ConfigError(
-            f"megatrain.device_state {options.device_state!r} does not support data parallel yet (each rank "
-            'would step its windows on its device); set it to "none" (offload_optimizer.ratio 1.0)'
-        )
-    assert nvme == "none", "engine_config.py refuses the NVMe tier with device_state"
-    if not engine.runtime.is_cuda and not _triton_interpreted():
-        # No GPU: the "device" is the host, where the states live anyway, and the tier's
-        # kernel could only run in Triton's interpreter (which the tests turn on).
-        logger.warning(
-            "megatrain: device_state %r: no CUDA device, every state stays in host memory", options.device_state
-        )
-        return 0
-    return device_prefix(options.device_state, shapes)
-
-
-def _auto_device_state_count(
-    engine: EngineUnderConstruction, model: nn.Module, nvme: str, topology: Topology, shapes: list[StateShape]
-) -> int:
-    """``device_state: "auto"`` (the default): the longest prefix of the states that fits in
-    ``DEVICE_STATE_AUTO_SHARE`` of the CUDA memory free after the engine's own planned peak
-    and ``DEVICE_STATE_HEADROOM_BYTES``; none, logged at INFO, where the tier cannot run."""
-    if topology.data_parallel:
-        logger.info('megatrain: device_state "auto": data parallel, every optimizer state stays in host memory')
-        return 0
-    assert nvme == "none", 'engine_config.py turns "auto" into "none" with the NVMe tier'
-    free = available_memory(engine.runtime.device).device
-    if free is None:
-        # No CUDA (Triton's interpreter or not): the "device" is the host, where the states
-        # live anyway, so the CPU path stays the one it always was.
-        logger.info('megatrain: device_state "auto": no CUDA device, every optimizer state stays in host memory')
-        return 0
-    if importlib.util.find_spec("triton") is None:  # the tier's update is a Triton kernel
-        logger.info('megatrain: device_state "auto": no Triton, every optimizer state stays in host memory')
-        return 0
-    run = PreflightInputs(
-        model, engine.config, engine.optimizer, engine.runtime.device, STAGING_CHUNK_ELEMENTS, topology
-    )
-    planned_peak = preflight(run, nvme=nvme).device_total  # the engine's own device memory, no state on it
-    budget = int(DEVICE_STATE_AUTO_SHARE * max(free - planned_peak - DEVICE_STATE_HEADROOM_BYTES, 0))
-    return device_prefix_within(Placement.of(engine.config, nvme, topology, shapes, len(shapes)), budget)
-
-
-def _triton_interpreted() -> bool:
-    """Whether Triton runs its kernels in its CPU interpreter here (``TRITON_INTERPRET=1``)."""
-    from megatrain_triton import INTERPRETED  # imports triton: only when device_state asks
-
-    return INTERPRETED
-
-
-def _device_states(engine: EngineUnderConstruction) -> DeviceStates | None:
-    """The GPU tier's states and their update (``optimizer/device_states.py``), logged once."""
-    indices = engine.placement.device_indices
-    if not indices:
-        return None
-    nbytes = sum(engine.placement.device_bytes().values())
-    device_states = DeviceStates(engine.runtime, engine.states, indices, engine.config.options.device_state, nbytes)
-    blocks = [str(index) for index in indices if index != engine._resident_index]
-    # A state with nothing trained is never one of them (state/placement.py: device_candidates).
-    named = (["the resident state"] if engine._resident_index in indices else []) + (
-        [f"blocks {', '.join(blocks)}"] if blocks else []
-    )
-    logger.info(
-        "megatrain: device_state %r: %s on the device (%d of %d elements, %.1f MiB), updated there",
-        engine.config.options.device_state,
-        " and ".join(named),
-        device_states.numel,
-        sum(state.layout.numel for state in engine.states),
-        nbytes / 2**20,
-    )
-    return device_states
-
-
-def _finish_can_pipeline(engine: EngineUnderConstruction) -> bool:
-    """Whether this configuration's update can run behind the next forward with every
-    state on the CPU (optimizer/pipelined_finish.py: [Note: pipelined finish])."""
-    why_not = refusal(
-        holds_gradients=engine.config.holds_gradients,
-        data_parallel=engine.data_parallel is not None,
-        nvme_tier=engine.nvme_tier is not None,
-        on_host_only=True,
-    )
-    return why_not is None
-
-
-def _open_rank_tier(engine: EngineUnderConstruction) -> None:
-    """With data parallel: this rank's NVMe tier, of its window of each block's Adam m and
-    v (state/nvme_tier.py). The rank alone steps its windows, so their moments never
-    need to be seen by the node's other ranks: each rank's swap files are its own, on
-    its node's disk, and only its windows' share of host memory is a window slot. The
-    masters stay in the node's shared host memory, which the gather after each step
-    updates -- or with the weights on the tier (gathered states) the tier holds the
-    windows' masters too, and no rank holds any block whole. An empty window (a state
-    smaller than the ranks' windows) has nothing on the tier."""
-    blocks = engine.optimizer_states[: engine._resident_index]
-    tier = engine.placement.tier
-    assert tier is not None and tier.numels == tuple(w.layout.numel for w in blocks if _on_tier(w))
-    gathered = "master" in tier.kinds  # the windows' masters are on the tier alone
-    options = engine.config.options
-    engine.nvme_tier = open_nvme_tier(tier.numels, tier.kinds, engine.runtime, options, tier.frozen_bytes)
-    for state, window in zip(engine.states, blocks):
-        if _on_tier(window):
-            # With the master: written to the file, its buffer freed; the frozen weights'
-            # window (gathered weights) to a read-only file of its own (state/frozen_files.py).
-            engine.nvme_tier.adopt(window)
-        else:  # no placeholder left to trip over: nothing to step, nothing to save
-            window.bind({"exp_avg": torch.zeros(0), "exp_avg_sq": torch.zeros(0)})
-            if window.frozen is not None:
-                window.release(["frozen"])
-        if gathered:
-            state.bind({"master": window.master})  # the state's own reference goes too: on disk only
-            if window.frozen is not None:
-                state.bind({"frozen": window.frozen})
-
-
 def _build_streams(engine: EngineUnderConstruction, templates: list[BlockTemplate]) -> None:
     """What crosses between host and device: gradients out (the sink, behind the
     reducer with data parallel) and weights in (the streamer, from the NVMe tier's
@@ -589,20 +395,11 @@ def _gather_from_windows(
     tier_index: list[int | None] = []
     on_tier = 0
     for window in engine.optimizer_states[: engine._resident_index]:
-        tier_index.append(on_tier if _on_tier(window) else None)
-        on_tier += _on_tier(window)
+        tier_index.append(on_tier if is_on_tier(window) else None)
+        on_tier += is_on_tier(window)
     # What each block's windows divide: its stepped part, and its frozen weights where they are apart.
     parts = [(state.stepped_numel, state.layout.numel - state.stepped_numel) for state in engine.states]
     return GatheredWeights(windows, tier_index, parts[: engine._resident_index], dp, engine.runtime, capacity)
-
-
-def _on_tier(state: HostFlatState) -> bool:
-    """Whether a block's state (with data parallel a rank's window of it) is on the NVMe
-    tier: unless what its optimizer state covers is empty (a block with nothing trained, a
-    rank's empty window), and so are its frozen weights, or its window of them, where those
-    are apart (``state/placement.py``: the tier has files for the others alone)."""
-    frozen = state.frozen_for_tier
-    return state.stepped_numel > 0 or (frozen is not None and frozen.numel() > 0)
 
 
 def _build_streamed_blocks(

@@ -289,7 +289,7 @@ def test_device_state_auto_keeps_a_small_model_whole_on_the_gpu(caplog):
     torch.manual_seed(0)
     config = parse_engine_config(ds_config())
     assert config.options.device_state == "auto"
-    with caplog.at_level("INFO", logger="megatrain_ds.engine_build"):
+    with caplog.at_level("INFO", logger="megatrain_ds.optimizer_build"):
         engine = MegatrainEngine(tiny_models.llama(), config)
     try:
         assert len(engine.placement.device_indices) == len(engine.states)

@@ -100,7 +100,7 @@ the stash pool's wait for a buffer's last reader, and a stashed block's wait for
 whole fragmented weights (``activation_stash.py``: [Note: stash ordering])."""
 
 TIMING_DEPENDENT: dict[str, str] = {
-    "state/nvme_tier.py:_after_write:written.synchronize": (
+    "state/nvme_window.py:_after_write:written.synchronize": (
         "A read of a block's swap file waits for the write of it queued before (_written). The "
         "checker sees the two transfers unordered only when they run on different I/O threads "
         "(the tier has two, fed from one queue): then removing the wait is caught (the nvme-all "
@@ -273,7 +273,7 @@ def test_the_sites_are_found():
         "gradients/sink.py",
         "optimizer/device_adamw.py",
         "distributed/gradient_reducer.py",
-        "state/nvme_tier.py",
+        "state/nvme_window.py",
     } <= files, files
     assert len(sites) >= 12
     assert set(EXPECTED_SURVIVORS) | set(TIMING_DEPENDENT) <= {site.key for site in sites}, (

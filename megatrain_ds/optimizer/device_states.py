@@ -8,7 +8,7 @@ gradient on the device and their squared norm summed there (``gradients/sink.py`
 of them with the fused Triton kernel (``megatrain_triton.adamw_step_``, as ``DeviceAdamW``
 uses it, but on the resident tensors: nothing streams), while the host states go through the
 host pass (pipelined behind the next forward where it can be) as before. The speculative
-journal never covers them (``engine_build.py``): their update is cheap at step time.
+journal never covers them (``optimizer_build.py``): their update is cheap at step time.
 
 Without CUDA the "device" is the CPU: the kernel runs through Triton's interpreter, so CI
 runs this exact code (the interpreter truncates fp32 -> bf16 where the GPU rounds the shadow;

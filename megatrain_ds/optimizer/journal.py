@@ -4,7 +4,7 @@
 elements during backward, before the global gradient norm is known, and copies them back
 from here, bit for bit, when clipping or a non-finite norm refutes the speculation
 (``optimizer/speculative_step.py``: [Note: speculative steps]). This module holds the
-journal itself and the one rule that sizes it, which the engine (``engine_build.py``),
+journal itself and the one rule that sizes it, which the engine (``optimizer_build.py``),
 preflight (``planning/preflight.py``) and the planner (``planning/step_time.py``) all call.
 
 [Note: journal extents]

@@ -21,7 +21,7 @@ and chrome://tracing open; ``bench/timeline.py`` draws one step of it. Tracks (:
   speculative AdamW), each AdamW range, and the step finish (main thread, worker drained);
 - ``nvme read``, ``nvme write``: the NVMe tier's swap transfers on its I/O threads (a
   block's m and v, and fp32 master with bf16 compute, with the bytes and the I/O engine);
-  ``nvme wait``: a training thread waiting for one (``state/nvme_tier.py``).
+  ``nvme wait``: a training thread waiting for one (``state/nvme_window.py``).
 
 Every span's args carry the ``step`` it belongs to, so a step's device work that runs on
 after the host has moved on is still found.

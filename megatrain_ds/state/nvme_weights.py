@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_ds.runtime.device_runtime import Event
-from megatrain_ds.state.nvme_tier import NvmeTier, PendingTransfer
+from megatrain_ds.state.nvme_tier import NvmeTier
+from megatrain_ds.state.nvme_window import PendingTransfer
 from megatrain_ds.state.swap_io import aligned_bytes
 
 
