@@ -1,4 +1,4 @@
-"""One rank of test_evaluation_only.py's data-parallel launch: engines built without an optimizer.
+"""One rank of test_evaluation_only.py's data-parallel launches: engines built without an optimizer.
 
 For each ``--placements`` in turn (one process, one engine after the other): build the
 engine as the HF Trainer's ``evaluate()`` before ``train()`` builds it,
@@ -11,7 +11,8 @@ against its placement, and call the entry points that take the weights:
 ``engine.module.state_dict()``, the engine's ``state_dict()``,
 ``_zero3_consolidated_16bit_state_dict()`` and ``save_16bit_model`` (collectives where the
 weights are on the tier: a rank that skipped one would leave the other waiting, which
-``collective_timeout_s`` turns into a failure). Each rank writes
+``collective_timeout_s`` turns into a failure). A rank that is its node (``launch_nodes``)
+also checks preflight's estimate for it. Each rank writes
 ``<out>/<placement>.rank<R>.pt``. The last placement's engine is not destroyed: the
 process's exit handlers close it, as they close the engine of a script that simply returns.
 
@@ -32,8 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel_worker import MICRO, config, global_batch
-from placement_check import node_share, placement_disagreements
+from placement_check import node_share, placement_disagreements, preflight_disagreements
 from tiny_models import llama
+
+from megatrain_ds import MegatrainEngine
 
 EVAL_SEEDS = (0, 1)
 """The global batches every placement evaluates (``global_batch(seed, MICRO * world_size)``)."""
@@ -54,6 +57,12 @@ def evaluation_config(placement: str, world_size: int, out: Path, timeout: float
     settings = config(1, world_size, collective_timeout_s=timeout, **tier)
     del settings["optimizer"]
     return {**settings, **PRECISIONS[precision]}
+
+
+def own_node_disagreements(engine: MegatrainEngine) -> list[str]:
+    """Preflight's estimate against this rank's allocations where the rank is its node
+    (preflight counts the node; a node of several ranks is the test's to add up)."""
+    return preflight_disagreements(engine) if engine.data_parallel.node_size == 1 else []
 
 
 def run_placement(args: argparse.Namespace, placement: str, rank: int, world_size: int) -> None:
@@ -85,8 +94,8 @@ def run_placement(args: argparse.Namespace, placement: str, rank: int, world_siz
         "nvme": engine.placement.nvme,
         "tier": engine.nvme_tier is not None,
         "collective": engine.state_dict_is_collective,
-        "disagreements": placement_disagreements(engine),
-        "node_share": node_share(engine),  # the node's two ranks, added up by the test
+        "disagreements": placement_disagreements(engine) + own_node_disagreements(engine),
+        "node_share": node_share(engine) if engine.data_parallel.node_size > 1 else None,  # added up by the test
     }
     torch.save(report, out / f"{placement}.rank{rank}.pt")
     if placement != args.placements[-1]:

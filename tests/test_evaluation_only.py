@@ -1,4 +1,4 @@
-"""The evaluation-only engine under every placement and precision, in one process and on 2 ranks.
+"""The evaluation-only engine under every placement and precision: one process, 2 ranks, 2 nodes.
 
 ``deepspeed.initialize(model=..., config=...)`` with no optimizer, no ``"optimizer"`` block
 and no ``model_parameters`` -- what the HF Trainer's ``evaluate()`` before ``train()`` calls
@@ -7,7 +7,8 @@ that holds every weight as a frozen one (optimizer/facade.py: [Note: evaluation-
 engines]). ``tests/test_deepspeed_adapter.py`` checks its answers in one process, fp32, in
 host memory; here the rest: the NVMe tier holding nothing (``"optimizer"``: no optimizer
 state to put there, so no tier is opened) or the weights (``"all"``), bf16 and fp16 compute,
-and data parallel.
+and data parallel: one node of 2 ranks and 2 bf16 nodes, each a forked launch of
+``tests/eval_only_worker.py`` building its placements in turn (together about 5 s).
 
 Reference: plain PyTorch on the same weights, the parameters cast to the compute dtype and
 the buffers kept, as the engine holds them -- and as DeepSpeed's own ZeRO-3 engine built
@@ -36,7 +37,7 @@ import torch
 from eval_only_worker import EVAL_SEEDS, PLACEMENTS
 from placement_check import node_preflight_disagreements, placement_disagreements, planner_disagreements
 from placement_check import preflight_disagreements as engine_preflight_disagreements
-from test_data_parallel import launch
+from test_data_parallel import launch, launch_nodes
 
 from megatrain_ds import parse_engine_config
 from megatrain_ds.engine import STAGING_CHUNK_ELEMENTS
@@ -140,6 +141,43 @@ def _reference_losses(world_size: int) -> dict[str, list[list[torch.Tensor]]]:
     return losses
 
 
+def _assert_evaluated(out: Path, placements: tuple[str, ...], world_size: int) -> list[list[dict]]:
+    """The checks every rank's report of ``eval_only_worker.py`` passes (see the tests'
+    docstrings), for ``placements`` in launch order; returns the reports, placement by placement."""
+    assert placements[-1].startswith("all") and not list((out / "swap").iterdir())  # closed at exit too
+    torch.manual_seed(0)
+    given = tiny_models.llama(num_layers=4).state_dict()
+    expected_losses = _reference_losses(world_size)
+    reports = {
+        p: [torch.load(out / f"{p}.rank{r}.pt", weights_only=False) for r in range(world_size)] for p in placements
+    }
+    for placement, ranks in reports.items():
+        level, _, precision = placement.partition("-")
+        for rank, report in enumerate(ranks):
+            where = (placement, rank)
+            assert report["returned"] == (None, None), where
+            assert report["disagreements"] == [], (where, report["disagreements"])
+            _no_optimizer_state(report["host_bytes"])
+            assert report["nvme"] == ("all" if level == "all" else "none"), where
+            # Gathered from the ranks' windows on the tier; else every node holds the weights whole.
+            assert report["tier"] is (level == "all") and report["collective"] is (level == "all"), where
+            if level == "optimizer":  # nothing for the tier: the same memory as without one
+                assert report["host_bytes"] == reports[placement.replace("optimizer", "ram")][rank]["host_bytes"]
+            for ours, theirs in zip(report["losses"], expected_losses[precision or "fp32"][rank], strict=True):
+                assert torch.equal(ours, theirs), (where, float(ours), float(theirs))
+            assert set(report["answers"]) == {
+                "module.state_dict",
+                "engine.state_dict",
+                "_zero3_consolidated_16bit_state_dict",
+                *(["save_16bit_model"] if rank == 0 else []),
+            }, where
+            for source, state in report["answers"].items():
+                assert state.keys() == given.keys(), (where, source)
+                for key, value in given.items():
+                    assert state[key].dtype == value.dtype and torch.equal(state[key], value), (where, source, key)
+    return list(reports.values())
+
+
 def test_two_ranks_evaluate_their_rows_and_every_entry_point_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,35 +195,23 @@ def test_two_ranks_evaluate_their_rows_and_every_entry_point_returns(
 
     monkeypatch.setattr(test_data_parallel, "WORKER", WORKER)
     launch("evaluate", tmp_path, "--placements", *PLACEMENTS)
-    assert PLACEMENTS[-1].startswith("all") and not list((tmp_path / "swap").iterdir())  # closed at exit too
-    torch.manual_seed(0)
-    given = tiny_models.llama(num_layers=4).state_dict()
-    expected_losses = _reference_losses(world_size=2)
-    reports = {p: [torch.load(tmp_path / f"{p}.rank{r}.pt", weights_only=False) for r in range(2)] for p in PLACEMENTS}
-    for placement, ranks in reports.items():
-        level, _, precision = placement.partition("-")
+    for placement, ranks in zip(PLACEMENTS, _assert_evaluated(tmp_path, PLACEMENTS, world_size=2), strict=True):
         assert node_preflight_disagreements([rank["node_share"] for rank in ranks]) == [], placement
-        for rank, report in enumerate(ranks):
-            where = (placement, rank)
-            assert report["returned"] == (None, None), where
-            assert report["disagreements"] == [], (where, report["disagreements"])
-            _no_optimizer_state(report["host_bytes"])
-            assert report["nvme"] == ("all" if level == "all" else "none"), where
-            assert report["tier"] is (level == "all") and report["collective"] is (level == "all"), where
-            if level == "optimizer":  # nothing for the tier: the same memory as without one
-                assert report["host_bytes"] == reports[placement.replace("optimizer", "ram")][rank]["host_bytes"]
-            for ours, theirs in zip(report["losses"], expected_losses[precision or "fp32"][rank], strict=True):
-                assert torch.equal(ours, theirs), (where, float(ours), float(theirs))
-            assert set(report["answers"]) == {
-                "module.state_dict",
-                "engine.state_dict",
-                "_zero3_consolidated_16bit_state_dict",
-                *(["save_16bit_model"] if rank == 0 else []),
-            }, where
-            for source, state in report["answers"].items():
-                assert state.keys() == given.keys(), (where, source)
-                for key, value in given.items():
-                    assert state[key].dtype == value.dtype and torch.equal(state[key], value), (where, source, key)
+
+
+def test_two_bf16_nodes_evaluate_on_the_weights_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 simulated nodes of one rank, bf16 compute, in host memory, ``"optimizer"`` and
+    ``"all"``: where nodes training in bf16 shard the fp32 master (each node its span), an
+    evaluation-only engine has no master of trained elements to shard, so each node holds
+    every weight whole and exact (no collective takes the state dict in host memory); the
+    checks of the one-node test, each rank against preflight's estimate for its node."""
+    import test_data_parallel
+
+    monkeypatch.setattr(test_data_parallel, "WORKER", WORKER)
+    placements = ("ram-bf16", "optimizer-bf16", "all-bf16")
+    launch_nodes(2, tmp_path, "evaluate", "--placements", *placements)
+    for ranks in _assert_evaluated(tmp_path, placements, world_size=2):
+        assert [rank["node_share"] for rank in ranks] == [None, None]  # each rank its node: checked in the rank
 
 
 @pytest.mark.parametrize("nvme", ["none", "all"])

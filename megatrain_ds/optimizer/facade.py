@@ -36,7 +36,8 @@ parameter offload; read in DeepSpeed 0.19.8's ``DeepSpeedEngine.__init__``). Giv
 Every placement builds it as it builds a training engine of frozen weights
 (``tests/test_evaluation_only.py``): with data parallel every rank evaluates its own batch on
 the first node's weights, and the entry points that take the weights are the same
-collectives; ``"nvme_offload": "all"`` keeps the blocks' weights on the tier (in read-only
+collectives (with several nodes each holds every weight whole: there is no trained master
+to shard); ``"nvme_offload": "all"`` keeps the blocks' weights on the tier (in read-only
 files of frozen weights; the swap files of optimizer state are empty); ``"optimizer"`` has
 no optimizer state to hold, so it opens no tier (``planning/preflight.py``:
 ``_optimizer_tier_or_none``). With bf16 or fp16 compute the forward runs in that dtype, as
