@@ -8,7 +8,8 @@ engines]). ``tests/test_deepspeed_adapter.py`` checks its answers in one process
 host memory; here the rest: the NVMe tier holding nothing (``"optimizer"``: no optimizer
 state to put there, so no tier is opened) or the weights (``"all"``), bf16 and fp16 compute,
 and data parallel: one node of 2 ranks and 2 bf16 nodes, each a forked launch of
-``tests/eval_only_worker.py`` building its placements in turn (together about 5 s).
+``tests/eval_only_worker.py`` building its placements in turn (together about 5 s); and
+the same ``"optimizer"`` rule for a training run whose blocks are all frozen.
 
 Reference: plain PyTorch on the same weights, the parameters cast to the compute dtype and
 the buffers kept, as the engine holds them -- and as DeepSpeed's own ZeRO-3 engine built
@@ -100,7 +101,7 @@ def test_one_process_evaluates_as_pytorch_and_holds_the_weights_alone(
     engine, *_ = deepspeed.initialize(model=model, config=settings)
     try:
         assert resolved == engine.placement.nvme == ("none" if nvme == "optimizer" else nvme)
-        assert (engine.nvme_tier is not None) is (nvme == "all")
+        assert (engine.nvme_tier is not None) is (nvme == "all") is (tmp_path / "swap").exists()
         assert placement_disagreements(engine) == []
         assert engine_preflight_disagreements(engine, need) == []
         assert planner_disagreements(engine) == []
@@ -250,3 +251,33 @@ def test_frozen_weights_in_the_compute_dtype_hold_two_bytes_a_parameter(
         assert all(torch.equal(state[key], value) for key, value in reference.state_dict().items())
     finally:
         engine.destroy()
+
+
+def test_a_training_run_with_every_block_frozen_opens_no_optimizer_tier(
+    tmp_path: Path, cpu_single_thread: None
+) -> None:
+    """The same rule while training: every block frozen (the resident head, norm and
+    embedding trained), ``"optimizer"`` has no block state to put on the tier, opens none,
+    and two steps give the weights of the same run with ``"none"`` bit for bit (the same
+    placement: the same ops on the same values)."""
+    import deepspeed
+
+    def trained(nvme: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = tiny_models.llama(num_layers=2)
+        model.model.layers.requires_grad_(False)
+        settings = _config(nvme, "fp32", tmp_path / "swap")
+        settings["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+        engine, *_ = deepspeed.initialize(model=model, config=settings)
+        try:
+            assert engine.placement.nvme == "none" and engine.nvme_tier is None
+            for step in range(2):
+                engine.backward(engine(**tiny_models.make_batch(step)).loss)
+                engine.step()
+            return {key: value.clone() for key, value in engine.module.state_dict().items()}
+        finally:
+            engine.destroy()
+
+    on_tier, in_memory = trained("optimizer"), trained("none")
+    assert all(torch.equal(on_tier[key], value) for key, value in in_memory.items())
+    assert not (tmp_path / "swap").exists()  # nothing was made under nvme_path
