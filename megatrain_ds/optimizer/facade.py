@@ -28,8 +28,22 @@ parameter in it, so every parameter is held as a frozen one (its weights alone, 
 and no gradient; in its own dtype, or as ``"frozen_weights"`` says under bf16 or fp16
 compute: ``state/placement.py``) and the model's ``requires_grad`` flags are left as they
 are. The engine refuses ``backward()`` and ``step()`` on it with the way out, and
-``deepspeed.initialize`` returns no optimizer and no scheduler for it, as DeepSpeed's does.
-Given ``model_parameters`` without an optimizer the call means to train, and stays an error.
+``deepspeed.initialize`` returns no optimizer and no scheduler for it (DeepSpeed's returns
+``None`` at stage 0 without bf16, else an object built on no optimizer: at ZeRO-3 its
+parameter offload; read in DeepSpeed 0.19.8's ``DeepSpeedEngine.__init__``). Given
+``model_parameters`` without an optimizer the call means to train, and stays an error.
+
+Every placement builds it as it builds a training engine of frozen weights
+(``tests/test_evaluation_only.py``): with data parallel every rank evaluates its own batch on
+the first node's weights, and the entry points that take the weights are the same
+collectives (with several nodes each holds every weight whole: there is no trained master
+to shard); ``"nvme_offload": "all"`` keeps the blocks' weights on the tier (in read-only
+files of frozen weights; the swap files of optimizer state are empty); ``"optimizer"`` has
+no optimizer state to hold, so it opens no tier (``planning/preflight.py``:
+``_optimizer_tier_or_none``). With bf16 or fp16 compute the forward runs in that dtype, as
+DeepSpeed's ZeRO-3 evaluates (it casts the module), while each fp32 weight stays exact
+beside its streamed copy (6 B/param under the default ``"frozen_weights": "exact"``;
+``"compute_dtype"`` casts it once, 2 B/param, as DeepSpeed holds it).
 """
 
 from __future__ import annotations

@@ -478,9 +478,10 @@ def preflight(run: PreflightInputs, available: AvailableMemory | None = None, nv
 def wants_nvme_tier(run: PreflightInputs, available: AvailableMemory | None = None) -> str:
     """``nvme_offload`` resolved to "none", "optimizer" or "all": "auto" is the least of them
     with which the run's host state (this node's share of it, with several nodes) fits in
-    the available host memory ("all" when none does)."""
+    the available host memory ("all" when none does); "optimizer" is "none" where no block
+    has a trained weight (:func:`_optimizer_tier_or_none`)."""
     config = run.config
-    if config.options.nvme_offload != "auto":
+    if config.options.nvme_offload in ("none", "all"):
         return config.options.nvme_offload
     return _wants_nvme(
         _shapes(run.model, config, run.optimizer),
@@ -500,6 +501,8 @@ def _wants_nvme(
     have: AvailableMemory,
     topology: Topology,
 ) -> str:
+    if config.options.nvme_offload == "optimizer":
+        return _optimizer_tier_or_none(shapes)
     if config.options.nvme_offload != "auto":
         return config.options.nvme_offload
     levels = NVME_OFFLOAD_LEVELS
@@ -523,3 +526,22 @@ def _wants_nvme(
         format_bytes(have.host),
     )
     return level
+
+
+def _optimizer_tier_or_none(shapes: _Shapes) -> str:
+    """``"optimizer"``, or ``"none"`` where that tier would hold nothing: it holds the blocks'
+    optimizer state, which covers their trained prefixes alone (frozen weights have none:
+    ``state/host_store.py``, [Note: frozen weights]), so a run in which no block has a
+    trained weight -- an engine built without an optimizer, for evaluation only
+    (``optimizer/facade.py``: [Note: evaluation-only engines]), or every block frozen -- would
+    open swap directories, files of no byte and I/O threads for nothing. The host memory is
+    the same either way (each frozen weight held once, where it is held without a tier), so
+    the level resolves to ``"none"``, logged. Refusing instead would stop the HF Trainer's
+    ``evaluate()`` before ``train()`` on a config that trains with the optimizer on NVMe."""
+    if any(state.trained_numel for state in shapes.states[:-1]):
+        return "optimizer"
+    logger.info(
+        'megatrain: nvme_offload "optimizer": no block has a trained weight (no optimizer, or '
+        "every block frozen), so there is no optimizer state to put on NVMe: nothing goes there"
+    )
+    return "none"
