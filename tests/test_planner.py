@@ -284,8 +284,8 @@ def test_cpu_step_is_the_sum_of_its_parts(clipping):
 def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     measured = []
 
-    def fake_measure(config, block_path, seq_len, micro_batch, dtype, seconds):
-        measured.append((block_path, seq_len, micro_batch, dtype))
+    def fake_measure(config, block_path, profiled, dtype, seconds):
+        measured.append((block_path, profiled.seq_len, profiled.micro_batch, dtype))
         return {
             "flops": 1e11,
             "head_flops": 5e10,
