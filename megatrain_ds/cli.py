@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
+from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file
 from megatrain_ds.planning.host_probe import AdamWork, adam_work, probe_adam
 from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.planner import (
@@ -271,32 +272,6 @@ def probe_host(
     assert link is not None  # a CUDA runtime copies
     measured = dataclasses.replace(measured, h2d_bytes_per_s=link[0], d2h_bytes_per_s=link[1])
     return dataclasses.replace(measured, block_efficiency=block(measured)) if block else measured
-
-
-def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
-    """Where each figure of a plan for ``gpu`` came from: measured here (``probed``: by
-    ``--probe``; ``device_here``: a CUDA device was there to measure), the GPU table's, or
-    (the AdamW rate beside copies) not probed, and which figure stands in for it."""
-    if gpu == "cpu":
-        return {"all": "measured here (the CPU profile: this machine is the device)"}
-    table = f"the {gpu} table's (GPU_HARDWARE, planning/step_time.py)"
-    host = "measured here by --probe" if probed else table
-    on_device = probed and device_here
-    link = "measured here by --probe (pinned copies)" if on_device else table
-    beside = (
-        "measured here by --probe (the AdamW pass beside pinned copies both ways)"
-        if on_device
-        else f"not probed ({'no CUDA device here' if probed else 'no --probe'}): adam_bytes_per_s stands in"
-    )
-    return {
-        "flops": table,
-        "block_efficiency": "measured here by --probe (one real block on the device)" if on_device else table,
-        "h2d_bytes_per_s": link,
-        "d2h_bytes_per_s": link,
-        "host_memory_bytes_per_s": host,
-        "adam_bytes_per_s": host + (" (the run's AdamW pass, alone)" if probed else ""),
-        "adam_beside_copies_bytes_per_s": beside,
-    }
 
 
 def device_block_efficiency(
@@ -698,19 +673,6 @@ def _hardware_for(
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
     return hardware, sources
-
-
-def hardware_from_file(path: str) -> tuple[Hardware, dict[str, str]]:
-    """``--hardware``: the figures of a plan's ``--json`` output (its ``"hardware"`` and
-    ``"hardware_sources"``), or of a ``"hardware"`` object alone, and where they came from."""
-    data = json.loads(Path(path).read_text())
-    figures = data.get("hardware", data)
-    known = {field.name for field in dataclasses.fields(Hardware)}
-    unknown = sorted(set(figures) - known)
-    if unknown:
-        raise ValueError(f"--hardware {path}: unknown figures {unknown}; a plan's JSON has {sorted(known)}")
-    sources = data.get("hardware_sources") or {"all": f"read from {path}"}
-    return Hardware(**figures), {name: f"{source} (read from {path})" for name, source in sources.items()}
 
 
 if __name__ == "__main__":

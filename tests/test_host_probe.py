@@ -9,14 +9,16 @@ are the kernel's, checked by ``bench/host_contention.py`` on the machine that tr
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatrain_ds import cli
 from megatrain_ds.planning import host_probe
+from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file
 from megatrain_ds.planning.host_probe import AdamWork, PinnedCopyLoad, adam_bytes_per_s, adam_work, probe_adam
 from megatrain_ds.planning.planner import Hardware, ModelShape, RunSettings
 from megatrain_ds.planning.step_time import optimizer_seconds
@@ -131,7 +133,7 @@ def test_the_beside_copies_probe_steps_while_the_copies_run(monkeypatch):
     adam_bytes_per_s(work, seconds=0.0, beside=load)
     timed = running[1:]  # the warm-up pass runs before the load starts
     assert timed and all(timed)
-    assert not load._thread.is_alive()  # stopped on leaving
+    assert load._thread is not None and not load._thread.is_alive()  # stopped on leaving
 
 
 def test_without_a_cuda_device_the_rate_beside_copies_is_not_probed_and_the_plan_says_so(monkeypatch):
@@ -141,10 +143,25 @@ def test_without_a_cuda_device_the_rate_beside_copies_is_not_probed_and_the_plan
     work = AdamWork(elements=64, call_elements=64, grad_dtype=torch.float32, shadow=False, grad_scale=1.0)
     rates = probe_adam(work, seconds=0.0, runtime=DeviceRuntime.create(torch.device("cpu")))
     assert rates.adam_bytes_per_s > 0 and rates.adam_beside_copies_bytes_per_s == 0.0
-    sources = cli.figure_sources("h200", probed=True, device_here=False)
+    sources = figure_sources("h200", probed=True, device_here=False)
     assert sources["adam_beside_copies_bytes_per_s"].startswith("not probed (no CUDA device here)")
     assert "adam_bytes_per_s stands in" in sources["adam_beside_copies_bytes_per_s"]
     assert sources["block_efficiency"].startswith("the h200 table's")
-    probed = cli.figure_sources("h200", probed=True, device_here=True)
+    probed = figure_sources("h200", probed=True, device_here=True)
     assert probed["adam_beside_copies_bytes_per_s"].startswith("measured here")
-    assert cli.figure_sources("h200", probed=False, device_here=True)["adam_bytes_per_s"].startswith("the h200")
+    assert figure_sources("h200", probed=False, device_here=True)["adam_bytes_per_s"].startswith("the h200")
+
+
+def test_a_plans_figures_read_back_from_its_json_name_their_file(tmp_path):
+    """``--hardware``: a plan's JSON (``hardware`` and ``hardware_sources``) gives the same
+    figures back, each source naming the file; a figure the planner does not know is refused."""
+    hardware = Hardware("h200", 7.9e14, 5.4e10, 5.4e10, 2.5e11, 1 << 40, block_efficiency=0.27, adam_bytes_per_s=1e11)
+    sources = figure_sources("h200", probed=True, device_here=False)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"hardware": dataclasses.asdict(hardware), "hardware_sources": sources}))
+    read, named = hardware_from_file(str(path))
+    assert read == hardware
+    assert named == {name: f"{source} (read from {path})" for name, source in sources.items()}
+    path.write_text(json.dumps({**dataclasses.asdict(hardware), "pcie_gen": 5}))
+    with pytest.raises(ValueError, match=r"unknown figures \['pcie_gen'\]"):
+        hardware_from_file(str(path))

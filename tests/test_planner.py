@@ -500,3 +500,13 @@ def test_probe_measures_the_host_of_a_gpu_machine(capsys):
     assert hardware["host_memory_bytes_per_s"] != GPU_HARDWARE["h200"].host_memory_bytes_per_s
     expected = (24 + 2 + 2) * data["params"] / hardware["adam_bytes_per_s"]  # bf16 gradients and shadow
     assert data["step_seconds_by_bound"]["optimizer"] == pytest.approx(expected)
+    # The rate beside copies: probed beside pinned copies with a CUDA device; without one
+    # not probed, and the plan names the figure standing in (planning/host_probe.py).
+    beside, source = (
+        hardware["adam_beside_copies_bytes_per_s"],
+        data["hardware_sources"]["adam_beside_copies_bytes_per_s"],
+    )
+    if torch.cuda.is_available():
+        assert beside > 0 and source.startswith("measured here")
+    else:
+        assert beside == 0 and source == "not probed (no CUDA device here): adam_bytes_per_s stands in"

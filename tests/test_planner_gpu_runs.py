@@ -232,6 +232,7 @@ def test_the_block_probe_runs_the_mlp_in_the_tiles_the_engine_would(monkeypatch)
     small here so that 2 x 512 tokens make several tiles."""
     from megatrain_ds.planning import preflight
     from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
+    from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
 
     free = 4 << 20
     monkeypatch.setattr(
@@ -245,8 +246,10 @@ def test_the_block_probe_runs_the_mlp_in_the_tiles_the_engine_would(monkeypatch)
     assert tile == choose_mlp_tile_tokens(ffn_width(block), 4, free) and 0 < tile < settings.tokens_per_pass
     tiles = -(-settings.tokens_per_pass // tile)
     calls = []
-    whole = block.mlp.forward.whole
-    block.mlp.forward.whole = lambda *args, **kwargs: calls.append(1) or whole(*args, **kwargs)
+    tiled = block.get_submodule("mlp").forward
+    assert isinstance(tiled, TiledTokenWise)
+    whole = tiled.whole
+    tiled.whole = lambda *args, **kwargs: calls.append(1) or whole(*args, **kwargs)
     ids = torch.randint(0, 256, (settings.micro_batch, settings.seq_len))
     with torch.no_grad():
         one_block(input_ids=ids)
