@@ -17,8 +17,9 @@ comparison, as issue 42 asks:
 - for every system: tokens/s, TFLOPS (6PT), peak host and GPU memory; for the engine also
   its optimizer placement (which states the ``"auto"`` placement put on the device, and how
   many the GPU tier kept there: ``"device_state": "auto"``, the default; the system
-  ``megatrain_host_state`` keeps every state in host memory) and the planner's floor (the
-  largest single bound of its calibrated model).
+  ``megatrain_host_state`` keeps every state in host memory, and the engine's logged
+  decisions with their reasons) and the planner's floor (the largest single bound of its
+  model), for every engine system whatever ``--no-planner`` says.
 
 Prints a table and writes one JSON under ``bench/results/``.
 
@@ -37,9 +38,15 @@ embedding, which are not on that track (so an upper bound). The other systems ar
 traced: theirs is reported as ``null``.
 
 The planner is checked against the engine in the same run: right after each engine round,
-``megatrain plan`` (fresh process, ``--recalibrate``: the machine is measured under the
-same conditions as the round) predicts the same model and batch; its prediction goes into
-``results.megatrain.predicted_*`` with the ratios predicted / measured. Peak host bytes are
+``megatrain plan`` (fresh process) predicts the same model and batch with the round's
+placement; its prediction goes into ``results.<engine system>.predicted_*`` with the ratios
+predicted / measured. The first engine round's call measures the machine under the same
+conditions as the round (``--probe`` on a GPU: the run's AdamW pass alone and beside pinned
+copies, the link, a real block; ``--recalibrate`` on the CPU) and the later rounds reuse
+those figures (``--hardware``), so every system is judged by the same ones; where each
+figure came from is ``planner_hardware_sources``. With ``--no-planner`` the floor is still
+recorded (``floor_seconds``, ``step_over_floor``, ``floor_by_bound``), from the declared
+figures (no probe: the GPU table's, or the cached CPU profile; ``floor_figures``). Peak host bytes are
 the process's peak RSS above its RSS right before the model is built
 (``baseline_rss_bytes``: the interpreter and libraries). ZeRO-3 offload needs ~25-40
 B/param: a run is killed, not the machine, should ``MemAvailable`` fall under
