@@ -46,7 +46,9 @@ copies, the link, a real block; ``--recalibrate`` on the CPU) and the later roun
 those figures (``--hardware``), so every system is judged by the same ones; where each
 figure came from is ``planner_hardware_sources``. With ``--no-planner`` the floor is still
 recorded (``floor_seconds``, ``step_over_floor``, ``floor_by_bound``), from the declared
-figures (no probe: the GPU table's, or the cached CPU profile; ``floor_figures``). Peak host bytes are
+figures (no probe: the GPU table's, or the cached CPU profile; ``floor_figures``). Beside
+the probe's ``block_efficiency`` goes the one the run's own compute spans give
+(``block_efficiency_in_run``, ``block_efficiency_probe_over_run``). Peak host bytes are
 the process's peak RSS above its RSS right before the model is built
 (``baseline_rss_bytes``: the interpreter and libraries). ZeRO-3 offload needs ~25-40
 B/param: a run is killed, not the machine, should ``MemAvailable`` fall under
@@ -263,6 +265,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         if len(idle) == len(measured):  # the last traced steps are the measured ones, in order
             result["device_idle_seconds"] = idle[measured.index(median)]
             result["trace_split"] = splits[measured.index(median)]
+        result["block_params"] = sum(p.numel() for p in engine.module.model.layers.parameters())
     return result
 
 
@@ -576,6 +579,26 @@ def add_planner_figures(result: dict, args: argparse.Namespace, figures_file: Pa
         figures_file.write_text(json.dumps(keep))
     _add_prediction(result, prediction)
     _add_floor(result, prediction, "measured")
+    _add_block_rate_in_run(result, args, prediction["hardware"])
+
+
+def _add_block_rate_in_run(result: dict, args: argparse.Namespace, hardware: dict) -> None:
+    """The blocks' efficiency the run itself reached, by the probe's definition (``8 P_b T``
+    FLOPs, less the recompute of stashed blocks, over ``flops`` and the time): from the
+    union of its compute-track spans (forward, recompute and backward of every block,
+    ``trace_split.compute``), beside the probe's ``block_efficiency``. Their ratio is what
+    the probe of a bare block misses of the engine's way of running it (issue 42, item 5:
+    1.3-1.7x in the H200 runs); on the CPU the spans also hold the gradient path's host
+    work, which the CPU model times apart."""
+    compute = result.get("trace_split", {}).get("compute")
+    if not compute or "block_params" not in result:
+        return
+    tokens, blocks = args.micro_batch * args.seq_len, result["block_params"]
+    # Stashed blocks (megatrain_no_recompute) are not recomputed: 2 P T fewer each.
+    flops = (8 * blocks - 2 * result.get("stashed_blocks", 0) * blocks / args.layers) * tokens
+    in_run = flops / hardware["flops"] / compute
+    result["block_efficiency_in_run"] = in_run
+    result["block_efficiency_probe_over_run"] = hardware["block_efficiency"] / in_run
 
 
 def _add_floor(result: dict, prediction: dict, figures: str) -> None:

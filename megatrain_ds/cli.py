@@ -146,7 +146,6 @@ CPU_PROFILE_MAX_TOKENS = 1024
 """Tokens the CPU profile measures a block at, at most (a block's efficiency is flat past
 a few hundred tokens; attention's share at longer sequences is then underestimated)."""
 _PROFILE_VOCAB = 256
-_ADAM_ELEMENTS = 1 << 24
 _HEAD_COLUMNS = 8192
 """The lm_head's matmul is timed on this many vocabulary rows (the rate is flat beyond)."""
 
@@ -167,12 +166,14 @@ def cpu_profile(
       weight shapes, weighted by FLOPs; the lm_head's), forward, input-gradient and
       weight-gradient matmuls at the run's tokens;
     - ``block_efficiency``: one real block of the model (a one-layer model built from
-      ``config`` with a tiny vocabulary), forward without grad and then forward and
-      backward, as the engine runs it, against ``8 * P_b * T / flops``;
+      ``config`` with a tiny vocabulary, its MLP in the engine's tiles), forward without
+      grad and then forward and backward, as the engine runs it, against
+      ``8 * P_b * T / flops``;
     - ``host_memory_bytes_per_s``: a 256 MB copy (past the caches), read + write;
-    - ``adam_bytes_per_s``: the engine's CPU AdamW kernel (``cpu_adam.make_cpu_kernel``) on
-      fp32 states :data:`ADAM_PROBE_CACHE_MULTIPLE` times the last-level cache, 28 bytes
-      touched per element (past the caches, as a model's are: 4M elements under a 32 MB L3
+    - ``adam_bytes_per_s``: the engine's CPU AdamW kernel making the run's pass
+      (``planning/host_probe.py``: its gradient dtype and clipping scale, on a worker
+      thread, a block's state per call) on states ``ADAM_PROBE_CACHE_MULTIPLE`` times the
+      last-level cache (past the caches, as a model's are: 4M elements under a 32 MB L3
       looked 3x faster here, 16M under the H200 host's 3.3x).
     Each figure is the fastest of repeated runs: load from other processes only slows a run.
     """

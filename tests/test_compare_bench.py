@@ -153,6 +153,12 @@ def test_every_engine_round_gets_the_floor_and_with_the_planner_one_measurement(
     assert commands[-1][commands[-1].index("--hardware") + 1] == str(figures)
     assert len(measured) == before + 1  # measured once, reused by the second round
     assert first["planner_hardware"] == second["planner_hardware"] == second["floor_hardware"]
+    # The blocks' rate in the run, by the probe's definition, from its compute spans.
+    with_trace = {**engine_round(0.5), "trace_split": {"compute": 0.25}, "block_params": shape.total_block_params}
+    compare.add_planner_figures(with_trace, planned, figures)
+    in_run = 8 * shape.total_block_params * 32 / with_trace["planner_hardware"]["flops"] / 0.25
+    assert with_trace["block_efficiency_in_run"] == pytest.approx(in_run)
+    assert with_trace["block_efficiency_probe_over_run"] == pytest.approx(0.5 / in_run)  # the profile's 0.5
     for run in (first, second):
         assert run["floor_figures"] == "measured" and "predicted_step_seconds" in run
         assert run["floor_seconds"] == pytest.approx(max(run["predicted_by_part"].values()))
