@@ -502,7 +502,7 @@ def _device_shares(result: dict) -> tuple[float, float]:
 
 
 def run_planner(
-    args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.0), figures: str = "measure"
+    args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.0), figures: str = "measure", stashed: int = 0
 ) -> dict | None:
     """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
     ``None`` where the planner has no figures for this device. ``shares``: of the optimizer
@@ -511,7 +511,8 @@ def run_planner(
     profile measured again on the CPU: the machine as it is for this round), ``"declared"``
     (no measurement: the GPU table's figures, or the cached CPU profile; what the floor of a
     ``--no-planner`` run takes), or the path of a JSON file holding a plan's ``hardware``
-    (``megatrain plan --hardware``: the figures an earlier call measured)."""
+    (``megatrain plan --hardware``: the figures an earlier call measured). ``stashed``: the
+    blocks the round stashed instead of recomputing."""
     import torch
 
     if torch.cuda.is_available():
@@ -529,6 +530,7 @@ def run_planner(
         command = [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", str(path), "--gpu", gpu]
         command += ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--json"]
         command += ["--device-state", str(shares[0]), "--optimizer-device-share", str(shares[1])]
+        command += ["--stashed-blocks", str(stashed)]
         if not args.clip:
             command.append("--no-clipping")
         if figures == "measure":
@@ -564,14 +566,14 @@ def add_planner_figures(result: dict, args: argparse.Namespace, figures_file: Pa
     and reused by the later rounds, so every system is judged by the same figures); with
     ``--no-planner``, the declared ones (no probe: the GPU table's, or the cached CPU
     profile), as ``floor_figures`` says."""
-    shares = _device_shares(result)
+    shares, stashed = _device_shares(result), result.get("stashed_blocks", 0)
     if args.no_planner:
-        prediction = run_planner(args, shares, figures="declared")
+        prediction = run_planner(args, shares, figures="declared", stashed=stashed)
         if prediction is not None:
             _add_floor(result, prediction, "declared")
         return
     reuse = figures_file.exists()
-    prediction = run_planner(args, shares, figures=str(figures_file) if reuse else "measure")
+    prediction = run_planner(args, shares, figures=str(figures_file) if reuse else "measure", stashed=stashed)
     if prediction is None:
         return
     if not reuse:

@@ -540,13 +540,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32", action="store_true", help="fp32 compute (default bf16; cpu implies fp32)")
     p.add_argument("--no-clipping", action="store_true")
     p.add_argument("--checkpoint-interval", type=int, default=1)
+    p.add_argument(
+        "--stashed-blocks",
+        type=int,
+        default=0,
+        help='blocks that stash their activations instead of recomputing ("recompute": "none" stashes all; '
+        "bench/compare.py passes the number its round stashed); default 0, every block recomputed",
+    )
     p.add_argument("--keep-checkpoints-on-device", action="store_true")
     p.add_argument("--block-path", default=None)
-    p.add_argument(
-        "--recalibrate",
-        action="store_true",
-        help="with --gpu cpu: measure this machine again instead of using the cached profile",
-    )
     p.add_argument(
         "--nvme",
         metavar="PATH",
@@ -559,12 +561,6 @@ def _parser() -> argparse.ArgumentParser:
         "--nvme-weights",
         action="store_true",
         help='with --nvme: the blocks\' weights on the tier too ("nvme_offload": "all")',
-    )
-    p.add_argument(
-        "--probe",
-        action="store_true",
-        help="with a GPU target: measure this machine (CPU AdamW past the caches, memory copies; with a CUDA "
-        "device its pinned copies and a real block of the model) instead of the table's typical one",
     )
     p.add_argument(
         "--optimizer-device-share",
@@ -581,6 +577,25 @@ def _parser() -> argparse.ArgumentParser:
         'memory left by the run; none with --nvme or --gpu cpu), "none", or the share of the trained parameters '
         "kept whole on the device",
     )
+    _add_figure_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def _add_figure_arguments(p: argparse.ArgumentParser) -> None:
+    """``plan``'s arguments on where its figures come from (``planning/hardware_figures.py``)."""
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --gpu cpu: measure this machine again instead of using the cached profile",
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="with a GPU target: measure this machine (the run's CPU AdamW pass past the caches, memory copies; "
+        "with a CUDA device that pass beside pinned copies, the copies and a real block of the model) instead of "
+        "the table's typical one",
+    )
     p.add_argument(
         "--hardware",
         metavar="JSON",
@@ -588,8 +603,6 @@ def _parser() -> argparse.ArgumentParser:
         help='the figures of an earlier plan\'s --json output (its "hardware", e.g. what --probe measured there) '
         "instead of the table's or measuring them again",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -604,6 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bf16=not (args.fp32 or args.gpu == "cpu"),
         clipping=not args.no_clipping,
         checkpoint_interval=args.checkpoint_interval,
+        stashed_blocks=args.stashed_blocks,
         offload_checkpoints=not args.keep_checkpoints_on_device,
         nvme=args.nvme is not None,
         nvme_window_blocks=args.nvme_window_blocks,
@@ -621,6 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--hardware gives the figures: drop --probe and --recalibrate, which would measure them")
     model = load_meta_model(args.model)
     shape = shape_of(model, args.block_path)
+    if not 0 <= args.stashed_blocks <= shape.num_blocks:
+        parser.error(f"--stashed-blocks: from 0 to the model's {shape.num_blocks} blocks, not {args.stashed_blocks}")
     hardware, sources = _hardware_for(args, model, shape, settings)
     if args.device_state == "auto":  # the engine's default, resolved as the engine does
         settings = dataclasses.replace(settings, device_state_share=auto_device_state_share(shape, settings, hardware))

@@ -142,6 +142,13 @@ def test_every_engine_round_gets_the_floor_and_with_the_planner_one_measurement(
     assert "predicted_step_seconds" not in result and result["floor_figures"] == "declared"
     floor = max(step_seconds(shape, settings, Hardware(**result["floor_hardware"])).values())
     assert result["floor_seconds"] == pytest.approx(floor) and result["step_over_floor"] == pytest.approx(0.5 / floor)
+    # A round that stashed blocks ("recompute": "none") is planned with them stashed.
+    stashing = {**engine_round(0.5), "stashed_blocks": 2}
+    compare.add_planner_figures(stashing, declared, tmp_path / "figures.json")
+    assert commands[-1][commands[-1].index("--stashed-blocks") + 1] == "2"
+    stashed = RunSettings(seq_len=16, micro_batch=2, bf16=False, stashed_blocks=2)
+    floor = max(step_seconds(shape, stashed, Hardware(**stashing["floor_hardware"])).values())
+    assert stashing["floor_seconds"] == pytest.approx(floor) != result["floor_seconds"]
 
     planned = compare._parser().parse_args(model)
     figures = tmp_path / "measured.json"
