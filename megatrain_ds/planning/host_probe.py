@@ -7,7 +7,7 @@ The planner times the host's optimizer pass at a rate measured here (``planning/
 The fourth H200 run's in-run probe read 139 GB/s alone and did not probe the rate beside
 copies at all (``adam_beside_copies_bytes_per_s`` 0.0), while the run's pipelined AdamW pass
 ran at 102 GB/s (0.258 s for 0.189 s predicted). The probe differed from the run in four
-ways, each of which can only make it read fast; it now does what the run does:
+ways, each of which can make it read fast; it now does what the run does:
 
 - **The kernel's path.** The probe stepped an fp32 gradient at scale 1 without a shadow: one
   whole-range call of DeepSpeed's op. A bf16 run widens a bf16 gradient, scales it by the
@@ -25,9 +25,14 @@ ways, each of which can only make it read fast; it now does what the run does:
 - **Beside copies.** Without held gradients the AdamW pass runs behind backward while the
   gradients come down and the weights go up: the same DRAM. With a CUDA device the probe
   times the same pass again while pinned copies run both ways on the runtime's streams
-  (:class:`PinnedCopyLoad`; ``bench/host_contention.py`` uses the same load: 1.8x slower at
-  16 threads on the H200 host). Without one it is not probed: the plan says so, and
-  ``step_time.optimizer_seconds`` takes the rate alone.
+  (:class:`PinnedCopyLoad`; ``bench/host_contention.py`` measures beside a load of the same
+  kind: 1.8x slower at 16 threads on the H200 host). Without one it is not probed: the plan
+  says so, and ``step_time.optimizer_seconds`` takes the rate alone.
+
+What it still does not do: the pipelined finish runs beside the next forward (its weight
+copies one way, the training thread issuing the blocks' kernels), for which the model takes
+the rate alone; whether that holds is for the next GPU run to show (its trace's AdamW spans
+against this probe's figure).
 
 The states stay past the last-level cache (:func:`adam_probe_elements`, the first H200 probe's
 256 MB sat in that host's L3 and read 3.3x fast), and each figure is the fastest pass of
