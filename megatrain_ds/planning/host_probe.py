@@ -219,7 +219,9 @@ def adam_bytes_per_s(work: AdamWork, seconds: float, beside: PinnedCopyLoad | No
 class PinnedCopyLoad:
     """A thread that keeps pinned copies running both ways on the runtime's host-to-device
     and device-to-host streams while it is entered: the link's traffic beside which the
-    AdamW pass runs behind backward. Counts the bytes moved each way."""
+    AdamW pass runs behind backward. Counts the bytes moved each way. (With the CPU's
+    runtime both copies are host copies, twice the host traffic of the link's per byte
+    each way: :func:`probe_adam` loads only a CUDA runtime; the tests use the CPU's.)"""
 
     def __init__(self, runtime: DeviceRuntime, nbytes: int = COPY_LOAD_BYTES) -> None:
         self.runtime = runtime
