@@ -165,3 +165,24 @@ def test_a_plans_figures_read_back_from_its_json_name_their_file(tmp_path):
     path.write_text(json.dumps({**dataclasses.asdict(hardware), "pcie_gen": 5}))
     with pytest.raises(ValueError, match=r"unknown figures \['pcie_gen'\]"):
         hardware_from_file(str(path))
+
+
+def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):
+    """The kernel's team is ``torch.get_num_threads()`` on the calling thread: the probe's
+    calls see what a thread the engine starts for its workers (``DeviceRuntime.start_thread``)
+    sees, after the main thread set another team (torch 2.13 hands ``set_num_threads`` on to
+    new threads; the H200 runs' torch 2.11 may not, and the probe follows either way)."""
+    runtime = DeviceRuntime.create(torch.device("cpu"))
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    try:
+        torch.set_num_threads(1)
+        runtime.start_thread(lambda: seen.append(torch.get_num_threads()), "worker team").join()
+        kernel = RecordingKernel(during_call=lambda: seen.append(torch.get_num_threads()))
+        _recording(monkeypatch, kernel)
+        work = AdamWork(elements=64, call_elements=64, grad_dtype=torch.float32, shadow=False, grad_scale=1.0)
+        adam_bytes_per_s(work, seconds=0.0)
+    finally:
+        torch.set_num_threads(before)
+    worker, *probe = seen
+    assert probe and set(probe) == {worker}

@@ -14,11 +14,12 @@ ways, each of which can make it read fast; it now does what the run does:
   clipping factor and rounds a bf16 shadow in the blocked pass (``optimizer/cpu_adam.py``,
   [Note: one pass over DeepSpeed's kernel]: 8-16% slower on the same states). :func:`adam_work`
   takes the gradient's dtype, the shadow and a clipping scale from the run's settings.
-- **The thread.** The run calls the kernel from a thread OpenMP did not start (the finish
-  worker behind the next forward, the gradient worker behind backward), whose team is the
-  process default rather than ``torch.set_num_threads``' (on the H200 the pipelined finish
-  ran at 2.9 G elements/s against 3.9 for the same pass on the main thread). The probe runs
-  on a fresh thread too, so it gets the run's team, whatever it is.
+- **The thread.** The run calls the kernel from a thread of its own (the finish worker
+  behind the next forward, the gradient worker behind backward), whose OpenMP team is
+  ``torch.get_num_threads()`` there, which need not be the main thread's (on the H200 the
+  pipelined finish ran at 2.9 G elements/s against 3.9 for the same pass on the main
+  thread; ``optimizer/cpu_adam.py``). The probe runs on a fresh thread too, so it gets the
+  team, and whatever else differs off the main thread, that the run's workers get.
 - **The calls.** The run makes a call per state (a block's parameters; a few per state, one
   per parameter group): the probe makes one call per block-sized range, not one call on an
   array of its own size.
