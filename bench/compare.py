@@ -571,6 +571,7 @@ def add_planner_figures(result: dict, args: argparse.Namespace, figures_file: Pa
         prediction = run_planner(args, shares, figures="declared", stashed=stashed)
         if prediction is not None:
             _add_floor(result, prediction, "declared")
+            _add_block_rate_in_run(result, args, prediction["hardware"])  # beside the declared 1.0 on a GPU
         return
     reuse = figures_file.exists()
     prediction = run_planner(args, shares, figures=str(figures_file) if reuse else "measure", stashed=stashed)
