@@ -17,8 +17,9 @@ comparison, as issue 42 asks:
 - for every system: tokens/s, TFLOPS (6PT), peak host and GPU memory; for the engine also
   its optimizer placement (which states the ``"auto"`` placement put on the device, and how
   many the GPU tier kept there: ``"device_state": "auto"``, the default; the system
-  ``megatrain_host_state`` keeps every state in host memory) and the planner's floor (the
-  largest single bound of its calibrated model).
+  ``megatrain_host_state`` keeps every state in host memory, and the engine's logged
+  decisions with their reasons) and the planner's floor (the largest single bound of its
+  model), for every engine system whatever ``--no-planner`` says.
 
 Prints a table and writes one JSON under ``bench/results/``.
 
@@ -37,9 +38,17 @@ embedding, which are not on that track (so an upper bound). The other systems ar
 traced: theirs is reported as ``null``.
 
 The planner is checked against the engine in the same run: right after each engine round,
-``megatrain plan`` (fresh process, ``--recalibrate``: the machine is measured under the
-same conditions as the round) predicts the same model and batch; its prediction goes into
-``results.megatrain.predicted_*`` with the ratios predicted / measured. Peak host bytes are
+``megatrain plan`` (fresh process) predicts the same model and batch with the round's
+placement; its prediction goes into ``results.<engine system>.predicted_*`` with the ratios
+predicted / measured. The first engine round's call measures the machine under the same
+conditions as the round (``--probe`` on a GPU: the run's AdamW pass alone and beside pinned
+copies, the link, a real block; ``--recalibrate`` on the CPU) and the later rounds reuse
+those figures (``--hardware``), so every system is judged by the same ones; where each
+figure came from is ``planner_hardware_sources``. With ``--no-planner`` the floor is still
+recorded (``floor_seconds``, ``step_over_floor``, ``floor_by_bound``), from the declared
+figures (no probe: the GPU table's, or the cached CPU profile; ``floor_figures``). Beside
+the probe's ``block_efficiency`` goes the one the run's own compute spans give
+(``block_efficiency_in_run``, ``block_efficiency_probe_over_run``). Peak host bytes are
 the process's peak RSS above its RSS right before the model is built
 (``baseline_rss_bytes``: the interpreter and libraries). ZeRO-3 offload needs ~25-40
 B/param: a run is killed, not the machine, should ``MemAvailable`` fall under
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import resource
@@ -209,6 +219,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
     import megatrain_ds  # noqa: F401  (routes "engine": "megatrain")
 
     trace = Path(tempfile.mkdtemp()) / "trace.json" if system in ENGINE_SYSTEMS else None
+    decisions = PlacementDecisions.attach()  # before the engine is built, which logs them
     baseline = _rss_bytes()
     started = time.perf_counter()
     engine, optimizer, params = _build(system, args, cuda, trace)
@@ -245,7 +256,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         result.update(_stash_figures(engine, engine.module, args))
     if system in ENGINE_SYSTEMS:
         assert trace is not None
-        result["optimizer_placement"] = _placement_of(engine)
+        result["optimizer_placement"] = {**_placement_of(engine), "decision": decisions.messages}
         result.update(_nvme_figures(engine))
         engine.destroy()  # writes the trace, should its last step not have
         idle = _device_idle_seconds(trace)[-len(measured) :]
@@ -254,6 +265,7 @@ def run_child(system: str, args: argparse.Namespace) -> dict:
         if len(idle) == len(measured):  # the last traced steps are the measured ones, in order
             result["device_idle_seconds"] = idle[measured.index(median)]
             result["trace_split"] = splits[measured.index(median)]
+        result["block_params"] = sum(p.numel() for p in engine.module.model.layers.parameters())
     return result
 
 
@@ -297,6 +309,32 @@ def _train(system: str, engine, optimizer, args: argparse.Namespace, cuda: bool)
         )
         losses.append(float(loss))
     return phases, losses
+
+
+class PlacementDecisions(logging.Handler):
+    """The engine's logged placement decisions (``"optimizer_device"``, ``optimizer/placement.py``;
+    ``"device_state"``, ``engine_build.py``): each with the reason or the measured rates it
+    was made from, which the placement's counts alone do not give."""
+
+    LOGGERS = ("megatrain_ds.optimizer.placement", "megatrain_ds.engine_build")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    @classmethod
+    def attach(cls) -> PlacementDecisions:
+        handler = cls()
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+            logger.addHandler(handler)
+        return handler
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(("megatrain: optimizer", "megatrain: device_state")):
+            self.messages.append(message)
 
 
 def _placement_of(engine) -> dict:
@@ -463,11 +501,18 @@ def _device_shares(result: dict) -> tuple[float, float]:
     return (tier / total if total else 0.0), (elements.get("DeviceAdamW", 0) / rest if rest else 0.0)
 
 
-def run_planner(args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.0)) -> dict | None:
+def run_planner(
+    args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.0), figures: str = "measure", stashed: int = 0
+) -> dict | None:
     """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
     ``None`` where the planner has no figures for this device. ``shares``: of the optimizer
     state, the GPU tier's share and, of the rest, the share the engine steps on the device
-    (:func:`_device_shares`)."""
+    (:func:`_device_shares`). ``figures``: ``"measure"`` (``--probe`` on a GPU, the CPU
+    profile measured again on the CPU: the machine as it is for this round), ``"declared"``
+    (no measurement: the GPU table's figures, or the cached CPU profile; what the floor of a
+    ``--no-planner`` run takes), or the path of a JSON file holding a plan's ``hardware``
+    (``megatrain plan --hardware``: the figures an earlier call measured). ``stashed``: the
+    blocks the round stashed instead of recomputing."""
     import torch
 
     if torch.cuda.is_available():
@@ -479,7 +524,30 @@ def run_planner(args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.
             return None
     else:
         gpu = "cpu"
-    config = {
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "config.json")
+        path.write_text(json.dumps(_llama_config(args)))
+        command = [sys.executable, "-m", "megatrain_ds.cli", "plan", "--model", str(path), "--gpu", gpu]
+        command += ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--json"]
+        command += ["--device-state", str(shares[0]), "--optimizer-device-share", str(shares[1])]
+        command += ["--stashed-blocks", str(stashed)]
+        if not args.clip:
+            command.append("--no-clipping")
+        if figures == "measure":
+            # On a GPU: this machine's host AdamW and copy rates and a block on the device.
+            command.append("--recalibrate" if gpu == "cpu" else "--probe")
+        elif figures != "declared":
+            command += ["--hardware", figures]
+        completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        print(f"planner: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")
+        return None
+    return json.loads(completed.stdout)
+
+
+def _llama_config(args: argparse.Namespace) -> dict:
+    """The benchmark's model as a Hugging Face config.json (what :func:`_build` builds)."""
+    return {
         "model_type": "llama",
         "vocab_size": args.vocab,
         "hidden_size": args.hidden,
@@ -489,38 +557,63 @@ def run_planner(args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.
         "num_key_value_heads": max(1, args.hidden // 128),
         "attn_implementation": "sdpa",
     }
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "config.json")
-        path.write_text(json.dumps(config))
-        command = [
-            sys.executable,
-            "-m",
-            "megatrain_ds.cli",
-            "plan",
-            "--model",
-            str(path),
-            "--gpu",
-            gpu,
-            "--seq-len",
-            str(args.seq_len),
-            "--micro-batch",
-            str(args.micro_batch),
-            "--json",
-            "--recalibrate",
-            "--device-state",
-            str(shares[0]),
-            "--optimizer-device-share",
-            str(shares[1]),
-        ]
-        if not args.clip:
-            command.append("--no-clipping")
-        if gpu != "cpu":  # this machine's host AdamW and copy rates, not a typical host's
-            command.append("--probe")
-        completed = subprocess.run(command, capture_output=True, text=True)
-    if completed.returncode != 0:
-        print(f"planner: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")
-        return None
-    return json.loads(completed.stdout)
+
+
+def add_planner_figures(result: dict, args: argparse.Namespace, figures_file: Path) -> None:
+    """The planner's floor for an engine round, whatever ``--no-planner`` says, and with the
+    planner on its prediction too. The floor is arithmetic over the rates: with the planner
+    on, those measured by the first engine round's planner call (saved to ``figures_file``
+    and reused by the later rounds, so every system is judged by the same figures); with
+    ``--no-planner``, the declared ones (no probe: the GPU table's, or the cached CPU
+    profile), as ``floor_figures`` says."""
+    shares, stashed = _device_shares(result), result.get("stashed_blocks", 0)
+    if args.no_planner:
+        prediction = run_planner(args, shares, figures="declared", stashed=stashed)
+        if prediction is not None:
+            _add_floor(result, prediction, "declared")
+            _add_block_rate_in_run(result, args, prediction["hardware"])  # beside the declared 1.0 on a GPU
+        return
+    reuse = figures_file.exists()
+    prediction = run_planner(args, shares, figures=str(figures_file) if reuse else "measure", stashed=stashed)
+    if prediction is None:
+        return
+    if not reuse:
+        keep = {"hardware": prediction["hardware"], "hardware_sources": prediction.get("hardware_sources")}
+        figures_file.write_text(json.dumps(keep))
+    _add_prediction(result, prediction)
+    _add_floor(result, prediction, "measured")
+    _add_block_rate_in_run(result, args, prediction["hardware"])
+
+
+def _add_block_rate_in_run(result: dict, args: argparse.Namespace, hardware: dict) -> None:
+    """The blocks' efficiency the run itself reached, by the probe's definition (``8 P_b T``
+    FLOPs, less the recompute of stashed blocks, over ``flops`` and the time): from the
+    union of its compute-track spans (forward, recompute and backward of every block,
+    ``trace_split.compute``), beside the probe's ``block_efficiency``. Their ratio is what
+    the probe of a bare block misses of the engine's way of running it (issue 42, item 5:
+    1.3-1.7x in the H200 runs); on the CPU the spans also hold the gradient path's host
+    work, which the CPU model times apart."""
+    compute = result.get("trace_split", {}).get("compute")
+    if not compute or "block_params" not in result:
+        return
+    tokens, blocks = args.micro_batch * args.seq_len, result["block_params"]
+    # Stashed blocks (megatrain_no_recompute) are not recomputed: 2 P T fewer each.
+    flops = (8 * blocks - 2 * result.get("stashed_blocks", 0) * blocks / args.layers) * tokens
+    in_run = flops / hardware["flops"] / compute
+    result["block_efficiency_in_run"] = in_run
+    result["block_efficiency_probe_over_run"] = hardware["block_efficiency"] / in_run
+
+
+def _add_floor(result: dict, prediction: dict, figures: str) -> None:
+    """The floor: the largest single bound of the planner's model (compute, the weight and
+    gradient copies, the optimizer pass), i.e. the step if everything else hid; with the
+    figures it came from (``"measured"`` in this run, or ``"declared"``) and each bound."""
+    result["floor_seconds"] = max(prediction["step_seconds_by_bound"].values())
+    result["step_over_floor"] = result["step_seconds"] / result["floor_seconds"]
+    result["floor_by_bound"] = prediction["step_seconds_by_bound"]
+    result["floor_figures"] = figures
+    result["floor_hardware"] = prediction.get("hardware")
+    result["floor_hardware_sources"] = prediction.get("hardware_sources")
 
 
 def _add_prediction(result: dict, prediction: dict) -> None:
@@ -537,13 +630,10 @@ def _add_prediction(result: dict, prediction: dict) -> None:
     }
     result["predicted_by_part"] = prediction["step_seconds_by_bound"]
     result["predicted_by_phase"] = prediction.get("step_seconds_by_phase")
-    # The floor: the largest single bound of the planner's calibrated model (compute, the
-    # weight and gradient copies, the optimizer pass), i.e. the step if everything else hid.
-    result["floor_seconds"] = max(prediction["step_seconds_by_bound"].values())
-    result["step_over_floor"] = result["step_seconds"] / result["floor_seconds"]
     # The planner's inputs, so a later check can run the planner again on the same figures
     # (tests/test_planner_gpu_runs.py): the hardware measured by --probe and the run's settings.
     result["planner_hardware"] = prediction.get("hardware")
+    result["planner_hardware_sources"] = prediction.get("hardware_sources")  # measured, the table's, not probed
     result["planner_settings"] = prediction.get("settings")
 
 
@@ -643,6 +733,7 @@ def main() -> None:
         return
 
     passthrough = [arg for arg in sys.argv[1:]]
+    figures_file = Path(tempfile.mkdtemp()) / "planner_hardware.json"  # the first planner call's figures
     best: dict[str, dict] = {}  # per system, its median round
     rounds: dict[str, list[dict]] = {system: [] for system in args.systems}
     for _ in range(args.repeats):
@@ -656,15 +747,13 @@ def main() -> None:
                 continue
             result = json.loads(lines[-1][len("RESULT ") :])
             rounds[system].append(result)
-            if system == "megatrain" and not args.no_planner:
-                # Calibrated now, as the machine is for this round, with the round's placement.
-                prediction = run_planner(args, _device_shares(result))
-                if prediction is not None:
-                    _add_prediction(result, prediction)
+            if system in ENGINE_SYSTEMS:  # the floor always; the prediction with the planner on
+                add_planner_figures(result, args, figures_file)
             # The median round (the upper one of two): no system is credited with its luckiest round.
             best[system] = sorted(rounds[system], key=lambda r: r["step_seconds"])[len(rounds[system]) // 2]
             # Written after every system, so that a run cut off by its time limit keeps what it has.
             report(args, best, rounds)
+    shutil.rmtree(figures_file.parent, ignore_errors=True)
 
 
 def report(args: argparse.Namespace, best: dict[str, dict], rounds: dict[str, list[dict]]) -> None:
@@ -719,14 +808,20 @@ def report(args: argparse.Namespace, best: dict[str, dict], rounds: dict[str, li
     first = {RESULT_KEY[s]: r["first_loss"] for s, r in best.items()}
     comparisons["first_losses"] = first  # the same initial weights: these agree to the compute dtype
     print("first-step loss: " + ", ".join(f"{name} {loss:.4f}" for name, loss in first.items()))
-    if "megatrain" in best:
-        mt = best["megatrain"]
+    for system in (s for s in ENGINE_SYSTEMS if s in best):
+        mt = best[system]
         if "predicted_step_seconds" in mt:
             ratio = mt["predicted_over_measured"]
             print(
-                f"planner: step {mt['predicted_step_seconds']:.2f} s predicted vs {mt['step_seconds']:.2f} s "
-                f"measured ({ratio['step_seconds']:.2f}x); peak host {mt['predicted_bytes_per_param']:.2f} vs "
-                f"{mt['bytes_per_param']:.2f} B/param ({ratio['peak_host_bytes']:.2f}x)"
+                f"planner, {RESULT_KEY[system]}: step {mt['predicted_step_seconds']:.3f} s predicted vs "
+                f"{mt['step_seconds']:.3f} s measured ({ratio['step_seconds']:.2f}x); peak host "
+                f"{mt['predicted_bytes_per_param']:.2f} vs {mt['bytes_per_param']:.2f} B/param "
+                f"({ratio['peak_host_bytes']:.2f}x)"
+            )
+        if "floor_seconds" in mt:
+            print(
+                f"floor, {RESULT_KEY[system]}: {mt['floor_seconds']:.3f} s ({mt['floor_figures']} figures), "
+                f"step / floor {mt['step_over_floor']:.2f}"
             )
     import torch
 

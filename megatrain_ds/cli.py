@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
-from megatrain_ds.planning.long_context import ffn_width
+from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file
+from megatrain_ds.planning.host_probe import AdamWork, adam_work, probe_adam
+from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.planner import (
     GIB,
     GPU_HARDWARE,
@@ -45,6 +47,7 @@ from megatrain_ds.planning.planner import (
     plan,
     sizes_from_config,
 )
+from megatrain_ds.planning.step_time import stepped_block_params
 from megatrain_ds.runtime.measurement_cache import cached_measurement
 from megatrain_ds.state.swap_io import cached_disk_bandwidth
 
@@ -143,7 +146,6 @@ CPU_PROFILE_MAX_TOKENS = 1024
 """Tokens the CPU profile measures a block at, at most (a block's efficiency is flat past
 a few hundred tokens; attention's share at longer sequences is then underestimated)."""
 _PROFILE_VOCAB = 256
-_ADAM_ELEMENTS = 1 << 24
 _HEAD_COLUMNS = 8192
 """The lm_head's matmul is timed on this many vocabulary rows (the rate is flat beyond)."""
 
@@ -164,12 +166,14 @@ def cpu_profile(
       weight shapes, weighted by FLOPs; the lm_head's), forward, input-gradient and
       weight-gradient matmuls at the run's tokens;
     - ``block_efficiency``: one real block of the model (a one-layer model built from
-      ``config`` with a tiny vocabulary), forward without grad and then forward and
-      backward, as the engine runs it, against ``8 * P_b * T / flops``;
+      ``config`` with a tiny vocabulary, its MLP in the engine's tiles), forward without
+      grad and then forward and backward, as the engine runs it, against
+      ``8 * P_b * T / flops``;
     - ``host_memory_bytes_per_s``: a 256 MB copy (past the caches), read + write;
-    - ``adam_bytes_per_s``: the engine's CPU AdamW kernel (``cpu_adam.make_cpu_kernel``) on
-      fp32 states :data:`ADAM_PROBE_CACHE_MULTIPLE` times the last-level cache, 28 bytes
-      touched per element (past the caches, as a model's are: 4M elements under a 32 MB L3
+    - ``adam_bytes_per_s``: the engine's CPU AdamW kernel making the run's pass
+      (``planning/host_probe.py``: its gradient dtype and clipping scale, on a worker
+      thread, a block's state per call) on states ``ADAM_PROBE_CACHE_MULTIPLE`` times the
+      last-level cache (past the caches, as a model's are: 4M elements under a 32 MB L3
       looked 3x faster here, 16M under the H200 host's 3.3x).
     Each figure is the fastest of repeated runs: load from other processes only slows a run.
     """
@@ -187,13 +191,18 @@ def cpu_profile(
             str(torch.get_num_threads()),
             torch.__version__,
             str(dtype),
-            "adam past the last-level cache",  # profiles measured in it are stale
+            # Profiles measured before the probe ran AdamW as the run does are stale.
+            "adam as run: {0.grad_dtype} gradient, shadow {0.shadow}, scale {0.grad_scale}".format(
+                adam_work(settings, 1, 0)
+            ),
+            f"mlp tiled: {settings.tiled_mlp}",
             f"{seq_len}x{tokens // seq_len}",
             json.dumps(_shape_signature(config), sort_keys=True),
         ]
     )
+    profiled = dataclasses.replace(settings, seq_len=seq_len, micro_batch=tokens // seq_len)
     figures = cached_measurement(
-        path, key, lambda: _measure_profile(config, block_path, seq_len, tokens // seq_len, dtype, seconds), recalibrate
+        path, key, lambda: _measure_profile(config, block_path, profiled, dtype, seconds), recalibrate
     )
     return Hardware(
         "cpu",
@@ -233,74 +242,36 @@ def _copy_bytes_per_s(seconds: float) -> float:
     return source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
 
 
-def last_level_cache_bytes() -> int:
-    """The host's last-level cache, summed over its instances (one per socket or die):
-    what the kernel reports in sysfs, else ``sysconf``, else 64 MiB (0 never: the Adam
-    probe must stay past the caches on hosts that hide them)."""
-    instances: dict[tuple[int, str], int] = {}
-    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
-        try:
-            level = int((index / "level").read_text())
-            size = parse_size((index / "size").read_text())
-            shared = (index / "shared_cpu_list").read_text().strip()
-        except (OSError, ValueError, argparse.ArgumentTypeError):
-            continue
-        instances[(level, shared)] = size
-    if instances:
-        top = max(level for level, _ in instances)
-        return sum(size for (level, _), size in instances.items() if level == top)
-    names = ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE")
-    sizes = [os.sysconf(name) for name in names if name in os.sysconf_names]
-    return max([size for size in sizes if size > 0], default=64 << 20)
-
-
-ADAM_PROBE_CACHE_MULTIPLE = 4
-"""The Adam probe's four fp32 states together are at least this many times the last-level
-cache: a cyclic pass over them then finds next to nothing cached, as a model's states do
-(the first H200 probe's 256 MB fitted that host's cache and read 3.3x fast)."""
-
-
-def adam_probe_elements(cache_bytes: int) -> int:
-    """Elements of each fp32 state (p, g, m, v: 16 bytes per element together) the Adam
-    probe steps, for a last-level cache of ``cache_bytes``."""
-    return max(_ADAM_ELEMENTS, ADAM_PROBE_CACHE_MULTIPLE * cache_bytes // 16)
-
-
-def _adam_bytes_per_s(seconds: float) -> float:
-    """The engine's CPU AdamW kernel on fp32 states past the caches
-    (:func:`adam_probe_elements`), bytes of state touched per second (28 per element: p, m,
-    v read and written, g read)."""
-    from megatrain_ds.optimizer.adamw_math import AdamHyper
-    from megatrain_ds.optimizer.cpu_adam import make_cpu_kernel
-
-    kernel, hyper = make_cpu_kernel("auto"), AdamHyper(1e-3, (0.9, 0.999), 1e-8, 0.01, True)
-    n = adam_probe_elements(last_level_cache_bytes())
-    # Filled, not random: the values do not change the kernel's speed, and filling is fast.
-    p, g, m, v = (torch.full((n,), value) for value in (1.0, 1e-3, 0.0, 1e-6))
-    return 28 * n / _best_seconds(lambda: kernel.step_(p, g, m, v, None, step=10, hyper=hyper), seconds)
-
-
-def probe_host(hardware: Hardware, block: Callable[[Hardware], float] | None = None, seconds: float = 0.3) -> Hardware:
+def probe_host(
+    hardware: Hardware, adam: AdamWork, block: Callable[[Hardware], float] | None = None, seconds: float = 0.3
+) -> Hardware:
     """``--probe``: a GPU machine's figures with its host measured here, on the machine that
-    will train (planning/step_time.py: [Note: a step's phases]): the engine's CPU AdamW
-    kernel on states past the last-level cache, and the memory copy rate, instead of the
-    table's typical host. With a CUDA device here also the pinned copy rates each way and
-    ``block`` (a real block of the model on the device, :func:`device_block_efficiency`)
-    for the block efficiency. The AdamW rate beside copies (the optimizer behind backward,
-    no gradient held) is not probed: ``bench/host_contention.py`` measures it."""
-    copy_rate = _copy_bytes_per_s(seconds)
-    # Copies move bytes once each way: read+write traffic is twice the copy rate.
-    measured = dataclasses.replace(
-        hardware, host_memory_bytes_per_s=2 * copy_rate, adam_bytes_per_s=_adam_bytes_per_s(seconds)
-    )
+    will train (planning/step_time.py: [Note: a step's phases]), instead of the table's
+    typical host: the memory copy rate, and the engine's CPU AdamW kernel making ``adam``'s
+    pass as the run makes it (``planning/host_probe.py``: [Note: probing AdamW as the run
+    runs it]). With a CUDA device here also the same pass beside pinned copies both ways
+    (the optimizer behind backward when no gradient is held), the pinned copy rates each
+    way, and ``block`` (a real block of the model on the device,
+    :func:`device_block_efficiency`) for the block efficiency. Without one those keep the
+    table's figures, and the AdamW rate beside copies stays 0 (not probed: the rate alone
+    stands in, and :func:`figure_sources` says so)."""
     from megatrain_ds.runtime.device_runtime import DeviceRuntime, cuda_available
 
-    if not cuda_available():  # planning a GPU from a machine without one
+    runtime = DeviceRuntime.create(torch.device("cuda")) if cuda_available() else None
+    copy_rate = _copy_bytes_per_s(seconds)
+    rates = probe_adam(adam, seconds, runtime)
+    # Copies move bytes once each way: read+write traffic is twice the copy rate.
+    measured = dataclasses.replace(
+        hardware,
+        host_memory_bytes_per_s=2 * copy_rate,
+        adam_bytes_per_s=rates.adam_bytes_per_s,
+        adam_beside_copies_bytes_per_s=rates.adam_beside_copies_bytes_per_s,
+    )
+    if runtime is None:  # planning a GPU from a machine without one
         return measured
-
-    rates = DeviceRuntime.create(torch.device("cuda")).measure_copy_rates(256 << 20)
-    assert rates is not None  # a CUDA runtime copies
-    measured = dataclasses.replace(measured, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1])
+    link = runtime.measure_copy_rates(256 << 20)
+    assert link is not None  # a CUDA runtime copies
+    measured = dataclasses.replace(measured, h2d_bytes_per_s=link[0], d2h_bytes_per_s=link[1])
     return dataclasses.replace(measured, block_efficiency=block(measured)) if block else measured
 
 
@@ -308,15 +279,19 @@ def device_block_efficiency(
     config: Any, block_path: str, settings: RunSettings, hardware: Hardware, device: torch.device, seconds: float = 0.3
 ) -> float:
     """The fraction of ``hardware.flops`` one real block of ``config``'s model reaches on
-    ``device`` at ``settings``' tokens: forward without grad, then forward and backward,
-    against their ``8 * P_b * T`` FLOPs (the CPU profile's ``block_efficiency``, measured
-    on the GPU: planning/step_time.py, [Note: a step's phases])."""
+    ``device`` at ``settings``' tokens: forward without grad (the streamed forward), then
+    forward with grad and backward (the recompute and the backward), against their
+    ``8 * P_b * T`` FLOPs (the CPU profile's ``block_efficiency``, measured on the GPU:
+    planning/step_time.py, [Note: a step's phases]). Its MLP runs in the sequence tiles
+    the engine would choose on this device (:func:`tile_like_the_engine`), so the tiled
+    backward's extra MLP forward is in the time, as it is in the run's."""
     from megatrain_ds.runtime.device_runtime import DeviceRuntime
 
     runtime = DeviceRuntime.create(device)
     dtype = torch.bfloat16 if settings.bf16 else torch.float32
     block, model = _one_block_model(config, block_path, dtype)
     model.to(device)
+    tile_like_the_engine(block, settings, device)
     ids = torch.randint(0, _PROFILE_VOCAB, (settings.micro_batch, settings.seq_len), device=device)
 
     def forward() -> None:
@@ -334,11 +309,30 @@ def device_block_efficiency(
     return 8 * block_params * settings.tokens_per_pass / hardware.flops / seconds_per_block
 
 
-def _measure_profile(
-    config: Any, block_path: str, seq_len: int, micro_batch: int, dtype: torch.dtype, seconds: float
-) -> dict:
-    tokens = seq_len * micro_batch
+def tile_like_the_engine(block: torch.nn.Module, settings: RunSettings, device: torch.device) -> int:
+    """Run ``block``'s MLP in the sequence tiles the engine's ``"mlp_tile_tokens": "auto"``
+    gives it on ``device`` (``engine_build.py``: from the FFN width and the memory free
+    there; ``streaming/tiled_mlp.py``), so that a probe of the block does the run's work:
+    a sequence longer than a tile costs one more MLP forward in backward (at ~3B, 8 x 2048
+    tokens on an H200, 4096-token tiles). Returns the tile (0: whole, as without
+    ``settings.tiled_mlp`` or an MLP)."""
+    from megatrain_ds.planning.preflight import available_memory
+    from megatrain_ds.streaming.tiled_mlp import tile_token_wise
+
+    ffn = ffn_width(block)
+    if not (settings.tiled_mlp and ffn):
+        return 0
+    available = available_memory(device)
+    free = available.device if available.device is not None else available.host
+    tokens = choose_mlp_tile_tokens(ffn, settings.weight_bytes, free)
+    return tokens if tile_token_wise(block, tokens) else 0
+
+
+def _measure_profile(config: Any, block_path: str, profiled: RunSettings, dtype: torch.dtype, seconds: float) -> dict:
+    """The CPU profile's figures (:func:`cpu_profile`) at ``profiled``'s tokens."""
+    seq_len, micro_batch, tokens = profiled.seq_len, profiled.micro_batch, profiled.tokens_per_pass
     block, model = _one_block_model(config, block_path, dtype)
+    tile_like_the_engine(block, profiled, torch.device("cpu"))
     weight_shapes = [tuple(p.shape) for p in block.parameters() if p.dim() == 2]
     hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
     vocab = int(config.vocab_size)
@@ -373,7 +367,8 @@ def _measure_profile(
     block_seconds = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
     del block  # the model's memory goes with the closures when this function returns
     copy_rate = _copy_bytes_per_s(seconds)
-    adam = _adam_bytes_per_s(seconds)
+    # The run's AdamW pass, one block's state per call ([Note: probing AdamW as the run runs it]).
+    adam = probe_adam(adam_work(profiled, block_params), seconds).adam_bytes_per_s
     return {
         "flops": matmul_flops,
         "head_flops": head_flops,
@@ -448,9 +443,16 @@ def _print_fragments_and_disk(result, hardware: Hardware, settings: RunSettings)
             )
 
 
-def _print_plan(result, hardware: Hardware, settings: RunSettings, position_limit: int | None = None) -> None:
+def _print_plan(
+    result,
+    hardware: Hardware,
+    settings: RunSettings,
+    position_limit: int | None = None,
+    sources: dict[str, str] | None = None,
+) -> None:
     """The plan as a table (``megatrain plan`` without ``--json``); ``position_limit``: the
-    model's ``max_position_embeddings``, named beside a memory limit above it."""
+    model's ``max_position_embeddings``, named beside a memory limit above it; ``sources``:
+    where each figure came from (:func:`figure_sources`)."""
     print(
         f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
         f"tokens per weight pass: {settings.tokens_per_pass}"
@@ -500,6 +502,8 @@ def _print_plan(result, hardware: Hardware, settings: RunSettings, position_limi
     model_note = beyond_model if position_limit is not None and position_limit < result.max_seq_len else ""
     batch = f"(micro-batch {settings.micro_batch})"
     print(f"max sequence length: {result.max_seq_len:,} tokens {batch}, by memory{model_note}")
+    for name, source in (sources or {}).items():  # before the last line, which scripts parse
+        print(f"figure {name}: {source}")
     if settings.device_state_share >= 1.0:  # before the last line, which scripts parse
         print("(optimizer_device, below: where the states left in host memory would be updated; none are here)")
     print("recommended: " + json.dumps(result.recommended))
@@ -536,13 +540,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32", action="store_true", help="fp32 compute (default bf16; cpu implies fp32)")
     p.add_argument("--no-clipping", action="store_true")
     p.add_argument("--checkpoint-interval", type=int, default=1)
+    p.add_argument(
+        "--stashed-blocks",
+        type=int,
+        default=0,
+        help='blocks that stash their activations instead of recomputing ("recompute": "none" stashes all; '
+        "bench/compare.py passes the number its round stashed); default 0, every block recomputed",
+    )
     p.add_argument("--keep-checkpoints-on-device", action="store_true")
     p.add_argument("--block-path", default=None)
-    p.add_argument(
-        "--recalibrate",
-        action="store_true",
-        help="with --gpu cpu: measure this machine again instead of using the cached profile",
-    )
     p.add_argument(
         "--nvme",
         metavar="PATH",
@@ -555,12 +561,6 @@ def _parser() -> argparse.ArgumentParser:
         "--nvme-weights",
         action="store_true",
         help='with --nvme: the blocks\' weights on the tier too ("nvme_offload": "all")',
-    )
-    p.add_argument(
-        "--probe",
-        action="store_true",
-        help="with a GPU target: measure this machine (CPU AdamW past the caches, memory copies; with a CUDA "
-        "device its pinned copies and a real block of the model) instead of the table's typical one",
     )
     p.add_argument(
         "--optimizer-device-share",
@@ -577,8 +577,32 @@ def _parser() -> argparse.ArgumentParser:
         'memory left by the run; none with --nvme or --gpu cpu), "none", or the share of the trained parameters '
         "kept whole on the device",
     )
+    _add_figure_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
+
+
+def _add_figure_arguments(p: argparse.ArgumentParser) -> None:
+    """``plan``'s arguments on where its figures come from (``planning/hardware_figures.py``)."""
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --gpu cpu: measure this machine again instead of using the cached profile",
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="with a GPU target: measure this machine (the run's CPU AdamW pass past the caches, memory copies; "
+        "with a CUDA device that pass beside pinned copies, the copies and a real block of the model) instead of "
+        "the table's typical one",
+    )
+    p.add_argument(
+        "--hardware",
+        metavar="JSON",
+        default=None,
+        help='the figures of an earlier plan\'s --json output (its "hardware", e.g. what --probe measured there) '
+        "instead of the table's or measuring them again",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -593,6 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bf16=not (args.fp32 or args.gpu == "cpu"),
         clipping=not args.no_clipping,
         checkpoint_interval=args.checkpoint_interval,
+        stashed_blocks=args.stashed_blocks,
         offload_checkpoints=not args.keep_checkpoints_on_device,
         nvme=args.nvme is not None,
         nvme_window_blocks=args.nvme_window_blocks,
@@ -606,9 +631,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error('--device-state takes no share of the trained parameters with --nvme: "auto" or "none"')
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
+    if args.hardware is not None and (args.probe or args.recalibrate):
+        parser.error("--hardware gives the figures: drop --probe and --recalibrate, which would measure them")
     model = load_meta_model(args.model)
     shape = shape_of(model, args.block_path)
-    if args.gpu == "cpu":
+    if not 0 <= args.stashed_blocks <= shape.num_blocks:
+        parser.error(f"--stashed-blocks: from 0 to the model's {shape.num_blocks} blocks, not {args.stashed_blocks}")
+    hardware, sources = _hardware_for(args, model, shape, settings)
+    if args.device_state == "auto":  # the engine's default, resolved as the engine does
+        settings = dataclasses.replace(settings, device_state_share=auto_device_state_share(shape, settings, hardware))
+    result = plan(shape, settings, hardware, host_memory)
+    if args.json:
+        data = result.to_json()
+        data["hardware"] = asdict(hardware)
+        data["hardware_sources"] = sources
+        data["settings"] = asdict(settings)
+        json.dump(data, sys.stdout, indent=2)
+        print()
+    else:
+        shown = sources if args.gpu != "cpu" or args.hardware else {}  # the CPU's are printed as measured
+        _print_plan(result, hardware, settings, getattr(model.config, "max_position_embeddings", None), shown)
+    return 0
+
+
+def _cuda_here() -> bool:
+    from megatrain_ds.runtime.device_runtime import cuda_available
+
+    return cuda_available()
+
+
+def _hardware_for(
+    args: argparse.Namespace, model: torch.nn.Module, shape: ModelShape, settings: RunSettings
+) -> tuple[Hardware, dict[str, str]]:
+    """The figures ``megatrain plan`` plans with, and where each came from: a file's
+    (``--hardware``), the CPU profile, the GPU table's, or the table's with this machine
+    measured by ``--probe``; and the NVMe tier's disk."""
+    sources = figure_sources(args.gpu, args.probe, _cuda_here())
+    if args.hardware is not None:
+        hardware, sources = hardware_from_file(args.hardware)
+    elif args.gpu == "cpu":
         block_path, _ = find_blocks(model, args.block_path)
         hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
     else:
@@ -617,6 +678,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             block_path, _ = find_blocks(model, args.block_path)
             hardware = probe_host(
                 hardware,
+                # The run's AdamW pass: its settings, one block's trained state per call.
+                adam_work(settings, stepped_block_params(shape)[0]),
                 lambda measured: device_block_efficiency(
                     model.config, block_path, settings, measured, torch.device("cuda")
                 ),
@@ -626,18 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
-    if args.device_state == "auto":  # the engine's default, resolved as the engine does
-        settings = dataclasses.replace(settings, device_state_share=auto_device_state_share(shape, settings, hardware))
-    result = plan(shape, settings, hardware, host_memory)
-    if args.json:
-        data = result.to_json()
-        data["hardware"] = asdict(hardware)
-        data["settings"] = asdict(settings)
-        json.dump(data, sys.stdout, indent=2)
-        print()
-    else:
-        _print_plan(result, hardware, settings, getattr(model.config, "max_position_embeddings", None))
-    return 0
+    return hardware, sources
 
 
 if __name__ == "__main__":

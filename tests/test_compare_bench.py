@@ -9,8 +9,10 @@ end-to-end check (every system's first loss side by side) runs with the bench it
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
+import pytest
 import tiny_models
 import torch
 
@@ -68,3 +70,109 @@ def test_same_initial_weights_fill_through_the_gather_context():
     compare.same_initial_weights(reference)
     for (name, param), other in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(param, other), name
+
+
+def _planner_in_process(monkeypatch, compare, commands: list[list[str]]) -> None:
+    """``compare.run_planner``'s ``megatrain plan`` run in this process (the same ``main``
+    its subprocess runs), recording each command line."""
+    import contextlib
+    import io
+    import subprocess
+
+    from megatrain_ds import cli
+
+    real = subprocess.run
+
+    def run(command, *args, **kwargs):
+        if list(command[1:4]) != ["-m", "megatrain_ds.cli", "plan"]:
+            return real(command, *args, **kwargs)  # the module is shared: others' calls pass through
+        commands.append(command)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(command[3:])
+        return subprocess.CompletedProcess(command, code, out.getvalue(), "")
+
+    monkeypatch.setattr(compare.subprocess, "run", run)
+
+
+def test_every_engine_round_gets_the_floor_and_with_the_planner_one_measurement(monkeypatch, tmp_path):
+    """Issue 42, item 6: the floor is recorded for every engine system, with ``--no-planner``
+    too (from the declared figures, nothing measured), and equals the largest bound of the
+    step-time model computed here from the figures it names. With the planner on, the first
+    engine round measures the machine and every later round reuses those figures."""
+    from megatrain_ds import cli
+    from megatrain_ds.planning.planner import Hardware, RunSettings
+    from megatrain_ds.planning.step_time import step_seconds
+
+    compare = _compare_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the planner's CPU target, also on a GPU machine
+    monkeypatch.setattr("megatrain_ds.optimizer.placement.cache_path", lambda: tmp_path / "calibration.json")
+    measured = []
+
+    def fake_measure(config, block_path, profiled, dtype, seconds):
+        measured.append(profiled.tokens_per_pass)
+        return {
+            "flops": 1e11,
+            "head_flops": 5e10,
+            "block_efficiency": 0.5,
+            "copy_bytes_per_s": 1e10,
+            "adam_bytes_per_s": 3e10,
+        }
+
+    monkeypatch.setattr(cli, "_measure_profile", fake_measure)
+    commands: list[list[str]] = []
+    _planner_in_process(monkeypatch, compare, commands)
+    model = ["--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256", "--seq-len", "16"]
+    shape = cli.shape_of(cli.load_meta_model(_write_config(compare, model, tmp_path)))
+    settings = RunSettings(seq_len=16, micro_batch=2, bf16=False)
+
+    def engine_round(step: float) -> dict:
+        return {
+            "step_seconds": step,
+            "params": shape.params,
+            "tokens_per_s": 32 / step,
+            "peak_host_bytes": 1 << 20,
+            "optimizer_placement": {"elements_by_kernel": {"DeepSpeedKernel": shape.params}},
+        }
+
+    declared = compare._parser().parse_args([*model, "--no-planner"])
+    result = engine_round(0.5)
+    compare.add_planner_figures(result, declared, tmp_path / "figures.json")
+    assert "--recalibrate" not in commands[-1] and "--probe" not in commands[-1] and "--hardware" not in commands[-1]
+    assert "predicted_step_seconds" not in result and result["floor_figures"] == "declared"
+    floor = max(step_seconds(shape, settings, Hardware(**result["floor_hardware"])).values())
+    assert result["floor_seconds"] == pytest.approx(floor) and result["step_over_floor"] == pytest.approx(0.5 / floor)
+    # A round that stashed blocks ("recompute": "none") is planned with them stashed.
+    stashing = {**engine_round(0.5), "stashed_blocks": 2}
+    compare.add_planner_figures(stashing, declared, tmp_path / "figures.json")
+    assert commands[-1][commands[-1].index("--stashed-blocks") + 1] == "2"
+    stashed = RunSettings(seq_len=16, micro_batch=2, bf16=False, stashed_blocks=2)
+    floor = max(step_seconds(shape, stashed, Hardware(**stashing["floor_hardware"])).values())
+    assert stashing["floor_seconds"] == pytest.approx(floor) != result["floor_seconds"]
+
+    planned = compare._parser().parse_args(model)
+    figures = tmp_path / "measured.json"
+    first, second = engine_round(0.5), engine_round(0.7)
+    before = len(measured)
+    compare.add_planner_figures(first, planned, figures)
+    assert "--recalibrate" in commands[-1] and figures.exists()
+    compare.add_planner_figures(second, planned, figures)
+    assert commands[-1][commands[-1].index("--hardware") + 1] == str(figures)
+    assert len(measured) == before + 1  # measured once, reused by the second round
+    assert first["planner_hardware"] == second["planner_hardware"] == second["floor_hardware"]
+    # The blocks' rate in the run, by the probe's definition, from its compute spans.
+    with_trace = {**engine_round(0.5), "trace_split": {"compute": 0.25}, "block_params": shape.total_block_params}
+    compare.add_planner_figures(with_trace, planned, figures)
+    in_run = 8 * shape.total_block_params * 32 / with_trace["planner_hardware"]["flops"] / 0.25
+    assert with_trace["block_efficiency_in_run"] == pytest.approx(in_run)
+    assert with_trace["block_efficiency_probe_over_run"] == pytest.approx(0.5 / in_run)  # the profile's 0.5
+    for run in (first, second):
+        assert run["floor_figures"] == "measured" and "predicted_step_seconds" in run
+        assert run["floor_seconds"] == pytest.approx(max(run["predicted_by_part"].values()))
+    assert "read from" in second["planner_hardware_sources"]["all"]
+
+
+def _write_config(compare, model_args: list[str], folder: Path) -> str:
+    path = folder / "config.json"
+    path.write_text(json.dumps(compare._llama_config(compare._parser().parse_args(model_args))))
+    return str(path)

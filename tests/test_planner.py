@@ -284,8 +284,8 @@ def test_cpu_step_is_the_sum_of_its_parts(clipping):
 def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     measured = []
 
-    def fake_measure(config, block_path, seq_len, micro_batch, dtype, seconds):
-        measured.append((block_path, seq_len, micro_batch, dtype))
+    def fake_measure(config, block_path, profiled, dtype, seconds):
+        measured.append((block_path, profiled.seq_len, profiled.micro_batch, dtype))
         return {
             "flops": 1e11,
             "head_flops": 5e10,
@@ -500,3 +500,13 @@ def test_probe_measures_the_host_of_a_gpu_machine(capsys):
     assert hardware["host_memory_bytes_per_s"] != GPU_HARDWARE["h200"].host_memory_bytes_per_s
     expected = (24 + 2 + 2) * data["params"] / hardware["adam_bytes_per_s"]  # bf16 gradients and shadow
     assert data["step_seconds_by_bound"]["optimizer"] == pytest.approx(expected)
+    # The rate beside copies: probed beside pinned copies with a CUDA device; without one
+    # not probed, and the plan names the figure standing in (planning/host_probe.py).
+    beside, source = (
+        hardware["adam_beside_copies_bytes_per_s"],
+        data["hardware_sources"]["adam_beside_copies_bytes_per_s"],
+    )
+    if torch.cuda.is_available():
+        assert beside > 0 and source.startswith("measured here")
+    else:
+        assert beside == 0 and source == "not probed (no CUDA device here): adam_bytes_per_s stands in"

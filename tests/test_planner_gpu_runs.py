@@ -18,7 +18,7 @@ them):
 - the CPU AdamW kernel: ``host_contention.json``'s rate alone at 16 threads on 100M
   elements (117 GB/s at 28 B/element). The recorded probe figure (391 GB/s) timed 16M
   elements that sat in that host's last-level cache; the probe now sizes its states from
-  the cache (``test_the_adam_probe_steps_states_past_the_last_level_cache``);
+  the cache, and makes the run's pass (``tests/test_host_probe.py``);
 - ``block_efficiency``, what ``--probe`` now measures on the device (a real block forward,
   then forward and backward): for the 940M from ``timeline.json``, a separate traced run of
   the same model and batch (its forward, recompute and backward spans of step 2); for the
@@ -188,34 +188,6 @@ def test_the_predicted_step_is_within_a_quarter_of_the_measured_gpu_step(run_nam
     assert phases["optimizer"] == pytest.approx(run["trace_split"]["optimizer"], rel=TOLERANCE)
 
 
-@pytest.mark.skipif(not Path("/sys/devices/system/cpu").exists(), reason="reads the cache sizes from Linux's sysfs")
-def test_the_adam_probe_steps_states_past_the_last_level_cache(monkeypatch):
-    """The probe's four fp32 states (16 bytes per element) span at least
-    ``ADAM_PROBE_CACHE_MULTIPLE`` times the last-level cache, read here from sysfs apart
-    from the cli's reader (the largest cache level's size, per distinct instance)."""
-    top, instances = 0, {}
-    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
-        level = int((index / "level").read_text())
-        size_kib = int((index / "size").read_text().strip().rstrip("K"))
-        instances[(level, (index / "shared_cpu_list").read_text().strip())] = size_kib << 10
-        top = max(top, level)
-    expected = sum(size for (level, _), size in instances.items() if level == top)
-    assert cli.last_level_cache_bytes() == expected
-    elements = cli.adam_probe_elements(expected)
-    assert 16 * elements >= cli.ADAM_PROBE_CACHE_MULTIPLE * expected
-    # And the probe steps that many elements: record what the kernel is handed.
-    stepped = []
-
-    class Recording:
-        def step_(self, p, g, m, v, shadow, step, hyper):
-            stepped.append(p.numel())
-
-    monkeypatch.setattr("megatrain_ds.optimizer.cpu_adam.make_cpu_kernel", lambda name: Recording())
-    monkeypatch.setattr(cli, "adam_probe_elements", lambda cache: 1 << 10)  # small here: only the wiring
-    cli._adam_bytes_per_s(0.0)
-    assert stepped and set(stepped) == {1 << 10}
-
-
 def test_the_device_block_probe_times_a_real_block_forward_then_forward_and_backward(monkeypatch):
     """``device_block_efficiency`` (run here on the CPU: the code a CUDA device runs, but
     for the device) times two pieces of work, a forward without grad and then a forward
@@ -250,3 +222,39 @@ def test_the_device_block_probe_times_a_real_block_forward_then_forward_and_back
     efficiency = cli.device_block_efficiency(model.config, block_path, settings, hardware, torch.device("cpu"))
     assert ran_backward == [False, True]
     assert efficiency == pytest.approx(8 * block_params[0] * 128 / 1e12 / (0.002 + 0.006))
+
+
+def test_the_block_probe_runs_the_mlp_in_the_tiles_the_engine_would(monkeypatch):
+    """Where the engine would tile a block's MLP (``"mlp_tile_tokens": "auto"``: the tile
+    ``choose_mlp_tile_tokens`` gives for the memory free), the probe's block does too, so
+    its time holds the tiled backward's extra MLP forward: the MLP's own forward runs once
+    per tile in the forward, and once more per tile in backward. The free memory is fixed
+    small here so that 2 x 512 tokens make several tiles."""
+    from megatrain_ds.planning import preflight
+    from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
+    from megatrain_ds.streaming.tiled_mlp import TiledTokenWise
+
+    free = 4 << 20
+    monkeypatch.setattr(
+        preflight, "available_memory", lambda device: preflight.AvailableMemory(free, "test", None, None)
+    )
+    model = tiny_models.llama(2)
+    block_path, _ = cli.find_blocks(model, None)
+    settings = RunSettings(seq_len=512, micro_batch=2, bf16=False)
+    block, one_block = cli._one_block_model(model.config, block_path, torch.float32)
+    tile = cli.tile_like_the_engine(block, settings, torch.device("cpu"))
+    assert tile == choose_mlp_tile_tokens(ffn_width(block), 4, free) and 0 < tile < settings.tokens_per_pass
+    tiles = -(-settings.tokens_per_pass // tile)
+    calls = []
+    tiled = block.get_submodule("mlp").forward
+    assert isinstance(tiled, TiledTokenWise)
+    whole = tiled.whole
+    tiled.whole = lambda *args, **kwargs: calls.append(1) or whole(*args, **kwargs)
+    ids = torch.randint(0, 256, (settings.micro_batch, settings.seq_len))
+    with torch.no_grad():
+        one_block(input_ids=ids)
+    assert len(calls) == tiles
+    calls.clear()
+    one_block(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == 2 * tiles
+    assert cli.tile_like_the_engine(block, RunSettings(seq_len=512, tiled_mlp=False), torch.device("cpu")) == 0

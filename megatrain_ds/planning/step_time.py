@@ -60,7 +60,8 @@ last gradient has reached the host (``optimizer/speculative_step.py``). So on a 
 machine the step is forward + backward *plus* the whole optimizer pass. Only without held
 gradients does the optimizer run behind backward, chunk by chunk, beside the gradient
 copies (at the Adam rate measured beside pinned copies both ways:
-``Hardware.adam_beside_copies_bytes_per_s``; 1.8x slower than alone on the H200 host), and
+``Hardware.adam_beside_copies_bytes_per_s``, ``megatrain plan --probe`` with a CUDA device;
+1.8x slower than alone on the H200 host), and
 then only the last block's update is exposed. The NVMe tier's disk works beside the
 copies and the compute: one more bound against forward + backward.
 
@@ -174,14 +175,19 @@ class Hardware:
     """Fraction of ``flops`` one real block of the model achieves, forward and then forward
     and backward as the engine runs it: measured on the CPU by the profile, on a GPU machine
     by ``megatrain plan --probe`` (the block on the device); 1.0, the table's figures: the
-    matmuls dominate, which a 940M block on an H200 does not (it reached 0.27 of 790 TFLOP/s)."""
+    matmuls dominate, which a 940M block on an H200 does not (it reached 0.27 of 790 TFLOP/s).
+    The probe's block runs its MLP in the engine's sequence tiles, so a tiled backward's
+    extra MLP forward (not in :func:`block_flops`) is in this figure, at the probe's tokens."""
     adam_bytes_per_s: float = 0.0
-    """The host AdamW kernel alone, bytes of state touched per second, on states past the
-    last-level cache ([Note: a step's phases]); 0: bound by ``host_memory_bytes_per_s`` at
-    :data:`ADAM_HOST_BYTES_PER_PARAM`."""
+    """The host AdamW kernel alone making the run's pass (its gradient dtype, shadow and
+    clipping scale, on a worker thread, a block's state per call: ``planning/host_probe.py``),
+    bytes of state touched per second, on states past the last-level cache ([Note: a step's
+    phases]); 0: bound by ``host_memory_bytes_per_s`` at :data:`ADAM_HOST_BYTES_PER_PARAM`."""
     adam_beside_copies_bytes_per_s: float = 0.0
-    """The same kernel while pinned copies run both ways at full speed (the optimizer behind
-    backward, no gradient held: [Note: clipping's serialisation]); 0: ``adam_bytes_per_s``."""
+    """The same pass while pinned copies run both ways at full speed (the optimizer behind
+    backward, no gradient held: [Note: clipping's serialisation]), probed by ``megatrain plan
+    --probe`` with a CUDA device (``planning/host_probe.py``); 0: not probed,
+    ``adam_bytes_per_s`` stands in (the plan's ``hardware_sources`` says so)."""
     head_flops: float = 0.0
     """Matmul throughput at the lm_head's shape, FLOP/s (measured on the CPU, where a small
     hidden size makes block matmuls much slower than the head's); 0: ``flops``."""

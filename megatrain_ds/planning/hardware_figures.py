@@ -1,0 +1,58 @@
+"""Where a plan's figures come from: the GPU table, measured on this machine, or a file.
+
+``megatrain plan`` plans with a :class:`~megatrain_ds.planning.step_time.Hardware` whose
+figures are the GPU table's (``GPU_HARDWARE``: assumptions), measured here (``--probe``;
+the CPU profile with ``--gpu cpu``), or read from an earlier plan's ``--json`` output
+(``--hardware``: what a probe measured there, e.g. in ``bench/compare.py``'s first engine
+round). A plan names the source of each figure (``"hardware_sources"`` in its JSON, one
+``figure ...`` line per figure in its table), so that a figure that was not measured --
+the AdamW rate beside copies without a CUDA device -- is never mistaken for one that was,
+and the figure that stands in for it is named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from megatrain_ds.planning.step_time import Hardware
+
+
+def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
+    """Where each figure of a plan for ``gpu`` came from: measured here (``probed``: by
+    ``--probe``; ``device_here``: a CUDA device was there to measure), the GPU table's, or
+    (the AdamW rate beside copies) not probed, and which figure stands in for it."""
+    if gpu == "cpu":
+        return {"all": "measured here (the CPU profile: this machine is the device)"}
+    table = f"the {gpu} table's (GPU_HARDWARE, planning/step_time.py)"
+    host = "measured here by --probe" if probed else table
+    on_device = probed and device_here
+    link = "measured here by --probe (pinned copies)" if on_device else table
+    beside = (
+        "measured here by --probe (the AdamW pass beside pinned copies both ways)"
+        if on_device
+        else f"not probed ({'no CUDA device here' if probed else 'no --probe'}): adam_bytes_per_s stands in"
+    )
+    return {
+        "flops": table,
+        "block_efficiency": "measured here by --probe (one real block on the device)" if on_device else table,
+        "h2d_bytes_per_s": link,
+        "d2h_bytes_per_s": link,
+        "host_memory_bytes_per_s": host,
+        "adam_bytes_per_s": host + (" (the run's AdamW pass, alone)" if probed else ""),
+        "adam_beside_copies_bytes_per_s": beside,
+    }
+
+
+def hardware_from_file(path: str) -> tuple[Hardware, dict[str, str]]:
+    """``--hardware``: the figures of a plan's ``--json`` output (its ``"hardware"`` and
+    ``"hardware_sources"``), or of a ``"hardware"`` object alone, and where they came from."""
+    data = json.loads(Path(path).read_text())
+    figures = data.get("hardware", data)
+    known = {field.name for field in dataclasses.fields(Hardware)}
+    unknown = sorted(set(figures) - known)
+    if unknown:
+        raise ValueError(f"--hardware {path}: unknown figures {unknown}; a plan's JSON has {sorted(known)}")
+    sources = data.get("hardware_sources") or {"all": f"read from {path}"}
+    return Hardware(**figures), {name: f"{source} (read from {path})" for name, source in sources.items()}
