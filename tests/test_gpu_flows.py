@@ -35,7 +35,6 @@ import pytest
 import tiny_models
 import torch
 from side_by_side import LR, WEIGHT_DECAY, ds_config
-from test_evaluation_only import cast_like_the_engine
 from test_parity import LOSS_RTOL, WEIGHT_RTOL
 from test_pipelined_finish import slow_finish_worker
 
@@ -158,10 +157,20 @@ tests, whose 1e-2 per loss this takes. On the CPU the losses are bit-equal
 (``tests/test_evaluation_only.py``); not asserted here."""
 
 
+def _cast_like_the_engine(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A deep copy of ``model`` in ``eval()`` with its parameters (not its buffers) in ``dtype``,
+    as ``tests/test_evaluation_only.py``'s reference (not imported from there: its imports
+    reach the data-parallel launchers, and a collection error would stop the GPU step)."""
+    reference = copy.deepcopy(model).eval()
+    for param in reference.parameters():
+        param.data = param.data.to(dtype)
+    return reference
+
+
 def evaluation_only(device: torch.device, precision: str, device_state: str) -> None:
     """``deepspeed.initialize(model=..., config=...)`` with no optimizer: each evaluation loss
     as plain PyTorch's on the same device, its parameters cast to the compute dtype (the
-    buffers kept, as the engine holds them: ``cast_like_the_engine``); the state dict the
+    buffers kept, as the engine holds them); the state dict the
     weights as given, bit for bit (each held exactly in fp32, the default ``"frozen_weights"``);
     ``backward()`` refused. ``device_state`` "auto" (the default) or "none": no optimizer
     state either way, the weights streamed or kept as the placement decides."""
@@ -169,7 +178,7 @@ def evaluation_only(device: torch.device, precision: str, device_state: str) -> 
 
     torch.manual_seed(0)
     model = tiny_models.llama(num_layers=3)
-    reference = cast_like_the_engine(model, EVAL_DTYPES[precision])
+    reference = _cast_like_the_engine(model, EVAL_DTYPES[precision])
     reference.to(device)
     given = {key: value.clone() for key, value in model.state_dict().items()}
     config = {
