@@ -247,8 +247,8 @@ def forward_before_step(device: torch.device, clipping: float, megatrain: dict, 
     step). On CUDA the h2d stream is held back 50 ms
     before that forward, so its weight copies run after ``step()`` has started the update of
     the host weights they read, unless ``step()`` waits for them. It does not yet: under the
-    CPU race checker (``MEGATRAIN_STREAM_CHECK=1``) all three cases of this flow fail at the
-    step after that forward -- the update's write of a block's host master (the finish worker,
+    CPU race checker (``MEGATRAIN_STREAM_CHECK=1``) all three cases of this flow raise a race
+    at that step -- the update's write of a block's host master (the finish worker,
     or ``step()`` itself with the synchronous finish) is not ordered after that forward's
     h2d copy of it (``weight_streamer.py``'s ``_fill``); no gradient follows those copies, which
     is what orders a backward's. So ``waits-for-step`` is expected to fail on CUDA until
