@@ -12,10 +12,12 @@
 #                 at once, so that no timed step pays for a compile
 #   host-contention bench/host_contention.py: the CPU AdamW kernel at 8/14/all threads, alone
 #                 and beside pinned copies both ways; the device-side norm against the d2h copy
-#   gpu-tests     tests/test_gpu.py, tests/test_optimizer_gpu.py, tests/test_triton_adamw.py
-#                 (the Triton AdamW compiled for the device, checkpoint save/resume on CUDA)
-#   sanitizer     the CUDA parity and checkpoint cases again under PyTorch's CUDA sanitizer
-#                 (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
+#   gpu-tests     tests/test_gpu.py, tests/test_gpu_flows.py, tests/test_optimizer_gpu.py,
+#                 tests/test_triton_adamw.py (the Triton AdamW compiled for the device, checkpoint
+#                 save/resume on CUDA; call orders first run on the CPU: step() twice, evaluation only,
+#                 a forward before step(), state_dict() right after a pipelined step())
+#   sanitizer     the CUDA parity and checkpoint cases and tests/test_gpu_flows.py again under PyTorch's
+#                 CUDA sanitizer (TORCH_CUDA_SANITIZER=1: a missing stream synchronisation fails the test)
 #   data-parallel 2+ ranks on NCCL (skipped with one GPU)
 #   compare       bench/compare.py: torch, DeepSpeed ZeRO-3 and ZeRO-2 offload and megatrain side by side
 #                 (megatrain with its defaults, the GPU tier's "device_state": "auto" among them; also
@@ -180,12 +182,15 @@ export -f build_ops
 step ops "JIT builds: DeepSpeed's CPU Adam op, the engine's kernel" -- build_ops
 step host-contention "CPU AdamW at 8/14/all threads, alone and beside pinned copies; the device norm" -- \
     "$PYTHON" bench/host_contention.py --out "$OUT_DIR/host_contention.json"
-step gpu-tests "parity, overlap, memory flat in depth, device optimizer, Triton, checkpoints" -- \
-    "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_optimizer_gpu.py tests/test_triton_adamw.py \
+step gpu-tests "parity, overlap, memory flat in depth, call orders, device optimizer, Triton, checkpoints" -- \
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_flows.py tests/test_optimizer_gpu.py \
+    tests/test_triton_adamw.py \
     tests/test_checkpoint.py::test_save_and_load_on_cuda \
     tests/test_trace.py::test_cuda_trace_shows_weight_copies_overlapping_compute
-step sanitizer "TORCH_CUDA_SANITIZER=1 over the CUDA parity and checkpoint cases" -- \
-    env TORCH_CUDA_SANITIZER=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "parity or checkpoint"
+# -k also matches the module's name: every test of tests/test_gpu_flows.py, test_gpu.py's parity and checkpoint ones.
+step sanitizer "TORCH_CUDA_SANITIZER=1 over the CUDA parity, checkpoint and call-order cases" -- \
+    env TORCH_CUDA_SANITIZER=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_flows.py \
+    -k "parity or checkpoint or test_gpu_flows"
 data_parallel_vs_one_process() {
     "$PYTHON" -m torch.distributed.run --nproc_per_node "$NUM_GPUS" tests/data_parallel_worker.py parity \
         --out "$OUT_DIR/data_parallel" --steps 5 --accumulation 2 || return
