@@ -105,7 +105,9 @@ class MegatrainEngine(nn.Module):
     """Registered with ``atexit`` at the end of ``__init__``: :meth:`destroy` if the script did not."""
     _final_backward_done: bool = False
     """A backward at the accumulation boundary ran and its ``step()`` has not yet: the worker
-    may be updating host weights (see :meth:`_warn_if_weights_are_changing`)."""
+    may be updating host weights (see :meth:`_before_forward_ahead_of_step`)."""
+    _forward_before_step: bool = False
+    """A forward ran since then: its device reads of the host weights may still be queued."""
 
     # The parts engine_build.build sets, in the order it builds them (engine_build.py).
     block_path: str
@@ -271,6 +273,7 @@ class MegatrainEngine(nn.Module):
             )
             self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
+        self._before_forward_ahead_of_step()  # before begin_forward's first weight copies
         with self.runtime.observe(), self._out_of_memory_explained():
             self.blocks.begin_forward()
             if self.causal_loss is not None and self.causal_loss.applies(kwargs):
@@ -299,7 +302,7 @@ class MegatrainEngine(nn.Module):
         """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish];
         optimizer/device_states.py: [Note: device state ordering])."""
         training = torch.is_grad_enabled() and self.module.training
-        self._warn_if_weights_are_changing()
+        self._before_forward_ahead_of_step()
         if self.pipelined_finish is not None:
             with self.runtime.observe():
                 self.pipelined_finish.before_forward(training=training)
@@ -347,7 +350,7 @@ class MegatrainEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` divided by the accumulation steps, and with fp16 times the
         loss scale (DeepSpeed semantics: the scale multiplies the divided loss)."""
-        self._require_optimizer("backward")
+        self.optimizer.refuse_if_evaluation_only("backward")
         with self.runtime.observe(), self._out_of_memory_explained():
             # Sync: the update behind the last step() reads the held gradients this backward
             # lands in (the GPU tier's, its device gradients). Free after a training forward,
@@ -363,13 +366,20 @@ class MegatrainEngine(nn.Module):
         self._final_backward_done = self.is_gradient_accumulation_boundary()
         return loss
 
-    def _warn_if_weights_are_changing(self) -> None:
+    def _before_forward_ahead_of_step(self) -> None:
         """A forward between a step's last backward and ``step()``: the gradient worker may be
         updating the host weights already (speculated ranges, or every chunk when nothing is
         held: docs/how-it-works.md, "The optimizer step"), so the forward would read some
         updated and some not, where DeepSpeed's engine reads the old ones. Said, not refused:
-        the training itself is unaffected (this forward only reads)."""
-        if self._final_backward_done and self.stepper.updates_during_backward:
+        the training itself is unaffected (this forward only reads). Its reads are ordered
+        against the update on both sides: after the worker's writes so far (the drain), and
+        before the rest of the update (``step()`` waits for the device: :meth:`_finish_optimizer_step`)."""
+        if not self._final_backward_done or self._forward_before_step:
+            return
+        self._forward_before_step = True
+        with self.runtime.observe():
+            self.sink.drain()  # Sync: the worker's updates so far land before this forward reads
+        if self.stepper.updates_during_backward:
             warnings.warn(
                 "megatrain: a forward between the last backward of a step and engine.step() reads weights "
                 "the optimizer is already updating (the engine updates during backward); its outputs mix "
@@ -379,7 +389,7 @@ class MegatrainEngine(nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Finish a micro-batch; at the accumulation boundary, finish the optimizer step."""
-        self._require_optimizer("step")
+        self.optimizer.refuse_if_evaluation_only("step")
         if self.is_gradient_accumulation_boundary():
             # Closed before the finish: its update may run behind step() (pipelined), and a
             # step's ledger then counts the previous step's finish whatever the timing.
@@ -393,17 +403,6 @@ class MegatrainEngine(nn.Module):
             self._tracing.after_step(self.global_steps - 1, **ledger)
         self.micro_steps += 1
         self._boundary_override = None
-
-    def _require_optimizer(self, call: str) -> None:
-        """Refuse ``call`` on an engine built without an optimizer, as DeepSpeed does
-        (optimizer/facade.py: [Note: evaluation-only engines])."""
-        if self.optimizer.evaluation_only:
-            raise RuntimeError(
-                f"{call}() needs an optimizer: this engine was built without one, for evaluation only "
-                '(no optimizer=, model_parameters= or "optimizer" block; the HF Trainer builds it so '
-                "when evaluate() or predict() runs before train()). Build the engine with an optimizer "
-                "to train: call trainer.train() before evaluating, or give the model to a new Trainer"
-            )
 
     def _close_ledger_step(self) -> dict[str, Any]:
         """Close the host ledger's step (race checker on): its figures, for the trace."""
@@ -554,18 +553,26 @@ class MegatrainEngine(nn.Module):
                 self.stepper.norm.add_squares_on_host(squares)
             self.stepper.consume_final(index, offset, accumulated, step, counted=squares is not None)
 
-    def _finish_optimizer_step(self) -> None:
-        self._final_backward_done = False
+    def _before_update(self) -> None:
+        """Order everything that reads the host weights before this step's update writes them."""
+        forward_before_step = self._forward_before_step
+        self._final_backward_done = self._forward_before_step = False
         behind = self.pipelined_finish is not None and self.pipelined_finish.in_flight
         self.settle_optimizer()  # the last step's update, if its forward did not need it all
         self.sink.drain()  # the worker is idle and every direct copy has landed
-        if behind:
-            # Sync: step() again with no backward since the last one (the only way an update
-            # is still behind here: a backward settles it). The settle above queued a refresh
-            # of the resident parameters' device copy on the compute stream, which reads the
-            # host weights this step's update writes; the drain orders only device work that a
-            # backward's gradients follow. Rare, so the host waits for the stream.
-            self.runtime.compute_stream().synchronize()
+        if behind or forward_before_step:
+            # Sync: device work that reads the host weights this step's update writes, and that
+            # no backward's gradients follow (the drain orders only those): step() again with no
+            # backward since the last one (the only way an update is still behind here: a
+            # backward settles it), whose settle above queued a refresh of the resident
+            # parameters' device copy; or a forward since the last backward, whose weight copies
+            # (on the CPU, its compute) may still be queued. Rare, so the host waits for the device.
+            self.runtime.synchronize()
+        if forward_before_step:  # its blocks copied ahead for its backward hold the old weights
+            self.streamer.begin(())  # dropped: the next pass copies the updated ones
+
+    def _finish_optimizer_step(self) -> None:
+        self._before_update()
         # After the drain the rest of the update is host code here, or on the finish worker.
         with self.runtime.tracer.span("step finish", "optimizer worker"), self.runtime.host_work():
             self.held_writes.settle(self.optimizer_states)  # zeros where nothing was written

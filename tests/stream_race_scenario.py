@@ -24,7 +24,8 @@ it sets ``MEGATRAIN_STREAM_CHECK=1`` (in :func:`main`) and trains a tiny Llama t
   second backward's gradients land while the step's update runs behind it, its loss from
   a forward that waited for none of it (``engine.backward``'s settle orders them); then
   ``step()`` twice in a row (its settle's refresh of the resident copy, device work no
-  gradient follows: ``_finish_optimizer_step``'s wait for the device orders it);
+  gradient follows: ``_before_update``'s wait for the device orders it); then a
+  forward between a backward and its ``step()`` (the same wait orders its reads);
 - ``nvme``: the NVMe tier (``state/nvme_tier.py``) with a two-block window: Adam m and v
   read ahead and written behind by its I/O threads, clipping, accumulation 2, then a
   checkpoint saved from and loaded into the swap files and one more step.
@@ -168,6 +169,11 @@ def forward_ahead(engine: MegatrainEngine) -> None:
     # stream while the update it starts writes the host weights.
     engine.step()
     engine.backward(engine(**batch(2)).loss)
+    # A forward after the step's backward, before step(): the update must wait for its reads,
+    # and the blocks it copied ahead for its backward (which never comes) are the old weights.
+    engine(**batch(3))
+    engine.step()
+    engine.backward(engine(**batch(4)).loss)
     engine.step()
 
 

@@ -6,14 +6,16 @@ fails a test whose device work misses a stream synchronisation. Each body takes 
 as an argument: the same bodies ran on the CPU when they were written (``torch.device("cpu")``,
 no CUDA there), and their CPU counterparts are in the suite already:
 
-- ``step()`` twice with no backward between (engine.py ``_finish_optimizer_step``: the host
-  waits for the compute stream, whose refresh of the resident copy reads the host weights
+- ``step()`` twice with no backward between (engine.py ``_before_update``: the host
+  waits for the device, whose refresh of the resident copy reads the host weights
   the next update writes; on the CPU only ``tests/stream_race_scenario.py``'s
   ``forward-ahead`` runs it);
 - the evaluation-only engine (optimizer/facade.py: [Note: evaluation-only engines];
   ``tests/test_evaluation_only.py``) in fp32 and bf16, ``"device_state"`` "auto" and "none";
 - a forward between a step's last backward and ``step()`` (the warning where the worker
-  updates during backward: ``tests/test_speculative_step.py``), and the training around it;
+  updates during backward, the forward ordered against the update, its copies ahead dropped:
+  ``tests/test_speculative_step.py`` runs the same flow under the CPU race checker), and the
+  training around it;
 - ``state_dict()`` right after a pipelined ``step()`` with every state on the host
   (optimizer/pipelined_finish.py; ``tests/test_pipelined_finish.py``).
 
@@ -244,17 +246,15 @@ def forward_before_step(device: torch.device, clipping: float, megatrain: dict, 
     before the step: its loss, read after ``step()`` as a script logging it would, is
     PyTorch's before its ``optimizer.step()`` (on the step's last micro-batch, whose loss the
     step moves by ~1e-2 relative, 1000 times the bound; another batch's moved by 6e-6 in one
-    step). On CUDA the h2d stream is held back 50 ms
-    before that forward, so its weight copies run after ``step()`` has started the update of
-    the host weights they read, unless ``step()`` waits for them. It does not yet: under the
-    CPU race checker (``MEGATRAIN_STREAM_CHECK=1``) all three cases of this flow raise a race
-    at that step -- the update's write of a block's host master (the finish worker,
-    or ``step()`` itself with the synchronous finish) is not ordered after that forward's
-    h2d copy of it (``weight_streamer.py``'s ``_fill``); no gradient follows those copies, which
-    is what orders a backward's. So ``waits-for-step`` is expected to fail on CUDA until
-    ``step()`` waits for a forward's copies issued after the last backward (2026-11-28,
-    reported with this test). Where the worker updates
-    during backward the forward mixes old and new weights (what the warning says): not checked."""
+    step). On CUDA the h2d stream is held back 50 ms before that forward, so its weight copies
+    run after ``step()`` has begun, and would read host weights the update is writing had
+    ``step()`` not waited for them; and the blocks it copied ahead for its backward, which
+    never comes, would give the next forward the weights before the update had ``step()`` not
+    dropped them (engine.py ``_before_update``; both found by this flow under the CPU
+    race checker, 2026-11-28, where ``tests/test_speculative_step.py`` runs it). Where the
+    worker updates during backward the forward mixes old and new weights (what the warning
+    says): its loss is not checked.
+    """
     config = ds_config(
         accumulation=2, clipping=clipping, megatrain={"optimizer_device": "cpu", **HOST_STATE, **megatrain}
     )

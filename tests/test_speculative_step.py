@@ -15,6 +15,7 @@ import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config
+from test_gpu_flows import FORWARD_BEFORE_STEP, forward_before_step
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.optimizer.journal import (
@@ -253,39 +254,15 @@ def test_cpu_update_overlaps_backward(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("clipping", "megatrain", "warned"),
-    [
-        (0.0, {}, True),  # nothing held: the worker updates every chunk during backward
-        (1e6, {"speculative_blocks": 1}, True),  # the journaled block, speculated (never clipped)
-        (1e6, {"speculative_blocks": 0}, False),  # every range waits for step()
-    ],
+    ("clipping", "megatrain", "warned"), FORWARD_BEFORE_STEP, ids=["nothing-held", "speculated", "waits-for-step"]
 )
-def test_a_forward_before_step_is_warned_where_weights_are_changing(clipping, megatrain, warned):
+def test_a_forward_before_step_is_warned_and_ordered(stream_check, clipping, megatrain, warned):
     """A forward between a step's last backward and ``step()`` reads host weights the worker
     may be updating (docs/how-it-works.md, "The optimizer step"): the engine says so exactly
-    where it may, and not for a forward between micro-batches or after ``step()``."""
-    import warnings
-
-    torch.manual_seed(0)
-    config = ds_config(accumulation=2, clipping=clipping, megatrain={"optimizer_device": "cpu", **megatrain})
-    engine = MegatrainEngine(tiny_models.llama(num_layers=2), parse_engine_config(config))
-    tokens = torch.randint(0, tiny_models.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            for _ in range(2):  # two optimizer steps, a forward between their micro-batches
-                engine.backward(engine(input_ids=tokens, labels=tokens).loss)
-                engine(input_ids=tokens, labels=tokens)  # nothing is updated before the last micro-batch
-                engine.step()
-                engine.backward(engine(input_ids=tokens, labels=tokens).loss)
-                engine.step()
-            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
-            engine.step()
-            engine.backward(engine(input_ids=tokens, labels=tokens).loss)  # the step's last backward
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            engine(input_ids=tokens, labels=tokens)
-        assert any("before this forward" in str(w.message) for w in caught) is warned, [str(w.message) for w in caught]
-        engine.step()
-    finally:
-        engine.destroy()
+    where it may, and not for a forward between micro-batches or after ``step()``. Under the
+    race checker, whose device is apart from the host as a GPU is: that forward's reads are
+    ordered after the worker's writes so far and before the rest of the update, the blocks it
+    copied ahead for a backward that never comes are not used after the update, and every
+    loss and the weights are PyTorch's (``tests/test_gpu_flows.py``'s flow, which runs on
+    CUDA too; it holds the tolerances)."""
+    forward_before_step(torch.device("cpu"), clipping, megatrain, warned)

@@ -100,6 +100,17 @@ class MegatrainOptimizer(torch.optim.Optimizer):
         the engine holds every parameter frozen ([Note: evaluation-only engines])."""
         return cls([{"params": []}], {}, decoupled=True, evaluation_only=True)
 
+    def refuse_if_evaluation_only(self, call: str) -> None:
+        """The engine's ``call`` (``backward``, ``step``) refused on an engine built without an
+        optimizer, as DeepSpeed refuses it ([Note: evaluation-only engines])."""
+        if self.evaluation_only:
+            raise RuntimeError(
+                f"{call}() needs an optimizer: this engine was built without one, for evaluation only "
+                '(no optimizer=, model_parameters= or "optimizer" block; the HF Trainer builds it so '
+                "when evaluate() or predict() runs before train()). Build the engine with an optimizer "
+                "to train: call trainer.train() before evaluating, or give the model to a new Trainer"
+            )
+
     def attach(self, finish_update: Callable[[], None]) -> None:
         """Called once by the engine: what ``step()`` runs."""
         self._finish_update = finish_update
