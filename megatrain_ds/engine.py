@@ -105,9 +105,10 @@ class MegatrainEngine(nn.Module):
     """Registered with ``atexit`` at the end of ``__init__``: :meth:`destroy` if the script did not."""
     _final_backward_done: bool = False
     """A backward at the accumulation boundary ran and its ``step()`` has not yet: the worker
-    may be updating host weights (see :meth:`_before_forward_ahead_of_step`)."""
-    _forward_before_step: bool = False
-    """A forward ran since then: its device reads of the host weights may still be queued."""
+    may be updating host weights (see :meth:`_before_forward`)."""
+    _forward_since_backward: bool = False
+    """A forward ran since the last backward: its device reads of the host weights may still
+    be queued, and the blocks it copied ahead for its backward are read before any update."""
 
     # The parts engine_build.build sets, in the order it builds them (engine_build.py).
     block_path: str
@@ -273,7 +274,7 @@ class MegatrainEngine(nn.Module):
             )
             self._plan_first_forward(args, kwargs)
         self._tracing.before_forward(self.global_steps)
-        self._before_forward_ahead_of_step()  # before begin_forward's first weight copies
+        self._before_forward()  # before begin_forward's first weight copies
         with self.runtime.observe(), self._out_of_memory_explained():
             self.blocks.begin_forward()
             if self.causal_loss is not None and self.causal_loss.applies(kwargs):
@@ -302,7 +303,7 @@ class MegatrainEngine(nn.Module):
         """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish];
         optimizer/device_states.py: [Note: device state ordering])."""
         training = torch.is_grad_enabled() and self.module.training
-        self._before_forward_ahead_of_step()
+        self._before_forward()
         if self.pipelined_finish is not None:
             with self.runtime.observe():
                 self.pipelined_finish.before_forward(training=training)
@@ -364,19 +365,21 @@ class MegatrainEngine(nn.Module):
             scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
             self.loss_scaling.scale_loss(scaled).backward(retain_graph=retain_graph)
         self._final_backward_done = self.is_gradient_accumulation_boundary()
+        self._forward_since_backward = False  # its forward's copies: this backward's gradients follow them
         return loss
 
-    def _before_forward_ahead_of_step(self) -> None:
-        """A forward between a step's last backward and ``step()``: the gradient worker may be
-        updating the host weights already (speculated ranges, or every chunk when nothing is
-        held: docs/how-it-works.md, "The optimizer step"), so the forward would read some
-        updated and some not, where DeepSpeed's engine reads the old ones. Said, not refused:
-        the training itself is unaffected (this forward only reads). Its reads are ordered
-        against the update on both sides: after the worker's writes so far (the drain), and
-        before the rest of the update (``step()`` waits for the device: :meth:`_finish_optimizer_step`)."""
-        if not self._final_backward_done or self._forward_before_step:
+    def _before_forward(self) -> None:
+        """Noted for the next update (:meth:`_before_update` orders this forward's reads before
+        it). Between a step's last backward and ``step()`` the gradient worker may be updating
+        the host weights already (speculated ranges, or every chunk when nothing is held:
+        docs/how-it-works.md, "The optimizer step"): such a forward reads some updated and some
+        not, where DeepSpeed's engine reads the old ones. Said, not refused: training is
+        unaffected (it only reads, after the worker's writes so far: the drain)."""
+        if self._forward_since_backward:
             return
-        self._forward_before_step = True
+        self._forward_since_backward = True
+        if not self._final_backward_done:
+            return
         with self.runtime.observe():
             self.sink.drain()  # Sync: the worker's updates so far land before this forward reads
         if self.stepper.updates_during_backward:
@@ -555,8 +558,8 @@ class MegatrainEngine(nn.Module):
 
     def _before_update(self) -> None:
         """Order everything that reads the host weights before this step's update writes them."""
-        forward_before_step = self._forward_before_step
-        self._final_backward_done = self._forward_before_step = False
+        forward_before_step = self._forward_since_backward  # and no backward since: nothing orders its reads
+        self._final_backward_done = self._forward_since_backward = False
         behind = self.pipelined_finish is not None and self.pipelined_finish.in_flight
         self.settle_optimizer()  # the last step's update, if its forward did not need it all
         self.sink.drain()  # the worker is idle and every direct copy has landed
@@ -565,10 +568,10 @@ class MegatrainEngine(nn.Module):
             # no backward's gradients follow (the drain orders only those): step() again with no
             # backward since the last one (the only way an update is still behind here: a
             # backward settles it), whose settle above queued a refresh of the resident
-            # parameters' device copy; or a forward since the last backward, whose weight copies
+            # parameters' device copy; or a forward with no backward since, whose weight copies
             # (on the CPU, its compute) may still be queued. Rare, so the host waits for the device.
             self.runtime.synchronize()
-        if forward_before_step:  # its blocks copied ahead for its backward hold the old weights
+        if forward_before_step:  # the blocks it copied ahead for its backward hold the old weights
             self.streamer.begin(())  # dropped: the next pass copies the updated ones
 
     def _finish_optimizer_step(self) -> None:
