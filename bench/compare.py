@@ -313,10 +313,15 @@ def _train(system: str, engine, optimizer, args: argparse.Namespace, cuda: bool)
 
 class PlacementDecisions(logging.Handler):
     """The engine's logged placement decisions (``"optimizer_device"``, ``optimizer/placement.py``;
-    ``"device_state"``, ``engine_build.py``): each with the reason or the measured rates it
-    was made from, which the placement's counts alone do not give."""
+    ``"device_state"``, ``config/engine_config.py``, ``engine_build.py`` and
+    ``optimizer_build.py``): each with the reason or the measured rates it was made from,
+    which the placement's counts alone do not give."""
 
-    LOGGERS = ("megatrain_ds.optimizer.placement", "megatrain_ds.engine_build")
+    LOGGER = "megatrain_ds"
+    """The package's logger, not the modules' own: a decision's log line moves with its code
+    (the GPU tier's moved from ``engine_build.py`` to ``optimizer_build.py``), and a handler
+    on the old module's logger would then miss it without a word. Its messages' prefixes
+    pick the decisions out."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -325,10 +330,11 @@ class PlacementDecisions(logging.Handler):
     @classmethod
     def attach(cls) -> PlacementDecisions:
         handler = cls()
-        for name in cls.LOGGERS:
-            logger = logging.getLogger(name)
-            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
-            logger.addHandler(handler)
+        logger = logging.getLogger(cls.LOGGER)
+        # INFO reaches the handler; the root logger's last-resort handler still prints only
+        # warnings, so the round's output is no louder.
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+        logger.addHandler(handler)
         return handler
 
     def emit(self, record: logging.LogRecord) -> None:

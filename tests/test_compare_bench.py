@@ -176,3 +176,35 @@ def _write_config(compare, model_args: list[str], folder: Path) -> str:
     path = folder / "config.json"
     path.write_text(json.dumps(compare._llama_config(compare._parser().parse_args(model_args))))
     return str(path)
+
+
+def test_placement_decisions_are_heard_from_every_module_that_logs_one():
+    """The JSON's ``optimizer_placement.decision`` holds each placement decision the engine
+    logs, wherever the code logging it lives: every module of the package whose source logs a
+    ``"megatrain: device_state"`` or ``"megatrain: optimizer"`` line is found here, and a
+    line sent through that module's own logger must reach the handler (the GPU tier's line
+    moved to ``optimizer_build.py`` and a handler on the old module's logger missed it)."""
+    import importlib
+    import logging
+
+    import megatrain_ds
+
+    compare = _compare_module()
+    package = Path(megatrain_ds.__file__).parent
+    modules = sorted(
+        ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        for path in package.rglob("*.py")
+        if any(prefix in path.read_text() for prefix in ('"megatrain: device_state', '"megatrain: optimizer'))
+    )
+    assert "megatrain_ds.optimizer_build" in modules and "megatrain_ds.optimizer.placement" in modules
+    package_logger = logging.getLogger("megatrain_ds")
+    level = package_logger.level
+    handler = compare.PlacementDecisions.attach()
+    try:
+        for name in modules:
+            importlib.import_module(name).logger.info("megatrain: device_state %r: from %s", "auto", name)
+        importlib.import_module(modules[0]).logger.info("megatrain: speculative steps journal (not a decision)")
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(level)
+    assert handler.messages == [f"megatrain: device_state 'auto': from {name}" for name in modules]
