@@ -208,3 +208,33 @@ def test_placement_decisions_are_heard_from_every_module_that_logs_one():
         package_logger.removeHandler(handler)
         package_logger.setLevel(level)
     assert handler.messages == [f"megatrain: device_state 'auto': from {name}" for name in modules]
+
+
+@pytest.mark.parametrize("failure", ["exit", "hang", "noise"])
+def test_a_planner_that_fails_is_recorded_in_the_round_and_the_benchmark_goes_on(monkeypatch, tmp_path, failure):
+    """A GPU session has minutes: a ``megatrain plan`` call that exits with an error, hangs
+    (stopped at ``PLANNER_TIMEOUT_S``) or prints something that is not JSON must leave its
+    reason in the round (``planner_error``), not end the benchmark, and leave no figures
+    file for the later rounds to reuse."""
+    import subprocess
+
+    compare = _compare_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def run(command, *args, **kwargs):
+        assert kwargs.get("timeout") == compare.PLANNER_TIMEOUT_S
+        if failure == "hang":
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        if failure == "exit":
+            return subprocess.CompletedProcess(command, 1, "", "Traceback ...\nRuntimeError: probe failed")
+        return subprocess.CompletedProcess(command, 0, "a warning on stdout\n{", "")
+
+    monkeypatch.setattr(compare.subprocess, "run", run)
+    result = {"step_seconds": 0.5, "optimizer_placement": {}}
+    for no_planner in ([], ["--no-planner"]):
+        args = compare._parser().parse_args(["--layers", "2", *no_planner])
+        compare.add_planner_figures(result, args, tmp_path / "figures.json")
+        expected = {"exit": "exit 1: Traceback", "hang": "no answer in 300 s", "noise": "not JSON"}[failure]
+        assert result.pop("planner_error").startswith(expected)
+        assert set(result) == {"step_seconds", "optimizer_placement"}  # nothing half-written
+        assert not (tmp_path / "figures.json").exists()
