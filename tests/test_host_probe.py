@@ -186,3 +186,21 @@ def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):
         torch.set_num_threads(before)
     worker, *probe = seen
     assert probe and set(probe) == {worker}
+
+
+def test_a_copy_load_that_fails_fails_the_probe_instead_of_leaving_the_pass_alone(monkeypatch):
+    """The load copies on a thread of its own: an error there (a CUDA error on the GPU) would
+    end only that thread, the pass would then run alone and its rate be recorded as the rate
+    beside copies. The error is raised where the load is left, so the probe fails."""
+    runtime = DeviceRuntime.create(torch.device("cpu"))
+    load = PinnedCopyLoad(runtime, nbytes=1 << 10)
+
+    def broken_copy(*args, **kwargs):
+        raise torch.OutOfMemoryError("pinned copy failed")
+
+    monkeypatch.setattr(load, "_copy_until_stopped", broken_copy)
+    _recording(monkeypatch, RecordingKernel())
+    work = AdamWork(elements=64, call_elements=64, grad_dtype=torch.float32, shadow=False, grad_scale=1.0)
+    with pytest.raises(RuntimeError, match="copy load failed") as raised:
+        adam_bytes_per_s(work, seconds=0.0, beside=load)
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
