@@ -238,3 +238,22 @@ def test_a_planner_that_fails_is_recorded_in_the_round_and_the_benchmark_goes_on
         assert result.pop("planner_error").startswith(expected)
         assert set(result) == {"step_seconds", "optimizer_placement"}  # nothing half-written
         assert not (tmp_path / "figures.json").exists()
+
+
+def test_the_blocks_rate_in_the_run_leaves_out_the_recompute_of_stashed_blocks():
+    """``block_efficiency_in_run`` counts the FLOPs the run made: ``8 P T`` per recomputed
+    block (forward, recompute, backward), ``6 P T`` per stashed one (no recompute), over
+    ``flops`` and the compute spans' seconds; stashing half the blocks at the same span time
+    is a lower rate by ``(4 * 8 - 2 * 2) / (4 * 8)`` (4 blocks of ``P = 1000``, 2 stashed)."""
+    compare = _compare_module()
+    args = compare._parser().parse_args(["--layers", "4", "--seq-len", "16", "--micro-batch", "2"])
+    hardware = {"flops": 1e9, "block_efficiency": 0.5}
+    rates = []
+    for stashed in (0, 2):
+        result = {"trace_split": {"compute": 0.5}, "block_params": 4000, "stashed_blocks": stashed}
+        compare._add_block_rate_in_run(result, args, hardware)
+        flops = (8 * 1000 * (4 - stashed) + 6 * 1000 * stashed) * 32
+        assert result["block_efficiency_in_run"] == pytest.approx(flops / 1e9 / 0.5)
+        assert result["block_efficiency_probe_over_run"] == pytest.approx(0.5 / result["block_efficiency_in_run"])
+        rates.append(result["block_efficiency_in_run"])
+    assert rates[1] / rates[0] == pytest.approx((4 * 8 - 2 * 2) / (4 * 8))
