@@ -167,6 +167,31 @@ def test_a_plans_figures_read_back_from_its_json_name_their_file(tmp_path):
         hardware_from_file(str(path))
 
 
+def test_plan_refuses_a_hardware_file_that_does_not_hold_its_figures(tmp_path, capsys):
+    """``megatrain plan --hardware``: a missing file, a figure missing, or another device's
+    figures (a CPU profile's for ``--gpu h200``: its device would be its host) is a usage
+    error naming the file and what is wrong, not a traceback nor a plan of the wrong machine."""
+    from megatrain_ds import cli
+
+    model = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny_llama.json"
+    cpu = Hardware("cpu", 1e11, 1e10, 1e10, 2e10, 1 << 34, shares_host_memory=True)
+    incomplete = {"hardware": {"name": "h200", "flops": 7.9e14}}
+    cases = {
+        "absent.json": (None, "not a plan's JSON"),
+        "incomplete.json": (incomplete, "missing"),
+        "cpu.json": ({"hardware": dataclasses.asdict(cpu)}, "for --gpu cpu, not h200"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(json.dumps(content))
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["plan", "--model", str(model), "--gpu", "h200", "--seq-len", "64", "--hardware", str(path)])
+        assert exited.value.code == 2
+        error = capsys.readouterr().err
+        assert f"--hardware {path}" in error and message in error, error
+
+
 def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):
     """The kernel's team is ``torch.get_num_threads()`` on the calling thread: the probe's
     calls see what a thread the engine starts for its workers (``DeviceRuntime.start_thread``)

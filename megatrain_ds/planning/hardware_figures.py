@@ -45,14 +45,29 @@ def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
     }
 
 
-def hardware_from_file(path: str) -> tuple[Hardware, dict[str, str]]:
+def hardware_from_file(path: str, gpu: str | None = None) -> tuple[Hardware, dict[str, str]]:
     """``--hardware``: the figures of a plan's ``--json`` output (its ``"hardware"`` and
-    ``"hardware_sources"``), or of a ``"hardware"`` object alone, and where they came from."""
-    data = json.loads(Path(path).read_text())
-    figures = data.get("hardware", data)
-    known = {field.name for field in dataclasses.fields(Hardware)}
+    ``"hardware_sources"``), or of a ``"hardware"`` object alone, and where they came from.
+    ``gpu``: the plan's ``--gpu``, which the figures must be for (a CPU profile's figures
+    would plan an H200 as a machine whose device is its host). A file that cannot be read,
+    or holds unknown, missing or another device's figures, is a ``ValueError`` naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--hardware {path}: not a plan's JSON ({error})") from None
+    figures = data.get("hardware", data) if isinstance(data, dict) else None
+    if not isinstance(figures, dict):
+        raise ValueError(f'--hardware {path}: no "hardware" object (write one with megatrain plan --json)')
+    fields = dataclasses.fields(Hardware)
+    known = {field.name for field in fields}
     unknown = sorted(set(figures) - known)
     if unknown:
         raise ValueError(f"--hardware {path}: unknown figures {unknown}; a plan's JSON has {sorted(known)}")
+    required = {field.name for field in fields if field.default is dataclasses.MISSING}
+    missing = sorted(required - set(figures))
+    if missing:
+        raise ValueError(f"--hardware {path}: figures {missing} missing; a plan's JSON has them all")
+    if gpu is not None and figures["name"] != gpu:
+        raise ValueError(f"--hardware {path}: the figures are for --gpu {figures['name']}, not {gpu}")
     sources = data.get("hardware_sources") or {"all": f"read from {path}"}
     return Hardware(**figures), {name: f"{source} (read from {path})" for name, source in sources.items()}
