@@ -50,7 +50,8 @@ figures (no probe: the GPU table's, or the cached CPU profile; ``floor_figures``
 the probe's ``block_efficiency`` goes the one the run's own compute spans give
 (``block_efficiency_in_run``, ``block_efficiency_probe_over_run``). A planner call that
 fails, hangs past ``PLANNER_TIMEOUT_S`` or prints no JSON leaves its reason in the round's
-``planner_error`` and the benchmark goes on. Peak host bytes are
+``planner_error`` and the benchmark goes on; a measuring call that failed is not made
+again in later rounds. Peak host bytes are
 the process's peak RSS above its RSS right before the model is built
 (``baseline_rss_bytes``: the interpreter and libraries). ZeRO-3 offload needs ~25-40
 B/param: a run is killed, not the machine, should ``MemAvailable`` fall under
@@ -594,11 +595,19 @@ def add_planner_figures(result: dict, args: argparse.Namespace, figures_file: Pa
     shares, stashed = _device_shares(result), result.get("stashed_blocks", 0)
     reuse = figures_file.exists()
     figures = "declared" if args.no_planner else str(figures_file) if reuse else "measure"
+    # A measuring call that failed is not tried again: one that hung would cost every round
+    # PLANNER_TIMEOUT_S of a GPU session's minutes.
+    measure_failed = figures_file.with_name("measuring_failed.txt")
+    if figures == "measure" and measure_failed.exists():
+        result["planner_error"] = f"not run: an earlier round's measuring call failed ({measure_failed.read_text()})"
+        return
     try:
         prediction = run_planner(args, shares, figures=figures, stashed=stashed)
     except PlannerFailed as failure:
         print(f"planner: failed: {failure}")
         result["planner_error"] = str(failure)  # in the JSON: the round's numbers stand without it
+        if figures == "measure":
+            measure_failed.write_text(str(failure)[:500])
         return
     if args.no_planner:
         _add_floor(result, prediction, "declared")

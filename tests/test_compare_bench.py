@@ -215,13 +215,15 @@ def test_a_planner_that_fails_is_recorded_in_the_round_and_the_benchmark_goes_on
     """A GPU session has minutes: a ``megatrain plan`` call that exits with an error, hangs
     (stopped at ``PLANNER_TIMEOUT_S``) or prints something that is not JSON must leave its
     reason in the round (``planner_error``), not end the benchmark, and leave no figures
-    file for the later rounds to reuse."""
+    file for the later rounds to reuse; a measuring call that failed is not made again."""
     import subprocess
 
     compare = _compare_module()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
 
     def run(command, *args, **kwargs):
+        calls.append(command)
         assert kwargs.get("timeout") == compare.PLANNER_TIMEOUT_S
         if failure == "hang":
             raise subprocess.TimeoutExpired(command, kwargs["timeout"])
@@ -238,6 +240,9 @@ def test_a_planner_that_fails_is_recorded_in_the_round_and_the_benchmark_goes_on
         assert result.pop("planner_error").startswith(expected)
         assert set(result) == {"step_seconds", "optimizer_placement"}  # nothing half-written
         assert not (tmp_path / "figures.json").exists()
+    measuring = compare._parser().parse_args(["--layers", "2"])
+    compare.add_planner_figures(result, measuring, tmp_path / "figures.json")  # a later round
+    assert len(calls) == 2 and result["planner_error"].startswith("not run: an earlier round's measuring call")
 
 
 def test_the_blocks_rate_in_the_run_leaves_out_the_recompute_of_stashed_blocks():
