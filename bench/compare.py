@@ -317,8 +317,9 @@ def _train(system: str, engine, optimizer, args: argparse.Namespace, cuda: bool)
 class PlacementDecisions(logging.Handler):
     """The engine's logged placement decisions (``"optimizer_device"``, ``optimizer/placement.py``;
     ``"device_state"``, ``config/engine_config.py``, ``engine_build.py`` and
-    ``optimizer_build.py``): each with the reason or the measured rates it was made from,
-    which the placement's counts alone do not give."""
+    ``optimizer_build.py``; the update's finish, pipelined or why not,
+    ``optimizer/pipelined_finish.py``): each with the reason or the measured rates it was
+    made from, which the placement's counts alone do not give."""
 
     LOGGER = "megatrain_ds"
     """The package's logger, not the modules' own: a decision's log line moves with its code
