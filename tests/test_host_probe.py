@@ -169,11 +169,11 @@ def test_a_plans_figures_read_back_from_its_json_name_their_file(tmp_path):
 
 def test_plan_refuses_a_hardware_file_that_does_not_hold_its_figures(tmp_path, capsys):
     """``megatrain plan --hardware``: a missing file, a figure missing, or another device's
-    figures (a CPU profile's for ``--gpu h200``: its device would be its host) is a usage
-    error naming the file and what is wrong, not a traceback nor a plan of the wrong machine."""
+    figures (a CPU profile's for ``--gpu h200``: its device would be its host) is an error
+    naming the file and what is wrong -- from ``plan`` a usage error, not a traceback nor a
+    plan of the wrong machine."""
     from megatrain_ds import cli
 
-    model = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny_llama.json"
     cpu = Hardware("cpu", 1e11, 1e10, 1e10, 2e10, 1 << 34, shares_host_memory=True)
     incomplete = {"hardware": {"name": "h200", "flops": 7.9e14}}
     cases = {
@@ -185,47 +185,11 @@ def test_plan_refuses_a_hardware_file_that_does_not_hold_its_figures(tmp_path, c
         path = tmp_path / name
         if content is not None:
             path.write_text(json.dumps(content))
-        with pytest.raises(SystemExit) as exited:
-            cli.main(["plan", "--model", str(model), "--gpu", "h200", "--seq-len", "64", "--hardware", str(path)])
-        assert exited.value.code == 2
-        error = capsys.readouterr().err
-        assert f"--hardware {path}" in error and message in error, error
-
-
-def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):
-    """The kernel's team is ``torch.get_num_threads()`` on the calling thread: the probe's
-    calls see what a thread the engine starts for its workers (``DeviceRuntime.start_thread``)
-    sees, after the main thread set another team (torch 2.13 hands ``set_num_threads`` on to
-    new threads; the H200 runs' torch 2.11 may not, and the probe follows either way)."""
-    runtime = DeviceRuntime.create(torch.device("cpu"))
-    before = torch.get_num_threads()
-    seen: list[int] = []
-    try:
-        torch.set_num_threads(1)
-        runtime.start_thread(lambda: seen.append(torch.get_num_threads()), "worker team").join()
-        kernel = RecordingKernel(during_call=lambda: seen.append(torch.get_num_threads()))
-        _recording(monkeypatch, kernel)
-        work = AdamWork(elements=64, call_elements=64, grad_dtype=torch.float32, shadow=False, grad_scale=1.0)
-        adam_bytes_per_s(work, seconds=0.0)
-    finally:
-        torch.set_num_threads(before)
-    worker, *probe = seen
-    assert probe and set(probe) == {worker}
-
-
-def test_a_copy_load_that_fails_fails_the_probe_instead_of_leaving_the_pass_alone(monkeypatch):
-    """The load copies on a thread of its own: an error there (a CUDA error on the GPU) would
-    end only that thread, the pass would then run alone and its rate be recorded as the rate
-    beside copies. The error is raised where the load is left, so the probe fails."""
-    runtime = DeviceRuntime.create(torch.device("cpu"))
-    load = PinnedCopyLoad(runtime, nbytes=1 << 10)
-
-    def broken_copy(*args, **kwargs):
-        raise torch.OutOfMemoryError("pinned copy failed")
-
-    monkeypatch.setattr(load, "_copy_until_stopped", broken_copy)
-    _recording(monkeypatch, RecordingKernel())
-    work = AdamWork(elements=64, call_elements=64, grad_dtype=torch.float32, shadow=False, grad_scale=1.0)
-    with pytest.raises(RuntimeError, match="copy load failed") as raised:
-        adam_bytes_per_s(work, seconds=0.0, beside=load)
-    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+        with pytest.raises(ValueError, match=f"--hardware {path}") as raised:
+            hardware_from_file(str(path), "h200")
+        assert message in str(raised.value)
+    assert hardware_from_file(str(tmp_path / "cpu.json"), "cpu")[0] == cpu
+    model = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny_llama.json"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--model", str(model), "--gpu", "h200", "--seq-len", "64", "--hardware", str(path)])
+    assert exited.value.code == 2 and f"--hardware {path}: the figures are for --gpu cpu" in capsys.readouterr().err
