@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
-from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file
+from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file, name_stand_ins
 from megatrain_ds.planning.host_probe import AdamWork, adam_work, probe_adam
 from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.planner import (
@@ -692,7 +692,7 @@ def _hardware_for(
 
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
-    return hardware, sources
+    return hardware, name_stand_ins(hardware, sources)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from megatrain_ds.planning.step_time import Hardware
+from megatrain_ds.planning.step_time import ADAM_HOST_BYTES_PER_PARAM, Hardware
+
+STAND_INS = {
+    "adam_bytes_per_s": f"host_memory_bytes_per_s at {ADAM_HOST_BYTES_PER_PARAM} B/param stands in",
+    "adam_beside_copies_bytes_per_s": "adam_bytes_per_s stands in",
+}
+"""What ``step_time.optimizer_seconds`` takes where a figure is 0 (none given)."""
 
 
 def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
@@ -71,3 +77,14 @@ def hardware_from_file(path: str, gpu: str | None = None) -> tuple[Hardware, dic
         raise ValueError(f"--hardware {path}: the figures are for --gpu {figures['name']}, not {gpu}")
     sources = data.get("hardware_sources") or {"all": f"read from {path}"}
     return Hardware(**figures), {name: f"{source} (read from {path})" for name, source in sources.items()}
+
+
+def name_stand_ins(hardware: Hardware, sources: dict[str, str]) -> dict[str, str]:
+    """``sources`` with each figure that is 0 -- none given, as the GPU table's AdamW rate --
+    saying which figure stands in for it (:data:`STAND_INS`), so that "the h200 table's" is
+    never read as a rate the table gives."""
+    named = dict(sources)
+    for figure, stand_in in STAND_INS.items():
+        if figure in named and not getattr(hardware, figure) and "stands in" not in named[figure]:
+            named[figure] += f": 0, {stand_in}"
+    return named
