@@ -48,7 +48,10 @@ figure came from is ``planner_hardware_sources``. With ``--no-planner`` the floo
 recorded (``floor_seconds``, ``step_over_floor``, ``floor_by_bound``), from the declared
 figures (no probe: the GPU table's, or the cached CPU profile; ``floor_figures``). Beside
 the probe's ``block_efficiency`` goes the one the run's own compute spans give
-(``block_efficiency_in_run``, ``block_efficiency_probe_over_run``). Peak host bytes are
+(``block_efficiency_in_run``, ``block_efficiency_probe_over_run``). A planner call that
+fails, hangs past ``PLANNER_TIMEOUT_S`` or prints no JSON leaves its reason in the round's
+``planner_error`` and the benchmark goes on; a measuring call that failed is not made
+again in later rounds. Peak host bytes are
 the process's peak RSS above its RSS right before the model is built
 (``baseline_rss_bytes``: the interpreter and libraries). ZeRO-3 offload needs ~25-40
 B/param: a run is killed, not the machine, should ``MemAvailable`` fall under
@@ -313,10 +316,16 @@ def _train(system: str, engine, optimizer, args: argparse.Namespace, cuda: bool)
 
 class PlacementDecisions(logging.Handler):
     """The engine's logged placement decisions (``"optimizer_device"``, ``optimizer/placement.py``;
-    ``"device_state"``, ``engine_build.py``): each with the reason or the measured rates it
-    was made from, which the placement's counts alone do not give."""
+    ``"device_state"``, ``config/engine_config.py``, ``engine_build.py`` and
+    ``optimizer_build.py``; the update's finish, pipelined or why not,
+    ``optimizer/pipelined_finish.py``): each with the reason or the measured rates it was
+    made from, which the placement's counts alone do not give."""
 
-    LOGGERS = ("megatrain_ds.optimizer.placement", "megatrain_ds.engine_build")
+    LOGGER = "megatrain_ds"
+    """The package's logger, not the modules' own: a decision's log line moves with its code
+    (the GPU tier's moved from ``engine_build.py`` to ``optimizer_build.py``), and a handler
+    on the old module's logger would then miss it without a word. Its messages' prefixes
+    pick the decisions out."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -325,10 +334,11 @@ class PlacementDecisions(logging.Handler):
     @classmethod
     def attach(cls) -> PlacementDecisions:
         handler = cls()
-        for name in cls.LOGGERS:
-            logger = logging.getLogger(name)
-            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
-            logger.addHandler(handler)
+        logger = logging.getLogger(cls.LOGGER)
+        # INFO reaches the handler; the root logger's last-resort handler still prints only
+        # warnings, so the round's output is no louder.
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+        logger.addHandler(handler)
         return handler
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -501,11 +511,23 @@ def _device_shares(result: dict) -> tuple[float, float]:
     return (tier / total if total else 0.0), (elements.get("DeviceAdamW", 0) / rest if rest else 0.0)
 
 
+PLANNER_TIMEOUT_S = 300
+"""Seconds a ``megatrain plan`` call may take (a probe takes seconds, the imports tens):
+one that hangs (a DeepSpeed op's stale build lock, CONTRIBUTING.md) costs this much of a
+GPU session's minutes, and its failure is recorded, not the benchmark's end."""
+
+
+class PlannerFailed(Exception):
+    """``megatrain plan`` gave no prediction: the reason goes into the round's
+    ``planner_error`` and the benchmark goes on with the next system."""
+
+
 def run_planner(
     args: argparse.Namespace, shares: tuple[float, float] = (0.0, 0.0), figures: str = "measure", stashed: int = 0
-) -> dict | None:
-    """``megatrain plan --json`` for the benchmark's model and batch (fresh process), or
-    ``None`` where the planner has no figures for this device. ``shares``: of the optimizer
+) -> dict:
+    """``megatrain plan --json`` for the benchmark's model and batch (fresh process); raises
+    :class:`PlannerFailed` where the planner has no figures for this device, fails, hangs or
+    prints no JSON. ``shares``: of the optimizer
     state, the GPU tier's share and, of the rest, the share the engine steps on the device
     (:func:`_device_shares`). ``figures``: ``"measure"`` (``--probe`` on a GPU, the CPU
     profile measured again on the CPU: the machine as it is for this round), ``"declared"``
@@ -521,7 +543,7 @@ def run_planner(
             (key for marker, key in (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100")) if marker in name), None
         )
         if gpu is None:
-            return None
+            raise PlannerFailed(f"no figures for {torch.cuda.get_device_name()} (GPU_HARDWARE)")
     else:
         gpu = "cpu"
     with tempfile.TemporaryDirectory() as folder:
@@ -538,11 +560,16 @@ def run_planner(
             command.append("--recalibrate" if gpu == "cpu" else "--probe")
         elif figures != "declared":
             command += ["--hardware", figures]
-        completed = subprocess.run(command, capture_output=True, text=True)
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=PLANNER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise PlannerFailed(f"no answer in {PLANNER_TIMEOUT_S} s: {' '.join(command[3:])}") from None
     if completed.returncode != 0:
-        print(f"planner: failed (exit {completed.returncode}): {completed.stderr[-2000:]}")
-        return None
-    return json.loads(completed.stdout)
+        raise PlannerFailed(f"exit {completed.returncode}: {completed.stderr[-2000:]}")
+    try:
+        return json.loads(completed.stdout)
+    except json.JSONDecodeError as error:
+        raise PlannerFailed(f"not JSON ({error}): {completed.stdout[-500:]}") from None
 
 
 def _llama_config(args: argparse.Namespace) -> dict:
@@ -567,15 +594,25 @@ def add_planner_figures(result: dict, args: argparse.Namespace, figures_file: Pa
     ``--no-planner``, the declared ones (no probe: the GPU table's, or the cached CPU
     profile), as ``floor_figures`` says."""
     shares, stashed = _device_shares(result), result.get("stashed_blocks", 0)
-    if args.no_planner:
-        prediction = run_planner(args, shares, figures="declared", stashed=stashed)
-        if prediction is not None:
-            _add_floor(result, prediction, "declared")
-            _add_block_rate_in_run(result, args, prediction["hardware"])  # beside the declared 1.0 on a GPU
-        return
     reuse = figures_file.exists()
-    prediction = run_planner(args, shares, figures=str(figures_file) if reuse else "measure", stashed=stashed)
-    if prediction is None:
+    figures = "declared" if args.no_planner else str(figures_file) if reuse else "measure"
+    # A measuring call that failed is not tried again: one that hung would cost every round
+    # PLANNER_TIMEOUT_S of a GPU session's minutes.
+    measure_failed = figures_file.with_name("measuring_failed.txt")
+    if figures == "measure" and measure_failed.exists():
+        result["planner_error"] = f"not run: an earlier round's measuring call failed ({measure_failed.read_text()})"
+        return
+    try:
+        prediction = run_planner(args, shares, figures=figures, stashed=stashed)
+    except PlannerFailed as failure:
+        print(f"planner: failed: {failure}")
+        result["planner_error"] = str(failure)  # in the JSON: the round's numbers stand without it
+        if figures == "measure":
+            measure_failed.write_text(str(failure)[:500])
+        return
+    if args.no_planner:
+        _add_floor(result, prediction, "declared")
+        _add_block_rate_in_run(result, args, prediction["hardware"])  # beside the declared 1.0 on a GPU
         return
     if not reuse:
         keep = {"hardware": prediction["hardware"], "hardware_sources": prediction.get("hardware_sources")}

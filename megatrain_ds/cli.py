@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
-from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file
+from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file, name_stand_ins
 from megatrain_ds.planning.host_probe import AdamWork, adam_work, probe_adam
 from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.planner import (
@@ -637,7 +637,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = shape_of(model, args.block_path)
     if not 0 <= args.stashed_blocks <= shape.num_blocks:
         parser.error(f"--stashed-blocks: from 0 to the model's {shape.num_blocks} blocks, not {args.stashed_blocks}")
-    hardware, sources = _hardware_for(args, model, shape, settings)
+    try:
+        hardware, sources = _hardware_for(args, model, shape, settings)
+    except ValueError as error:  # a --hardware file that does not hold this plan's figures
+        parser.error(str(error))
     if args.device_state == "auto":  # the engine's default, resolved as the engine does
         settings = dataclasses.replace(settings, device_state_share=auto_device_state_share(shape, settings, hardware))
     result = plan(shape, settings, hardware, host_memory)
@@ -668,7 +671,7 @@ def _hardware_for(
     measured by ``--probe``; and the NVMe tier's disk."""
     sources = figure_sources(args.gpu, args.probe, _cuda_here())
     if args.hardware is not None:
-        hardware, sources = hardware_from_file(args.hardware)
+        hardware, sources = hardware_from_file(args.hardware, args.gpu)
     elif args.gpu == "cpu":
         block_path, _ = find_blocks(model, args.block_path)
         hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
@@ -689,7 +692,7 @@ def _hardware_for(
 
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
-    return hardware, sources
+    return hardware, name_stand_ins(hardware, sources)
 
 
 if __name__ == "__main__":

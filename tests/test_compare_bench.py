@@ -176,3 +176,89 @@ def _write_config(compare, model_args: list[str], folder: Path) -> str:
     path = folder / "config.json"
     path.write_text(json.dumps(compare._llama_config(compare._parser().parse_args(model_args))))
     return str(path)
+
+
+def test_placement_decisions_are_heard_from_every_module_that_logs_one():
+    """The JSON's ``optimizer_placement.decision`` holds each placement decision the engine
+    logs, wherever the code logging it lives: every module of the package whose source logs a
+    ``"megatrain: device_state"`` or ``"megatrain: optimizer"`` line is found here, and a
+    line sent through that module's own logger must reach the handler (the GPU tier's line
+    moved to ``optimizer_build.py`` and a handler on the old module's logger missed it)."""
+    import importlib
+    import logging
+
+    import megatrain_ds
+
+    compare = _compare_module()
+    package = Path(megatrain_ds.__file__).parent
+    modules = sorted(
+        ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        for path in package.rglob("*.py")
+        if any(prefix in path.read_text() for prefix in ('"megatrain: device_state', '"megatrain: optimizer'))
+    )
+    assert "megatrain_ds.optimizer_build" in modules and "megatrain_ds.optimizer.placement" in modules
+    package_logger = logging.getLogger("megatrain_ds")
+    level = package_logger.level
+    handler = compare.PlacementDecisions.attach()
+    try:
+        for name in modules:
+            importlib.import_module(name).logger.info("megatrain: device_state %r: from %s", "auto", name)
+        importlib.import_module(modules[0]).logger.info("megatrain: speculative steps journal (not a decision)")
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(level)
+    assert handler.messages == [f"megatrain: device_state 'auto': from {name}" for name in modules]
+
+
+@pytest.mark.parametrize("failure", ["exit", "hang", "noise"])
+def test_a_planner_that_fails_is_recorded_in_the_round_and_the_benchmark_goes_on(monkeypatch, tmp_path, failure):
+    """A GPU session has minutes: a ``megatrain plan`` call that exits with an error, hangs
+    (stopped at ``PLANNER_TIMEOUT_S``) or prints something that is not JSON must leave its
+    reason in the round (``planner_error``), not end the benchmark, and leave no figures
+    file for the later rounds to reuse; a measuring call that failed is not made again."""
+    import subprocess
+
+    compare = _compare_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+
+    def run(command, *args, **kwargs):
+        calls.append(command)
+        assert kwargs.get("timeout") == compare.PLANNER_TIMEOUT_S
+        if failure == "hang":
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        if failure == "exit":
+            return subprocess.CompletedProcess(command, 1, "", "Traceback ...\nRuntimeError: probe failed")
+        return subprocess.CompletedProcess(command, 0, "a warning on stdout\n{", "")
+
+    monkeypatch.setattr(compare.subprocess, "run", run)
+    result = {"step_seconds": 0.5, "optimizer_placement": {}}
+    for no_planner in ([], ["--no-planner"]):
+        args = compare._parser().parse_args(["--layers", "2", *no_planner])
+        compare.add_planner_figures(result, args, tmp_path / "figures.json")
+        expected = {"exit": "exit 1: Traceback", "hang": "no answer in 300 s", "noise": "not JSON"}[failure]
+        assert result.pop("planner_error").startswith(expected)
+        assert set(result) == {"step_seconds", "optimizer_placement"}  # nothing half-written
+        assert not (tmp_path / "figures.json").exists()
+    measuring = compare._parser().parse_args(["--layers", "2"])
+    compare.add_planner_figures(result, measuring, tmp_path / "figures.json")  # a later round
+    assert len(calls) == 2 and result["planner_error"].startswith("not run: an earlier round's measuring call")
+
+
+def test_the_blocks_rate_in_the_run_leaves_out_the_recompute_of_stashed_blocks():
+    """``block_efficiency_in_run`` counts the FLOPs the run made: ``8 P T`` per recomputed
+    block (forward, recompute, backward), ``6 P T`` per stashed one (no recompute), over
+    ``flops`` and the compute spans' seconds; stashing half the blocks at the same span time
+    is a lower rate by ``(4 * 8 - 2 * 2) / (4 * 8)`` (4 blocks of ``P = 1000``, 2 stashed)."""
+    compare = _compare_module()
+    args = compare._parser().parse_args(["--layers", "4", "--seq-len", "16", "--micro-batch", "2"])
+    hardware = {"flops": 1e9, "block_efficiency": 0.5}
+    rates = []
+    for stashed in (0, 2):
+        result = {"trace_split": {"compute": 0.5}, "block_params": 4000, "stashed_blocks": stashed}
+        compare._add_block_rate_in_run(result, args, hardware)
+        flops = (8 * 1000 * (4 - stashed) + 6 * 1000 * stashed) * 32
+        assert result["block_efficiency_in_run"] == pytest.approx(flops / 1e9 / 0.5)
+        assert result["block_efficiency_probe_over_run"] == pytest.approx(0.5 / result["block_efficiency_in_run"])
+        rates.append(result["block_efficiency_in_run"])
+    assert rates[1] / rates[0] == pytest.approx((4 * 8 - 2 * 2) / (4 * 8))

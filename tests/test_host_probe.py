@@ -167,6 +167,34 @@ def test_a_plans_figures_read_back_from_its_json_name_their_file(tmp_path):
         hardware_from_file(str(path))
 
 
+def test_plan_refuses_a_hardware_file_that_does_not_hold_its_figures(tmp_path, capsys):
+    """``megatrain plan --hardware``: a missing file, a figure missing, or another device's
+    figures (a CPU profile's for ``--gpu h200``: its device would be its host) is an error
+    naming the file and what is wrong -- from ``plan`` a usage error, not a traceback nor a
+    plan of the wrong machine."""
+    from megatrain_ds import cli
+
+    cpu = Hardware("cpu", 1e11, 1e10, 1e10, 2e10, 1 << 34, shares_host_memory=True)
+    incomplete = {"hardware": {"name": "h200", "flops": 7.9e14}}
+    cases = {
+        "absent.json": (None, "not a plan's JSON"),
+        "incomplete.json": (incomplete, "missing"),
+        "cpu.json": ({"hardware": dataclasses.asdict(cpu)}, "for --gpu cpu, not h200"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=f"--hardware {path}") as raised:
+            hardware_from_file(str(path), "h200")
+        assert message in str(raised.value)
+    assert hardware_from_file(str(tmp_path / "cpu.json"), "cpu")[0] == cpu
+    model = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny_llama.json"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--model", str(model), "--gpu", "h200", "--seq-len", "64", "--hardware", str(path)])
+    assert exited.value.code == 2 and f"--hardware {path}: the figures are for --gpu cpu" in capsys.readouterr().err
+
+
 def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):
     """The kernel's team is ``torch.get_num_threads()`` on the calling thread: the probe's
     calls see what a thread the engine starts for its workers (``DeviceRuntime.start_thread``)
@@ -186,3 +214,45 @@ def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):
         torch.set_num_threads(before)
     worker, *probe = seen
     assert probe and set(probe) == {worker}
+
+
+def test_a_copy_load_that_fails_fails_the_probe_instead_of_leaving_the_pass_alone(monkeypatch):
+    """The load copies on a thread of its own: an error there (a CUDA error on the GPU) would
+    end only that thread, the pass would then run alone and its rate be recorded as the rate
+    beside copies. The error is raised where the load is left, so the probe fails."""
+    runtime = DeviceRuntime.create(torch.device("cpu"))
+    load = PinnedCopyLoad(runtime, nbytes=1 << 10)
+
+    def broken_copy(*args, **kwargs):
+        raise torch.OutOfMemoryError("pinned copy failed")
+
+    monkeypatch.setattr(load, "_copy_until_stopped", broken_copy)
+    _recording(monkeypatch, RecordingKernel())
+    work = AdamWork(elements=64, call_elements=64, grad_dtype=torch.float32, shadow=False, grad_scale=1.0)
+    with pytest.raises(RuntimeError, match="copy load failed") as raised:
+        adam_bytes_per_s(work, seconds=0.0, beside=load)
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_figure_the_table_does_not_give_names_what_stands_in_for_it():
+    """The GPU table gives no AdamW rate (0): without ``--probe`` the plan must not call 0
+    "the h200 table's" rate but name what ``optimizer_seconds`` takes instead -- the host's
+    memory bandwidth at ``ADAM_HOST_BYTES_PER_PARAM`` bytes per parameter (checked here
+    against the time it gives) -- and a probed rate keeps its source as it is."""
+    from megatrain_ds.planning.hardware_figures import name_stand_ins
+    from megatrain_ds.planning.planner import GPU_HARDWARE
+    from megatrain_ds.planning.step_time import ADAM_HOST_BYTES_PER_PARAM
+
+    table = GPU_HARDWARE["h200"]
+    named = name_stand_ins(table, figure_sources("h200", probed=False, device_here=False))
+    assert named["adam_bytes_per_s"].endswith(
+        f": 0, host_memory_bytes_per_s at {ADAM_HOST_BYTES_PER_PARAM} B/param stands in"
+    )
+    assert named["adam_beside_copies_bytes_per_s"].count("stands in") == 1
+    shape = ModelShape(num_blocks=2, block_params=1000, total_block_params=2000, resident_params=0, hidden=8, vocab=8)
+    settings = RunSettings(seq_len=8)
+    expected = ADAM_HOST_BYTES_PER_PARAM * shape.params / table.host_memory_bytes_per_s
+    assert optimizer_seconds(shape, settings, table) == pytest.approx(expected)
+    probed = dataclasses.replace(table, adam_bytes_per_s=1e11, adam_beside_copies_bytes_per_s=6e10)
+    sources = figure_sources("h200", probed=True, device_here=True)
+    assert name_stand_ins(probed, sources) == sources

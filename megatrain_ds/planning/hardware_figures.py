@@ -16,7 +16,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from megatrain_ds.planning.step_time import Hardware
+from megatrain_ds.planning.step_time import ADAM_HOST_BYTES_PER_PARAM, Hardware
+
+STAND_INS = {
+    "adam_bytes_per_s": f"host_memory_bytes_per_s at {ADAM_HOST_BYTES_PER_PARAM} B/param stands in",
+    "adam_beside_copies_bytes_per_s": "adam_bytes_per_s stands in",
+}
+"""What ``step_time.optimizer_seconds`` takes where a figure is 0 (none given)."""
 
 
 def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
@@ -45,14 +51,40 @@ def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
     }
 
 
-def hardware_from_file(path: str) -> tuple[Hardware, dict[str, str]]:
+def hardware_from_file(path: str, gpu: str | None = None) -> tuple[Hardware, dict[str, str]]:
     """``--hardware``: the figures of a plan's ``--json`` output (its ``"hardware"`` and
-    ``"hardware_sources"``), or of a ``"hardware"`` object alone, and where they came from."""
-    data = json.loads(Path(path).read_text())
-    figures = data.get("hardware", data)
-    known = {field.name for field in dataclasses.fields(Hardware)}
+    ``"hardware_sources"``), or of a ``"hardware"`` object alone, and where they came from.
+    ``gpu``: the plan's ``--gpu``, which the figures must be for (a CPU profile's figures
+    would plan an H200 as a machine whose device is its host). A file that cannot be read,
+    or holds unknown, missing or another device's figures, is a ``ValueError`` naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--hardware {path}: not a plan's JSON ({error})") from None
+    figures = data.get("hardware", data) if isinstance(data, dict) else None
+    if not isinstance(figures, dict):
+        raise ValueError(f'--hardware {path}: no "hardware" object (write one with megatrain plan --json)')
+    fields = dataclasses.fields(Hardware)
+    known = {field.name for field in fields}
     unknown = sorted(set(figures) - known)
     if unknown:
         raise ValueError(f"--hardware {path}: unknown figures {unknown}; a plan's JSON has {sorted(known)}")
+    required = {field.name for field in fields if field.default is dataclasses.MISSING}
+    missing = sorted(required - set(figures))
+    if missing:
+        raise ValueError(f"--hardware {path}: figures {missing} missing; a plan's JSON has them all")
+    if gpu is not None and figures["name"] != gpu:
+        raise ValueError(f"--hardware {path}: the figures are for --gpu {figures['name']}, not {gpu}")
     sources = data.get("hardware_sources") or {"all": f"read from {path}"}
     return Hardware(**figures), {name: f"{source} (read from {path})" for name, source in sources.items()}
+
+
+def name_stand_ins(hardware: Hardware, sources: dict[str, str]) -> dict[str, str]:
+    """``sources`` with each figure that is 0 -- none given, as the GPU table's AdamW rate --
+    saying which figure stands in for it (:data:`STAND_INS`), so that "the h200 table's" is
+    never read as a rate the table gives."""
+    named = dict(sources)
+    for figure, stand_in in STAND_INS.items():
+        if figure in named and not getattr(hardware, figure) and "stands in" not in named[figure]:
+            named[figure] += f": 0, {stand_in}"
+    return named

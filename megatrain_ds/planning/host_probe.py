@@ -231,8 +231,15 @@ class PinnedCopyLoad:
         self.moved = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
 
     def _run(self) -> None:
+        try:
+            self._copy_until_stopped()
+        except BaseException as failure:  # raised on the entering thread by __exit__
+            self._failure = failure
+
+    def _copy_until_stopped(self) -> None:
         runtime = self.runtime
         while not self._stop.is_set():
             with runtime.on(runtime.h2d_stream):
@@ -257,6 +264,10 @@ class PinnedCopyLoad:
         self._stop.set()
         assert self._thread is not None  # entered before
         self._thread.join()
+        # A load that died (a CUDA error, out of pinned memory) would have let the pass run
+        # alone, and its rate be taken for the one beside copies: the probe fails instead.
+        if self._failure is not None:
+            raise RuntimeError("the probe's copy load failed: no rate beside copies") from self._failure
 
 
 @dataclass(frozen=True)
