@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
-from megatrain_ds.planning.hardware_figures import figure_sources, hardware_from_file, name_stand_ins
+from megatrain_ds.planning import hardware_figures
 from megatrain_ds.planning.host_probe import AdamWork, adam_work, probe_adam
 from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.planner import (
@@ -254,7 +254,7 @@ def probe_host(
     way, and ``block`` (a real block of the model on the device,
     :func:`device_block_efficiency`) for the block efficiency. Without one those keep the
     table's figures, and the AdamW rate beside copies stays 0 (not probed: the rate alone
-    stands in, and :func:`figure_sources` says so)."""
+    stands in, and ``hardware_figures.figure_sources`` says so)."""
     from megatrain_ds.runtime.device_runtime import DeviceRuntime, cuda_available
 
     runtime = DeviceRuntime.create(torch.device("cuda")) if cuda_available() else None
@@ -452,7 +452,7 @@ def _print_plan(
 ) -> None:
     """The plan as a table (``megatrain plan`` without ``--json``); ``position_limit``: the
     model's ``max_position_embeddings``, named beside a memory limit above it; ``sources``:
-    where each figure came from (:func:`figure_sources`)."""
+    where each figure came from (``hardware_figures.figure_sources``)."""
     print(
         f"parameters: {result.params / 1e9:.3f} B   device: {hardware.name}   "
         f"tokens per weight pass: {settings.tokens_per_pass}"
@@ -631,8 +631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error('--device-state takes no share of the trained parameters with --nvme: "auto" or "none"')
     if args.nvme_weights and args.nvme is None:
         parser.error("--nvme-weights needs --nvme PATH (the disk the weights are read from)")
-    if args.hardware is not None and (args.probe or args.recalibrate):
-        parser.error("--hardware gives the figures: drop --probe and --recalibrate, which would measure them")
+    if problem := hardware_figures.figure_argument_problem(args.gpu, args.probe, args.recalibrate, args.hardware):
+        parser.error(problem)
     model = load_meta_model(args.model)
     shape = shape_of(model, args.block_path)
     if not 0 <= args.stashed_blocks <= shape.num_blocks:
@@ -669,9 +669,9 @@ def _hardware_for(
     """The figures ``megatrain plan`` plans with, and where each came from: a file's
     (``--hardware``), the CPU profile, the GPU table's, or the table's with this machine
     measured by ``--probe``; and the NVMe tier's disk."""
-    sources = figure_sources(args.gpu, args.probe, _cuda_here())
+    sources = hardware_figures.figure_sources(args.gpu, args.probe, _cuda_here())
     if args.hardware is not None:
-        hardware, sources = hardware_from_file(args.hardware, args.gpu)
+        hardware, sources = hardware_figures.hardware_from_file(args.hardware, args.gpu)
     elif args.gpu == "cpu":
         block_path, _ = find_blocks(model, args.block_path)
         hardware = cpu_profile(model.config, block_path, settings, recalibrate=args.recalibrate)
@@ -692,7 +692,7 @@ def _hardware_for(
 
         disk = cached_disk_bandwidth(args.nvme, cache_path().with_name("disk_bandwidth.json"), args.recalibrate)
         hardware = dataclasses.replace(hardware, disk_read_bytes_per_s=disk.read, disk_write_bytes_per_s=disk.write)
-    return hardware, name_stand_ins(hardware, sources)
+    return hardware, hardware_figures.name_stand_ins(hardware, sources)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ def test_the_probe_steps_states_past_the_last_level_cache_in_block_sized_calls()
     assert 16 * small.elements >= host_probe.ADAM_PROBE_CACHE_MULTIPLE * cache and small.call_elements == 5000
     huge = adam_work(RunSettings(seq_len=8), state_elements=10**9, cache_bytes=cache)
     assert huge.call_elements == host_probe.MAX_CALL_ELEMENTS and huge.elements >= huge.call_elements
+    frozen = adam_work(RunSettings(seq_len=8), state_elements=0, cache_bytes=cache)  # blocks with nothing trained
+    assert frozen.call_elements == min(frozen.elements, host_probe.MAX_CALL_ELEMENTS) > 1
 
 
 def test_the_probe_steps_every_element_on_a_thread_of_its_own_with_the_runs_arguments(monkeypatch):
@@ -193,6 +195,17 @@ def test_plan_refuses_a_hardware_file_that_does_not_hold_its_figures(tmp_path, c
     with pytest.raises(SystemExit) as exited:
         cli.main(["plan", "--model", str(model), "--gpu", "h200", "--seq-len", "64", "--hardware", str(path)])
     assert exited.value.code == 2 and f"--hardware {path}: the figures are for --gpu cpu" in capsys.readouterr().err
+
+
+def test_plan_refuses_probe_for_the_cpu(capsys):
+    """``--probe`` measures a GPU machine's host for that GPU's plan; for ``--gpu cpu`` (whose
+    profile measures this machine anyway) it is a usage error, not silently ignored."""
+    from megatrain_ds import cli
+
+    model = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny_llama.json"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--model", str(model), "--gpu", "cpu", "--seq-len", "64", "--probe"])
+    assert exited.value.code == 2 and "--probe measures a GPU machine's host" in capsys.readouterr().err
 
 
 def test_the_probe_gets_the_thread_team_of_the_engines_workers(monkeypatch):

@@ -25,6 +25,16 @@ STAND_INS = {
 """What ``step_time.optimizer_seconds`` takes where a figure is 0 (none given)."""
 
 
+def figure_argument_problem(gpu: str, probe: bool, recalibrate: bool, hardware: str | None) -> str | None:
+    """What is wrong with ``plan``'s arguments on where its figures come from, or ``None``:
+    each source measures or reads the figures itself, so two of them would contradict."""
+    if probe and gpu == "cpu":
+        return "--probe measures a GPU machine's host: with --gpu cpu the profile measures this one (--recalibrate)"
+    if hardware is not None and (probe or recalibrate):
+        return "--hardware gives the figures: drop --probe and --recalibrate, which would measure them"
+    return None
+
+
 def figure_sources(gpu: str, probed: bool, device_here: bool) -> dict[str, str]:
     """Where each figure of a plan for ``gpu`` came from: measured here (``probed``: by
     ``--probe``; ``device_here``: a CUDA device was there to measure), the GPU table's, or

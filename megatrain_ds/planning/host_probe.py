@@ -136,10 +136,13 @@ class AdamWork:
 
 def adam_work(settings: RunSettings, state_elements: int, cache_bytes: int | None = None) -> AdamWork:
     """The pass a run of ``settings`` makes, in calls of ``state_elements`` (a block's
-    trained parameters), over states past ``cache_bytes`` (default: this host's last level)."""
+    trained parameters), over states past ``cache_bytes`` (default: this host's last level).
+    Blocks with nothing trained make no pass: the probe then times whole-array calls (calls
+    of one element would take hours over an array past the cache)."""
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    call = max(1, min(state_elements, MAX_CALL_ELEMENTS))
-    elements = max(adam_probe_elements(cache), call)
+    past_cache = adam_probe_elements(cache)
+    call = min(state_elements, MAX_CALL_ELEMENTS) if state_elements > 0 else min(past_cache, MAX_CALL_ELEMENTS)
+    elements = max(past_cache, call)
     grad_dtype = torch.float32 if settings.grad_bytes == 4 else torch.bfloat16
     # As the planner counts the pass (step_time.optimizer_seconds): fp32 master, m and v,
     # and a bf16 shadow with bf16 compute (bf16 masters are not timed apart there either).
