@@ -47,6 +47,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -270,9 +271,8 @@ class _Server:
         assert self.process.stdin is not None
         self.process.stdin.close()
         self.process.wait(timeout=60)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        os.rmdir(self.directory)
+        # The socket, and whatever else a launch left beside it: the directory is the server's.
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 _servers: dict[frozenset[tuple[str, str]], _Server] = {}
@@ -287,9 +287,9 @@ def served_cpu_seconds() -> float:
 @atexit.register
 def close_servers() -> None:
     """Stop every server and wait for it (``conftest.py`` at the end of the session; at exit too)."""
-    for server in _servers.values():
+    while _servers:  # each taken out first: one that fails to close is not closed again at exit
+        _, server = _servers.popitem()
         server.close()
-    _servers.clear()
 
 
 def _server_for(command: Sequence[str], env: Mapping[str, str], launcher: bool) -> _Server | None:
