@@ -293,7 +293,9 @@ class MegatrainEngine(nn.Module):
         """Wait until the last optimizer step's update, when it runs behind :meth:`step`, has
         landed in the host state (optimizer/pipelined_finish.py: [Note: pipelined finish]).
         The engine does it wherever it reads or writes that state; call it before reading
-        ``module``'s parameters directly between ``step()`` and the next forward."""
+        ``module``'s parameters directly between ``step()`` and the next forward. Between a
+        step's last backward and ``step()`` it also undoes the updates made during backward
+        where they can be undone: the state then reads as before the step."""
         if self.pipelined_finish is not None:
             self.pipelined_finish.settle_observed()
         if self.device_states is not None:

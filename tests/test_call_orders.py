@@ -159,7 +159,8 @@ def test_evaluation_and_generation_mid_training(stream_check):
     forwards of growing length; ``zero_grad()`` on the engine and its optimizer where
     Accelerate and the Trainer call them; and a window ended early with
     ``set_gradient_accumulation_boundary(True)`` (Accelerate's end of the dataloader). Every
-    loss, logit and the weights as PyTorch's on the same calls."""
+    loss, logit and the weights as PyTorch's on the same calls. (``"device_state": "auto"``
+    places no state on the CPU checker's device: the same path as "none", so not run.)"""
     pair = side_by_side(accumulation=3)
     try:
         for step in range(3):
