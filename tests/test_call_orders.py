@@ -59,7 +59,8 @@ class SideBySide:
         boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
         if boundary:
-            torch.nn.utils.clip_grad_norm_(self.reference.parameters(), self.clipping)
+            if self.clipping > 0:  # DeepSpeed's 0: no clipping
+                torch.nn.utils.clip_grad_norm_(self.reference.parameters(), self.clipping)
             self.optimizer.step()
             self.optimizer.zero_grad()
 
