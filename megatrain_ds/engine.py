@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from megatrain_ds import engine_memory
 from megatrain_ds.checkpoint import load as checkpoint_load
 from megatrain_ds.checkpoint import save as checkpoint_save
 from megatrain_ds.checkpoint.whole_masters import masters_by_param, state_dict_is_collective
@@ -292,12 +293,31 @@ class MegatrainEngine(nn.Module):
         """Wait until the last optimizer step's update, when it runs behind :meth:`step`, has
         landed in the host state (optimizer/pipelined_finish.py: [Note: pipelined finish]).
         The engine does it wherever it reads or writes that state; call it before reading
-        ``module``'s parameters directly between ``step()`` and the next forward."""
+        ``module``'s parameters directly between ``step()`` and the next forward. Between a
+        step's last backward and ``step()`` it also undoes the updates made during backward
+        where they can be undone: the state then reads as before the step."""
         if self.pipelined_finish is not None:
             self.pipelined_finish.settle_observed()
         if self.device_states is not None:
             with self.runtime.observe():  # host code reads the device states next
                 self.device_states.settle()
+        if self._final_backward_done:  # and no step() yet: the state reads as before the step
+            self._withdraw_speculation()
+
+    def _withdraw_speculation(self) -> None:
+        """Between a step's last backward and ``step()`` the worker may have updated ranges
+        speculatively (optimizer/speculative_step.py: [Note: speculative steps]): a state dict
+        or checkpoint taken there must hold the weights before the step, as DeepSpeed's does
+        (a checkpoint with the held gradients and updated masters steps them twice on resume).
+        The speculation is undone here; ``step()`` updates every range from the held gradients."""
+        with self.runtime.observe():
+            self.sink.drain()  # Sync: the worker's speculative writes land before they are undone
+            if self._forward_since_backward:
+                # Sync: that forward's weight copies (device reads of the host weights the
+                # restore writes) may still be queued; rare, so the host waits for the device.
+                self.runtime.synchronize()
+            with self.runtime.host_work():
+                self.stepper.withdraw_speculation()
 
     def _before_model_forward(self) -> None:
         """The model's forward pre-hook (optimizer/pipelined_finish.py: [Note: pipelined finish];
@@ -447,34 +467,13 @@ class MegatrainEngine(nn.Module):
         del set_to_none
 
     def device_bytes(self) -> dict[str, int]:
-        """Device memory the engine itself holds: weight buffers and peak checkpoints."""
-        resident = (
-            0
-            if self.resident.aliases_host
-            else (self.resident.device_flat.numel() * self.resident.device_flat.element_size())
-        )
-        return {
-            "weight_buffers": self.streamer.device_bytes,
-            "checkpoints_peak": self.blocks.peak_checkpoint_bytes,
-            "resident": 0 if self.placement.resident.on_device else resident,
-            "device_state": sum(self.placement.device_bytes().values()),  # the GPU tier (state/placement.py)
-        }
+        """Device memory the engine itself holds, by kind (:func:`engine_memory.device_bytes`)."""
+        return engine_memory.device_bytes(self.resident, self.streamer, self.blocks, self.placement)
 
     def host_bytes(self) -> dict[str, int]:
-        """Host memory of the persistent training state, by kind: the flat states' buffers
-        where the placement puts them in host memory (``state/placement.py``; a block bound to
-        a slot of the NVMe window views the slot, counted in ``nvme_window``), the journal,
-        and the NVMe tier's windows."""
-        totals = self.placement.host_bytes()
-        if self.stepper.journal.nbytes:
-            totals["journal"] = self.stepper.journal.nbytes
-        if self.nvme_tier is not None:
-            totals["nvme_window"] = self.nvme_tier.window_bytes
-        if self.nvme_weights is not None:
-            totals["nvme_weights"] = self.nvme_weights.nbytes
-        if self.gathered_weights is not None:  # the NVMe weight window is part of it
-            totals["nvme_weights"] = self.gathered_weights.nbytes
-        return totals
+        """Host memory of the persistent training state, by kind (:func:`engine_memory.host_bytes`)."""
+        weights = self.gathered_weights if self.gathered_weights is not None else self.nvme_weights
+        return engine_memory.host_bytes(self.placement, self.stepper.journal, self.nvme_tier, weights)
 
     def destroy(self) -> None:
         """Stop the gradient worker, give the blocks their own ``forward`` back, unpin host memory.

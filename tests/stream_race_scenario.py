@@ -158,7 +158,8 @@ def forward_ahead(engine: MegatrainEngine) -> None:
     """Two losses, then a step between their backwards: the second backward's gradients land
     in the held gradients the update behind that step() reads, its forward having waited for
     none of it. (Plain PyTorch refuses this order, its step having changed weights the graph
-    saved in place; the engine's blocks recompute, so it runs.)"""
+    saved in place; the engine's blocks recompute, so it runs.) At the end a state dict
+    between a step's last backward and step(), after a forward there."""
     ahead, behind = engine(**batch(0)).loss, engine(**batch(1)).loss
     engine.backward(ahead)
     engine.step()
@@ -174,6 +175,16 @@ def forward_ahead(engine: MegatrainEngine) -> None:
     engine(**batch(3))
     engine.step()
     engine.backward(engine(**batch(4)).loss)
+    engine.step()
+    # A zero loss: an unclipped step, after which the predictor speculates again. That step's
+    # worker updates the journaled ranges during backward; a forward after it, then a state
+    # dict before step(), which undoes the speculative updates -- after that forward's weight
+    # copies, which read the host weights the undoing writes.
+    engine.backward(engine(**batch(5)).loss * 0)
+    engine.step()
+    engine.backward(engine(**batch(6)).loss)
+    engine(**batch(7))
+    engine.state_dict()
     engine.step()
 
 

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("streaming",),
     ("checkpoint",),
     ("planning",),
-    ("engine", "engine_build", "optimizer_build"),
+    ("engine", "engine_build", "engine_memory", "optimizer_build"),
     ("integration",),
     ("cli", "__init__"),
 )

@@ -80,7 +80,11 @@ EXPECTED_SURVIVORS: dict[str, str] = {
         "outside the engine: the state dict holds views of the host masters, read after it "
         "returns, where the checker sees no access (save_checkpoint, the engine's own caller, "
         "settles first). Without it a state_dict taken right after step() holds stale values: "
-        "tests/test_pipelined_finish.py's state_dict test catches that by its values."
+        "tests/test_pipelined_finish.py's state_dict test catches that by its values. It also "
+        "undoes the speculative updates of a state dict taken between a step's last backward "
+        "and step() (engine.py _withdraw_speculation): without it that state dict holds them, "
+        "which tests/test_call_orders.py catches by its values (the checker sees no race: "
+        "the update at step() then finishes from the speculation, as with no state dict)."
     ),
     "optimizer/pipelined_finish.py:before_forward:self.synchronize": (
         "Not visible as a race: a training forward through the engine plans the blocks "

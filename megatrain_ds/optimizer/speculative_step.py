@@ -33,6 +33,10 @@ needs neither (the steady state of a healthy run) and validates at ``engine.step
   (b) finite, clipping (or an lr/betas/eps/weight decay changed in between): the journal
       is copied back and every range is stepped with the clipping scale.
   (c) not finite: the journal is copied back; nothing is stepped; the step is skipped.
+  A state read between the last backward and ``engine.step()`` (a state dict, a checkpoint)
+  first copies the journal back (:meth:`OptimizerStepper.withdraw_speculation`): it reads
+  the weights before the step, as from DeepSpeed's engine, and ``finish`` then steps every
+  range, as in (b) with the step's own scale.
   In (a) and (b) the ranges left are stepped on the finish worker, behind ``engine.step()``
   and in the order the next forward reads them, where the configuration allows it
   (``optimizer/pipelined_finish.py``: [Note: pipelined finish]); elsewhere here, in state order.
@@ -238,6 +242,22 @@ class OptimizerStepper:
         return self._speculating
 
     # -- main thread, at engine.step() (the worker has drained) ---------------------------
+
+    def withdraw_speculation(self) -> int:
+        """Undo this step's speculative updates before :meth:`finish` (the worker has
+        drained): the host state reads as before the step, as DeepSpeed's does between the
+        last backward and ``step()`` (a state dict or checkpoint taken there). The journal is
+        copied back and emptied, and no chunk of this step is speculated after, so
+        :meth:`finish` steps every range from the held gradients: the same arithmetic on the
+        same values as a step that never speculated, bit for bit. Returns the elements restored
+        (none without held gradients: nothing can be undone there, the weights read updated)."""
+        if not self.holds_gradients:
+            return 0
+        self.adamw.flush()  # device write-backs land before the host state is restored
+        restored = self.journal.restore(self.adamw.residency)
+        self.journal.clear()
+        self._speculating = False
+        return restored
 
     def finish(self, step: int, pipeline: PipelinedFinish | None = None) -> StepReport:
         """Validate this step's speculation and complete (or skip) the update.
