@@ -167,8 +167,12 @@ class OptimizerStepper:
     @property
     def updates_during_backward(self) -> bool:
         """Whether the worker may change host weights before :meth:`finish`: every final chunk
-        when nothing is held, the journaled ranges while the predictor speculates."""
-        return not self.holds_gradients or (self.speculate_next and bool(self.journal))
+        when nothing is held, the journaled ranges while the predictor speculates (once this
+        step's first final chunk has decided it: no longer after :meth:`withdraw_speculation`)."""
+        if not self.holds_gradients:
+            return True
+        decided = self._speculating
+        return decided if decided is not None else self.speculate_next and bool(self.journal)
 
     def _begin_step(self) -> None:
         self._speculating: bool | None = None  # decided at the step's first final chunk
