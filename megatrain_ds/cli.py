@@ -35,7 +35,7 @@ import torch
 
 from megatrain_ds.model.block_discovery import find_blocks
 from megatrain_ds.planning import hardware_figures
-from megatrain_ds.planning.host_probe import AdamWork, adam_work, probe_adam
+from megatrain_ds.planning.host_probe import AdamWork, adam_work, fastest_seconds, probe_adam
 from megatrain_ds.planning.long_context import choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.planner import (
     GIB,
@@ -115,29 +115,16 @@ def measure_cpu(seconds: float = 0.5) -> Hardware:
     128 MB memory copy (:func:`cpu_profile` measures a model's own shapes instead)."""
     size = 1024
     a, b = torch.randn(size, size), torch.randn(size, size)
-    flops = 2 * size**3 / _best_seconds(lambda: a @ b, seconds)
+    flops = 2 * size**3 / fastest_seconds(lambda: a @ b, seconds)
     source = torch.empty(32 << 20)
     target = torch.empty_like(source)
-    copy_rate = source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
+    copy_rate = source.numel() * 4 / fastest_seconds(lambda: target.copy_(source), seconds)
     # Copies move bytes once each way: read+write traffic is twice the copy rate.
     return Hardware("cpu", flops, copy_rate, copy_rate, 2 * copy_rate, physical_memory(), shares_host_memory=True)
 
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _best_seconds(work: Callable[[], object], budget: float, min_runs: int = 3) -> float:
-    """The fastest of repeated runs of ``work`` (after a warm-up) within about ``budget``
-    seconds: other load on the machine only ever slows a run down."""
-    work()
-    best, started, runs = float("inf"), time.perf_counter(), 0
-    while runs < min_runs or time.perf_counter() - started < budget:
-        begin = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - begin)
-        runs += 1
-    return best
 
 
 # -- the CPU profile of one model ------------------------------------------------------------
@@ -239,7 +226,7 @@ def _copy_bytes_per_s(seconds: float) -> float:
     """Host memory copy bandwidth over a 256 MiB buffer (freed on return)."""
     source = torch.empty(64 << 20)
     target = torch.empty_like(source)
-    return source.numel() * 4 / _best_seconds(lambda: target.copy_(source), seconds)
+    return source.numel() * 4 / fastest_seconds(lambda: target.copy_(source), seconds)
 
 
 def probe_host(
@@ -304,7 +291,7 @@ def device_block_efficiency(
         model.zero_grad(set_to_none=True)
         runtime.synchronize()
 
-    seconds_per_block = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
+    seconds_per_block = fastest_seconds(forward, seconds) + fastest_seconds(forward_backward, seconds)
     block_params = sum(p.numel() for p in block.parameters())
     return 8 * block_params * settings.tokens_per_pass / hardware.flops / seconds_per_block
 
@@ -346,7 +333,7 @@ def _measure_profile(config: Any, block_path: str, profiled: RunSettings, dtype:
             torch.randn(tokens, rows, dtype=dtype),
         )
         with torch.no_grad():
-            return _best_seconds(lambda: (x @ weight.t(), dy @ weight, dy.t() @ x), seconds / 4)
+            return fastest_seconds(lambda: (x @ weight.t(), dy @ weight, dy.t() @ x), seconds / 4)
 
     distinct = {shape: weight_shapes.count(shape) for shape in weight_shapes}
     matmul_flops = sum(count * 6 * tokens * rows * cols for (rows, cols), count in distinct.items()) / sum(
@@ -364,7 +351,7 @@ def _measure_profile(config: Any, block_path: str, profiled: RunSettings, dtype:
         model(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    block_seconds = _best_seconds(forward, seconds) + _best_seconds(forward_backward, seconds)
+    block_seconds = fastest_seconds(forward, seconds) + fastest_seconds(forward_backward, seconds)
     del block  # the model's memory goes with the closures when this function returns
     copy_rate = _copy_bytes_per_s(seconds)
     # The run's AdamW pass, one block's state per call ([Note: probing AdamW as the run runs it]).

@@ -216,7 +216,7 @@ def test_the_device_block_probe_times_a_real_block_forward_then_forward_and_back
         return next(timings)
 
     monkeypatch.setattr(cli, "_one_block_model", spied)
-    monkeypatch.setattr(cli, "_best_seconds", fixed_best_seconds)
+    monkeypatch.setattr(cli, "fastest_seconds", fixed_best_seconds)
     hardware = Hardware("any", 1e12, 1e9, 1e9, 1e9, 1 << 30)
     settings = RunSettings(seq_len=64, micro_batch=2, bf16=False)
     efficiency = cli.device_block_efficiency(model.config, block_path, settings, hardware, torch.device("cpu"))
