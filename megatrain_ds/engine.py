@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import warnings
 import weakref
@@ -39,7 +38,7 @@ from megatrain_ds.checkpoint.whole_masters import masters_by_param, state_dict_i
 from megatrain_ds.config import EngineConfig
 from megatrain_ds.distributed.data_parallel import DataParallel
 from megatrain_ds.distributed.gathered_weights import GatheredWeights
-from megatrain_ds.engine_build import STAGING_CHUNK_ELEMENTS, build
+from megatrain_ds.engine_build import STAGING_CHUNK_ELEMENTS, build, decide_at_first_forward
 from megatrain_ds.gradients.held_writes import HeldWrites
 from megatrain_ds.gradients.sink import STAGED, GradientPort, Landing
 from megatrain_ds.model.batch_checks import check_batch
@@ -52,9 +51,9 @@ from megatrain_ds.optimizer.host_adamw import HostAdamW
 from megatrain_ds.optimizer.loss_scaling import LossScaling
 from megatrain_ds.optimizer.pipelined_finish import PipelinedFinish
 from megatrain_ds.optimizer.speculative_step import OptimizerStepper, StepOutcome, StepReport
-from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
-from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run
-from megatrain_ds.planning.transfer_hiding import tokens_per_pass, warn_if_transfers_exposed
+from megatrain_ds.planning.fragment_policy import FragmentChoice
+from megatrain_ds.planning.recompute_policy import RecomputeChoice
+from megatrain_ds.planning.transfer_hiding import warn_if_transfers_exposed
 from megatrain_ds.runtime.device_runtime import DeviceRuntime, cuda_available, default_device
 from megatrain_ds.runtime.host_ledger import LedgerCounts
 from megatrain_ds.runtime.trace import TraceSchedule
@@ -273,7 +272,8 @@ class MegatrainEngine(nn.Module):
                 bf16=self.config.compute_dtype.itemsize == 2,  # 2-byte weights cross: fp16 as bf16
                 accumulation=self.gradient_accumulation_steps(),
             )
-            self._plan_first_forward(args, kwargs)
+            # The trace says what was chosen (its otherData), next to the stash track's spans.
+            self._tracing.metadata.update(decide_at_first_forward(self, self.module, args, kwargs))
         self._tracing.before_forward(self.global_steps)
         self._before_forward()  # before begin_forward's first weight copies
         with self.runtime.observe(), self._out_of_memory_explained():
@@ -338,35 +338,6 @@ class MegatrainEngine(nn.Module):
     def _landed(self, index: int) -> None:  # a state's pipelined update, seen by a waiting thread
         if index == self._resident_index:
             self.resident.refresh_device()  # queued on the compute stream: before the forward
-
-    def _plan_first_forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Decide ``"recompute": "auto"`` (or check that the stash asked for fits) and
-        ``"fragment_bytes": "auto"``, now that the tokens per weight pass are known
-        (planning/recompute_policy.py, planning/fragment_policy.py)."""
-        counted = tokens_per_pass(args, kwargs)
-        options = self.config.options
-        if counted is None or (options.recompute == "full" and options.fragment_bytes != "auto"):
-            return
-        numels = [state.layout.numel for state in self.states[: self._resident_index]]
-        shape, settings, hardware = planned_run(
-            self.runtime, self.config, self.module, numels, self.states[self._resident_index].layout.numel, counted[1]
-        )
-        if options.recompute != "full":
-            choice = choose_recompute(self.runtime, self.config, (shape, settings, hardware))
-            self.recompute_choice, self.stashed_blocks = choice, choice.stashed_blocks
-            # The trace says what was chosen (its otherData), next to the stash track's spans.
-            self._tracing.metadata["recompute"] = {
-                "setting": options.recompute,
-                "stashed_blocks": choice.stashed_blocks,
-                "planned_stash_bytes_per_block": choice.stash_bytes_per_block,
-                "predicted": choice.predicted,
-            }
-        if options.fragment_bytes == "auto":
-            settings = dataclasses.replace(settings, stashed_blocks=self.stashed_blocks)
-            self.fragment_choice = choose_fragments((shape, settings, hardware))
-            # No block has a fragment plan yet: plans are made from the next copy on.
-            self.streamer.fragment_elements = self.fragment_choice.fragment_bytes // self.config.compute_dtype.itemsize
-            self._tracing.metadata["fragments"] = {"setting": "auto", **dataclasses.asdict(self.fragment_choice)}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` divided by the accumulation steps, and with fp16 times the

@@ -6,7 +6,8 @@ every buffer lives (state/placement.py), move the blocks' state to the host bloc
 (into the NVMe tier where it has one), then the resident parameters, the optimizer over
 that state (assembled by ``optimizer_build.py``), the streams that carry weights and
 gradients, the streamed blocks, and the long-context pieces (chunked loss, tiled MLPs).
-Every builder here branches on the placement, and on nothing else.
+Every builder here branches on the placement, and on nothing else. What needs the tokens
+of a batch is decided at the first training forward (:func:`decide_at_first_forward`).
 
 The builders are functions over the engine (:class:`EngineUnderConstruction`, the parts
 they set and the engine's callbacks they wire in); this module sits beside ``engine.py``
@@ -15,10 +16,11 @@ in the layers and imports nothing of it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,10 +39,11 @@ from megatrain_ds.model.causal_lm_loss import ChunkedCausalLMLoss, linear_head, 
 from megatrain_ds.model.frozen_weights import cast_frozen_weights
 from megatrain_ds.optimizer.facade import group_index_of
 from megatrain_ds.optimizer_build import OptimizerUnderConstruction, assemble_optimizer
-from megatrain_ds.planning.fragment_policy import FragmentChoice
+from megatrain_ds.planning.fragment_policy import FragmentChoice, choose_fragments
 from megatrain_ds.planning.long_context import choose_loss_chunk_tokens, choose_mlp_tile_tokens, ffn_width
 from megatrain_ds.planning.preflight import PreflightInputs, available_memory, preflight, wants_nvme_tier
-from megatrain_ds.planning.recompute_policy import RecomputeChoice, stashed_blocks_of
+from megatrain_ds.planning.recompute_policy import RecomputeChoice, choose_recompute, planned_run, stashed_blocks_of
+from megatrain_ds.planning.transfer_hiding import tokens_per_pass
 from megatrain_ds.runtime.node_shared_memory import NodeSharedMemory
 from megatrain_ds.state.host_store import HostFlatState, TensorSource, migrate_to_host
 from megatrain_ds.state.nvme_tier import is_on_tier, open_nvme_tier
@@ -494,3 +497,38 @@ def _share_initial_weights(engine: EngineUnderConstruction, values: torch.Tensor
     values, in fp32, exist only then)."""
     if engine.data_parallel is not None:
         engine.data_parallel.broadcast_from_first_node_(values)
+
+
+def decide_at_first_forward(
+    engine: EngineUnderConstruction, model: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The choices deferred to the first training forward, now that the tokens per weight pass
+    are known: ``"recompute": "auto"`` (or a check that the stash asked for fits) and
+    ``"fragment_bytes": "auto"`` (planning/recompute_policy.py, planning/fragment_policy.py).
+    Returns what was chosen, for the trace's metadata."""
+    counted = tokens_per_pass(args, kwargs)
+    options = engine.config.options
+    if counted is None or (options.recompute == "full" and options.fragment_bytes != "auto"):
+        return {}
+    resident = engine._resident_index
+    numels = [state.layout.numel for state in engine.states[:resident]]
+    shape, settings, hardware = planned_run(
+        engine.runtime, engine.config, model, numels, engine.states[resident].layout.numel, counted[1]
+    )
+    chosen: dict[str, Any] = {}
+    if options.recompute != "full":
+        choice = choose_recompute(engine.runtime, engine.config, (shape, settings, hardware))
+        engine.recompute_choice, engine.stashed_blocks = choice, choice.stashed_blocks
+        chosen["recompute"] = {
+            "setting": options.recompute,
+            "stashed_blocks": choice.stashed_blocks,
+            "planned_stash_bytes_per_block": choice.stash_bytes_per_block,
+            "predicted": choice.predicted,
+        }
+    if options.fragment_bytes == "auto":
+        settings = dataclasses.replace(settings, stashed_blocks=engine.stashed_blocks)
+        fragments = engine.fragment_choice = choose_fragments((shape, settings, hardware))
+        # No block has a fragment plan yet: plans are made from the next copy on.
+        engine.streamer.fragment_elements = fragments.fragment_bytes // engine.config.compute_dtype.itemsize
+        chosen["fragments"] = {"setting": "auto", **dataclasses.asdict(fragments)}
+    return chosen

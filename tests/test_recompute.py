@@ -13,7 +13,7 @@ from test_parity import assert_parity
 from test_trace import _spans
 from torch import nn
 
-import megatrain_ds.engine
+import megatrain_ds.engine_build
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.planning import planner, recompute_policy
 from megatrain_ds.planning.preflight import AvailableMemory, InsufficientMemoryError
@@ -56,7 +56,7 @@ def _auto_sees_room_for(monkeypatch, blocks):
     estimate (and half a block more), after the step's transients where the device is the
     host: on the CPU nothing crosses a link and only memory limits the stash, so it stashes
     the first ``blocks`` blocks and recomputes the others."""
-    choose = megatrain_ds.engine.choose_recompute
+    choose = megatrain_ds.engine_build.choose_recompute
 
     def with_room(runtime, config, run, host_memory_left=None):
         shape, settings, hardware = run
@@ -67,7 +67,7 @@ def _auto_sees_room_for(monkeypatch, blocks):
         room = (transients + stash) / planner.STASH_HOST_FRACTION
         return choose(runtime, config, run, host_memory_left=int(room))
 
-    monkeypatch.setattr(megatrain_ds.engine, "choose_recompute", with_room)
+    monkeypatch.setattr(megatrain_ds.engine_build, "choose_recompute", with_room)
 
 
 # With "none" above (GA 2, K 2) every family also runs "auto" (GA 1, K 1) and an integer
