@@ -67,13 +67,18 @@ def ds_config(
     }
 
 
-def relative_weight_error(engine: MegatrainEngine, reference: torch.nn.Module) -> float:
-    """sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2) over every tensor of the state dicts."""
-    ours, theirs = engine.module.state_dict(), reference.state_dict()
+def relative_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2) over every tensor of two state dicts (the same
+    keys; each pair compared on the host, wherever its tensors are)."""
     assert ours.keys() == theirs.keys()
-    diff = sum(((ours[k].double() - theirs[k].double()) ** 2).sum() for k in theirs)
-    norm = sum((theirs[k].double() ** 2).sum() for k in theirs)
-    return float((diff / norm).sqrt())
+    diff = sum(float(((ours[k].double().cpu() - theirs[k].double().cpu()) ** 2).sum()) for k in theirs)
+    norm = sum(float((theirs[k].double().cpu() ** 2).sum()) for k in theirs)
+    return (diff / norm) ** 0.5
+
+
+def relative_weight_error(engine: MegatrainEngine, reference: torch.nn.Module) -> float:
+    """:func:`relative_error` of the engine's model's state dict against the reference's."""
+    return relative_error(engine.module.state_dict(), reference.state_dict())
 
 
 def train_side_by_side(

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from side_by_side import ds_config
-from test_gpu_flows import HOST_STATE, _batch, _side_by_side, _weight_error
+from side_by_side import ds_config, relative_error, relative_weight_error
+from test_gpu_flows import HOST_STATE, _batch, _side_by_side
 from test_parity import LOSS_RTOL, WEIGHT_RTOL
 
 from megatrain_ds import MegatrainEngine
@@ -63,7 +63,8 @@ class SideBySide:
             if self.clipping > 0:  # DeepSpeed's 0: no clipping
                 torch.nn.utils.clip_grad_norm_(self.reference.parameters(), self.clipping)
             self.optimizer.step()
-            self.optimizer.zero_grad()
+            # Zeros, not None: a step() with no backward since is AdamW on zero gradients on both.
+            self.optimizer.zero_grad(set_to_none=False)
 
     def evaluate(self, seed: int) -> None:
         """The Trainer's evaluation: ``eval()``, a no-grad forward, ``train()``; the same loss."""
@@ -92,7 +93,7 @@ class SideBySide:
         self.reference.train()
 
     def assert_same_weights(self) -> None:
-        assert _weight_error(self.engine.module.state_dict(), self.reference.state_dict()) < WEIGHT_RTOL
+        assert relative_weight_error(self.engine, self.reference) < WEIGHT_RTOL
 
 
 def side_by_side(accumulation: int = 2, clipping: float = CLIPPING, **megatrain) -> SideBySide:
@@ -147,14 +148,14 @@ def test_state_dict_and_checkpoint_mid_step_hold_the_weights_before_the_step(str
                     pair.engine(**_batch(51, CPU))  # dropped too
             expected = pair.reference.state_dict()
             for saved in [*between, *before_step]:
-                assert _weight_error(saved, expected) < WEIGHT_RTOL, step
+                assert relative_error(saved, expected) < WEIGHT_RTOL, step
             pair.step()
         pair.assert_same_weights()
         after = {key: value.clone() for key, value in pair.engine.module.state_dict().items()}
         pair.engine(**_batch(60, CPU))  # dropped: load_checkpoint drops the blocks it copied ahead
         pair.engine.load_checkpoint(str(tmp_path), tag="before")
         pair.engine.step()  # the saved step's last micro-batch done: its step() again
-        assert _weight_error(pair.engine.module.state_dict(), after) < WEIGHT_RTOL
+        assert relative_error(pair.engine.module.state_dict(), after) < WEIGHT_RTOL
     finally:
         pair.engine.destroy()
 
@@ -183,6 +184,24 @@ def test_evaluation_and_generation_mid_training(stream_check):
             pair.step()
             pair.evaluate(200 + step)  # right after step(): its update behind it
             pair.generate(300 + step)
+        pair.assert_same_weights()
+    finally:
+        pair.engine.destroy()
+
+
+def test_a_dropped_forward_then_step_without_backward(stream_check):
+    """A forward whose loss is dropped, then ``step()`` with no backward since (AdamW on zero
+    gradients): the update waits for that forward's reads, and the blocks it copied ahead for
+    its backward are not the next forward's weights (engine.py ``_before_update``). Every loss
+    and the weights as PyTorch's on the same calls; each update runs behind ``step()``
+    (clipping 1.0, one micro-batch a step)."""
+    pair = side_by_side(accumulation=1)
+    try:
+        for step in range(3):
+            pair.forward_backward(step)
+            pair.step()
+            pair.engine(**_batch(50 + step, CPU))  # dropped: its backward never comes
+            pair.step()
         pair.assert_same_weights()
     finally:
         pair.engine.destroy()

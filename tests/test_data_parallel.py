@@ -27,6 +27,7 @@ import transformers
 from data_parallel_worker import BF16_FROZEN_STEPS, CLIPPING, FREEZERS, LENGTH, LR, MICRO, WEIGHT_DECAY, global_batch
 from data_parallel_worker import config as worker_config
 from placement_check import node_preflight_disagreements
+from side_by_side import relative_error
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.config import ConfigError
@@ -94,13 +95,6 @@ def reference_training(
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict(), norms
-
-
-def relative_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
-    assert ours.keys() == theirs.keys()
-    diff = sum(((ours[k].double() - theirs[k].double()) ** 2).sum() for k in theirs)
-    norm = sum((theirs[k].double() ** 2).sum() for k in theirs)
-    return float((diff / norm).sqrt())
 
 
 # -- pure rules (no processes) ------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import cast
 import pytest
 import tiny_models
 import torch
-from side_by_side import LR, WEIGHT_DECAY, ds_config
+from side_by_side import LR, WEIGHT_DECAY, ds_config, relative_error, relative_weight_error
 from test_parity import LOSS_RTOL, WEIGHT_RTOL
 from test_pipelined_finish import slow_finish_worker
 
@@ -62,12 +62,6 @@ def _side_by_side(config: dict, device: torch.device, num_layers: int = 3):
     reference = cast(torch.nn.Module, copy.deepcopy(model)).to(device)  # transformers types .to oddly
     engine = MegatrainEngine(model, parse_engine_config(config), device=device)
     return engine, reference, torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-
-
-def _weight_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
-    """sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2) over the tensors of ``theirs``."""
-    diff = sum(float((ours[k].double().cpu() - v.double().cpu()).pow(2).sum()) for k, v in theirs.items())
-    return math.sqrt(diff / sum(float(v.double().pow(2).sum()) for v in theirs.values()))
 
 
 def _delay_stream(stream: object, device: torch.device) -> None:
@@ -122,7 +116,7 @@ def step_twice_without_backward(device: torch.device) -> None:
                 s.name: resident.device_flat[s.offset : s.offset + s.numel].view(s.shape)
                 for s in resident.state.layout.slots
             }
-            assert _weight_error(copied, {name: after_first[name] for name in copied}) < WEIGHT_RTOL
+            assert relative_error(copied, {name: after_first[name] for name in copied}) < WEIGHT_RTOL
         optimizer.zero_grad(set_to_none=False)  # the reference's second step: zero gradients
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
@@ -138,7 +132,7 @@ def step_twice_without_backward(device: torch.device) -> None:
         optimizer.step()
         assert math.isclose(loss.item(), reference_loss.item(), rel_tol=LOSS_RTOL)
         assert engine.optimizer_steps == 3
-        assert _weight_error(engine.module.state_dict(), reference.state_dict()) < WEIGHT_RTOL
+        assert relative_weight_error(engine, reference) < WEIGHT_RTOL
     finally:
         engine.destroy()
 
@@ -281,7 +275,7 @@ def forward_before_step(device: torch.device, clipping: float, megatrain: dict, 
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), clipping)
             optimizer.step()
             optimizer.zero_grad()
-        assert _weight_error(engine.module.state_dict(), reference.state_dict()) < WEIGHT_RTOL
+        assert relative_weight_error(engine, reference) < WEIGHT_RTOL
     finally:
         engine.destroy()
 
@@ -330,7 +324,7 @@ def state_dict_right_after_step(device: torch.device) -> None:
             assert math.isclose(loss.item(), reference_loss.item(), rel_tol=LOSS_RTOL), step
             expected = reference.state_dict()
             assert saved.keys() == expected.keys()
-            assert _weight_error(saved, expected) < WEIGHT_RTOL, step
+            assert relative_error(saved, expected) < WEIGHT_RTOL, step
     finally:
         engine.destroy()
 

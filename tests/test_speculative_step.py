@@ -15,8 +15,7 @@ import pytest
 import tiny_models
 import torch
 from side_by_side import ds_config
-from test_gpu_flows import FORWARD_BEFORE_STEP, HOST_STATE, _batch, _side_by_side, _weight_error, forward_before_step
-from test_parity import LOSS_RTOL, WEIGHT_RTOL
+from test_gpu_flows import FORWARD_BEFORE_STEP, forward_before_step
 
 from megatrain_ds import MegatrainEngine, parse_engine_config
 from megatrain_ds.optimizer.journal import (
@@ -267,38 +266,3 @@ def test_a_forward_before_step_is_warned_and_ordered(stream_check, clipping, meg
     loss and the weights are PyTorch's (``tests/test_gpu_flows.py``'s flow, which runs on
     CUDA too; it holds the tolerances)."""
     forward_before_step(torch.device("cpu"), clipping, megatrain, warned)
-
-
-def test_a_forward_then_step_without_backward_is_ordered(stream_check):
-    """A forward whose loss is dropped, then ``step()`` with no backward since (AdamW on zero
-    gradients): the update waits for that forward's reads, and the blocks it copied ahead for
-    its backward are not the next forward's weights. Under the race checker (its device apart
-    from the host, as a GPU's), every loss and the weights as PyTorch's on the same calls
-    (clipping 1.0: each update runs behind ``step()``). Tolerances: the parity suite's (the
-    same ops but the order matmul kernels sum in)."""
-    import math
-
-    cpu = torch.device("cpu")
-    engine, reference, optimizer = _side_by_side(ds_config(clipping=1.0, megatrain=HOST_STATE), cpu, num_layers=2)
-
-    def reference_step() -> None:
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # the next step() without backward: zero gradients
-
-    try:
-        for step in range(3):
-            batch = _batch(step, cpu)
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            reference_loss = reference(**batch).loss
-            reference_loss.backward()
-            reference_step()
-            assert math.isclose(loss.item(), reference_loss.item(), rel_tol=LOSS_RTOL), step
-            engine(**_batch(50 + step, cpu))  # dropped: its backward never comes
-            engine.step()
-            reference_step()
-        assert _weight_error(engine.module.state_dict(), reference.state_dict()) < WEIGHT_RTOL
-    finally:
-        engine.destroy()
