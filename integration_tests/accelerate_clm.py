@@ -13,9 +13,9 @@ instead, after the ``Accelerator`` is made (so a ZeRO-3 config with ``zero3_init
 builds it under ``deepspeed.zero.Init``). The DeepSpeed config decides which engine runs;
 the script never imports ``megatrain_ds``. It writes, under ``--output-dir``:
 
-- ``result.json``: the engine's classes (MRO), the loss and learning rate of every
-  micro-batch, the final evaluation loss, warnings about the scheduler order, the ZeRO
-  stage Accelerate's plugin reports and whether the model was built partitioned;
+- ``result.json`` (the main process's): the engine's classes (MRO), the loss and learning
+  rate of every micro-batch, the final evaluation loss, warnings about the scheduler order,
+  the ZeRO stage Accelerate's plugin reports and whether the model was built partitioned;
 - ``initial.safetensors`` (the weights before training, without ``--model-dir``),
   ``eval_batches.pt`` and ``model/`` (``save_pretrained``).
 """
@@ -63,7 +63,8 @@ def main() -> None:
     eval_batches = [
         torch.stack([b["input_ids"] for b in byte_blocks(text, 8, start=args.num_examples + 8 * i)]) for i in range(2)
     ]
-    torch.save(eval_batches, args.output_dir / "eval_batches.pt")
+    if accelerator.is_main_process:  # one writer: every rank has the same batches
+        torch.save(eval_batches, args.output_dir / "eval_batches.pt")
     train_dataloader = torch.utils.data.DataLoader(train_data, batch_size=args.batch_size, shuffle=True)
 
     no_decay = ("bias", "norm")
@@ -122,7 +123,10 @@ def main() -> None:
         "zero_stage": accelerator.state.deepspeed_plugin.zero_stage,
         "built_partitioned": built_partitioned,
     }
-    (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    # Rank 0's: under data parallel each rank has its own micro-batches, so its own losses,
+    # and two ranks writing one file would leave whichever finished last.
+    if accelerator.is_main_process:
+        (args.output_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     accelerator.end_training()
 
 
