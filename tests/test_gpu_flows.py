@@ -75,6 +75,20 @@ def _delay_stream(stream: object, device: torch.device) -> None:
             torch.cuda._sleep(int(50 * torch.cuda.get_device_properties(device).clock_rate))  # kHz: cycles per ms
 
 
+def _reference_step(
+    reference: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, float]:
+    """PyTorch's step on ``batch``, clipped at 1.0: its loss and the gradient norm before
+    clipping. The gradients are then zeroed in place (kept: a later step with no backward is
+    AdamW on zero gradients)."""
+    loss = reference(**batch).loss
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return loss, norm
+
+
 # -- step() twice with no backward between ------------------------------------------------------
 
 
@@ -98,10 +112,8 @@ def step_twice_without_backward(device: torch.device) -> None:
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
-        reference_loss = reference(**batch).loss
-        reference_loss.backward()
-        assert float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)) > 1.0  # clipped: pipelined
-        optimizer.step()
+        reference_loss, norm = _reference_step(reference, optimizer, batch)
+        assert norm > 1.0  # clipped: pipelined
         assert math.isclose(loss.item(), reference_loss.item(), rel_tol=LOSS_RTOL)
         after_first = {name: value.clone() for name, value in reference.state_dict().items()}
         assert engine.pipelined_finish is not None and engine.pipelined_finish.in_flight, "no update behind step()"
@@ -117,19 +129,14 @@ def step_twice_without_backward(device: torch.device) -> None:
                 for s in resident.state.layout.slots
             }
             assert relative_error(copied, {name: after_first[name] for name in copied}) < WEIGHT_RTOL
-        optimizer.zero_grad(set_to_none=False)  # the reference's second step: zero gradients
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # the reference's second step:
+        optimizer.step()  # on the zero gradients _reference_step left
 
         batch = _batch(1, device)
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
-        reference_loss = reference(**batch).loss
-        reference_loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        optimizer.step()
+        reference_loss, _ = _reference_step(reference, optimizer, batch)
         assert math.isclose(loss.item(), reference_loss.item(), rel_tol=LOSS_RTOL)
         assert engine.optimizer_steps == 3
         assert relative_weight_error(engine, reference) < WEIGHT_RTOL
@@ -316,11 +323,8 @@ def state_dict_right_after_step(device: torch.device) -> None:
             engine.step()
             assert engine.pipelined_finish.in_flight, step
             saved = {key.removeprefix("module."): value.clone() for key, value in engine.state_dict().items()}
-            reference_loss = reference(**batch).loss
-            reference_loss.backward()
-            assert float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)) > 1.0, step  # clipped
-            optimizer.step()
-            optimizer.zero_grad()
+            reference_loss, norm = _reference_step(reference, optimizer, batch)
+            assert norm > 1.0, step  # clipped
             assert math.isclose(loss.item(), reference_loss.item(), rel_tol=LOSS_RTOL), step
             expected = reference.state_dict()
             assert saved.keys() == expected.keys()
