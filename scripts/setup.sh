@@ -21,24 +21,31 @@ fi
 if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get install -y -qq libaio-dev >/dev/null || echo "setup: could not install libaio-dev (the NVMe tier will use its thread fallback)"
 fi
-# DeepSpeed's CPU Adam op and the engine's binding of its kernel, with the fused gradient
-# accumulation (megatrain_ds/optimizer/cpu_binding.py), and its async I/O op where libaio is
-# there (the NVMe tier, megatrain_ds/state/swap_io.py), and on a machine without CUDA the
-# shared-memory op of DeepSpeed's CPU accelerator (its collectives, even for one process:
-# otherwise the main job's first run compiles it, ~50 s), compiled once into torch's extension cache
-# (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions; 25-110 s each the first time, a
-# second or two to load after). tests/test_cpu_adam_fused.py checks the binding against
-# DeepSpeed's op bit for bit and fails, not skips, where a compiler should have built it.
-# Quiet unless the build fails; the test then shows the full error.
+# The C++ ops, compiled once into torch's extension cache (TORCH_EXTENSIONS_DIR, else
+# ~/.cache/torch_extensions) and a second or two to load after:
+# - the engine's own builds, from DeepSpeed's sources with its flags, under names that say
+#   what they depend on (megatrain_ds/runtime/built_ops.py), so a new virtualenv reuses them:
+#   the binding of DeepSpeed's CPU Adam kernel with the fused gradient accumulation
+#   (megatrain_ds/optimizer/cpu_binding.py, ~40 s), and DeepSpeed's async I/O op with its
+#   pinned-memory op where libaio is there (the NVMe tier, megatrain_ds/state/swap_io.py, ~150 s);
+# - DeepSpeed's own, which it rebuilds in each new virtualenv: its CPU Adam op (the tests'
+#   reference, and DeepSpeed's engine with offload_optimizer, ~40 s) and, on a machine without
+#   CUDA, its CPU accelerator's shared-memory op (its collectives, even for one process:
+#   otherwise the main job's first run compiles it, ~25 s).
+# Times are for two cores. tests/test_cpu_adam_fused.py checks the binding against DeepSpeed's
+# op bit for bit and fails, not skips, where a compiler should have built it. Quiet unless a
+# build fails; the test then shows the full error.
 ops_log=$(mktemp)
 if ! DS_ACCELERATOR=cpu "$PYTHON" -c "
 from deepspeed.ops.op_builder import CPUAdamBuilder
 from megatrain_ds.optimizer.cpu_binding import load_deepspeed_op
+from megatrain_ds.state.swap_io import deepspeed_aio_op
 CPUAdamBuilder().load(verbose=False)
 load_deepspeed_op()
-from deepspeed.ops.op_builder import AsyncIOBuilder
-if AsyncIOBuilder().is_compatible(verbose=False):
-    AsyncIOBuilder().load(verbose=False)
+try:
+    deepspeed_aio_op()
+except RuntimeError as error:
+    print(f'setup: {error} (the NVMe tier will use its thread fallback)')
 import torch
 from deepspeed.ops.op_builder import ShareMemCommBuilder
 if not torch.cuda.is_available() and ShareMemCommBuilder().is_compatible(verbose=False):
@@ -47,4 +54,5 @@ if not torch.cuda.is_available() and ShareMemCommBuilder().is_compatible(verbose
     echo "setup: could not build DeepSpeed's CPU Adam, async I/O or shared-memory op (tests/test_cpu_adam_fused.py will fail):"
     tail -n 20 "$ops_log"
 fi
+grep "^setup: " "$ops_log" || true
 rm -f "$ops_log"

@@ -118,7 +118,7 @@ def _preload() -> None:
     from megatrain_ds.state import swap_io
 
     with contextlib.suppress(RuntimeError):
-        swap_io._deepspeed_aio_op()
+        swap_io.deepspeed_aio_op()
 
 
 def _run_as_main(command: list[str]) -> int:

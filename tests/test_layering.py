@@ -169,11 +169,15 @@ def test_each_room_says_what_it_holds(room):
 # DeepSpeed's loss scalers, imported by optimizer/loss_scaling.py (the rank they ask
 # ``deepspeed.comm`` for is answered by integration/compat.py, which holds every patch).
 _DEEPSPEED_LOSS_SCALERS = ("deepspeed.runtime.fp16.loss_scaler",)
+# With its op builders: the record of the ops DeepSpeed was installed with, pre-built
+# (runtime/built_ops.py uses one where it exists instead of compiling its own).
+_DEEPSPEED_OP_MODULES = ("deepspeed.ops", "deepspeed.git_version_info")
 
 
 def test_only_the_integration_layer_imports_the_frameworks():
     """The core never imports Accelerate or DeepSpeed's engine (STYLE.md, habit 1): below
-    ``integration`` only DeepSpeed's op builders (the CPU Adam kernel, async I/O) and, in
+    ``integration`` only DeepSpeed's op builders (the CPU Adam kernel, async I/O) with the
+    record of its pre-built ops and, in
     the optimizer layer, its loss scalers (``deepspeed.runtime.fp16.loss_scaler``, fp16)
     may be imported."""
     below = _layer(f"{PACKAGE}.integration")
@@ -191,7 +195,7 @@ def test_only_the_integration_layer_imports_the_frameworks():
             )
             for name in names:
                 framework = name.split(".")[0] in ("accelerate", "transformers", "trl", "peft")
-                deepspeed_allowed = name.startswith("deepspeed.ops") or (
+                deepspeed_allowed = name.startswith(_DEEPSPEED_OP_MODULES) or (
                     name in _DEEPSPEED_LOSS_SCALERS and module.startswith(f"{PACKAGE}.optimizer.")
                 )
                 if framework or (name.startswith("deepspeed") and not deepspeed_allowed):

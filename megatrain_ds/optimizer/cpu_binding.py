@@ -1,8 +1,9 @@
 """The engine's C++ binding: DeepSpeed's CPU Adam kernel and the fused gradient accumulation.
 
-One module, built once from DeepSpeed's sources with DeepSpeed's own flags into torch's
-extension cache (:func:`load_deepspeed_op`), its name carrying DeepSpeed's version and the
-hash of :data:`_BINDING`, so a changed binding builds afresh. What it exports:
+One module, built once per machine from DeepSpeed's sources with DeepSpeed's own flags into
+torch's extension cache (:func:`load_deepspeed_op`), its name carrying the hash of
+:data:`_BINDING` and what the build depends on (``megatrain_ds/runtime/built_ops.py``), so a
+changed binding builds afresh. What it exports:
 
 - ``adam_step``: DeepSpeed's ``Adam_Optimizer::Step_8`` over a range in one OpenMP region,
   widening, scaling and the bf16 shadow fused in, with the GIL released
@@ -16,14 +17,11 @@ hash of :data:`_BINDING`, so a changed binding builds afresh. What it exports:
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 import logging
 import os
-import re
-from pathlib import Path
 from typing import Any
+
+from megatrain_ds.runtime.built_ops import build_directory, build_name, load_built
 
 logger = logging.getLogger(__name__)
 
@@ -291,22 +289,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 def load_deepspeed_op() -> Any:
     """DeepSpeed's CPU Adam kernel with the binding above, built from DeepSpeed's sources with
     its own flags (``-O3 -march=native -fopenmp``, AVX2/AVX-512); JIT-compiled on first use
-    into torch's extension cache (25-110 s), imported from it after. The module name carries
-    DeepSpeed's version and the binding's hash, so a new DeepSpeed or binding builds afresh
-    (and a cached build loads without recomputing DeepSpeed's flags, which probes the CPU
-    for seconds)."""
+    into torch's extension cache (25-110 s), imported from it after, in any virtualenv. Its
+    name carries the binding's hash and what the build depends on
+    (:func:`~megatrain_ds.runtime.built_ops.build_name`), so a new binding, DeepSpeed or torch
+    builds afresh (and a cached build loads without recomputing DeepSpeed's flags, which
+    probes the CPU for seconds)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha1(_BINDING.encode()).hexdigest()[:8]
-    name = "megatrain_cpu_adam_" + re.sub(r"\W", "_", importlib.metadata.version("deepspeed")) + "_" + digest
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    built = build_dir / f"{name}.so"
-    if built.exists():
-        spec = importlib.util.spec_from_file_location(name, built)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+    name = build_name("cpu_adam", _BINDING)
+    built = load_built(name)
+    if built is not None:
+        return built
     # The op builders are module attributes that op_builder/__init__.py sets in a loop.
     from deepspeed.ops.op_builder import CPUAdamBuilder  # pyright: ignore[reportAttributeAccessIssue]
 
@@ -318,6 +311,7 @@ def load_deepspeed_op() -> Any:
         for path in builder.sources()
         if path.endswith("_impl.cpp")
     }  # the binding includes cpu_adam_impl.cpp from there
+    build_dir = build_directory(name)
     binding = build_dir / "binding.cpp"
     binding.write_text(_BINDING)
     logger.info("megatrain: building DeepSpeed's CPU Adam kernel (once, 25-110 s) in %s", build_dir)

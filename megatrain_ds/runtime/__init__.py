@@ -11,6 +11,8 @@
 - ``host_heap``: how the CPU path keeps transient host memory from piling up.
 - ``node_shared_memory``: host memory mapped by every rank of a node.
 - ``measurement_cache``: figures of this machine measured once and kept in a JSON file.
+- ``built_ops``: the engine's C++ ops (DeepSpeed's sources, its flags), compiled once per
+  machine and found again by name from any virtualenv.
 
 May import: ``megatrain_ds.config`` only (nothing else of the package).
 """

@@ -5,8 +5,8 @@ hundreds of megabytes at a time, on its own I/O threads while the engine compute
 it needs from an engine is a blocking ``read``/``write`` of one aligned host buffer at a
 file offset that releases the GIL for the whole transfer, and aligned host buffers:
 
-- :class:`AioEngine`: DeepSpeed's async I/O op (``AsyncIOBuilder().load().aio_handle``,
-  libaio, O_DIRECT). Its ``sync_pread``/``sync_pwrite`` split a request over
+- :class:`AioEngine`: DeepSpeed's async I/O op (its ``aio_handle``; libaio, O_DIRECT),
+  built once per machine (``runtime/built_ops.py``). Its ``sync_pread``/``sync_pwrite`` split a request over
   ``thread_count`` threads of ``block_size`` pieces, ``queue_depth`` deep, with the GIL
   released. Buffers come from the handle's page-locked allocator, which the op uses
   without a bounce copy -- but only on the handle that allocated them, so there is one
@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from megatrain_ds.config import AioSettings
+from megatrain_ds.runtime.built_ops import deepspeed_op
 from megatrain_ds.runtime.device_runtime import PAGE_BYTES, DeviceRuntime
 from megatrain_ds.runtime.measurement_cache import cached_measurement
 from megatrain_ds.state.swap_directory import DiskSpaceError
@@ -128,20 +129,16 @@ class SwapIO(Protocol):
 
 
 @functools.cache
-def _deepspeed_aio_op() -> Any:
-    """DeepSpeed's async I/O op, loaded once per process and shared by every tier in it.
-    Loading through DeepSpeed's builder checks for libaio by compiling a test program and, even
-    when the op is built already, probes the CPU for its flags in two child interpreters
-    (py-cpuinfo): about a second of CPU that each engine with the tier paid again."""
+def deepspeed_aio_op() -> Any:
+    """DeepSpeed's async I/O op, loaded once per process and shared by every tier in it; built
+    once per machine (``megatrain_ds/runtime/built_ops.py``), after the pinned-memory op whose
+    symbols it resolves. Where it is built already, nothing probes the CPU or checks for
+    libaio (the build links it)."""
     # Only deepspeed.ops below integration/. Its builders are module attributes set in a loop.
-    from deepspeed.ops.op_builder import AsyncIOBuilder  # pyright: ignore[reportAttributeAccessIssue]
+    from deepspeed.ops.op_builder import AsyncIOBuilder, PinMemoryBuilder  # pyright: ignore[reportAttributeAccessIssue]
 
-    builder = AsyncIOBuilder()
-    if not builder.is_compatible(verbose=False):
-        raise RuntimeError(
-            "DeepSpeed's async_io op is not compatible with this machine (libaio missing: apt-get install libaio-dev)"
-        )
-    return builder.load(verbose=False)
+    deepspeed_op(PinMemoryBuilder, global_symbols=True)
+    return deepspeed_op(AsyncIOBuilder, requires="libaio: apt-get install libaio-dev")
 
 
 @dataclass
@@ -153,7 +150,7 @@ class AioEngine:
     name: str = "deepspeed-aio"
 
     def __post_init__(self) -> None:
-        self._module = _deepspeed_aio_op()
+        self._module = deepspeed_aio_op()
         s = self.settings
         self._handle = self._module.aio_handle(
             s.block_size, s.queue_depth, s.single_submit, s.overlap_events, s.thread_count
