@@ -119,14 +119,15 @@ def test_a_finished_build_is_imported_without_deepspeeds_builder(monkeypatch):
     assert hasattr(again, "aio_handle")
 
 
-def test_a_build_in_progress_is_not_imported(extension_cache):
+def test_a_build_in_progress_is_not_imported(tmp_path, monkeypatch):
     """Torch's lock file beside a build means another process is still writing it: the
     caller goes through torch, which waits for it."""
-    module = _aio_op()
+    module = _aio_op()  # from the machine's cache (or this process), before the cache moves
     assert module.__file__ is not None
     name = module.__name__
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     directory = built_ops.build_directory(name)
-    assert directory.is_relative_to(extension_cache)
+    assert directory.is_relative_to(tmp_path)
     shutil.copy(module.__file__, directory / f"{name}.so")
     (directory / "lock").touch()
     assert built_ops.load_built(name) is None
