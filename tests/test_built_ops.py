@@ -25,6 +25,7 @@ class FakeBuilder:
     compatible = True
     error_log = "no libfake.so"
     built_as: str | None = None
+    built_with: list[str] | None = None
 
     def __init__(self) -> None:
         self.name = self.NAME
@@ -32,8 +33,12 @@ class FakeBuilder:
     def is_compatible(self, verbose: bool = False) -> bool:
         return self.compatible
 
+    def cxx_args(self) -> list[str]:
+        return ["-O3", "-g", "-fopenmp"]
+
     def jit_load(self, verbose: bool = False) -> types.ModuleType:
-        type(self).built_as = self.name
+        FakeBuilder.built_as = self.name
+        FakeBuilder.built_with = self.cxx_args()
         return types.ModuleType(self.name)
 
     def load(self, verbose: bool = False) -> types.ModuleType:
@@ -65,10 +70,11 @@ def test_the_name_depends_on_what_the_build_depends_on_and_not_on_the_virtualenv
     assert built_ops.build_name("cpu_adam", "binding source") != name
 
 
-def test_an_op_is_built_under_its_name(extension_cache):
+def test_an_op_is_built_under_its_name_with_its_builders_flags_less_debug_information(extension_cache):
     module = built_ops.deepspeed_op(FakeBuilder)
     name = built_ops.build_name(FakeBuilder.NAME)
     assert module.__name__ == name and FakeBuilder.built_as == name
+    assert FakeBuilder.built_with == ["-O3", "-fopenmp"]
 
 
 def test_a_builder_that_ignores_the_name_is_a_clear_error(extension_cache, monkeypatch):

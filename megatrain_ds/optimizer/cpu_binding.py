@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Any
 
-from megatrain_ds.runtime.built_ops import build_directory, build_name, load_built
+from megatrain_ds.runtime.built_ops import build_directory, build_name, load_built, without_debug_info
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 @functools.lru_cache(maxsize=1)
 def load_deepspeed_op() -> Any:
     """DeepSpeed's CPU Adam kernel with the binding above, built from DeepSpeed's sources with
-    its own flags (``-O3 -march=native -fopenmp``, AVX2/AVX-512); JIT-compiled on first use
+    its own flags (``-O3 -march=native -fopenmp``, AVX2/AVX-512; no ``-g``); JIT-compiled on first use
     into torch's extension cache (25-110 s), imported from it after, in any virtualenv. Its
     name carries the binding's hash and what the build depends on
     (:func:`~megatrain_ds.runtime.built_ops.build_name`), so a new binding, DeepSpeed or torch
@@ -322,7 +322,7 @@ def load_deepspeed_op() -> Any:
             *(os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.include_paths()),
             *sorted(kernel_dirs),
         ],
-        extra_cflags=[*builder.strip_empty_entries(builder.cxx_args()), "-UC10_USE_GLOG"],
+        extra_cflags=[*without_debug_info(builder.strip_empty_entries(builder.cxx_args())), "-UC10_USE_GLOG"],
         extra_ldflags=builder.strip_empty_entries(builder.extra_ldflags()),
         build_directory=str(build_dir),
         verbose=False,
