@@ -90,7 +90,7 @@ def load_built(name: str) -> ModuleType | None:
 
 def without_debug_info(flags: list[str]) -> list[str]:
     """DeepSpeed's compile flags less ``-g``. The debug information of torch's headers is about
-    a quarter of each file's compile time (DeepSpeed's async I/O op: 141 s to ~105 s on two
+    a quarter of each file's compile time (DeepSpeed's async I/O op: 141 s to 99 s on two
     cores) and three quarters of the built op's size, and nothing reads it but a debugger
     stepping through DeepSpeed's C++, which can build its own."""
     return [flag for flag in flags if flag != "-g"]
