@@ -49,7 +49,7 @@ class FakeBuilder:
 def extension_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty torch extension cache for the test."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    FakeBuilder.built_as = None
+    FakeBuilder.built_as = FakeBuilder.built_with = None
     return tmp_path
 
 

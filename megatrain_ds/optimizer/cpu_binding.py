@@ -288,8 +288,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 @functools.lru_cache(maxsize=1)
 def load_deepspeed_op() -> Any:
     """DeepSpeed's CPU Adam kernel with the binding above, built from DeepSpeed's sources with
-    its own flags (``-O3 -march=native -fopenmp``, AVX2/AVX-512; no ``-g``); JIT-compiled on first use
-    into torch's extension cache (25-110 s), imported from it after, in any virtualenv. Its
+    its own flags (``-O3 -march=native -fopenmp``, AVX2/AVX-512; no ``-g``); JIT-compiled on
+    first use into torch's extension cache (25-110 s), imported from it after, in any
+    virtualenv. Its
     name carries the binding's hash and what the build depends on
     (:func:`~megatrain_ds.runtime.built_ops.build_name`), so a new binding, DeepSpeed or torch
     builds afresh (and a cached build loads without recomputing DeepSpeed's flags, which

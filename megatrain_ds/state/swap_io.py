@@ -6,10 +6,10 @@ it needs from an engine is a blocking ``read``/``write`` of one aligned host buf
 file offset that releases the GIL for the whole transfer, and aligned host buffers:
 
 - :class:`AioEngine`: DeepSpeed's async I/O op (its ``aio_handle``; libaio, O_DIRECT),
-  built once per machine (``runtime/built_ops.py``). Its ``sync_pread``/``sync_pwrite`` split a request over
-  ``thread_count`` threads of ``block_size`` pieces, ``queue_depth`` deep, with the GIL
-  released. Buffers come from the handle's page-locked allocator, which the op uses
-  without a bounce copy -- but only on the handle that allocated them, so there is one
+  built once per machine (``runtime/built_ops.py``). Its ``sync_pread``/``sync_pwrite``
+  split a request over ``thread_count`` threads of ``block_size`` pieces, ``queue_depth``
+  deep, with the GIL released. Buffers come from the handle's page-locked allocator, which
+  the op uses without a bounce copy -- but only on the handle that allocated them, so there is one
   handle, and requests from several threads take turns on it (one disk: the op's own
   queue is where the parallelism is). Where the runtime pins host memory for CUDA its own
   pinned buffers are used instead (the op accepts CUDA-pinned memory too).
